@@ -1,0 +1,262 @@
+"""``ferry``: push, pull, ls and verify checkpoints against a store URL.
+
+Exit codes: 0 success, 1 failure (one-line reason on stderr), 2 usage error.
+With ``--json`` exactly one JSON object is printed on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import sys
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from agent.progress import TerminalProgress
+from transfer.engine import TransferOptions, list_checkpoints, pull, push, verify
+from transfer.engine.catalog import load_manifest, open_catalog
+from transfer.engine.progress import NoProgress, Progress
+from transfer.errors import FerryError
+from transfer.format.names import check_name, step_from_dirname
+from transfer.store import StoreOptions, open_store
+from transfer.store.base import Store
+
+MiB = 1 << 20
+
+
+def _default_node() -> str:
+    return os.environ.get("FERRY_NODE") or socket.gethostname().split(".")[0] or "node"
+
+
+def _add_store_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--endpoint-url", help="S3 endpoint (default: $AWS_ENDPOINT_URL)")
+    p.add_argument(
+        "--checksum",
+        choices=["crc32", "md5", "none"],
+        default="crc32",
+        help="per-part integrity header sent to S3 (default crc32)",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
+
+
+def _add_transfer_args(p: argparse.ArgumentParser) -> None:
+    d = TransferOptions()
+    p.add_argument("--chunk-size-mib", type=int, default=d.chunk_size // MiB)
+    p.add_argument("--part-size-mib", type=int, default=d.part_size // MiB)
+    p.add_argument("--pack-size-mib", type=int, default=d.pack_size // MiB)
+    p.add_argument("--window", type=int, default=d.window, help="parts/ranges in flight")
+    p.add_argument("--workers", type=int, default=d.workers, help="hash/codec threads")
+    p.add_argument(
+        "--zstd-level", type=int, default=d.zstd_level, help="zstd level for chunks; 0 stores raw"
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ferry", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("push", help="push a checkpoint directory to a store")
+    p.add_argument("ckpt_dir", type=Path)
+    p.add_argument("store_url")
+    p.add_argument("--job", required=True)
+    p.add_argument("--step", type=int, help="default: the number in the directory name")
+    p.add_argument("--node", default=None, help="default: $FERRY_NODE or the host name")
+    _add_store_args(p)
+    _add_transfer_args(p)
+
+    p = sub.add_parser("pull", help="pull a checkpoint from a store into a new directory")
+    p.add_argument("store_url")
+    p.add_argument("dest_dir", type=Path)
+    p.add_argument("--job", required=True)
+    p.add_argument("--step", default="latest", help="a step number or 'latest' (default)")
+    p.add_argument("--node", default=None, help="only this node's part (default: all parts)")
+    _add_store_args(p)
+    _add_transfer_args(p)
+
+    p = sub.add_parser("ls", help="list committed checkpoints")
+    p.add_argument("store_url")
+    p.add_argument("--job")
+    _add_store_args(p)
+
+    p = sub.add_parser("verify", help="re-hash every stored chunk; exit 1 naming bad ones")
+    p.add_argument("store_url")
+    p.add_argument("--job")
+    p.add_argument("--step", type=int)
+    _add_store_args(p)
+    _add_transfer_args(p)
+    return parser
+
+
+def _transfer_options(args: argparse.Namespace) -> TransferOptions:
+    return TransferOptions(
+        chunk_size=args.chunk_size_mib * MiB,
+        part_size=args.part_size_mib * MiB,
+        pack_size=args.pack_size_mib * MiB,
+        window=args.window,
+        workers=args.workers,
+        zstd_level=args.zstd_level or None,
+    )
+
+
+def _progress(args: argparse.Namespace) -> Progress:
+    return TerminalProgress() if not args.json and sys.stderr.isatty() else NoProgress()
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:,.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+    return str(n)
+
+
+async def _cmd_push(store: Store, args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    step = args.step if args.step is not None else step_from_dirname(args.ckpt_dir.name)
+    if step is None:
+        raise _UsageError(f"cannot tell the step from {args.ckpt_dir.name!r}: pass --step")
+    r = await push(
+        store,
+        args.ckpt_dir,
+        job=args.job,
+        step=step,
+        node=args.node or _default_node(),
+        options=_transfer_options(args),
+        progress=_progress(args),
+    )
+    rate = r.bytes_raw / r.seconds / 1e6 if r.seconds else 0.0
+    note = " (already committed, identical)" if r.already_committed else ""
+    line = (
+        f"pushed {r.job} step {r.step} node {r.node}: {r.files} files, {_human(r.bytes_raw)}, "
+        f"wrote {_human(r.bytes_transferred)} ({r.chunks_deduped}/{r.chunks_total} chunks "
+        f"deduplicated) in {r.seconds:.2f}s, {rate:,.0f} MB/s{note}"
+    )
+    return r.to_dict(), line
+
+
+async def _cmd_pull(store: Store, args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    step = None if args.step == "latest" else _parse_step(args.step)
+    r = await pull(
+        store,
+        args.dest_dir,
+        job=args.job,
+        step=step,
+        node=args.node,
+        options=_transfer_options(args),
+        progress=_progress(args),
+    )
+    rate = r.bytes_raw / r.seconds / 1e6 if r.seconds else 0.0
+    line = (
+        f"pulled {r.job} step {r.step} ({len(r.nodes)} part(s)) into {r.dest}: {r.files} files, "
+        f"{_human(r.bytes_raw)}, read {_human(r.bytes_transferred)} in {r.seconds:.2f}s, "
+        f"{rate:,.0f} MB/s, every chunk verified"
+    )
+    return r.to_dict(), line
+
+
+async def _cmd_ls(store: Store, args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    if args.job:
+        check_name("job", args.job)
+    rows: list[dict[str, Any]] = []
+    if await open_catalog(store, create=False):
+        for c in await list_checkpoints(store, args.job):
+            m = await load_manifest(store, c.job, c.step, c.node)
+            rows.append(
+                {
+                    "job": c.job,
+                    "step": c.step,
+                    "node": c.node,
+                    "files": len(m.files),
+                    "bytes_raw": m.bytes_raw,
+                    "created_at": m.created_at,
+                }
+            )
+    table = [f"{'JOB':<24} {'STEP':>10} {'NODE':<16} {'FILES':>6} {'SIZE':>12}  CREATED"]
+    table += [
+        f"{r['job']:<24} {r['step']:>10} {r['node']:<16} {r['files']:>6} "
+        f"{_human(r['bytes_raw']):>12}  {r['created_at']}"
+        for r in rows
+    ]
+    return {"store": store.url, "checkpoints": rows}, "\n".join(table)
+
+
+async def _cmd_verify(store: Store, args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    if args.job:
+        check_name("job", args.job)
+    r = await verify(store, job=args.job, step=args.step, options=_transfer_options(args))
+    lines = [f"BAD chunk {b.chunk}: {b.reason}; needed by {', '.join(b.used_by)}" for b in r.bad]
+    lines.append(
+        f"verified {r.checkpoints} checkpoint part(s), {r.chunks} chunks, "
+        f"{_human(r.bytes_read)} read in {r.seconds:.2f}s: "
+        + ("all good" if r.ok else f"{len(r.bad)} BAD chunk(s)")
+    )
+    if not r.ok:
+        raise _VerifyFailed(r.to_dict(), "\n".join(lines))
+    return r.to_dict(), "\n".join(lines)
+
+
+class _UsageError(Exception):
+    pass
+
+
+class _VerifyFailed(Exception):
+    def __init__(self, doc: dict[str, Any], text: str) -> None:
+        super().__init__(text)
+        self.doc, self.text = doc, text
+
+
+def _parse_step(value: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise _UsageError(f"--step must be a number or 'latest', not {value!r}") from None
+
+
+_COMMANDS: dict[str, Callable[[Store, argparse.Namespace], Awaitable[tuple[dict[str, Any], str]]]]
+_COMMANDS = {"push": _cmd_push, "pull": _cmd_pull, "ls": _cmd_ls, "verify": _cmd_verify}
+
+
+async def _run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    store = open_store(
+        args.store_url,
+        StoreOptions(
+            endpoint_url=args.endpoint_url,
+            pool_size=max(getattr(args, "window", 16) + 4, 16),
+            checksum=args.checksum,
+        ),
+    )
+    try:
+        return await _COMMANDS[args.command](store, args)
+    finally:
+        await store.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        doc, line = asyncio.run(_run(args))
+    except _UsageError as exc:
+        parser.error(str(exc))  # exits 2
+    except _VerifyFailed as exc:
+        if args.json:
+            print(json.dumps(exc.doc))
+        print(exc.text, file=sys.stderr)
+        return 1
+    except (FerryError, ValueError, OSError) as exc:
+        msg = " ".join(str(exc).split()) or type(exc).__name__
+        if args.json:
+            print(json.dumps({"ok": False, "error": msg, "error_type": type(exc).__name__}))
+        print(f"ferry {args.command}: error: {msg}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(f"ferry {args.command}: interrupted", file=sys.stderr)
+        return 130
+    if args.json:
+        print(json.dumps(doc))
+    else:
+        print(line)
+    return 0

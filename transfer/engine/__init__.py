@@ -1,0 +1,20 @@
+"""Push and pull pipelines over a store, and the catalog of committed checkpoints."""
+
+from transfer.engine.catalog import CheckpointInfo, list_checkpoints, resolve_manifests
+from transfer.engine.options import TransferOptions
+from transfer.engine.pull import PullResult, pull
+from transfer.engine.push import PushResult, push
+from transfer.engine.verify import VerifyResult, verify
+
+__all__ = [
+    "CheckpointInfo",
+    "PullResult",
+    "PushResult",
+    "TransferOptions",
+    "VerifyResult",
+    "list_checkpoints",
+    "pull",
+    "push",
+    "resolve_manifests",
+    "verify",
+]

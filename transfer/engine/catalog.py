@@ -1,0 +1,89 @@
+"""What a store holds: its descriptor, and the committed manifests by job, step and node."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from transfer.errors import (
+    AlreadyExistsError,
+    CheckpointNotFoundError,
+    FormatError,
+    NotFoundError,
+)
+from transfer.format import layout
+from transfer.format.manifest import Manifest, parse_manifest
+from transfer.format.names import check_name
+from transfer.store.base import Store
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    job: str
+    step: int
+    node: str
+    manifest_bytes: int
+
+
+async def open_catalog(store: Store, *, create: bool) -> bool:
+    """Check the store descriptor (creating it when ``create``). False: not a store yet."""
+    await store.check()
+    try:
+        raw = await store.get(layout.STORE_DESCRIPTOR_KEY)
+    except NotFoundError:
+        if not create:
+            return False
+        descriptor = json.dumps(layout.store_descriptor()).encode()
+        try:
+            await store.put(layout.STORE_DESCRIPTOR_KEY, descriptor, create_only=True)
+            return True
+        except AlreadyExistsError:  # a concurrent first push won the race
+            raw = await store.get(layout.STORE_DESCRIPTOR_KEY)
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        raise FormatError(f"{layout.STORE_DESCRIPTOR_KEY} is not JSON") from None
+    layout.check_store_descriptor(doc)
+    return True
+
+
+async def list_checkpoints(store: Store, job: str | None = None) -> list[CheckpointInfo]:
+    """Committed manifests, sorted by (job, step, node). Strays and temp files are ignored."""
+    found = []
+    for obj in await store.list(layout.manifest_prefix(job)):
+        parsed = layout.parse_manifest_key(obj.key)
+        if parsed is not None:
+            found.append(CheckpointInfo(*parsed, manifest_bytes=obj.size))
+    found.sort(key=lambda c: (c.job, c.step, c.node))
+    return found
+
+
+async def load_manifest(store: Store, job: str, step: int, node: str) -> Manifest:
+    key = layout.manifest_key(job, step, node)
+    manifest = parse_manifest(await store.get(key))
+    if (manifest.job, manifest.step, manifest.node) != (job, step, node):
+        raise FormatError(f"{key} describes {manifest.job}/{manifest.step}/{manifest.node}")
+    return manifest
+
+
+async def resolve_manifests(
+    store: Store, job: str, step: int | None, node: str | None = None
+) -> list[Manifest]:
+    """The manifests of one checkpoint: every node's part, or only ``node``'s.
+
+    ``step=None`` means the newest step that has a part (of ``node``, when given).
+    """
+    check_name("job", job)
+    if not await open_catalog(store, create=False):
+        raise CheckpointNotFoundError(f"{store.url} holds no checkpoints (no store descriptor)")
+    entries = [
+        c
+        for c in await list_checkpoints(store, job)
+        if (step is None or c.step == step) and (node is None or c.node == node)
+    ]
+    if not entries:
+        what = f"job {job!r}" + (f" step {step}" if step is not None else "")
+        what += f" node {node!r}" if node else ""
+        raise CheckpointNotFoundError(f"no committed checkpoint for {what} in {store.url}")
+    chosen = max(c.step for c in entries)
+    return [await load_manifest(store, c.job, c.step, c.node) for c in entries if c.step == chosen]

@@ -1,0 +1,25 @@
+"""Turning a TaskGroup's ExceptionGroup back into the one error a user should read."""
+
+from __future__ import annotations
+
+import asyncio
+
+from transfer.errors import FerryError
+
+
+def first_error(exc: BaseException) -> BaseException:
+    """The most informative leaf: a FerryError if any, else the first non-cancel leaf."""
+    leaves = _leaves(exc)
+    for leaf in leaves:
+        if isinstance(leaf, FerryError):
+            return leaf
+    for leaf in leaves:
+        if not isinstance(leaf, asyncio.CancelledError):
+            return leaf
+    return leaves[0]
+
+
+def _leaves(exc: BaseException) -> list[BaseException]:
+    if isinstance(exc, BaseExceptionGroup):
+        return [leaf for sub in exc.exceptions for leaf in _leaves(sub)]
+    return [exc]

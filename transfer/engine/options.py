@@ -1,0 +1,34 @@
+"""Tunables of the transfer engine, with defaults measured on this class of machine."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TransferOptions:
+    #: fixed chunk size; chunks sit at the same file offsets in successive checkpoints
+    chunk_size: int = 4 << 20
+    #: bytes per multipart part / ranged GET; in-flight memory is about window x part_size
+    part_size: int = 8 << 20
+    #: a pack is completed once it holds this much; bounded by 10,000 parts on S3
+    pack_size: int = 256 << 20
+    #: parts (uploads) or ranges (downloads) in flight at once, across all files
+    window: int = 16
+    #: threads for hashing and (de)compression; they release the GIL
+    workers: int = max(1, os.cpu_count() or 1)
+    #: zstd level for chunks, None to store raw
+    zstd_level: int | None = 1
+    #: how many of the job's newest steps to deduplicate against
+    dedupe_steps: int = 16
+
+    def __post_init__(self) -> None:
+        if not 4096 <= self.chunk_size <= 64 << 20:
+            raise ValueError("chunk_size must be within 4 KiB..64 MiB")
+        if self.part_size < self.chunk_size:
+            raise ValueError("part_size must be at least chunk_size")
+        if self.pack_size < self.part_size or self.pack_size > self.part_size * 10_000:
+            raise ValueError("pack_size must be within part_size..10,000 x part_size")
+        if self.window < 1 or self.workers < 1:
+            raise ValueError("window and workers must be positive")

@@ -1,0 +1,241 @@
+"""pull: manifest(s) -> fetch -> decode -> verify -> staging files -> atomic rename.
+
+The destination either appears complete, with every byte verified against its chunk hash,
+or not at all: everything is written into a hidden staging directory beside it, which is
+renamed into place at the end and removed on any failure.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import os
+import secrets
+import shutil
+import time
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+from transfer.codec import check_encoding
+from transfer.engine.catalog import resolve_manifests
+from transfer.engine.fetch import ChunkSource, fetch_chunks
+from transfer.engine.options import TransferOptions
+from transfer.engine.progress import NoProgress, Progress
+from transfer.errors import DestinationError, FerryError, FormatError
+from transfer.format.chunkid import chunk_id
+from transfer.format.manifest import FileEntry, Manifest
+from transfer.store.base import Store
+
+
+@dataclass
+class PullResult:
+    job: str
+    step: int
+    nodes: list[str]
+    files: int
+    bytes_raw: int
+    bytes_transferred: int
+    chunks_total: int
+    seconds: float
+    dest: str
+
+    def to_dict(self) -> dict[str, object]:
+        return dict(self.__dict__)
+
+
+@cache
+def _zero_chunk_id(size: int) -> str:
+    return chunk_id(bytes(size))
+
+
+def merge_parts(manifests: list[Manifest]) -> list[FileEntry]:
+    """One file list from every node's part. Two nodes may hold the same file only if it
+    has the same content (e.g. a replicated .metadata)."""
+    merged: dict[str, tuple[FileEntry, Manifest]] = {}
+    for m in manifests:
+        for f in m.files:
+            if f.path in merged:
+                other, owner = merged[f.path]
+                if [c.id for c in other.chunks] != [c.id for c in f.chunks]:
+                    raise FormatError(
+                        f"nodes {owner.node} and {m.node} hold different versions of {f.path}"
+                    )
+                continue
+            merged[f.path] = (f, m)
+    paths = set(merged)
+    for path in paths:  # across nodes too: a file must not also be a directory
+        parts = path.split("/")
+        for depth in range(1, len(parts)):
+            if "/".join(parts[:depth]) in paths:
+                raise FormatError(f"{'/'.join(parts[:depth])!r} is both a file and a directory")
+    return [merged[p][0] for p in sorted(merged)]
+
+
+async def pull(
+    store: Store,
+    dest: Path,
+    *,
+    job: str,
+    step: int | None,
+    node: str | None = None,
+    options: TransferOptions | None = None,
+    progress: Progress | None = None,
+) -> PullResult:
+    options = options or TransferOptions()
+    progress = progress or NoProgress()
+    started = time.monotonic()
+    manifests = await resolve_manifests(store, job, step, node)
+    packs_of = {id(m): m.packs for m in manifests}
+    files = merge_parts(manifests)
+    owner = {f.path: m for m in manifests for f in m.files}
+
+    # chunk id -> (where to read it, where to write it: [(file index, file offset)])
+    sources: dict[str, ChunkSource] = {}
+    targets: dict[str, list[tuple[int, int]]] = defaultdict(list)
+    for fi, f in enumerate(files):
+        packs = packs_of[id(owner[f.path])]
+        for offset, c in f.chunk_offsets():
+            check_encoding(c.enc)
+            sources.setdefault(
+                c.id, ChunkSource(c.id, c.enc, c.size, packs[c.pack], c.offset, c.stored)
+            )
+            if c.id != _zero_chunk_id(c.size):  # staging files start zero-filled (sparse)
+                targets[c.id].append((fi, offset))
+
+    staging = _make_staging(dest)
+    bytes_read = 0
+
+    def count(n: int) -> None:
+        nonlocal bytes_read
+        bytes_read += n
+
+    try:
+        await asyncio.to_thread(_create_files, staging, files, targets)
+        progress.start(sum(f.size for f in files), "pull")
+        paths = [staging / f.path for f in files]
+
+        def write(c: ChunkSource, data: bytes) -> None:
+            for fi, offset in targets.get(c.id, ()):
+                _pwrite_all(paths[fi], offset, data)
+            progress.advance(len(data) * max(1, len(targets.get(c.id, ()))))
+
+        with ThreadPoolExecutor(options.workers, thread_name_prefix="ferry-pull") as pool:
+            await fetch_chunks(
+                store,
+                [s for cid, s in sources.items() if cid in targets],
+                pool=pool,
+                part_size=options.part_size,
+                window=options.window,
+                sink=write,
+                on_bytes_read=count,
+            )
+        await asyncio.to_thread(_seal, staging, files, dest)
+    except BaseException:
+        await asyncio.shield(asyncio.to_thread(shutil.rmtree, staging, True))
+        raise
+    progress.finish()
+    return PullResult(
+        job=job,
+        step=manifests[0].step,
+        nodes=[m.node for m in manifests],
+        files=len(files),
+        bytes_raw=sum(f.size for f in files),
+        bytes_transferred=bytes_read,
+        chunks_total=sum(len(f.chunks) for f in files),
+        seconds=time.monotonic() - started,
+        dest=str(dest),
+    )
+
+
+def _make_staging(dest: Path) -> Path:
+    dest = dest.absolute()
+    if dest.is_symlink() or (dest.exists() and not dest.is_dir()):
+        raise DestinationError(f"{dest} exists and is not a directory")
+    if dest.is_dir() and any(dest.iterdir()):
+        raise DestinationError(f"{dest} is not empty; pull into a new or empty directory")
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        staging = dest.parent / f".{dest.name}.ferry-staging-{secrets.token_hex(4)}"
+        staging.mkdir(mode=0o700)
+    except OSError as exc:
+        raise DestinationError(f"cannot create {dest}: {exc.strerror or exc}") from None
+    return staging
+
+
+def _create_files(
+    staging: Path, files: list[FileEntry], targets: dict[str, list[tuple[int, int]]]
+) -> None:
+    """Create every file at its final size; reserve disk only for the non-zero chunks."""
+    need = sum(c.size for f in files for c in f.chunks if c.id in targets)
+    free = shutil.disk_usage(staging).free
+    if need > free:
+        raise DestinationError(
+            f"not enough space under {staging.parent}: need {need} bytes, {free} free"
+        )
+    for f in files:
+        path = staging / f.path  # validated relative path: cannot leave staging
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        try:
+            os.ftruncate(fd, f.size)
+            for offset, c in f.chunk_offsets():
+                if c.id in targets:
+                    try:
+                        os.posix_fallocate(fd, offset, c.size)
+                    except OSError as exc:
+                        if exc.errno == errno.ENOSPC:
+                            raise DestinationError(
+                                f"no space left under {staging.parent}"
+                            ) from None
+                        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                            raise
+        finally:
+            os.close(fd)
+
+
+def _pwrite_all(path: Path, offset: int, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW)
+    try:
+        view = memoryview(data)
+        done = 0
+        while done < len(view):
+            done += os.pwrite(fd, view[done:], offset + done)
+    except OSError as exc:
+        if exc.errno == errno.ENOSPC:
+            raise DestinationError(f"no space left writing {path}") from None
+        raise
+    finally:
+        os.close(fd)
+
+
+def _seal(staging: Path, files: list[FileEntry], dest: Path) -> None:
+    """fsync every file and directory, set modes, then rename the staging dir into place."""
+    dirs = {staging}
+    for f in files:
+        path = staging / f.path
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.chmod(path, f.mode)
+        dirs.update(p for p in path.parents if p != staging and staging in p.parents)
+    for d in sorted(dirs, key=lambda p: len(p.parts), reverse=True):
+        fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    os.chmod(staging, 0o755)
+    try:
+        os.rename(staging, dest)  # replaces an empty dest directory atomically
+    except OSError as exc:
+        raise FerryError(f"cannot move the pulled checkpoint into {dest}: {exc.strerror}") from None
+    fd = os.open(dest.parent, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,234 @@
+"""push: checkpoint directory -> chunks -> hash -> dedupe -> encode -> packs -> manifest.
+
+Commit protocol: the manifest is written create-only, and only after every pack it names is
+complete (durable), so a reader never sees a manifest whose chunks are missing and a push
+that dies at any point leaves no manifest (only unreferenced packs, which GC collects).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+from transfer.codec import encode
+from transfer.engine.catalog import load_manifest, open_catalog
+from transfer.engine.chunkindex import ChunkIndex, StoredChunk, build_refs
+from transfer.engine.errors import first_error
+from transfer.engine.options import TransferOptions
+from transfer.engine.packer import PackWriter
+from transfer.engine.progress import NoProgress, Progress
+from transfer.engine.scan import SourceFile, read_range, scan_checkpoint
+from transfer.errors import AlreadyExistsError, FerryError
+from transfer.format import layout
+from transfer.format.chunkid import chunk_id
+from transfer.format.manifest import FileEntry, Manifest
+from transfer.format.names import check_name, check_step
+from transfer.store.base import Store
+
+
+@dataclass
+class PushResult:
+    job: str
+    step: int
+    node: str
+    files: int
+    bytes_raw: int
+    bytes_transferred: int
+    chunks_total: int
+    chunks_new: int
+    chunks_deduped: int
+    packs: int
+    seconds: float
+    already_committed: bool = False
+
+    def to_dict(self) -> dict[str, object]:
+        return dict(self.__dict__)
+
+
+async def push(
+    store: Store,
+    ckpt_dir: Path,
+    *,
+    job: str,
+    step: int,
+    node: str,
+    options: TransferOptions | None = None,
+    progress: Progress | None = None,
+) -> PushResult:
+    options = options or TransferOptions()
+    progress = progress or NoProgress()
+    check_name("job", job)
+    check_name("node", node)
+    check_step(step)
+    started = time.monotonic()
+    sources = await asyncio.to_thread(scan_checkpoint, ckpt_dir)
+    await open_catalog(store, create=True)
+    index = await ChunkIndex.load(store, job, options.dedupe_steps)
+    run = _PushRun(store, options, index, progress)
+    with ThreadPoolExecutor(options.workers, thread_name_prefix="ferry-push") as pool:
+        run.pool = pool
+        placed = await run.encode_all(sources)
+    pack_ids, refs = build_refs(placed)
+    files = tuple(
+        FileEntry(src.path, src.size, src.mode, file_refs)
+        for src, file_refs in zip(sources, refs, strict=True)
+    )
+    manifest = Manifest(
+        job=job,
+        step=step,
+        node=node,
+        created_at=datetime.now(UTC).isoformat(timespec="seconds"),
+        chunk_size=options.chunk_size,
+        packs=pack_ids,
+        files=files,
+    )
+    blob = manifest.to_json()
+    already = False
+    try:
+        await store.put(layout.manifest_key(job, step, node), blob, create_only=True)
+        run.bytes_stored += len(blob)
+    except AlreadyExistsError:
+        existing = await load_manifest(store, job, step, node)
+        if existing.same_content(manifest):
+            # Idempotent re-push, or our own earlier attempt whose reply was lost (then the
+            # existing manifest may reference the packs we just wrote: keep them).
+            already = True
+        else:
+            await run.writer_abort()  # our new packs are referenced by nobody
+            raise FerryError(
+                f"{job} step {step} node {node} is already committed with different content; "
+                "push it under a new step"
+            ) from None
+    progress.finish()
+    return PushResult(
+        job=job,
+        step=step,
+        node=node,
+        files=len(files),
+        bytes_raw=manifest.bytes_raw,
+        bytes_transferred=run.bytes_stored,
+        chunks_total=run.chunks_total,
+        chunks_new=run.chunks_new,
+        chunks_deduped=run.chunks_total - run.chunks_new,
+        packs=len(run.new_packs),
+        seconds=time.monotonic() - started,
+        already_committed=already,
+    )
+
+
+class _PushRun:
+    """State of one push: the dedupe index, the pack writer, counters."""
+
+    def __init__(
+        self, store: Store, options: TransferOptions, index: ChunkIndex, progress: Progress
+    ) -> None:
+        self.store = store
+        self.options = options
+        self.index = index
+        self.progress = progress
+        self.pool: ThreadPoolExecutor | None = None
+        self.new_packs: list[str] = []
+        self.bytes_stored = 0
+        self.chunks_total = 0
+        self.chunks_new = 0
+        # chunks first seen in this push: id -> future of its location (others wait on it)
+        self._pending: dict[str, asyncio.Future[StoredChunk]] = {}
+        self._writer: PackWriter | None = None
+
+    def _stored(self, nbytes: int) -> None:
+        self.bytes_stored += nbytes
+
+    async def writer_abort(self) -> None:
+        if self._writer is not None:
+            await self._writer.abort()
+
+    async def encode_all(self, sources: list[SourceFile]) -> list[list[tuple[StoredChunk, int]]]:
+        size = self.options.chunk_size
+        slots: list[list[tuple[StoredChunk, int] | None]] = [
+            [None] * ((f.size + size - 1) // size) for f in sources
+        ]
+        work: asyncio.Queue[tuple[int, int] | None] = asyncio.Queue(maxsize=self.options.workers)
+        self.progress.start(sum(f.size for f in sources), "push")
+        try:
+            async with asyncio.TaskGroup() as tasks:
+                self._writer = PackWriter(
+                    self.store,
+                    tasks,
+                    part_size=self.options.part_size,
+                    pack_size=self.options.pack_size,
+                    window=self.options.window,
+                    on_bytes_stored=self._stored,
+                )
+                # one more worker than threads, so a thread is never idle waiting on the loop
+                workers = [
+                    tasks.create_task(self._worker(work, sources, slots))
+                    for _ in range(self.options.workers + 1)
+                ]
+                for fi, file_slots in enumerate(slots):
+                    for ci in range(len(file_slots)):
+                        await work.put((fi, ci))
+                for _ in workers:
+                    await work.put(None)
+                for w in workers:
+                    await w
+                self.new_packs = await self._writer.finish()
+        except BaseException as exc:
+            await self._writer_cleanup()
+            raise first_error(exc) from None
+        return [[c for c in file_slots if c is not None] for file_slots in slots]
+
+    async def _writer_cleanup(self) -> None:
+        if self._writer is not None:
+            await asyncio.shield(self._writer.abort())
+
+    async def _worker(
+        self,
+        work: asyncio.Queue[tuple[int, int] | None],
+        sources: list[SourceFile],
+        slots: list[list[tuple[StoredChunk, int] | None]],
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        size = self.options.chunk_size
+        while (item := await work.get()) is not None:
+            fi, ci = item
+            src = sources[fi]
+            offset = ci * size
+            length = min(size, src.size - offset)
+            data, cid = await loop.run_in_executor(self.pool, _read_and_hash, src, offset, length)
+            slots[fi][ci] = (await self._place(cid, data), length)
+            self.progress.advance(length)
+
+    async def _place(self, cid: str, data: bytes) -> StoredChunk:
+        """Where chunk ``cid`` lives: already stored, being stored by this push, or new."""
+        self.chunks_total += 1
+        known = self.index.get(cid)
+        if known is None and cid in self._pending:
+            known = await self._pending[cid]
+        if known is not None:
+            return known
+        future: asyncio.Future[StoredChunk] = asyncio.get_running_loop().create_future()
+        self._pending[cid] = future
+        try:
+            loop = asyncio.get_running_loop()
+            enc, payload = await loop.run_in_executor(
+                self.pool, encode, data, self.options.zstd_level
+            )
+            assert self._writer is not None
+            where = await self._writer.add(payload)
+        except BaseException as exc:
+            future.set_exception(exc)
+            future.exception()  # mark retrieved: the worker's own error is what surfaces
+            raise
+        stored = StoredChunk(cid, enc, where.pack_id, where.offset, where.stored)
+        future.set_result(stored)
+        self.chunks_new += 1
+        return stored
+
+
+def _read_and_hash(src: SourceFile, offset: int, length: int) -> tuple[bytes, str]:
+    data = read_range(src.abspath, offset, length)
+    return data, chunk_id(data)

@@ -1,0 +1,93 @@
+"""verify: re-read and re-hash every chunk that committed manifests reference."""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from transfer.engine.catalog import list_checkpoints, load_manifest, open_catalog
+from transfer.engine.fetch import ChunkSource, chunk_sources, fetch_chunks
+from transfer.engine.options import TransferOptions
+from transfer.errors import CheckpointNotFoundError
+from transfer.store.base import Store
+
+
+@dataclass(frozen=True)
+class BadChunk:
+    chunk: str
+    reason: str
+    used_by: tuple[str, ...]  # "job/step/node:path" of every file that needs it
+
+
+@dataclass
+class VerifyResult:
+    checkpoints: int = 0
+    chunks: int = 0
+    bytes_read: int = 0
+    seconds: float = 0.0
+    bad: list[BadChunk] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.bad
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "ok": self.ok,
+            "checkpoints": self.checkpoints,
+            "chunks": self.chunks,
+            "bytes_transferred": self.bytes_read,
+            "seconds": self.seconds,
+            "bad_chunks": [b.__dict__ for b in self.bad],
+        }
+
+
+async def verify(
+    store: Store,
+    *,
+    job: str | None = None,
+    step: int | None = None,
+    options: TransferOptions | None = None,
+) -> VerifyResult:
+    options = options or TransferOptions()
+    started = time.monotonic()
+    if not await open_catalog(store, create=False):
+        raise CheckpointNotFoundError(f"{store.url} holds no checkpoints")
+    entries = [c for c in await list_checkpoints(store, job) if step is None or c.step == step]
+    if not entries:
+        raise CheckpointNotFoundError(f"nothing matches in {store.url}")
+    result = VerifyResult(checkpoints=len(entries))
+    chunks: dict[str, ChunkSource] = {}
+    used_by: dict[str, list[str]] = defaultdict(list)
+    for c in entries:
+        m = await load_manifest(store, c.job, c.step, c.node)
+        for src in chunk_sources(m):
+            chunks.setdefault(src.id, src)
+        for f in m.files:
+            for ch in f.chunks:
+                used_by[ch.id].append(f"{m.job}/{m.step}/{m.node}:{f.path}")
+    result.chunks = len(chunks)
+    bad: dict[str, str] = {}
+
+    def count(n: int) -> None:
+        result.bytes_read += n
+
+    with ThreadPoolExecutor(options.workers, thread_name_prefix="ferry-verify") as pool:
+        await fetch_chunks(
+            store,
+            chunks.values(),
+            pool=pool,
+            part_size=options.part_size,
+            window=options.window,
+            sink=lambda c, data: None,
+            on_bad=lambda c, reason: bad.__setitem__(c.id, reason),
+            on_bytes_read=count,
+        )
+    result.bad = [
+        BadChunk(cid, reason, tuple(sorted(set(used_by[cid]))))
+        for cid, reason in sorted(bad.items())
+    ]
+    result.seconds = time.monotonic() - started
+    return result

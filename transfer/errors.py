@@ -1,0 +1,51 @@
+"""The exceptions every layer raises.
+
+Callers branch on the class, never on message text: "not found" must stay distinguishable
+from "could not tell" (a GC that confuses the two deletes live data).
+"""
+
+from __future__ import annotations
+
+
+class FerryError(Exception):
+    """Base class: anything ckpt-ferry reports to a user as a one-line reason."""
+
+
+class FormatError(FerryError):
+    """A manifest or store descriptor is malformed, hostile, or of an unknown version."""
+
+
+class UnknownEncodingError(FormatError):
+    """A chunk uses an encoding this reader does not implement."""
+
+
+class IntegrityError(FerryError):
+    """Stored bytes do not match their recorded hash: corruption or a torn write."""
+
+    def __init__(self, message: str, bad_chunks: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.bad_chunks = bad_chunks or []
+
+
+class StoreError(FerryError):
+    """A storage backend failed (network, permissions, server error)."""
+
+
+class NotFoundError(StoreError):
+    """The object, bucket or directory does not exist."""
+
+
+class AlreadyExistsError(StoreError):
+    """A create-only write found the key already present."""
+
+
+class AccessDeniedError(StoreError):
+    """Credentials were missing or rejected, or the caller may not do this."""
+
+
+class CheckpointNotFoundError(FerryError):
+    """No committed checkpoint matches the request."""
+
+
+class DestinationError(FerryError):
+    """The pull destination is unusable (not empty, not writable, out of space)."""

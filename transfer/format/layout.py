@@ -1,0 +1,85 @@
+"""Where each object lives in a store (keys are relative to the store URL's prefix).
+
+    ferry-store.json                          store descriptor (format name + version)
+    packs/<id[:2]>/<id>.pack                  immutable packs of encoded chunks
+    manifests/<job>/<step:018d>/<node>.json   one committed checkpoint part per node
+
+Steps are zero-padded so that a lexical listing is in step order.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+
+from transfer.errors import FormatError
+from transfer.format.names import check_name, check_step
+
+STORE_DESCRIPTOR_KEY = "ferry-store.json"
+STORE_FORMAT = "ckpt-ferry-store"
+STORE_VERSION = 1
+
+PACKS_PREFIX = "packs/"
+MANIFESTS_PREFIX = "manifests/"
+_PACK_ID_RE = re.compile(r"^[0-9a-f]{32}$")
+_MANIFEST_KEY_RE = re.compile(r"^manifests/(?P<job>[^/]+)/(?P<step>\d{18})/(?P<node>[^/]+)\.json$")
+
+
+def new_pack_id() -> str:
+    """128 random bits: packs are named before their content is known (they stream)."""
+    return secrets.token_hex(16)
+
+
+def check_pack_id(value: object) -> str:
+    if not isinstance(value, str) or not _PACK_ID_RE.match(value):
+        raise FormatError(f"invalid pack id {value!r}")
+    return value
+
+
+def pack_key(pack_id: str) -> str:
+    check_pack_id(pack_id)
+    return f"{PACKS_PREFIX}{pack_id[:2]}/{pack_id}.pack"
+
+
+def manifest_key(job: str, step: int, node: str) -> str:
+    check_name("job", job)
+    check_name("node", node)
+    check_step(step)
+    return f"{MANIFESTS_PREFIX}{job}/{step:018d}/{node}.json"
+
+
+def manifest_prefix(job: str | None = None, step: int | None = None) -> str:
+    if job is None:
+        return MANIFESTS_PREFIX
+    check_name("job", job)
+    if step is None:
+        return f"{MANIFESTS_PREFIX}{job}/"
+    return f"{MANIFESTS_PREFIX}{job}/{check_step(step):018d}/"
+
+
+def parse_manifest_key(key: str) -> tuple[str, int, str] | None:
+    """(job, step, node) for a manifest key; None for anything else (temp files, strays)."""
+    match = _MANIFEST_KEY_RE.match(key)
+    if not match:
+        return None
+    try:
+        job = check_name("job", match["job"])
+        node = check_name("node", match["node"])
+    except FormatError:
+        return None
+    return job, int(match["step"]), node
+
+
+def store_descriptor() -> dict[str, object]:
+    return {"format": STORE_FORMAT, "version": STORE_VERSION}
+
+
+def check_store_descriptor(doc: object) -> None:
+    if not isinstance(doc, dict) or doc.get("format") != STORE_FORMAT:
+        raise FormatError(f"{STORE_DESCRIPTOR_KEY} does not describe a ckpt-ferry store")
+    version = doc.get("version")
+    if version != STORE_VERSION:
+        raise FormatError(
+            f"store format version {version!r} is not supported by this ferry "
+            f"(it reads version {STORE_VERSION}); upgrade ckpt-ferry"
+        )

@@ -1,0 +1,211 @@
+"""The manifest: one committed checkpoint part (job, step, node) and where its bytes live.
+
+A manifest is the commit record: it is written last, create-only, after every pack it names
+is durable. Everything read back is validated here before anyone acts on it, because a store
+can be corrupted or hostile (paths escaping the destination, absurd sizes, unknown versions).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from transfer.errors import FormatError
+from transfer.format.chunkid import HASH_NAME, is_chunk_id
+from transfer.format.layout import check_pack_id
+from transfer.format.names import check_name, check_step
+from transfer.format.paths import check_relative_path
+
+MANIFEST_FORMAT = "ckpt-ferry-manifest"
+MANIFEST_VERSION = 1
+MAX_CHUNK_BYTES = 64 << 20  # bounds the memory one chunk may cost a reader
+MAX_FILE_BYTES = 1 << 50
+MAX_FILES = 1_000_000
+MAX_MANIFEST_BYTES = 512 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkRef:
+    """One chunk of a file: its content id, decoded size, and where its encoded bytes are."""
+
+    id: str
+    size: int
+    enc: str
+    pack: int  # index into Manifest.packs
+    offset: int  # byte offset of the encoded chunk inside the pack
+    stored: int  # encoded length in the pack
+
+
+@dataclass(frozen=True, slots=True)
+class FileEntry:
+    path: str
+    size: int
+    mode: int
+    chunks: tuple[ChunkRef, ...]
+
+    def chunk_offsets(self) -> Iterator[tuple[int, ChunkRef]]:
+        """(offset in the file, chunk) for each chunk, in order."""
+        pos = 0
+        for chunk in self.chunks:
+            yield pos, chunk
+            pos += chunk.size
+
+
+@dataclass(frozen=True, slots=True)
+class Manifest:
+    job: str
+    step: int
+    node: str
+    created_at: str
+    chunk_size: int
+    packs: tuple[str, ...]
+    files: tuple[FileEntry, ...]
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def bytes_raw(self) -> int:
+        return sum(f.size for f in self.files)
+
+    def same_content(self, other: Manifest) -> bool:
+        """True when both describe the same files with the same bytes (locations may differ)."""
+
+        def shape(m: Manifest) -> list[tuple[str, int, int, list[str]]]:
+            return sorted((f.path, f.size, f.mode, [c.id for c in f.chunks]) for f in m.files)
+
+        return (self.job, self.step, self.node) == (other.job, other.step, other.node) and shape(
+            self
+        ) == shape(other)
+
+    def to_json(self) -> bytes:
+        doc = {
+            "format": MANIFEST_FORMAT,
+            "version": MANIFEST_VERSION,
+            "hash": HASH_NAME,
+            "job": self.job,
+            "step": self.step,
+            "node": self.node,
+            "created_at": self.created_at,
+            "chunk_size": self.chunk_size,
+            "packs": list(self.packs),
+            "files": [
+                {
+                    "path": f.path,
+                    "size": f.size,
+                    "mode": f.mode,
+                    "chunks": [
+                        {
+                            "id": c.id,
+                            "size": c.size,
+                            "enc": c.enc,
+                            "pack": c.pack,
+                            "offset": c.offset,
+                            "stored": c.stored,
+                        }
+                        for c in f.chunks
+                    ],
+                }
+                for f in self.files
+            ],
+            **({"extra": self.extra} if self.extra else {}),
+        }
+        return json.dumps(doc, separators=(",", ":")).encode()
+
+
+def _int(doc: dict[str, Any], key: str, where: str, lo: int = 0, hi: int = 1 << 62) -> int:
+    value = doc.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise FormatError(f"{where}: field {key!r} must be an integer in {lo}..{hi}, got {value!r}")
+    return value
+
+
+def _parse_chunk(doc: object, where: str, n_packs: int) -> ChunkRef:
+    if not isinstance(doc, dict):
+        raise FormatError(f"{where}: chunk must be an object")
+    cid = doc.get("id")
+    if not is_chunk_id(cid):
+        raise FormatError(f"{where}: chunk id {cid!r} is not a {HASH_NAME} hex digest")
+    enc = doc.get("enc")
+    if not isinstance(enc, str) or not enc or len(enc) > 64:
+        raise FormatError(f"{where}: chunk encoding {enc!r} is not a name")
+    return ChunkRef(
+        id=cid,  # type: ignore[arg-type]  # checked by is_chunk_id
+        size=_int(doc, "size", where, 0, MAX_CHUNK_BYTES),
+        enc=enc,
+        pack=_int(doc, "pack", where, 0, max(n_packs - 1, 0)) if n_packs else _no_pack(where),
+        offset=_int(doc, "offset", where),
+        stored=_int(doc, "stored", where, 0, MAX_CHUNK_BYTES + (1 << 20)),
+    )
+
+
+def _no_pack(where: str) -> int:
+    raise FormatError(f"{where}: chunk refers to a pack but the manifest lists none")
+
+
+def parse_manifest(raw: bytes) -> Manifest:
+    """Parse and fully validate a manifest; raise FormatError naming the first problem."""
+    if len(raw) > MAX_MANIFEST_BYTES:
+        raise FormatError(f"manifest is {len(raw)} bytes, over the {MAX_MANIFEST_BYTES} limit")
+    try:
+        doc = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise FormatError(f"manifest is not valid JSON: {exc}") from None
+    if not isinstance(doc, dict) or doc.get("format") != MANIFEST_FORMAT:
+        raise FormatError("not a ckpt-ferry manifest (missing or wrong 'format')")
+    version = doc.get("version")
+    if version != MANIFEST_VERSION:
+        raise FormatError(
+            f"manifest version {version!r} is not supported (this reader understands "
+            f"version {MANIFEST_VERSION}); upgrade ckpt-ferry"
+        )
+    if doc.get("hash") != HASH_NAME:
+        raise FormatError(f"manifest hash {doc.get('hash')!r} is not supported ({HASH_NAME})")
+    job = check_name("job", doc.get("job"))
+    node = check_name("node", doc.get("node"))
+    step = check_step(doc.get("step"))
+    created_at = doc.get("created_at")
+    if not isinstance(created_at, str):
+        raise FormatError("manifest: 'created_at' must be a string")
+    chunk_size = _int(doc, "chunk_size", "manifest", 1, MAX_CHUNK_BYTES)
+    packs_doc = doc.get("packs")
+    if not isinstance(packs_doc, list):
+        raise FormatError("manifest: 'packs' must be a list")
+    packs = tuple(check_pack_id(p) for p in packs_doc)
+    files_doc = doc.get("files")
+    if not isinstance(files_doc, list) or len(files_doc) > MAX_FILES:
+        raise FormatError(f"manifest: 'files' must be a list of at most {MAX_FILES}")
+    files: list[FileEntry] = []
+    seen: set[str] = set()
+    for i, fdoc in enumerate(files_doc):
+        if not isinstance(fdoc, dict):
+            raise FormatError(f"manifest file #{i}: must be an object")
+        path = check_relative_path(fdoc.get("path"))
+        if path in seen:
+            raise FormatError(f"manifest lists {path!r} twice")
+        seen.add(path)
+        where = f"manifest file {path!r}"
+        size = _int(fdoc, "size", where, 0, MAX_FILE_BYTES)
+        mode = _int(fdoc, "mode", where, 0, 0o7777) & 0o777  # never setuid/setgid/sticky
+        chunks_doc = fdoc.get("chunks")
+        if not isinstance(chunks_doc, list):
+            raise FormatError(f"{where}: 'chunks' must be a list")
+        chunks = tuple(_parse_chunk(c, where, len(packs)) for c in chunks_doc)
+        if sum(c.size for c in chunks) != size:
+            raise FormatError(f"{where}: chunk sizes do not add up to the file size {size}")
+        files.append(FileEntry(path=path, size=size, mode=mode, chunks=chunks))
+    _check_no_file_dir_clash(seen)
+    extra = doc.get("extra", {})
+    if not isinstance(extra, dict):
+        raise FormatError("manifest: 'extra' must be an object")
+    return Manifest(job, step, node, created_at, chunk_size, packs, tuple(files), extra)
+
+
+def _check_no_file_dir_clash(paths: set[str]) -> None:
+    """A path may not be both a file and a parent directory of another file."""
+    for path in paths:
+        parts = path.split("/")
+        for depth in range(1, len(parts)):
+            parent = "/".join(parts[:depth])
+            if parent in paths:
+                raise FormatError(f"manifest lists {parent!r} as a file and as a directory")

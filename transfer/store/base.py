@@ -1,0 +1,90 @@
+"""The store interface: a flat key space of immutable objects plus multipart uploads.
+
+Error semantics (every backend): a missing key raises NotFoundError, a create-only write onto
+an existing key raises AlreadyExistsError, rejected credentials raise AccessDeniedError,
+anything else raises StoreError. ``delete`` of a missing key is not an error.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+from transfer.errors import FormatError, NotFoundError
+from transfer.format.paths import check_relative_path
+
+
+@dataclass(frozen=True, slots=True)
+class ObjectInfo:
+    key: str
+    size: int
+
+
+def check_key(key: str) -> str:
+    """Keys are relative POSIX paths without '..' (they become file paths on local stores)."""
+    try:
+        return check_relative_path(key)
+    except FormatError as exc:
+        raise ValueError(f"invalid store key: {exc}") from None
+
+
+class Upload(ABC):
+    """An object written in parts, possibly concurrently and out of order.
+
+    Nothing is visible under ``key`` until ``complete`` returns; ``abort`` discards the parts.
+    Parts are numbered from 1; ``offset`` is where the part starts in the final object.
+    """
+
+    key: str
+
+    @abstractmethod
+    async def write_part(self, number: int, offset: int, data: bytes) -> None: ...
+
+    @abstractmethod
+    async def complete(self, *, create_only: bool = False) -> None: ...
+
+    @abstractmethod
+    async def abort(self) -> None: ...
+
+
+class Store(ABC):
+    """A backend. Every write is durable when the awaited call returns."""
+
+    url: str
+    #: smallest allowed part except the last (S3: 5 MiB); the engine sizes parts above it
+    min_part_size: int = 1
+
+    @abstractmethod
+    async def check(self) -> None:
+        """Raise NotFoundError/AccessDeniedError when the store root is unusable."""
+
+    @abstractmethod
+    async def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+        """Bytes ``[start, end)`` of the object (the whole object by default)."""
+
+    @abstractmethod
+    async def put(self, key: str, data: bytes, *, create_only: bool = False) -> None: ...
+
+    @abstractmethod
+    async def head(self, key: str) -> ObjectInfo: ...
+
+    @abstractmethod
+    async def list(self, prefix: str) -> list[ObjectInfo]:
+        """Every committed object whose key starts with ``prefix``, sorted by key."""
+
+    @abstractmethod
+    async def delete(self, key: str) -> None: ...
+
+    @abstractmethod
+    async def begin_upload(self, key: str) -> Upload: ...
+
+    async def close(self) -> None:  # noqa: B027  # optional hook
+        """Release connections; the store is unusable afterwards."""
+
+    async def exists(self, key: str) -> bool:
+        """True/False only when the store says so; other errors propagate (never 'absent')."""
+        try:
+            await self.head(key)
+        except NotFoundError:
+            return False
+        return True

@@ -1,0 +1,50 @@
+"""Pick a backend from a store URL: a local path, ``file://PATH`` or ``s3://bucket/prefix``."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+from transfer.store.base import Store
+from transfer.store.local import LocalStore
+from transfer.store.s3 import S3Store
+
+
+@dataclass(frozen=True)
+class StoreOptions:
+    """Backend settings a user may set; S3 credentials come from the standard AWS chain."""
+
+    endpoint_url: str | None = None
+    pool_size: int = 32
+    checksum: str = "crc32"
+
+
+def open_store(url: str, options: StoreOptions | None = None) -> Store:
+    options = options or StoreOptions()
+    parsed = urlparse(url)
+    if parsed.scheme == "s3":
+        if not parsed.netloc:
+            raise ValueError(f"store URL {url!r} names no bucket (s3://bucket/prefix)")
+        endpoint = (
+            options.endpoint_url
+            or os.environ.get("AWS_ENDPOINT_URL_S3")
+            or os.environ.get("AWS_ENDPOINT_URL")
+        )
+        return S3Store(
+            parsed.netloc,
+            parsed.path,
+            endpoint_url=endpoint,
+            pool_size=options.pool_size,
+            checksum=options.checksum,
+        )
+    if parsed.scheme == "file":
+        if parsed.netloc not in ("", "localhost"):
+            raise ValueError(f"file URL {url!r} names a remote host")
+        return LocalStore(Path(unquote(parsed.path)).absolute())
+    if parsed.scheme in ("",) or (len(parsed.scheme) == 1 and os.name == "nt"):
+        return LocalStore(Path(url).expanduser().absolute())
+    raise ValueError(
+        f"unsupported store URL {url!r}: use a path, file://PATH or s3://bucket/prefix"
+    )
