@@ -182,6 +182,7 @@ class S3Store(Store):
             raise err from exc
 
     async def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+        full = self.full_key(key)
         extra: dict[str, str] = {}
         if start is not None or end is not None:
             lo = start or 0
@@ -190,7 +191,7 @@ class S3Store(Store):
             extra["Range"] = f"bytes={lo}-{'' if end is None else end - 1}"
         for attempt in range(_GET_ATTEMPTS):
             try:
-                resp = await self.call("get_object", Key=self.full_key(key), **extra)
+                resp = await self.call("get_object", Key=full, **extra)
                 try:
                     body: bytes = await resp["Body"].read()
                 finally:
@@ -204,25 +205,27 @@ class S3Store(Store):
         raise AssertionError("unreachable")
 
     async def put(self, key: str, data: bytes, *, create_only: bool = False) -> None:
+        full = self.full_key(key)
         extra: dict[str, str] = dict(await self.checksum_args(data))
         if create_only:
             extra["IfNoneMatch"] = "*"
         try:
-            await self.call("put_object", Key=self.full_key(key), Body=data, **extra)
+            await self.call("put_object", Key=full, Body=data, **extra)
         except Exception as exc:
             raise _map_error(exc, f"put {key}") from exc
 
     async def head(self, key: str) -> ObjectInfo:
+        full = self.full_key(key)
         try:
-            resp = await self.call("head_object", Key=self.full_key(key))
+            resp = await self.call("head_object", Key=full)
         except Exception as exc:
             raise _map_error(exc, f"head {key}") from exc
         return ObjectInfo(key, int(resp["ContentLength"]))
 
     async def list(self, prefix: str) -> list[ObjectInfo]:
-        full = self.full_key(prefix) if prefix else (f"{self.prefix}/" if self.prefix else "")
-        if prefix.endswith("/") and not full.endswith("/"):
-            full += "/"
+        if prefix.rstrip("/"):
+            check_key(prefix.rstrip("/"))
+        full = f"{self.prefix}/{prefix}" if self.prefix else prefix
         strip = len(self.prefix) + 1 if self.prefix else 0
         found: list[ObjectInfo] = []
         token: dict[str, str] = {}
@@ -240,17 +243,19 @@ class S3Store(Store):
         return found
 
     async def delete(self, key: str) -> None:
+        full = self.full_key(key)
         try:
-            await self.call("delete_object", Key=self.full_key(key))
+            await self.call("delete_object", Key=full)
         except Exception as exc:
             err = _map_error(exc, f"delete {key}")
             if not isinstance(err, NotFoundError):
                 raise err from exc
 
     async def begin_upload(self, key: str) -> Upload:
+        full = self.full_key(key)
         extra = {"ChecksumAlgorithm": "CRC32"} if self._checksum == "crc32" else {}
         try:
-            resp = await self.call("create_multipart_upload", Key=self.full_key(key), **extra)
+            resp = await self.call("create_multipart_upload", Key=full, **extra)
         except Exception as exc:
             raise _map_error(exc, f"start upload of {key}") from exc
         return S3Upload(self, key, resp["UploadId"])

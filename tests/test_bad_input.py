@@ -1,0 +1,258 @@
+"""Bad input gets a clear error and loses nothing."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+from agent.cli import main as ferry
+from tests.conftest import make_checkpoint, open_test_store, store_objects, tree_bytes
+from transfer.format.layout import PACKS_PREFIX, manifest_key
+
+SMALL = ["--chunk-size-mib", "1", "--part-size-mib", "5", "--pack-size-mib", "10"]
+
+
+def ferry_fails(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    """Run ferry expecting exit 1; return the one-line reason from stderr."""
+    code = ferry(list(argv))
+    err = capsys.readouterr().err
+    assert code == 1, err
+    assert err.startswith("ferry ") and "error" in err
+    return err
+
+
+def pushed(store_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Path:
+    src = make_checkpoint(tmp_path / "step_000007", shard_bytes=3_000_000)
+    assert ferry(["push", str(src), store_url, "--job", "j", "--node", "n", *SMALL]) == 0
+    capsys.readouterr()
+    return src
+
+
+def test_store_path_that_does_not_exist(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    src = make_checkpoint(tmp_path / "step_000001")
+    missing = tmp_path / "no" / "such" / "store"
+    err = ferry_fails(capsys, "push", str(src), str(missing), "--job", "j", "--node", "n")
+    assert "does not exist" in err
+    assert not missing.exists(), "push must not create a store where a mount was expected"
+    err = ferry_fails(capsys, "pull", str(missing), str(tmp_path / "d"), "--job", "j")
+    assert "does not exist" in err
+    assert not (tmp_path / "d").exists()
+
+
+def test_missing_bucket(s3_env, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
+    src = make_checkpoint(tmp_path / "step_000001")
+    err = ferry_fails(capsys, "push", str(src), "s3://no-such-bucket-ferry/x", "--job", "j")
+    assert "does not exist" in err
+
+
+def test_wrong_credentials(
+    s3_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    src = pushed(s3_url, tmp_path, capsys)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "definitely-wrong")
+    err = ferry_fails(capsys, "push", str(src), s3_url, "--job", "j", "--step", "8", "--node", "n")
+    assert "access denied" in err and "credentials" in err
+    err = ferry_fails(capsys, "pull", s3_url, str(tmp_path / "d"), "--job", "j")
+    assert "access denied" in err
+    assert not (tmp_path / "d").exists()
+
+
+def corrupt_first_pack(store_url: str) -> str:
+    """Flip one byte in the middle of the first pack, through the store API."""
+
+    async def go() -> str:
+        store = open_test_store(store_url)
+        try:
+            key = next(o.key for o in await store.list(PACKS_PREFIX))
+            data = bytearray(await store.get(key))
+            data[len(data) // 2] ^= 0x40
+            await store.put(key, bytes(data))
+            return key
+        finally:
+            await store.close()
+
+    return asyncio.run(go())
+
+
+def test_corrupt_chunk_fails_pull_and_verify_naming_it(
+    store_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pushed(store_url, tmp_path, capsys)
+    assert ferry(["verify", store_url]) == 0
+    capsys.readouterr()
+    corrupt_first_pack(store_url)
+
+    dest = tmp_path / "restore"
+    err = ferry_fails(capsys, "pull", store_url, str(dest), "--job", "j", *SMALL)
+    assert "corrupt" in err and "chunk " in err
+    assert not dest.exists(), "a failed pull leaves nothing behind"
+    assert [p.name for p in tmp_path.iterdir() if "staging" in p.name] == []
+
+    code = ferry(["verify", store_url, "--json", *SMALL])
+    out, err = capsys.readouterr()
+    assert code == 1
+    doc = json.loads(out)
+    assert doc["ok"] is False and len(doc["bad_chunks"]) == 1
+    bad = doc["bad_chunks"][0]
+    assert bad["chunk"] in err and "BAD chunk" in err
+    assert bad["used_by"] == ["j/7/n:__0_0.distcp"]
+
+
+def test_missing_pack_is_reported_not_treated_as_empty(
+    store_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pushed(store_url, tmp_path, capsys)
+
+    async def drop() -> None:
+        store = open_test_store(store_url)
+        try:
+            for o in await store.list(PACKS_PREFIX):
+                await store.delete(o.key)
+        finally:
+            await store.close()
+
+    asyncio.run(drop())
+    err = ferry_fails(capsys, "pull", store_url, str(tmp_path / "d"), "--job", "j")
+    assert "missing" in err
+    assert ferry(["verify", store_url]) == 1
+
+
+def write_manifest(store_url: str, doc: dict) -> None:  # type: ignore[type-arg]
+    async def go() -> None:
+        store = open_test_store(store_url)
+        try:
+            key = manifest_key(doc["job"], doc["step"], doc["node"])
+            await store.put(key, json.dumps(doc).encode())
+        finally:
+            await store.close()
+
+    asyncio.run(go())
+
+
+def load_manifest_doc(store_url: str) -> dict:  # type: ignore[type-arg]
+    async def go() -> bytes:
+        store = open_test_store(store_url)
+        try:
+            return await store.get(manifest_key("j", 7, "n"))
+        finally:
+            await store.close()
+
+    return json.loads(asyncio.run(go()))  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("evil", ["../escaped.bin", "/tmp/abs-escape.bin", "a/../../x", "./x", ""])
+def test_manifest_paths_escaping_the_destination_are_refused(
+    store_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], evil: str
+) -> None:
+    pushed(store_url, tmp_path, capsys)
+    doc = load_manifest_doc(store_url)
+    doc["files"][0]["path"] = evil
+    write_manifest(store_url, doc)
+    box = tmp_path / "box"
+    box.mkdir()
+    before = sorted(p.name for p in tmp_path.iterdir())
+    err = ferry_fails(capsys, "pull", store_url, str(box / "dest"), "--job", "j")
+    assert "unsafe file path" in err
+    assert list(box.iterdir()) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    assert not Path("/tmp/abs-escape.bin").exists()
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda d: d.update(version=99), "version 99 is not supported"),
+        (lambda d: d["files"][0]["chunks"][0].update(enc="zstd+future"), "unknown"),
+        (lambda d: d["files"][0].update(size=d["files"][0]["size"] + 1), "do not add up"),
+        (lambda d: d["files"][0]["chunks"][0].update(size=1 << 40), "size"),
+        (lambda d: d["files"][0]["chunks"][0].update(pack=99), "pack"),
+        (lambda d: d.update(job="other"), "describes"),
+    ],
+)
+def test_malformed_manifests_are_refused_clearly(
+    store_url: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    mutate,
+    message,  # type: ignore[no-untyped-def]
+) -> None:
+    pushed(store_url, tmp_path, capsys)
+    doc = load_manifest_doc(store_url)
+    mutate(doc)
+
+    async def put_raw() -> None:
+        store = open_test_store(store_url)
+        try:
+            await store.put(manifest_key("j", 7, "n"), json.dumps(doc).encode())
+        finally:
+            await store.close()
+
+    asyncio.run(put_raw())
+    err = ferry_fails(capsys, "pull", store_url, str(tmp_path / "d"), "--job", "j")
+    assert message in err
+    assert not (tmp_path / "d").exists()
+
+
+def test_unknown_store_version_is_refused(
+    store_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    src = pushed(store_url, tmp_path, capsys)
+
+    async def bump() -> None:
+        store = open_test_store(store_url)
+        try:
+            await store.put("ferry-store.json", b'{"format": "ckpt-ferry-store", "version": 2}')
+        finally:
+            await store.close()
+
+    asyncio.run(bump())
+    err = ferry_fails(capsys, "pull", store_url, str(tmp_path / "d"), "--job", "j")
+    assert "version 2 is not supported" in err
+    err = ferry_fails(capsys, "push", str(src), store_url, "--job", "j", "--step", "9")
+    assert "version 2 is not supported" in err
+
+
+def test_destination_must_be_new_or_empty(
+    local_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pushed(local_url, tmp_path, capsys)
+    dest = tmp_path / "busy"
+    dest.mkdir()
+    (dest / "keep.txt").write_text("precious")
+    err = ferry_fails(capsys, "pull", local_url, str(dest), "--job", "j")
+    assert "not empty" in err
+    assert tree_bytes(dest) == {"keep.txt": b"precious"}
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert ferry(["pull", local_url, str(empty), "--job", "j"]) == 0
+
+
+def test_repush_with_different_content_is_refused(
+    local_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    src = pushed(local_url, tmp_path, capsys)
+    packs = [k for k in store_objects(local_url) if k.startswith(PACKS_PREFIX)]
+    (src / "__0_0.distcp").write_bytes(b"different")
+    err = ferry_fails(capsys, "push", str(src), local_url, "--job", "j", "--node", "n")
+    assert "already committed with different content" in err
+    assert [k for k in store_objects(local_url) if k.startswith(PACKS_PREFIX)] == packs
+
+
+def test_usage_errors_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    d = tmp_path / "no-number-here"
+    d.mkdir()
+    with pytest.raises(SystemExit) as exc:
+        ferry(["push", str(d), str(tmp_path), "--job", "j"])
+    assert exc.value.code == 2
+    with pytest.raises(SystemExit) as exc:
+        ferry(["pull", str(tmp_path), str(tmp_path / "x")])  # --job missing
+    assert exc.value.code == 2
+    with pytest.raises(SystemExit) as exc:
+        ferry(["pull", str(tmp_path), str(tmp_path / "x"), "--job", "j", "--step", "soon"])
+    assert exc.value.code == 2
+    capsys.readouterr()
+    assert ferry(["push", str(d), str(tmp_path), "--job", "bad/name", "--step", "1"]) == 1
+    assert "invalid job name" in capsys.readouterr().err

@@ -1,0 +1,276 @@
+"""Byte-exact round trips through real stores, dedupe, concurrency and the commit protocol."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+
+import pytest
+
+from agent.cli import main as ferry
+from tests.conftest import (
+    make_checkpoint,
+    open_test_store,
+    random_bytes,
+    store_objects,
+    tree_bytes,
+    tree_modes,
+    write_file,
+)
+from transfer.engine import TransferOptions, pull, push
+from transfer.format.layout import MANIFESTS_PREFIX, PACKS_PREFIX
+from transfer.store.base import Store, Upload
+
+SMALL = ["--chunk-size-mib", "1", "--part-size-mib", "5", "--pack-size-mib", "10"]
+
+
+def ferry_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:  # type: ignore[type-arg]
+    code = ferry([*argv, "--json"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    lines = out.strip().splitlines()
+    assert len(lines) == 1, "--json prints exactly one JSON object"
+    return json.loads(lines[0])  # type: ignore[no-any-return]
+
+
+def test_round_trip_is_byte_exact_and_keeps_modes(
+    store_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    src = make_checkpoint(tmp_path / "ck" / "step_000120", shard_bytes=12_500_000)
+    os.chmod(src / ".metadata", 0o600)
+    pushed = ferry_json(
+        capsys, "push", str(src), store_url, "--job", "llama", "--node", "n0", *SMALL
+    )
+    assert pushed["step"] == 120  # from the directory name
+    assert pushed["files"] == 5
+    assert pushed["bytes_raw"] == sum(len(b) for b in tree_bytes(src).values())
+    assert 0 < pushed["bytes_transferred"] <= pushed["bytes_raw"] * 1.01 + 4096
+    assert pushed["packs"] >= 2  # 19 MB of random data in 10 MiB packs
+
+    dest = tmp_path / "restored"
+    pulled = ferry_json(capsys, "pull", store_url, str(dest), "--job", "llama", *SMALL)
+    assert pulled["step"] == 120
+    assert tree_bytes(dest) == tree_bytes(src)
+    assert tree_modes(dest) == tree_modes(src)
+    assert (dest / "extra" / "empty.bin").stat().st_size == 0
+    assert not [p for p in dest.parent.iterdir() if "staging" in p.name]
+
+
+def test_repush_of_unchanged_checkpoint_writes_no_chunk(
+    store_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    src = make_checkpoint(tmp_path / "step_000001")
+    ferry_json(capsys, "push", str(src), store_url, "--job", "j", "--node", "n", *SMALL)
+    packs_before = [k for k in store_objects(store_url) if k.startswith(PACKS_PREFIX)]
+
+    again = ferry_json(capsys, "push", str(src), store_url, "--job", "j", "--node", "n", *SMALL)
+    assert again["already_committed"] is True
+    assert again["bytes_transferred"] == 0
+
+    shutil.copytree(src, tmp_path / "step_000002")
+    nxt = ferry_json(
+        capsys,
+        "push",
+        str(tmp_path / "step_000002"),
+        store_url,
+        "--job",
+        "j",
+        "--node",
+        "n",
+        *SMALL,
+    )
+    assert nxt["chunks_new"] == 0 and nxt["chunks_deduped"] == nxt["chunks_total"] > 0
+    manifest_size = nxt["bytes_transferred"]
+    assert 0 < manifest_size < 10_000  # only the manifest was written
+    assert [k for k in store_objects(store_url) if k.startswith(PACKS_PREFIX)] == packs_before
+
+
+def test_changed_file_is_pushed_and_pulled_as_new_version(
+    store_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    v1 = make_checkpoint(tmp_path / "step_000010", shard_bytes=4_000_000)
+    ferry_json(capsys, "push", str(v1), store_url, "--job", "j", "--node", "n", *SMALL)
+    v2 = tmp_path / "step_000020"
+    shutil.copytree(v1, v2)
+    with open(v2 / "__0_0.distcp", "r+b") as fh:  # change one byte in the second MiB
+        fh.seek(1_500_000)
+        fh.write(b"\xff" if fh.read(1) != b"\xff" else b"\x00")
+    r = ferry_json(capsys, "push", str(v2), store_url, "--job", "j", "--node", "n", *SMALL)
+    assert r["chunks_new"] == 1  # only the 1 MiB chunk that changed
+    assert r["bytes_transferred"] < 1.2 * (1 << 20) + 10_000
+
+    ferry_json(capsys, "pull", store_url, str(tmp_path / "o1"), "--job", "j", "--step", "10")
+    ferry_json(capsys, "pull", store_url, str(tmp_path / "o2"), "--job", "j", "--step", "latest")
+    assert tree_bytes(tmp_path / "o1") == tree_bytes(v1)
+    assert tree_bytes(tmp_path / "o2") == tree_bytes(v2)
+
+
+def test_many_small_files_and_nested_dirs_cost_few_requests(
+    store_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    src = tmp_path / "step_000005"
+    rng = random.Random(5)
+    for i in range(300):
+        write_file(
+            src / f"d{i % 7}" / f"sub{i % 3}" / f"f{i}.bin", rng.randbytes(rng.randrange(0, 5000))
+        )
+    r = ferry_json(capsys, "push", str(src), store_url, "--job", "small", "--node", "n")
+    assert r["files"] == 300
+    packs = [k for k in store_objects(store_url) if k.startswith(PACKS_PREFIX)]
+    assert len(packs) == 1, "small chunks are packed, not stored one object each"
+    ferry_json(capsys, "pull", store_url, str(tmp_path / "out"), "--job", "small")
+    assert tree_bytes(tmp_path / "out") == tree_bytes(src)
+
+
+def test_multi_node_parts_merge_on_pull(
+    store_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    a = write_file(
+        tmp_path / "a" / "step_000300" / "__0_0.distcp", random_bytes(2_000_000, 1)
+    ).parent
+    write_file(a / ".metadata", b"same metadata")
+    b = write_file(
+        tmp_path / "b" / "step_000300" / "__1_0.distcp", random_bytes(2_000_000, 2)
+    ).parent
+    write_file(b / ".metadata", b"same metadata")
+    ferry_json(capsys, "push", str(a), store_url, "--job", "mn", "--node", "node-a")
+    ferry_json(capsys, "push", str(b), store_url, "--job", "mn", "--node", "node-b")
+
+    both = ferry_json(capsys, "pull", store_url, str(tmp_path / "all"), "--job", "mn")
+    assert sorted(both["nodes"]) == ["node-a", "node-b"]
+    assert sorted(tree_bytes(tmp_path / "all")) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    only_b = ferry_json(
+        capsys, "pull", store_url, str(tmp_path / "b-only"), "--job", "mn", "--node", "node-b"
+    )
+    assert only_b["nodes"] == ["node-b"]
+    assert tree_bytes(tmp_path / "b-only") == tree_bytes(b)
+
+
+def test_concurrent_pushes_of_two_checkpoints(store_url: str, tmp_path: Path) -> None:
+    one = make_checkpoint(tmp_path / "one", seed=1, shard_bytes=6_000_000)
+    two = make_checkpoint(tmp_path / "two", seed=2, shard_bytes=6_000_000)
+    opts = TransferOptions(chunk_size=1 << 20, part_size=5 << 20, pack_size=10 << 20, window=4)
+
+    async def go() -> None:
+        store = open_test_store(store_url)
+        try:
+            await asyncio.gather(
+                push(store, one, job="c", step=1, node="n", options=opts),
+                push(store, two, job="c", step=2, node="n", options=opts),
+            )
+            await pull(store, tmp_path / "p1", job="c", step=1, options=opts)
+            await pull(store, tmp_path / "p2", job="c", step=2, options=opts)
+        finally:
+            await store.close()
+
+    asyncio.run(go())
+    assert tree_bytes(tmp_path / "p1") == tree_bytes(one)
+    assert tree_bytes(tmp_path / "p2") == tree_bytes(two)
+
+
+class WatchingStore(Store):
+    """Wraps a real store; after each completed part or pack it records what a reader
+    would see under manifests/ at that moment, then optionally dies."""
+
+    def __init__(self, inner: Store, die_after_parts: int | None = None) -> None:
+        self.inner, self.url, self.min_part_size = inner, inner.url, inner.min_part_size
+        self.manifests_seen_during_data: list[list[str]] = []
+        self.parts = 0
+        self.die_after_parts = die_after_parts
+
+    async def _observe(self) -> None:
+        self.parts += 1
+        seen = [o.key for o in await self.inner.list(MANIFESTS_PREFIX)]
+        self.manifests_seen_during_data.append(seen)
+
+    def _maybe_die(self) -> None:
+        if self.die_after_parts is not None and self.parts >= self.die_after_parts:
+            raise ConnectionError("simulated network failure in the middle of a push")
+
+    async def check(self) -> None:
+        await self.inner.check()
+
+    async def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+        return await self.inner.get(key, start, end)
+
+    async def put(self, key: str, data: bytes, *, create_only: bool = False) -> None:
+        if key.startswith(PACKS_PREFIX):
+            self._maybe_die()
+        await self.inner.put(key, data, create_only=create_only)
+        if key.startswith(PACKS_PREFIX):
+            await self._observe()
+
+    async def head(self, key: str):  # type: ignore[no-untyped-def]
+        return await self.inner.head(key)
+
+    async def list(self, prefix: str):  # type: ignore[no-untyped-def]
+        return await self.inner.list(prefix)
+
+    async def delete(self, key: str) -> None:
+        await self.inner.delete(key)
+
+    async def begin_upload(self, key: str) -> Upload:
+        inner, watcher = await self.inner.begin_upload(key), self
+
+        class Watched(Upload):
+            def __init__(self) -> None:
+                self.key = key
+
+            async def write_part(self, number: int, offset: int, data: bytes) -> None:
+                watcher._maybe_die()  # the part never reaches the store
+                await inner.write_part(number, offset, data)
+                await watcher._observe()
+
+            async def complete(self, *, create_only: bool = False) -> None:
+                await inner.complete(create_only=create_only)
+                await watcher._observe()
+
+            async def abort(self) -> None:
+                await inner.abort()
+
+        return Watched()
+
+    async def close(self) -> None:
+        await self.inner.close()
+
+
+def test_manifest_is_never_visible_before_its_chunks(store_url: str, tmp_path: Path) -> None:
+    src = make_checkpoint(tmp_path / "ck", shard_bytes=20_000_000)
+    opts = TransferOptions(chunk_size=1 << 20, part_size=5 << 20, pack_size=10 << 20, window=3)
+
+    async def go() -> WatchingStore:
+        store = WatchingStore(open_test_store(store_url))
+        try:
+            await push(store, src, job="w", step=1, node="n", options=opts)
+        finally:
+            await store.close()
+        return store
+
+    store = asyncio.run(go())
+    assert store.parts >= 4
+    assert all(seen == [] for seen in store.manifests_seen_during_data)
+    assert any(k.startswith(MANIFESTS_PREFIX) for k in store_objects(store_url))
+
+
+def test_interrupted_push_leaves_no_manifest_and_no_partial_pack(
+    store_url: str, tmp_path: Path
+) -> None:
+    src = make_checkpoint(tmp_path / "ck", shard_bytes=20_000_000)
+    opts = TransferOptions(chunk_size=1 << 20, part_size=5 << 20, pack_size=10 << 20, window=2)
+
+    async def go() -> None:
+        store = WatchingStore(open_test_store(store_url), die_after_parts=3)
+        try:
+            await push(store, src, job="w", step=1, node="n", options=opts)
+        finally:
+            await store.close()
+
+    with pytest.raises(ConnectionError, match="simulated network failure"):
+        asyncio.run(go())
+    keys = store_objects(store_url)
+    assert not [k for k in keys if k.startswith(MANIFESTS_PREFIX)]
+    assert not [k for k in keys if k.startswith(PACKS_PREFIX)], "a failed push cleans its packs"

@@ -1,0 +1,118 @@
+"""One conformance suite for every store backend (local directory and real S3)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from tests.conftest import open_test_store, random_bytes
+from transfer.errors import AlreadyExistsError, NotFoundError
+from transfer.store.base import Store
+
+
+def with_store(url: str, body):  # type: ignore[no-untyped-def]
+    async def go():  # type: ignore[no-untyped-def]
+        store = open_test_store(url)
+        try:
+            return await body(store)
+        finally:
+            await store.close()
+
+    return asyncio.run(go())
+
+
+def test_put_get_head_list_delete(store_url: str) -> None:
+    async def body(store: Store) -> None:
+        await store.put("a/b/one", b"0123456789")
+        await store.put("a/two", b"xy")
+        await store.put("other", b"z")
+        assert await store.get("a/b/one") == b"0123456789"
+        assert await store.get("a/b/one", 2, 5) == b"234"
+        assert await store.get("a/b/one", 7) == b"789"
+        assert (await store.head("a/b/one")).size == 10
+        assert [o.key for o in await store.list("a/")] == ["a/b/one", "a/two"]
+        assert [o.key for o in await store.list("")] == ["a/b/one", "a/two", "other"]
+        await store.delete("a/two")
+        await store.delete("a/two")  # deleting a missing key is not an error
+        assert not await store.exists("a/two")
+        assert await store.exists("a/b/one")
+
+    with_store(store_url, body)
+
+
+def test_missing_key_is_not_found(store_url: str) -> None:
+    async def body(store: Store) -> None:
+        with pytest.raises(NotFoundError):
+            await store.get("nope")
+        with pytest.raises(NotFoundError):
+            await store.head("nope")
+
+    with_store(store_url, body)
+
+
+def test_create_only_put_refuses_to_overwrite(store_url: str) -> None:
+    async def body(store: Store) -> None:
+        await store.put("m.json", b"first", create_only=True)
+        with pytest.raises(AlreadyExistsError):
+            await store.put("m.json", b"second", create_only=True)
+        assert await store.get("m.json") == b"first"
+        await store.put("m.json", b"third")  # a plain put replaces
+        assert await store.get("m.json") == b"third"
+
+    with_store(store_url, body)
+
+
+def test_concurrent_create_only_puts_have_exactly_one_winner(store_url: str) -> None:
+    async def body(store: Store) -> None:
+        results = await asyncio.gather(
+            *(store.put("race", str(i).encode(), create_only=True) for i in range(8)),
+            return_exceptions=True,
+        )
+        winners = [i for i, r in enumerate(results) if r is None]
+        assert len(winners) == 1, results
+        assert all(isinstance(r, AlreadyExistsError) for r in results if r is not None)
+        assert await store.get("race") == str(winners[0]).encode()
+
+    with_store(store_url, body)
+
+
+def test_multipart_out_of_order_is_invisible_until_complete(store_url: str) -> None:
+    part = 5 << 20  # S3's minimum for all but the last part
+    blobs = [random_bytes(part, 1), random_bytes(part, 2), random_bytes(1234, 3)]
+
+    async def body(store: Store) -> None:
+        up = await store.begin_upload("big/obj")
+        offsets = [0, part, 2 * part]
+        await asyncio.gather(
+            up.write_part(3, offsets[2], blobs[2]),
+            up.write_part(1, offsets[0], blobs[0]),
+            up.write_part(2, offsets[1], blobs[1]),
+        )
+        assert not await store.exists("big/obj")
+        assert [o.key for o in await store.list("big/")] == []
+        await up.complete()
+        assert await store.get("big/obj") == b"".join(blobs)
+        assert await store.get("big/obj", part - 3, part + 3) == blobs[0][-3:] + blobs[1][:3]
+
+    with_store(store_url, body)
+
+
+def test_aborted_upload_leaves_nothing(store_url: str) -> None:
+    async def body(store: Store) -> None:
+        up = await store.begin_upload("gone")
+        await up.write_part(1, 0, b"x" * 1000)
+        await up.abort()
+        assert not await store.exists("gone")
+        assert await store.list("") == []
+
+    with_store(store_url, body)
+
+
+def test_keys_cannot_escape_the_store(store_url: str) -> None:
+    async def body(store: Store) -> None:
+        for bad in ("../x", "/abs", "a/../../b", ""):
+            with pytest.raises(ValueError):
+                await store.put(bad, b"x")
+
+    with_store(store_url, body)
