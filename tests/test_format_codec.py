@@ -1,0 +1,131 @@
+"""The pure layers: names, paths, manifests and encodings (property-based where it pays)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from transfer.codec import decode, encode
+from transfer.errors import FormatError, UnknownEncodingError
+from transfer.format.chunkid import chunk_id
+from transfer.format.layout import manifest_key, pack_key, parse_manifest_key
+from transfer.format.manifest import ChunkRef, FileEntry, Manifest, parse_manifest
+from transfer.format.names import check_name, step_from_dirname
+from transfer.format.paths import check_relative_path
+
+
+@given(st.binary(max_size=200_000), st.sampled_from([None, 1, 3, 9]))
+@settings(max_examples=150, deadline=None)
+def test_every_encoding_round_trips_bit_exactly(data: bytes, level: int | None) -> None:
+    enc, payload = encode(data, level)
+    assert decode(enc, payload, len(data)) == data
+
+
+def test_incompressible_data_is_stored_raw_at_no_cost() -> None:
+    data = os.urandom(1 << 20)
+    enc, payload = encode(data, 3)
+    assert enc == "raw" and len(payload) == len(data)
+    enc, payload = encode(bytes(1 << 20), 1)
+    assert enc == "zstd" and len(payload) < 1000
+
+
+def test_decode_refuses_unknown_encodings_and_wrong_sizes() -> None:
+    with pytest.raises(UnknownEncodingError, match="upgrade"):
+        decode("xor-delta-v9", b"abc", 3)
+    enc, payload = encode(bytes(10_000), 1)
+    with pytest.raises(FormatError, match="expected"):
+        decode(enc, payload, 9_999)
+    with pytest.raises(FormatError):
+        decode("zstd", b"\x28\xb5\x2f\xfd garbage", 100)
+
+
+@pytest.mark.parametrize("bad", ["", "..", "../a", "/etc/passwd", "a//b", "a/./b", "a\\b", "a\x00"])
+def test_unsafe_relative_paths_are_refused(bad: str) -> None:
+    with pytest.raises(FormatError, match="unsafe file path"):
+        check_relative_path(bad)
+
+
+@given(st.lists(st.from_regex(r"[A-Za-z0-9_.-]{1,20}", fullmatch=True), min_size=1, max_size=5))
+def test_accepted_paths_never_escape(parts: list[str]) -> None:
+    path = "/".join(parts)
+    try:
+        check_relative_path(path)
+    except FormatError:
+        return
+    resolved = os.path.normpath(os.path.join("/dest", path))
+    assert resolved.startswith("/dest/")
+
+
+def test_names_and_steps() -> None:
+    assert check_name("job", "llama-70b_run.3") == "llama-70b_run.3"
+    for bad in ["", ".hidden", "a/b", "a b", "x" * 129, "ü"]:
+        with pytest.raises(FormatError):
+            check_name("job", bad)
+    assert step_from_dirname("step_000120") == 120
+    assert step_from_dirname("global_step42") == 42
+    assert step_from_dirname("latest") is None
+
+
+def test_keys_sort_by_step_and_parse_back() -> None:
+    keys = [manifest_key("j", s, "n") for s in (2, 10, 100)]
+    assert sorted(keys) == keys
+    assert parse_manifest_key(keys[1]) == ("j", 10, "n")
+    assert parse_manifest_key("manifests/j/000000000000000010/.n.json.tmp-1") is None
+    with pytest.raises(FormatError):
+        pack_key("../../etc")
+
+
+def sample_manifest() -> Manifest:
+    a, b = chunk_id(b"a" * 10), chunk_id(b"b" * 5)
+    return Manifest(
+        job="j",
+        step=3,
+        node="n",
+        created_at="2026-11-30T00:00:00+00:00",
+        chunk_size=10,
+        packs=("0" * 32,),
+        files=(
+            FileEntry(
+                "x/y.bin",
+                15,
+                0o644,
+                (ChunkRef(a, 10, "raw", 0, 0, 10), ChunkRef(b, 5, "zstd", 0, 10, 7)),
+            ),
+            FileEntry("empty", 0, 0o600, ()),
+        ),
+    )
+
+
+def test_manifest_round_trips_through_json() -> None:
+    m = sample_manifest()
+    assert parse_manifest(m.to_json()) == m
+    assert m.same_content(parse_manifest(m.to_json()))
+
+
+def test_manifest_refuses_file_and_directory_clash_and_duplicates() -> None:
+    import json
+
+    doc = json.loads(sample_manifest().to_json())
+    doc["files"][1]["path"] = "x"  # "x" is a file and the parent of "x/y.bin"
+    with pytest.raises(FormatError, match="as a file and as a directory"):
+        parse_manifest(json.dumps(doc).encode())
+    doc["files"][1]["path"] = "x/y.bin"
+    with pytest.raises(FormatError, match="twice"):
+        parse_manifest(json.dumps(doc).encode())
+
+
+def test_manifest_masks_special_mode_bits() -> None:
+    import json
+
+    doc = json.loads(sample_manifest().to_json())
+    doc["files"][0]["mode"] = 0o4755
+    assert parse_manifest(json.dumps(doc).encode()).files[0].mode == 0o755
+
+
+@given(st.binary(max_size=300))
+def test_garbage_manifests_raise_format_error_only(raw: bytes) -> None:
+    with pytest.raises(FormatError):
+        parse_manifest(raw)
