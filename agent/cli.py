@@ -1,4 +1,4 @@
-"""``ferry``: push, pull, ls and verify checkpoints against a store URL.
+"""``ferry``: push, pull, ls and verify checkpoints against a store URL (and a demo).
 
 Exit codes: 0 success, 1 failure (one-line reason on stderr), 2 usage error.
 With ``--json`` exactly one JSON object is printed on stdout.
@@ -81,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("store_url")
     p.add_argument("--job")
     _add_store_args(p)
+
+    p = sub.add_parser("demo", help="run the whole flow on generated checkpoints")
+    p.add_argument("--workdir", type=Path, help="keep everything here (default: a temp dir)")
 
     p = sub.add_parser("verify", help="re-hash every stored chunk; exit 1 naming bad ones")
     p.add_argument("store_url")
@@ -237,6 +240,10 @@ async def _run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "demo":
+        from agent.demo import main as demo
+
+        return demo(args.workdir, keep=args.workdir is not None)
     try:
         doc, line = asyncio.run(_run(args))
     except _UsageError as exc:
