@@ -98,7 +98,9 @@ def test_corrupt_chunk_fails_pull_and_verify_naming_it(
     assert doc["ok"] is False and len(doc["bad_chunks"]) == 1
     bad = doc["bad_chunks"][0]
     assert bad["chunk"] in err and "BAD chunk" in err
-    assert bad["used_by"] == ["j/7/n:__0_0.distcp"]
+    # chunks land in packs in completion order, so either shard may own the flipped byte
+    assert len(bad["used_by"]) == 1
+    assert bad["used_by"][0] in ("j/7/n:__0_0.distcp", "j/7/n:__1_0.distcp")
 
 
 def test_missing_pack_is_reported_not_treated_as_empty(

@@ -79,20 +79,20 @@ def test_keys_sort_by_step_and_parse_back() -> None:
 
 
 def sample_manifest() -> Manifest:
-    a, b = chunk_id(b"a" * 10), chunk_id(b"b" * 5)
+    a, b = chunk_id(b"a" * 4096), chunk_id(b"b" * 5)
     return Manifest(
         job="j",
         step=3,
         node="n",
         created_at="2026-11-30T00:00:00+00:00",
-        chunk_size=10,
+        chunk_size=4096,
         packs=("0" * 32,),
         files=(
             FileEntry(
                 "x/y.bin",
-                15,
+                4101,
                 0o644,
-                (ChunkRef(a, 10, "raw", 0, 0, 10), ChunkRef(b, 5, "zstd", 0, 10, 7)),
+                (ChunkRef(a, 4096, "raw", 0, 0, 4096), ChunkRef(b, 5, "zstd", 0, 4096, 7)),
             ),
             FileEntry("empty", 0, 0o600, ()),
         ),
@@ -129,3 +129,39 @@ def test_manifest_masks_special_mode_bits() -> None:
 def test_garbage_manifests_raise_format_error_only(raw: bytes) -> None:
     with pytest.raises(FormatError):
         parse_manifest(raw)
+
+
+def test_lookalike_values_are_refused() -> None:
+    import json
+
+    with pytest.raises(FormatError):
+        check_name("job", "demo\n")  # a trailing newline must not pass an anchored regex
+    for version in (True, 1.0, "1"):
+        doc = json.loads(sample_manifest().to_json())
+        doc["version"] = version
+        with pytest.raises(FormatError, match="not supported"):
+            parse_manifest(json.dumps(doc).encode())
+
+
+def test_hostile_json_shapes_raise_format_error() -> None:
+    with pytest.raises(FormatError):
+        parse_manifest(b"[" * 100_000 + b"]" * 100_000)
+    with pytest.raises(FormatError):
+        check_relative_path("bad\udc80name")
+
+
+def test_zstd_header_claiming_a_huge_size_is_refused_before_allocating() -> None:
+    import zstandard
+
+    big = zstandard.ZstdCompressor().compress(bytes(1 << 20))
+    with pytest.raises(FormatError, match="declares"):
+        decode("zstd", big, 100)
+
+
+def test_chunks_must_follow_the_fixed_size_rule() -> None:
+    import json
+
+    doc = json.loads(sample_manifest().to_json())
+    doc["chunk_size"] = 8192  # the first chunk (4096) is no longer a full chunk
+    with pytest.raises(FormatError, match="chunk_size"):
+        parse_manifest(json.dumps(doc).encode())

@@ -274,3 +274,43 @@ def test_interrupted_push_leaves_no_manifest_and_no_partial_pack(
     keys = store_objects(store_url)
     assert not [k for k in keys if k.startswith(MANIFESTS_PREFIX)]
     assert not [k for k in keys if k.startswith(PACKS_PREFIX)], "a failed push cleans its packs"
+
+
+def test_file_shared_by_nodes_is_read_through_its_own_manifests_packs(
+    store_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # node-b's copy of zzz.shared dedupes into node-a's pack, so the two manifests index
+    # their pack lists differently; the merge must resolve each file against its owner.
+    shared = random_bytes(1_500_000, 9)
+    a = tmp_path / "a" / "step_000001"
+    write_file(a / "a0.bin", random_bytes(1_200_000, 1))
+    write_file(a / "zzz.shared", shared)
+    b = tmp_path / "b" / "step_000001"
+    write_file(b / "b1.bin", random_bytes(1_300_000, 2))
+    write_file(b / "zzz.shared", shared)
+    ferry_json(capsys, "push", str(a), store_url, "--job", "sh", "--node", "node-a")
+    ferry_json(capsys, "push", str(b), store_url, "--job", "sh", "--node", "node-b")
+    ferry_json(capsys, "pull", store_url, str(tmp_path / "all"), "--job", "sh")
+    assert tree_bytes(tmp_path / "all") == {**tree_bytes(a), **tree_bytes(b)}
+
+
+def test_truncated_pack_is_reported_by_verify(
+    store_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    src = make_checkpoint(tmp_path / "step_000003")
+    ferry_json(capsys, "push", str(src), store_url, "--job", "t", "--node", "n")
+
+    async def truncate() -> None:
+        store = open_test_store(store_url)
+        try:
+            key = next(o.key for o in await store.list(PACKS_PREFIX))
+            data = await store.get(key)
+            await store.put(key, data[: len(data) // 2])
+        finally:
+            await store.close()
+
+    asyncio.run(truncate())
+    code = ferry(["verify", store_url, "--json"])
+    doc = json.loads(capsys.readouterr().out)
+    assert code == 1 and not doc["ok"]
+    assert any("truncated" in b["reason"] for b in doc["bad_chunks"])

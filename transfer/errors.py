@@ -35,6 +35,10 @@ class NotFoundError(StoreError):
     """The object, bucket or directory does not exist."""
 
 
+class RangeNotSatisfiableError(StoreError):
+    """A ranged read reaches past the end of the object (a truncated pack)."""
+
+
 class AlreadyExistsError(StoreError):
     """A create-only write found the key already present."""
 

@@ -61,6 +61,9 @@ def decode(enc: str, payload: bytes | memoryview, size: int) -> bytes:
         out = bytes(payload)
     else:
         try:
+            declared = zstandard.frame_content_size(payload)
+            if declared not in (size, -1):  # refuse before allocating what a header claims
+                raise FormatError(f"zstd frame declares {declared} bytes, expected {size}")
             out = _decompressor().decompress(payload, max_output_size=size)
         except zstandard.ZstdError as exc:
             raise FormatError(f"zstd payload does not decode: {exc}") from None

@@ -6,11 +6,15 @@ leftover that GC is about to delete, so nothing deduplicates against it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import logging
+from dataclasses import astuple, dataclass
 
 from transfer.engine.catalog import list_checkpoints, load_manifest
+from transfer.errors import FormatError
 from transfer.format.manifest import ChunkRef, Manifest
 from transfer.store.base import Store
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,7 +50,13 @@ class ChunkIndex:
         steps = sorted({c.step for c in entries})[-newest_steps:] if newest_steps > 0 else []
         for c in entries:
             if c.step in steps:
-                index.add_manifest(await load_manifest(store, c.job, c.step, c.node))
+                try:
+                    manifest = await load_manifest(store, c.job, c.step, c.node)
+                except FormatError as exc:
+                    # dedupe is an optimisation: an unreadable manifest only costs bytes
+                    log.warning("not deduplicating against %s/%s/%s: %s", *astuple(c)[:3], exc)
+                    continue
+                index.add_manifest(manifest)
         return index
 
 

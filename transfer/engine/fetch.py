@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from transfer.codec import decode
 from transfer.engine.errors import first_error
-from transfer.errors import FormatError, IntegrityError, NotFoundError
+from transfer.errors import FormatError, IntegrityError, NotFoundError, RangeNotSatisfiableError
 from transfer.format.chunkid import chunk_id
 from transfer.format.layout import pack_key
 from transfer.format.manifest import Manifest
@@ -131,8 +131,12 @@ async def fetch_chunks(
         while (r := queue.get_nowait() if not queue.empty() else None) is not None:
             try:
                 blob = await store.get(pack_key(r.pack_id), r.start, r.end)
-            except NotFoundError:
-                reason = f"pack {r.pack_id} is missing from the store"
+            except (NotFoundError, RangeNotSatisfiableError) as exc:
+                reason = (
+                    f"pack {r.pack_id} is missing from the store"
+                    if isinstance(exc, NotFoundError)
+                    else f"pack {r.pack_id} is truncated"
+                )
                 if on_bad is None:
                     raise IntegrityError(
                         f"{reason} (needed by chunk {r.chunks[0].id})", [c.id for c in r.chunks]

@@ -51,15 +51,16 @@ def _zero_chunk_id(size: int) -> str:
     return chunk_id(bytes(size))
 
 
-def merge_parts(manifests: list[Manifest]) -> list[FileEntry]:
-    """One file list from every node's part. Two nodes may hold the same file only if it
-    has the same content (e.g. a replicated .metadata)."""
+def merge_parts(manifests: list[Manifest]) -> list[tuple[FileEntry, Manifest]]:
+    """One file list from every node's part, each file with the manifest whose pack list its
+    chunks index. Two nodes may hold the same file only with the same content and mode
+    (e.g. a replicated .metadata)."""
     merged: dict[str, tuple[FileEntry, Manifest]] = {}
     for m in manifests:
         for f in m.files:
             if f.path in merged:
                 other, owner = merged[f.path]
-                if [c.id for c in other.chunks] != [c.id for c in f.chunks]:
+                if (other.mode, [c.id for c in other.chunks]) != (f.mode, [c.id for c in f.chunks]):
                     raise FormatError(
                         f"nodes {owner.node} and {m.node} hold different versions of {f.path}"
                     )
@@ -71,7 +72,7 @@ def merge_parts(manifests: list[Manifest]) -> list[FileEntry]:
         for depth in range(1, len(parts)):
             if "/".join(parts[:depth]) in paths:
                 raise FormatError(f"{'/'.join(parts[:depth])!r} is both a file and a directory")
-    return [merged[p][0] for p in sorted(merged)]
+    return [merged[p] for p in sorted(merged)]
 
 
 async def pull(
@@ -88,15 +89,14 @@ async def pull(
     progress = progress or NoProgress()
     started = time.monotonic()
     manifests = await resolve_manifests(store, job, step, node)
-    packs_of = {id(m): m.packs for m in manifests}
-    files = merge_parts(manifests)
-    owner = {f.path: m for m in manifests for f in m.files}
+    parts = merge_parts(manifests)
+    files = [f for f, _ in parts]
 
     # chunk id -> (where to read it, where to write it: [(file index, file offset)])
     sources: dict[str, ChunkSource] = {}
     targets: dict[str, list[tuple[int, int]]] = defaultdict(list)
-    for fi, f in enumerate(files):
-        packs = packs_of[id(owner[f.path])]
+    for fi, (f, owner) in enumerate(parts):
+        packs = owner.packs
         for offset, c in f.chunk_offsets():
             check_encoding(c.enc)
             sources.setdefault(

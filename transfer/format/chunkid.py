@@ -13,7 +13,7 @@ from blake3 import blake3
 
 HASH_NAME = "blake3"
 HEX_LEN = 64
-_HEX_RE = re.compile(r"^[0-9a-f]{64}$")
+_HEX_RE = re.compile(r"^[0-9a-f]{64}\Z")
 
 
 def chunk_id(data: bytes | bytearray | memoryview) -> str:

@@ -21,8 +21,8 @@ STORE_VERSION = 1
 
 PACKS_PREFIX = "packs/"
 MANIFESTS_PREFIX = "manifests/"
-_PACK_ID_RE = re.compile(r"^[0-9a-f]{32}$")
-_MANIFEST_KEY_RE = re.compile(r"^manifests/(?P<job>[^/]+)/(?P<step>\d{18})/(?P<node>[^/]+)\.json$")
+_PACK_ID_RE = re.compile(r"^[0-9a-f]{32}\Z")
+_MANIFEST_KEY_RE = re.compile(r"^manifests/(?P<job>[^/]+)/(?P<step>\d{18})/(?P<node>[^/]+)\.json\Z")
 
 
 def new_pack_id() -> str:
@@ -78,7 +78,7 @@ def check_store_descriptor(doc: object) -> None:
     if not isinstance(doc, dict) or doc.get("format") != STORE_FORMAT:
         raise FormatError(f"{STORE_DESCRIPTOR_KEY} does not describe a ckpt-ferry store")
     version = doc.get("version")
-    if version != STORE_VERSION:
+    if type(version) is not int or version != STORE_VERSION:
         raise FormatError(
             f"store format version {version!r} is not supported by this ferry "
             f"(it reads version {STORE_VERSION}); upgrade ckpt-ferry"

@@ -20,6 +20,7 @@ from transfer.format.paths import check_relative_path
 
 MANIFEST_FORMAT = "ckpt-ferry-manifest"
 MANIFEST_VERSION = 1
+MIN_CHUNK_BYTES = 4096
 MAX_CHUNK_BYTES = 64 << 20  # bounds the memory one chunk may cost a reader
 MAX_FILE_BYTES = 1 << 50
 MAX_FILES = 1_000_000
@@ -149,12 +150,12 @@ def parse_manifest(raw: bytes) -> Manifest:
         raise FormatError(f"manifest is {len(raw)} bytes, over the {MAX_MANIFEST_BYTES} limit")
     try:
         doc = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:
         raise FormatError(f"manifest is not valid JSON: {exc}") from None
     if not isinstance(doc, dict) or doc.get("format") != MANIFEST_FORMAT:
         raise FormatError("not a ckpt-ferry manifest (missing or wrong 'format')")
     version = doc.get("version")
-    if version != MANIFEST_VERSION:
+    if type(version) is not int or version != MANIFEST_VERSION:
         raise FormatError(
             f"manifest version {version!r} is not supported (this reader understands "
             f"version {MANIFEST_VERSION}); upgrade ckpt-ferry"
@@ -167,7 +168,7 @@ def parse_manifest(raw: bytes) -> Manifest:
     created_at = doc.get("created_at")
     if not isinstance(created_at, str):
         raise FormatError("manifest: 'created_at' must be a string")
-    chunk_size = _int(doc, "chunk_size", "manifest", 1, MAX_CHUNK_BYTES)
+    chunk_size = _int(doc, "chunk_size", "manifest", MIN_CHUNK_BYTES, MAX_CHUNK_BYTES)
     packs_doc = doc.get("packs")
     if not isinstance(packs_doc, list):
         raise FormatError("manifest: 'packs' must be a list")
@@ -193,6 +194,11 @@ def parse_manifest(raw: bytes) -> Manifest:
         chunks = tuple(_parse_chunk(c, where, len(packs)) for c in chunks_doc)
         if sum(c.size for c in chunks) != size:
             raise FormatError(f"{where}: chunk sizes do not add up to the file size {size}")
+        # fixed-size chunks at fixed offsets: all but the last are exactly chunk_size
+        if any(c.size != chunk_size for c in chunks[:-1]) or (
+            chunks and not 0 < chunks[-1].size <= chunk_size
+        ):
+            raise FormatError(f"{where}: chunks do not follow the chunk_size {chunk_size} rule")
         files.append(FileEntry(path=path, size=size, mode=mode, chunks=chunks))
     _check_no_file_dir_clash(seen)
     extra = doc.get("extra", {})

@@ -10,7 +10,7 @@ import re
 
 from transfer.errors import FormatError
 
-_SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")
 _STEP_IN_DIRNAME = re.compile(r"(\d+)(?!.*\d)")
 MAX_STEP = 10**18 - 1  # fits the 18-digit zero-padded key component
 

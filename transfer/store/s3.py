@@ -19,7 +19,13 @@ from typing import Any
 
 import s3fs
 
-from transfer.errors import AccessDeniedError, AlreadyExistsError, NotFoundError, StoreError
+from transfer.errors import (
+    AccessDeniedError,
+    AlreadyExistsError,
+    NotFoundError,
+    RangeNotSatisfiableError,
+    StoreError,
+)
 from transfer.store.base import ObjectInfo, Store, Upload, check_key
 
 MIN_PART_SIZE = 5 << 20
@@ -41,6 +47,8 @@ def _map_error(exc: BaseException, what: str) -> StoreError:
     status = _http_status(exc)
     if status == 412 or isinstance(exc, FileExistsError):
         return AlreadyExistsError(f"{what}: already exists")
+    if status == 416:
+        return RangeNotSatisfiableError(f"{what}: range past the end of the object")
     if isinstance(exc, FileNotFoundError) or status == 404:
         return NotFoundError(f"{what}: {exc}")
     if isinstance(exc, PermissionError) or status in (401, 403):
