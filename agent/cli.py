@@ -53,6 +53,12 @@ def _add_transfer_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--zstd-level", type=int, default=d.zstd_level, help="zstd level for chunks; 0 stores raw"
     )
+    p.add_argument(
+        "--max-chain",
+        type=int,
+        default=d.max_chain,
+        help="most decode steps any restore may need (a keyframe beyond that)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,6 +71,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--job", required=True)
     p.add_argument("--step", type=int, help="default: the number in the directory name")
     p.add_argument("--node", default=None, help="default: $FERRY_NODE or the host name")
+    p.add_argument("--base-step", type=int, help="delta base (default: the previous step)")
+    p.add_argument(
+        "--base-dir",
+        type=Path,
+        help="local copy of the base checkpoint (default: a sibling step dir)",
+    )
+    p.add_argument("--full", action="store_true", help="store a keyframe: no delta base")
     _add_store_args(p)
     _add_transfer_args(p)
 
@@ -74,6 +87,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--job", required=True)
     p.add_argument("--step", default="latest", help="a step number or 'latest' (default)")
     p.add_argument("--node", default=None, help="only this node's part (default: all parts)")
+    p.add_argument(
+        "--base-dir",
+        type=Path,
+        help="a local checkpoint of the job: chunks it holds are not downloaded",
+    )
     _add_store_args(p)
     _add_transfer_args(p)
 
@@ -102,6 +120,7 @@ def _transfer_options(args: argparse.Namespace) -> TransferOptions:
         window=args.window,
         workers=args.workers,
         zstd_level=args.zstd_level or None,
+        max_chain=args.max_chain,
     )
 
 
@@ -129,13 +148,18 @@ async def _cmd_push(store: Store, args: argparse.Namespace) -> tuple[dict[str, A
         node=args.node or _default_node(),
         options=_transfer_options(args),
         progress=_progress(args),
+        base_step=args.base_step,
+        base_dir=args.base_dir,
+        full=args.full,
     )
     rate = r.bytes_raw / r.seconds / 1e6 if r.seconds else 0.0
     note = " (already committed, identical)" if r.already_committed else ""
     line = (
         f"pushed {r.job} step {r.step} node {r.node}: {r.files} files, {_human(r.bytes_raw)}, "
         f"wrote {_human(r.bytes_transferred)} ({r.chunks_deduped}/{r.chunks_total} chunks "
-        f"deduplicated) in {r.seconds:.2f}s, {rate:,.0f} MB/s{note}"
+        f"deduplicated, {r.chunks_delta} delta-coded"
+        + (f" against step {r.base_step}" if r.base_step is not None else "")
+        + f") in {r.seconds:.2f}s, {rate:,.0f} MB/s{note}"
     )
     return r.to_dict(), line
 
@@ -150,11 +174,14 @@ async def _cmd_pull(store: Store, args: argparse.Namespace) -> tuple[dict[str, A
         node=args.node,
         options=_transfer_options(args),
         progress=_progress(args),
+        base_dir=args.base_dir,
     )
     rate = r.bytes_raw / r.seconds / 1e6 if r.seconds else 0.0
     line = (
         f"pulled {r.job} step {r.step} ({len(r.nodes)} part(s)) into {r.dest}: {r.files} files, "
-        f"{_human(r.bytes_raw)}, read {_human(r.bytes_transferred)} in {r.seconds:.2f}s, "
+        f"{_human(r.bytes_raw)}, read {_human(r.bytes_transferred)}"
+        + (f" ({r.chunks_local} chunks reused locally)" if r.chunks_local else "")
+        + f" in {r.seconds:.2f}s, "
         f"{rate:,.0f} MB/s, every chunk verified"
     )
     return r.to_dict(), line

@@ -1,8 +1,15 @@
 """Chunk encodings: pure functions on buffers, bit-exact round trips.
 
-Callers run them in worker threads; zstandard releases the GIL around (de)compression.
+Callers run them in worker threads; zstandard and numpy release the GIL for the heavy work.
 """
 
-from transfer.codec.encodings import KNOWN_ENCODINGS, check_encoding, decode, encode
+from transfer.codec.encodings import (
+    KNOWN_ENCODINGS,
+    check_encoding,
+    decode,
+    encode,
+    encode_as,
+    needs_base,
+)
 
-__all__ = ["KNOWN_ENCODINGS", "check_encoding", "decode", "encode"]
+__all__ = ["KNOWN_ENCODINGS", "check_encoding", "decode", "encode", "encode_as", "needs_base"]

@@ -1,8 +1,14 @@
-"""Encodings v1: ``raw`` (bytes as they are) and ``zstd`` (one zstd frame).
+"""Chunk encodings: a pipeline of reversible steps named by joining them with ``+``.
 
-The writer keeps zstd only when it saves at least ``MIN_SAVING`` of the chunk, so random
-data costs nothing extra to store or to decode. Later encodings (byte planes, deltas against a
-base chunk) register here under new names; a reader refuses names it does not know.
+    raw                      the bytes as they are
+    zstd                     one zstd frame (content size in the header)
+    bp2+zstd, bp4+zstd       byte planes of 2-byte (bf16/fp16) or 4-byte (fp32) elements, zstd
+    xor+zstd, xor+bp2+zstd,  XOR against the chunk's *base* (the same file offset in the base
+    xor+bp4+zstd             checkpoint), then as above: needs the base's bytes to decode
+
+The writer tries the candidates on small samples of the chunk, encodes it whole with the
+best, and keeps the result only when it saves at least ``MIN_SAVING`` over raw, so random data
+costs nothing extra. A reader refuses names it does not know.
 """
 
 from __future__ import annotations
@@ -11,12 +17,16 @@ import threading
 
 import zstandard
 
+from transfer.codec.transforms import from_planes, to_planes, xor_with_base
 from transfer.errors import FormatError, UnknownEncodingError
 
 RAW = "raw"
 ZSTD = "zstd"
-KNOWN_ENCODINGS = frozenset({RAW, ZSTD})
+PLAIN_CANDIDATES = ("zstd", "bp4+zstd", "bp2+zstd")
+DELTA_CANDIDATES = ("xor+bp4+zstd", "xor+bp2+zstd", "xor+zstd")
+KNOWN_ENCODINGS = frozenset({RAW, *PLAIN_CANDIDATES, *DELTA_CANDIDATES})
 MIN_SAVING = 0.01
+SAMPLE_BYTES = 64 << 10  # per sample; two samples decide the encoding of a large chunk
 
 # ZstdCompressor/Decompressor objects are not thread-safe: one per worker thread.
 _local = threading.local()
@@ -43,20 +53,78 @@ def check_encoding(enc: str) -> None:
         )
 
 
-def encode(data: bytes | memoryview, zstd_level: int | None) -> tuple[str, bytes]:
-    """Return (encoding, payload): zstd when it pays, else raw. ``None`` disables zstd."""
+def needs_base(enc: str) -> bool:
+    return enc.split("+", 1)[0] == "xor"
+
+
+def _transform(enc: str, data: bytes, base: bytes | None) -> bytes:
+    """Apply every step of ``enc`` except the final zstd."""
+    for step in enc.split("+"):
+        if step == "xor":
+            assert base is not None
+            data = xor_with_base(data, base)
+        elif step in ("bp2", "bp4"):
+            data = to_planes(data, int(step[2]))
+    return data
+
+
+def _samples(data: bytes) -> list[bytes]:
+    if len(data) <= 2 * SAMPLE_BYTES:
+        return [data]
+    out = []
+    for frac in (0.25, 0.75):
+        start = int(len(data) * frac) // 8 * 8
+        out.append(data[start : start + SAMPLE_BYTES])
+    return out
+
+
+def _pick(data: bytes, base: bytes | None, candidates: tuple[str, ...], level: int) -> str:
+    """The candidate that compresses samples of ``data`` best (ties: the earlier one)."""
+    cctx = _compressor(min(level, 1))
+    pieces = _samples(data)
+    base_pieces = _samples(base) if base is not None and len(base) == len(data) else None
+    best, best_size = candidates[0], None
+    for enc in candidates:
+        size = 0
+        for i, piece in enumerate(pieces):
+            piece_base = base_pieces[i] if base_pieces is not None else base
+            size += len(cctx.compress(_transform(enc, piece, piece_base)))
+        if best_size is None or size < best_size:
+            best, best_size = enc, size
+    return best
+
+
+def encode(
+    data: bytes | memoryview, zstd_level: int | None, base: bytes | None = None
+) -> tuple[str, bytes]:
+    """Return (encoding, payload). ``base``: the base chunk's bytes, to try delta coding.
+    ``zstd_level=None`` stores raw."""
     raw = bytes(data)
     if zstd_level is None or not raw:
         return RAW, raw
-    packed = _compressor(zstd_level).compress(raw)
+    candidates = (DELTA_CANDIDATES + PLAIN_CANDIDATES) if base else PLAIN_CANDIDATES
+    enc = _pick(raw, base, candidates, zstd_level) if len(candidates) > 1 else candidates[0]
+    packed = _compressor(zstd_level).compress(_transform(enc, raw, base))
     if len(packed) <= len(raw) * (1 - MIN_SAVING):
-        return ZSTD, packed
+        return enc, packed
     return RAW, raw
 
 
-def decode(enc: str, payload: bytes | memoryview, size: int) -> bytes:
+def encode_as(enc: str, data: bytes, zstd_level: int, base: bytes | None = None) -> bytes:
+    """Payload of ``data`` in the given encoding (no choosing, no raw fallback)."""
+    check_encoding(enc)
+    if enc == RAW:
+        return bytes(data)
+    if needs_base(enc) and base is None:
+        raise ValueError(f"encoding {enc!r} needs a base")
+    return _compressor(zstd_level).compress(_transform(enc, bytes(data), base))
+
+
+def decode(enc: str, payload: bytes | memoryview, size: int, base: bytes | None = None) -> bytes:
     """Decode one chunk to exactly ``size`` bytes, or raise (never return a short buffer)."""
     check_encoding(enc)
+    if needs_base(enc) and base is None:
+        raise FormatError(f"encoding {enc!r} needs the base chunk's bytes")
     if enc == RAW:
         out = bytes(payload)
     else:
@@ -67,6 +135,12 @@ def decode(enc: str, payload: bytes | memoryview, size: int) -> bytes:
             out = _decompressor().decompress(payload, max_output_size=size)
         except zstandard.ZstdError as exc:
             raise FormatError(f"zstd payload does not decode: {exc}") from None
+        for step in reversed(enc.split("+")[:-1]):
+            if step == "xor":
+                assert base is not None
+                out = xor_with_base(out, base)
+            else:
+                out = from_planes(out, int(step[2]))
     if len(out) != size:
         raise FormatError(f"chunk decodes to {len(out)} bytes, expected {size}")
     return out

@@ -1,4 +1,5 @@
-"""Which chunks a store already holds, and where: built from committed manifests.
+"""Which chunks a store already holds, where, and what each delta chunk needs: built from
+committed manifests.
 
 Only manifests are trusted as an index: a pack without a manifest may be a crashed push's
 leftover that GC is about to delete, so nothing deduplicates against it.
@@ -7,7 +8,8 @@ leftover that GC is about to delete, so nothing deduplicates against it.
 from __future__ import annotations
 
 import logging
-from dataclasses import astuple, dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass
 
 from transfer.engine.catalog import list_checkpoints, load_manifest
 from transfer.errors import FormatError
@@ -20,15 +22,18 @@ log = logging.getLogger(__name__)
 @dataclass(frozen=True, slots=True)
 class StoredChunk:
     id: str
+    size: int
     enc: str
     pack_id: str
     offset: int
     stored: int
+    base: str | None = None
 
 
 class ChunkIndex:
     def __init__(self) -> None:
         self._chunks: dict[str, StoredChunk] = {}
+        self._depth: dict[str, int] = {}
 
     def __len__(self) -> int:
         return len(self._chunks)
@@ -36,12 +41,41 @@ class ChunkIndex:
     def get(self, cid: str) -> StoredChunk | None:
         return self._chunks.get(cid)
 
+    def add(self, chunk: StoredChunk) -> None:
+        self._chunks.setdefault(chunk.id, chunk)
+
     def add_manifest(self, manifest: Manifest) -> None:
-        for entry in manifest.files:
-            for c in entry.chunks:
-                self._chunks.setdefault(
-                    c.id, StoredChunk(c.id, c.enc, manifest.packs[c.pack], c.offset, c.stored)
-                )
+        for c in manifest.all_chunks():
+            self.add(
+                StoredChunk(c.id, c.size, c.enc, manifest.packs[c.pack], c.offset, c.stored, c.base)
+            )
+
+    def depth(self, cid: str) -> int:
+        """Decode steps to restore ``cid`` (0: not a delta). Manifests are validated to have
+        complete, acyclic chains, so every base is known here."""
+        if cid in self._depth:
+            return self._depth[cid]
+        chain, cur = [], self._chunks.get(cid)
+        while cur is not None and cur.base is not None and cur.id not in self._depth:
+            chain.append(cur.id)
+            cur = self._chunks.get(cur.base)
+        base_depth = 0 if cur is None or cur.base is None else self._depth.get(cur.id, 0)
+        for i, link in enumerate(reversed(chain)):
+            self._depth[link] = base_depth + 1 + i
+        return self._depth.get(cid, 0)
+
+    def closure(self, ids: Iterable[str]) -> list[StoredChunk]:
+        """The base chunks that the given chunks need, transitively, in no particular order."""
+        seen: set[str] = set()
+        out: list[StoredChunk] = []
+        for cid in ids:
+            cur = self._chunks.get(cid)
+            while cur is not None and cur.base is not None and cur.base not in seen:
+                seen.add(cur.base)
+                base = self._chunks[cur.base]
+                out.append(base)
+                cur = base
+        return out
 
     @classmethod
     async def load(cls, store: Store, job: str, newest_steps: int) -> ChunkIndex:
@@ -54,22 +88,25 @@ class ChunkIndex:
                     manifest = await load_manifest(store, c.job, c.step, c.node)
                 except FormatError as exc:
                     # dedupe is an optimisation: an unreadable manifest only costs bytes
-                    log.warning("not deduplicating against %s/%s/%s: %s", *astuple(c)[:3], exc)
+                    log.warning(
+                        "not deduplicating against %s/%s/%s: %s", c.job, c.step, c.node, exc
+                    )
                     continue
                 index.add_manifest(manifest)
         return index
 
 
 def build_refs(
-    chunks: list[list[tuple[StoredChunk, int]]],
-) -> tuple[tuple[str, ...], list[tuple[ChunkRef, ...]]]:
-    """Manifest form of per-file chunk lists: (pack ids, per-file ChunkRefs indexing them)."""
+    files: list[list[StoredChunk]], bases: list[StoredChunk]
+) -> tuple[tuple[str, ...], list[tuple[ChunkRef, ...]], tuple[ChunkRef, ...]]:
+    """Manifest form: (pack ids, per-file ChunkRefs, base ChunkRefs), all indexing one
+    pack list."""
     pack_index: dict[str, int] = {}
-    files = []
-    for file_chunks in chunks:
-        refs = []
-        for stored, size in file_chunks:
-            idx = pack_index.setdefault(stored.pack_id, len(pack_index))
-            refs.append(ChunkRef(stored.id, size, stored.enc, idx, stored.offset, stored.stored))
-        files.append(tuple(refs))
-    return tuple(pack_index), files
+
+    def ref(s: StoredChunk) -> ChunkRef:
+        idx = pack_index.setdefault(s.pack_id, len(pack_index))
+        return ChunkRef(s.id, s.size, s.enc, idx, s.offset, s.stored, s.base)
+
+    file_refs = [tuple(ref(s) for s in chunks) for chunks in files]
+    base_refs = tuple(ref(s) for s in bases)
+    return tuple(pack_index), file_refs, base_refs

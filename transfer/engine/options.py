@@ -22,6 +22,11 @@ class TransferOptions:
     zstd_level: int | None = 1
     #: how many of the job's newest steps to deduplicate against
     dedupe_steps: int = 16
+    #: delta-code changed chunks against the base checkpoint's chunk at the same offset
+    delta: bool = True
+    #: decode steps a restore of any chunk may need (a chunk whose base is already this deep
+    #: is stored as a keyframe instead)
+    max_chain: int = 4
 
     def __post_init__(self) -> None:
         if not 4096 <= self.chunk_size <= 64 << 20:
@@ -30,5 +35,7 @@ class TransferOptions:
             raise ValueError("part_size must be at least chunk_size")
         if self.pack_size < self.part_size or self.pack_size > self.part_size * 10_000:
             raise ValueError("pack_size must be within part_size..10,000 x part_size")
+        if not 1 <= self.max_chain <= 32:
+            raise ValueError("max_chain must be within 1..32")
         if self.window < 1 or self.workers < 1:
             raise ValueError("window and workers must be positive")

@@ -14,16 +14,19 @@ import secrets
 import shutil
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
-from transfer.codec import check_encoding
+from transfer.codec import check_encoding, needs_base
 from transfer.engine.catalog import resolve_manifests
-from transfer.engine.fetch import ChunkSource, fetch_chunks
+from transfer.engine.chunkindex import ChunkIndex, StoredChunk
+from transfer.engine.fetch import fetch_chunks
 from transfer.engine.options import TransferOptions
 from transfer.engine.progress import NoProgress, Progress
+from transfer.engine.resolver import ChunkResolver
 from transfer.errors import DestinationError, FerryError, FormatError
 from transfer.format.chunkid import chunk_id
 from transfer.format.manifest import FileEntry, Manifest
@@ -39,6 +42,8 @@ class PullResult:
     bytes_raw: int
     bytes_transferred: int
     chunks_total: int
+    chunks_local: int  # rebuilt from --base-dir instead of downloaded
+    chunks_delta: int  # decoded against a base
     seconds: float
     dest: str
 
@@ -84,28 +89,37 @@ async def pull(
     node: str | None = None,
     options: TransferOptions | None = None,
     progress: Progress | None = None,
+    base_dir: Path | None = None,
 ) -> PullResult:
+    """Restore a checkpoint into ``dest``. ``base_dir``: a local checkpoint of the job (e.g.
+    the previous step) whose chunks are reused, after hash verification, instead of being
+    downloaded, and which supplies delta chunks' bases."""
     options = options or TransferOptions()
     progress = progress or NoProgress()
     started = time.monotonic()
     manifests = await resolve_manifests(store, job, step, node)
     parts = merge_parts(manifests)
     files = [f for f, _ in parts]
-
-    # chunk id -> (where to read it, where to write it: [(file index, file offset)])
-    sources: dict[str, ChunkSource] = {}
-    targets: dict[str, list[tuple[int, int]]] = defaultdict(list)
-    for fi, (f, owner) in enumerate(parts):
-        packs = owner.packs
-        for offset, c in f.chunk_offsets():
+    index = ChunkIndex()
+    for m in manifests:
+        index.add_manifest(m)
+        for c in m.all_chunks():
             check_encoding(c.enc)
-            sources.setdefault(
-                c.id, ChunkSource(c.id, c.enc, c.size, packs[c.pack], c.offset, c.stored)
-            )
+            if needs_base(c.enc) != (c.base is not None):
+                raise FormatError(f"chunk {c.id}: encoding {c.enc!r} and its base disagree")
+
+    # chunk id -> where to write it: [(file index, file offset)]; first position is the hint
+    # for finding it (or its base) in base_dir
+    targets: dict[str, list[tuple[int, int]]] = defaultdict(list)
+    hints: dict[str, tuple[str, int]] = {}
+    for fi, f in enumerate(files):
+        for offset, c in f.chunk_offsets():
             if c.id != _zero_chunk_id(c.size):  # staging files start zero-filled (sparse)
                 targets[c.id].append((fi, offset))
+                hints.setdefault(c.id, (f.path, offset))
 
-    staging = _make_staging(dest)
+    staging = await asyncio.to_thread(_make_staging, dest)
+    dest_abs = staging.parent / dest.name
     bytes_read = 0
 
     def count(n: int) -> None:
@@ -117,20 +131,22 @@ async def pull(
         progress.start(sum(f.size for f in files), "pull")
         paths = [staging / f.path for f in files]
 
-        def write(c: ChunkSource, data: bytes) -> None:
+        def write(c: StoredChunk, data: bytes) -> None:
             for fi, offset in targets.get(c.id, ()):
                 _pwrite_all(paths[fi], offset, data)
             progress.advance(len(data) * max(1, len(targets.get(c.id, ()))))
 
         with ThreadPoolExecutor(options.workers, thread_name_prefix="ferry-pull") as pool:
+            resolver = ChunkResolver(store, index, pool, base_dir, on_bytes_read=count)
+            local = await _reuse_local(resolver, index, targets, hints, write, options.window)
+            remote = [index.get(cid) for cid in targets if cid not in local]
             await fetch_chunks(
-                store,
-                [s for cid, s in sources.items() if cid in targets],
-                pool=pool,
+                resolver,
+                [c for c in remote if c is not None],
                 part_size=options.part_size,
                 window=options.window,
                 sink=write,
-                on_bytes_read=count,
+                hints=hints,
             )
         await asyncio.to_thread(_seal, staging, files, dest)
     except BaseException:
@@ -145,9 +161,41 @@ async def pull(
         bytes_raw=sum(f.size for f in files),
         bytes_transferred=bytes_read,
         chunks_total=sum(len(f.chunks) for f in files),
+        chunks_local=len(local),
+        chunks_delta=sum(1 for f in files for c in f.chunks if c.base and c.id not in local),
         seconds=time.monotonic() - started,
-        dest=str(dest),
+        dest=str(dest_abs),
     )
+
+
+async def _reuse_local(
+    resolver: ChunkResolver,
+    index: ChunkIndex,
+    targets: dict[str, list[tuple[int, int]]],
+    hints: dict[str, tuple[str, int]],
+    write: Callable[[StoredChunk, bytes], None],
+    window: int,
+) -> set[str]:
+    """Write every target chunk that base_dir holds (verified) at the same position."""
+    found: set[str] = set()
+    if resolver.local_root is None:
+        return found
+    loop = asyncio.get_running_loop()
+    todo = iter(list(targets))
+
+    async def worker() -> None:
+        for cid in todo:
+            chunk = index.get(cid)
+            assert chunk is not None
+            data = await resolver.local(cid, chunk.size, hints[cid])
+            if data is not None:
+                await loop.run_in_executor(resolver.pool, write, chunk, data)
+                found.add(cid)
+
+    async with asyncio.TaskGroup() as tasks:
+        for _ in range(min(window, len(targets))):
+            tasks.create_task(worker())
+    return found
 
 
 def _make_staging(dest: Path) -> Path:

@@ -1,26 +1,34 @@
-"""push: checkpoint directory -> chunks -> hash -> dedupe -> encode -> packs -> manifest.
+"""push: checkpoint directory -> chunks -> hash -> dedupe -> delta/encode -> packs -> manifest.
 
 Commit protocol: the manifest is written create-only, and only after every pack it names is
 complete (durable), so a reader never sees a manifest whose chunks are missing and a push
 that dies at any point leaves no manifest (only unreferenced packs, which GC collects).
+
+Deltas: the base is the newest committed checkpoint of the same job and node before this
+step (or ``base_step``). A changed chunk is encoded against the base's chunk at the same file
+offset when that pays and the base's chain is shorter than ``max_chain``. Base bytes come
+from a local copy when one matches the base manifest's hashes, else from the store.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
-from transfer.codec import encode
+from transfer.codec import encode, needs_base
+from transfer.engine.base import BasePlan, choose_base
 from transfer.engine.catalog import load_manifest, open_catalog
 from transfer.engine.chunkindex import ChunkIndex, StoredChunk, build_refs
 from transfer.engine.errors import first_error
 from transfer.engine.options import TransferOptions
 from transfer.engine.packer import PackWriter
 from transfer.engine.progress import NoProgress, Progress
+from transfer.engine.resolver import ChunkResolver
 from transfer.engine.scan import SourceFile, read_range, scan_checkpoint
 from transfer.errors import AlreadyExistsError, FerryError
 from transfer.format import layout
@@ -28,6 +36,8 @@ from transfer.format.chunkid import chunk_id
 from transfer.format.manifest import FileEntry, Manifest
 from transfer.format.names import check_name, check_step
 from transfer.store.base import Store
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -41,6 +51,11 @@ class PushResult:
     chunks_total: int
     chunks_new: int
     chunks_deduped: int
+    chunks_delta: int  # new chunks stored as a delta against the base
+    chunks_raw: int  # new chunks stored on their own (raw or compressed): keyframes
+    encode_seconds: float  # thread time spent delta-coding and compressing
+    base_step: int | None
+    base_local: bool  # base bytes came from a verified local copy
     packs: int
     seconds: float
     already_committed: bool = False
@@ -58,7 +73,13 @@ async def push(
     node: str,
     options: TransferOptions | None = None,
     progress: Progress | None = None,
+    base_step: int | None = None,
+    base_dir: Path | None = None,
+    full: bool = False,
 ) -> PushResult:
+    """Push ``ckpt_dir`` as (job, step, node). ``full`` forces a keyframe (no delta base);
+    ``base_dir`` is a local copy of the base checkpoint (default: a sibling directory named
+    for the base step)."""
     options = options or TransferOptions()
     progress = progress or NoProgress()
     check_name("job", job)
@@ -68,11 +89,22 @@ async def push(
     sources = await asyncio.to_thread(scan_checkpoint, ckpt_dir)
     await open_catalog(store, create=True)
     index = await ChunkIndex.load(store, job, options.dedupe_steps)
-    run = _PushRun(store, options, index, progress)
+    base = None
+    if options.delta and not full:
+        base = await choose_base(
+            store, ckpt_dir, job=job, step=step, node=node, base_step=base_step, base_dir=base_dir
+        )
+        if base is not None:
+            index.add_manifest(base.manifest)
+    run = _PushRun(store, options, index, progress, base)
     with ThreadPoolExecutor(options.workers, thread_name_prefix="ferry-push") as pool:
         run.pool = pool
+        run.resolver = ChunkResolver(store, index, pool, base.local_dir if base else None)
         placed = await run.encode_all(sources)
-    pack_ids, refs = build_refs(placed)
+    file_ids = [c.id for chunks in placed for c in chunks]
+    in_files = set(file_ids)
+    bases = [b for b in index.closure(file_ids) if b.id not in in_files]
+    pack_ids, refs, base_refs = build_refs(placed, bases)
     files = tuple(
         FileEntry(src.path, src.size, src.mode, file_refs)
         for src, file_refs in zip(sources, refs, strict=True)
@@ -85,6 +117,7 @@ async def push(
         chunk_size=options.chunk_size,
         packs=pack_ids,
         files=files,
+        bases=base_refs,
     )
     blob = manifest.to_json()
     already = False
@@ -114,6 +147,11 @@ async def push(
         chunks_total=run.chunks_total,
         chunks_new=run.chunks_new,
         chunks_deduped=run.chunks_total - run.chunks_new,
+        chunks_delta=run.chunks_delta,
+        chunks_raw=run.chunks_new - run.chunks_delta,
+        encode_seconds=round(run.encode_seconds, 3),
+        base_step=base.manifest.step if base else None,
+        base_local=bool(base and base.local_dir and run.resolver and run.resolver.local_hits),
         packs=len(run.new_packs),
         seconds=time.monotonic() - started,
         already_committed=already,
@@ -121,20 +159,29 @@ async def push(
 
 
 class _PushRun:
-    """State of one push: the dedupe index, the pack writer, counters."""
+    """State of one push: the dedupe index, the base, the pack writer, counters."""
 
     def __init__(
-        self, store: Store, options: TransferOptions, index: ChunkIndex, progress: Progress
+        self,
+        store: Store,
+        options: TransferOptions,
+        index: ChunkIndex,
+        progress: Progress,
+        base: BasePlan | None,
     ) -> None:
         self.store = store
         self.options = options
         self.index = index
         self.progress = progress
+        self.base = base
         self.pool: ThreadPoolExecutor | None = None
+        self.resolver: ChunkResolver | None = None
         self.new_packs: list[str] = []
         self.bytes_stored = 0
         self.chunks_total = 0
         self.chunks_new = 0
+        self.chunks_delta = 0
+        self.encode_seconds = 0.0
         # chunks first seen in this push: id -> future of its location (others wait on it)
         self._pending: dict[str, asyncio.Future[StoredChunk]] = {}
         self._writer: PackWriter | None = None
@@ -146,9 +193,9 @@ class _PushRun:
         if self._writer is not None:
             await self._writer.abort()
 
-    async def encode_all(self, sources: list[SourceFile]) -> list[list[tuple[StoredChunk, int]]]:
+    async def encode_all(self, sources: list[SourceFile]) -> list[list[StoredChunk]]:
         size = self.options.chunk_size
-        slots: list[list[tuple[StoredChunk, int] | None]] = [
+        slots: list[list[StoredChunk | None]] = [
             [None] * ((f.size + size - 1) // size) for f in sources
         ]
         work: asyncio.Queue[tuple[int, int] | None] = asyncio.Queue(maxsize=self.options.workers)
@@ -177,19 +224,16 @@ class _PushRun:
                     await w
                 self.new_packs = await self._writer.finish()
         except BaseException as exc:
-            await self._writer_cleanup()
+            if self._writer is not None:
+                await asyncio.shield(self._writer.abort())
             raise first_error(exc) from None
         return [[c for c in file_slots if c is not None] for file_slots in slots]
-
-    async def _writer_cleanup(self) -> None:
-        if self._writer is not None:
-            await asyncio.shield(self._writer.abort())
 
     async def _worker(
         self,
         work: asyncio.Queue[tuple[int, int] | None],
         sources: list[SourceFile],
-        slots: list[list[tuple[StoredChunk, int] | None]],
+        slots: list[list[StoredChunk | None]],
     ) -> None:
         loop = asyncio.get_running_loop()
         size = self.options.chunk_size
@@ -199,10 +243,10 @@ class _PushRun:
             offset = ci * size
             length = min(size, src.size - offset)
             data, cid = await loop.run_in_executor(self.pool, _read_and_hash, src, offset, length)
-            slots[fi][ci] = (await self._place(cid, data), length)
+            slots[fi][ci] = await self._place(cid, data, src.path, offset)
             self.progress.advance(length)
 
-    async def _place(self, cid: str, data: bytes) -> StoredChunk:
+    async def _place(self, cid: str, data: bytes, path: str, offset: int) -> StoredChunk:
         """Where chunk ``cid`` lives: already stored, being stored by this push, or new."""
         self.chunks_total += 1
         known = self.index.get(cid)
@@ -213,22 +257,51 @@ class _PushRun:
         future: asyncio.Future[StoredChunk] = asyncio.get_running_loop().create_future()
         self._pending[cid] = future
         try:
-            loop = asyncio.get_running_loop()
-            enc, payload = await loop.run_in_executor(
-                self.pool, encode, data, self.options.zstd_level
-            )
-            assert self._writer is not None
-            where = await self._writer.add(payload)
+            stored = await self._store_new(cid, data, path, offset)
         except BaseException as exc:
             future.set_exception(exc)
             future.exception()  # mark retrieved: the worker's own error is what surfaces
             raise
-        stored = StoredChunk(cid, enc, where.pack_id, where.offset, where.stored)
         future.set_result(stored)
+        self.index.add(stored)
         self.chunks_new += 1
         return stored
+
+    async def _base_bytes(self, cid: str, path: str, offset: int) -> tuple[str, bytes] | None:
+        """(base id, base bytes) for the chunk at (path, offset), when a delta is allowed."""
+        if self.base is None or self.resolver is None:
+            return None
+        base_ref = self.base.chunk_at(path, offset)
+        if base_ref is None or base_ref.id == cid:
+            return None
+        if self.index.depth(base_ref.id) + 1 > self.options.max_chain:
+            return None  # keyframe: keeps every restore within max_chain decode steps
+        try:
+            return base_ref.id, await self.resolver.raw(base_ref.id, (path, offset))
+        except FerryError as exc:  # a delta is an optimisation: fall back to a keyframe
+            log.warning("base chunk %s unavailable, storing a keyframe: %s", base_ref.id, exc)
+            return None
+
+    async def _store_new(self, cid: str, data: bytes, path: str, offset: int) -> StoredChunk:
+        loop = asyncio.get_running_loop()
+        base = await self._base_bytes(cid, path, offset)
+        enc, payload, spent = await loop.run_in_executor(
+            self.pool, _encode_timed, data, self.options.zstd_level, base[1] if base else None
+        )
+        self.encode_seconds += spent
+        base_id = base[0] if base and needs_base(enc) else None
+        self.chunks_delta += base_id is not None
+        assert self._writer is not None
+        where = await self._writer.add(payload)
+        return StoredChunk(cid, len(data), enc, where.pack_id, where.offset, where.stored, base_id)
 
 
 def _read_and_hash(src: SourceFile, offset: int, length: int) -> tuple[bytes, str]:
     data = read_range(src.abspath, offset, length)
     return data, chunk_id(data)
+
+
+def _encode_timed(data: bytes, level: int | None, base: bytes | None) -> tuple[str, bytes, float]:
+    began = time.perf_counter()
+    enc, payload = encode(data, level, base)
+    return enc, payload, time.perf_counter() - began

@@ -8,8 +8,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from transfer.engine.catalog import list_checkpoints, load_manifest, open_catalog
-from transfer.engine.fetch import ChunkSource, chunk_sources, fetch_chunks
+from transfer.engine.chunkindex import ChunkIndex
+from transfer.engine.fetch import fetch_chunks
 from transfer.engine.options import TransferOptions
+from transfer.engine.resolver import ChunkResolver
 from transfer.errors import CheckpointNotFoundError
 from transfer.store.base import Store
 
@@ -59,31 +61,31 @@ async def verify(
     if not entries:
         raise CheckpointNotFoundError(f"nothing matches in {store.url}")
     result = VerifyResult(checkpoints=len(entries))
-    chunks: dict[str, ChunkSource] = {}
+    index = ChunkIndex()
     used_by: dict[str, list[str]] = defaultdict(list)
     for c in entries:
         m = await load_manifest(store, c.job, c.step, c.node)
-        for src in chunk_sources(m):
-            chunks.setdefault(src.id, src)
+        index.add_manifest(m)
         for f in m.files:
             for ch in f.chunks:
                 used_by[ch.id].append(f"{m.job}/{m.step}/{m.node}:{f.path}")
-    result.chunks = len(chunks)
+        for ch in m.bases:
+            used_by[ch.id].append(f"{m.job}/{m.step}/{m.node}:(base of a delta chunk)")
+    result.chunks = len(used_by)
     bad: dict[str, str] = {}
 
     def count(n: int) -> None:
         result.bytes_read += n
 
     with ThreadPoolExecutor(options.workers, thread_name_prefix="ferry-verify") as pool:
+        resolver = ChunkResolver(store, index, pool, on_bytes_read=count)
         await fetch_chunks(
-            store,
-            chunks.values(),
-            pool=pool,
+            resolver,
+            [chunk for cid in used_by if (chunk := index.get(cid)) is not None],
             part_size=options.part_size,
             window=options.window,
             sink=lambda c, data: None,
             on_bad=lambda c, reason: bad.__setitem__(c.id, reason),
-            on_bytes_read=count,
         )
     result.bad = [
         BadChunk(cid, reason, tuple(sorted(set(used_by[cid]))))

@@ -19,7 +19,9 @@ from transfer.format.names import check_name, check_step
 from transfer.format.paths import check_relative_path
 
 MANIFEST_FORMAT = "ckpt-ferry-manifest"
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2  # 2 added delta chunks: "base" on a chunk and the "bases" table
+READABLE_VERSIONS = (1, 2)
+MAX_CHAIN = 64  # decode steps a reader accepts for one chunk (writers use far fewer)
 MIN_CHUNK_BYTES = 4096
 MAX_CHUNK_BYTES = 64 << 20  # bounds the memory one chunk may cost a reader
 MAX_FILE_BYTES = 1 << 50
@@ -37,6 +39,7 @@ class ChunkRef:
     pack: int  # index into Manifest.packs
     offset: int  # byte offset of the encoded chunk inside the pack
     stored: int  # encoded length in the pack
+    base: str | None = None  # id of the chunk this one is a delta against
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +66,14 @@ class Manifest:
     chunk_size: int
     packs: tuple[str, ...]
     files: tuple[FileEntry, ...]
+    #: chunks needed only as bases of delta chunks (transitively), with their locations
+    bases: tuple[ChunkRef, ...] = ()
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def all_chunks(self) -> Iterator[ChunkRef]:
+        for f in self.files:
+            yield from f.chunks
+        yield from self.bases
 
     @property
     def bytes_raw(self) -> int:
@@ -90,28 +100,33 @@ class Manifest:
             "created_at": self.created_at,
             "chunk_size": self.chunk_size,
             "packs": list(self.packs),
+            "bases": [_chunk_doc(c) for c in self.bases],
             "files": [
                 {
                     "path": f.path,
                     "size": f.size,
                     "mode": f.mode,
-                    "chunks": [
-                        {
-                            "id": c.id,
-                            "size": c.size,
-                            "enc": c.enc,
-                            "pack": c.pack,
-                            "offset": c.offset,
-                            "stored": c.stored,
-                        }
-                        for c in f.chunks
-                    ],
+                    "chunks": [_chunk_doc(c) for c in f.chunks],
                 }
                 for f in self.files
             ],
             **({"extra": self.extra} if self.extra else {}),
         }
         return json.dumps(doc, separators=(",", ":")).encode()
+
+
+def _chunk_doc(c: ChunkRef) -> dict[str, Any]:
+    doc: dict[str, Any] = {
+        "id": c.id,
+        "size": c.size,
+        "enc": c.enc,
+        "pack": c.pack,
+        "offset": c.offset,
+        "stored": c.stored,
+    }
+    if c.base is not None:
+        doc["base"] = c.base
+    return doc
 
 
 def _int(doc: dict[str, Any], key: str, where: str, lo: int = 0, hi: int = 1 << 62) -> int:
@@ -121,7 +136,7 @@ def _int(doc: dict[str, Any], key: str, where: str, lo: int = 0, hi: int = 1 << 
     return value
 
 
-def _parse_chunk(doc: object, where: str, n_packs: int) -> ChunkRef:
+def _parse_chunk(doc: object, where: str, n_packs: int, version: int) -> ChunkRef:
     if not isinstance(doc, dict):
         raise FormatError(f"{where}: chunk must be an object")
     cid = doc.get("id")
@@ -130,6 +145,9 @@ def _parse_chunk(doc: object, where: str, n_packs: int) -> ChunkRef:
     enc = doc.get("enc")
     if not isinstance(enc, str) or not enc or len(enc) > 64:
         raise FormatError(f"{where}: chunk encoding {enc!r} is not a name")
+    base = doc.get("base")
+    if base is not None and (version < 2 or not is_chunk_id(base) or base == cid):
+        raise FormatError(f"{where}: chunk {cid} has an invalid base {base!r}")
     return ChunkRef(
         id=cid,  # type: ignore[arg-type]  # checked by is_chunk_id
         size=_int(doc, "size", where, 0, MAX_CHUNK_BYTES),
@@ -137,6 +155,7 @@ def _parse_chunk(doc: object, where: str, n_packs: int) -> ChunkRef:
         pack=_int(doc, "pack", where, 0, max(n_packs - 1, 0)) if n_packs else _no_pack(where),
         offset=_int(doc, "offset", where),
         stored=_int(doc, "stored", where, 0, MAX_CHUNK_BYTES + (1 << 20)),
+        base=base,
     )
 
 
@@ -155,10 +174,10 @@ def parse_manifest(raw: bytes) -> Manifest:
     if not isinstance(doc, dict) or doc.get("format") != MANIFEST_FORMAT:
         raise FormatError("not a ckpt-ferry manifest (missing or wrong 'format')")
     version = doc.get("version")
-    if type(version) is not int or version != MANIFEST_VERSION:
+    if type(version) is not int or version not in READABLE_VERSIONS:
         raise FormatError(
             f"manifest version {version!r} is not supported (this reader understands "
-            f"version {MANIFEST_VERSION}); upgrade ckpt-ferry"
+            f"versions {', '.join(map(str, READABLE_VERSIONS))}); upgrade ckpt-ferry"
         )
     if doc.get("hash") != HASH_NAME:
         raise FormatError(f"manifest hash {doc.get('hash')!r} is not supported ({HASH_NAME})")
@@ -191,7 +210,7 @@ def parse_manifest(raw: bytes) -> Manifest:
         chunks_doc = fdoc.get("chunks")
         if not isinstance(chunks_doc, list):
             raise FormatError(f"{where}: 'chunks' must be a list")
-        chunks = tuple(_parse_chunk(c, where, len(packs)) for c in chunks_doc)
+        chunks = tuple(_parse_chunk(c, where, len(packs), version) for c in chunks_doc)
         if sum(c.size for c in chunks) != size:
             raise FormatError(f"{where}: chunk sizes do not add up to the file size {size}")
         # fixed-size chunks at fixed offsets: all but the last are exactly chunk_size
@@ -201,10 +220,40 @@ def parse_manifest(raw: bytes) -> Manifest:
             raise FormatError(f"{where}: chunks do not follow the chunk_size {chunk_size} rule")
         files.append(FileEntry(path=path, size=size, mode=mode, chunks=chunks))
     _check_no_file_dir_clash(seen)
+    bases_doc = doc.get("bases", [])
+    if not isinstance(bases_doc, list) or (bases_doc and version < 2):
+        raise FormatError("manifest: 'bases' must be a list (version 2 and later)")
+    bases = tuple(_parse_chunk(c, "manifest bases", len(packs), version) for c in bases_doc)
     extra = doc.get("extra", {})
     if not isinstance(extra, dict):
         raise FormatError("manifest: 'extra' must be an object")
-    return Manifest(job, step, node, created_at, chunk_size, packs, tuple(files), extra)
+    manifest = Manifest(job, step, node, created_at, chunk_size, packs, tuple(files), bases, extra)
+    chain_depths(manifest)  # every base resolves, no cycles, bounded chains
+    return manifest
+
+
+def chain_depths(manifest: Manifest) -> dict[str, int]:
+    """Decode steps per chunk id (0: no base). Raises FormatError when a base is missing
+    from the manifest, the chain loops, or it is longer than MAX_CHAIN."""
+    by_id = {c.id: c for c in manifest.all_chunks()}
+    depth: dict[str, int] = {}
+    for start in by_id:
+        chain: list[str] = []
+        cid: str | None = start
+        while cid is not None and cid not in depth:
+            if cid in chain or len(chain) > MAX_CHAIN:
+                raise FormatError(f"chunk {start}: base chain loops or exceeds {MAX_CHAIN}")
+            chain.append(cid)
+            ref = by_id.get(cid)
+            if ref is None:
+                raise FormatError(f"chunk {chain[-2]}: its base {cid} is not in the manifest")
+            cid = ref.base
+        known = -1 if cid is None else depth[cid]
+        for i, link in enumerate(reversed(chain)):
+            depth[link] = known + 1 + i
+        if depth[start] > MAX_CHAIN:
+            raise FormatError(f"chunk {start}: base chain exceeds {MAX_CHAIN}")
+    return depth
 
 
 def _check_no_file_dir_clash(paths: set[str]) -> None:

@@ -13,6 +13,7 @@ import contextlib
 import errno
 import os
 import secrets
+import threading
 from pathlib import Path
 
 from transfer.errors import AccessDeniedError, AlreadyExistsError, NotFoundError, StoreError
@@ -66,6 +67,14 @@ class LocalUpload(Upload):
         self._final = store.path_of(key)
         self._tmp = _temp_path(self._final)
         self._fd: int | None = None
+        # complete() and abort() may race (abort runs while a cancelled complete's thread
+        # is still going): whoever takes the fd closes it, exactly once
+        self._fd_lock = threading.Lock()
+
+    def _take_fd(self) -> int | None:
+        with self._fd_lock:
+            fd, self._fd = self._fd, None
+        return fd
 
     def _open(self) -> None:
         self._final.parent.mkdir(parents=True, exist_ok=True)
@@ -73,11 +82,13 @@ class LocalUpload(Upload):
 
     async def write_part(self, number: int, offset: int, data: bytes) -> None:
         def write() -> None:
-            assert self._fd is not None
+            fd = self._fd
+            if fd is None:
+                raise StoreError(f"upload of {self.key} is closed")
             view = memoryview(data)
             pos = 0
             while pos < len(view):
-                pos += os.pwrite(self._fd, view[pos:], offset + pos)
+                pos += os.pwrite(fd, view[pos:], offset + pos)
 
         try:
             await asyncio.to_thread(write)
@@ -86,10 +97,13 @@ class LocalUpload(Upload):
 
     async def complete(self, *, create_only: bool = False) -> None:
         def finish() -> None:
-            assert self._fd is not None
-            os.fsync(self._fd)
-            os.close(self._fd)
-            self._fd = None
+            fd = self._take_fd()
+            if fd is None:
+                raise StoreError(f"upload of {self.key} was aborted")
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
             _publish(self._tmp, self._final, create_only)
 
         try:
@@ -99,9 +113,9 @@ class LocalUpload(Upload):
 
     async def abort(self) -> None:
         def discard() -> None:
-            if self._fd is not None:
-                os.close(self._fd)
-                self._fd = None
+            fd = self._take_fd()
+            if fd is not None:
+                os.close(fd)
             self._tmp.unlink(missing_ok=True)
 
         await asyncio.to_thread(discard)

@@ -1,0 +1,208 @@
+"""Delta coding between successive checkpoints: bit-exact codecs, bounded chains, pulls that
+reuse a local base, and bad bases that never produce wrong bytes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from agent.cli import main as ferry
+from tests.conftest import open_test_store, tree_bytes, write_file
+from transfer.codec import KNOWN_ENCODINGS, decode, encode, encode_as, needs_base
+from transfer.engine import TransferOptions, pull, push
+from transfer.engine.catalog import list_checkpoints, load_manifest
+from transfer.format.manifest import chain_depths
+
+MiB = 1 << 20
+SMALL = ["--chunk-size-mib", "1", "--part-size-mib", "5", "--pack-size-mib", "10"]
+
+# Float bit patterns that break naive coders: NaNs, infinities, denormals, signed zeros.
+SPECIAL_F32 = np.array(
+    [np.nan, np.inf, -np.inf, 0.0, -0.0, 1e-45, -1e-45, 1.17e-38, 3.4e38, 1.0], np.float32
+).tobytes()
+
+
+def float_like() -> st.SearchStrategy[bytes]:
+    """Arbitrary bytes, odd lengths, and byte strings built from special float patterns."""
+    specials = st.lists(st.integers(0, 9), max_size=300).map(
+        lambda idx: b"".join(SPECIAL_F32[4 * i : 4 * i + 4] for i in idx)
+    )
+    return st.one_of(st.binary(max_size=5000), specials, specials.map(lambda b: b[1:]))
+
+
+@given(float_like(), float_like(), st.sampled_from(sorted(KNOWN_ENCODINGS)))
+@settings(max_examples=300, deadline=None)
+def test_every_encoding_round_trips_for_any_bytes_and_base(
+    data: bytes, base: bytes, enc: str
+) -> None:
+    payload = encode_as(enc, data, 1, base if needs_base(enc) else None)
+    assert decode(enc, payload, len(data), base if needs_base(enc) else None) == data
+
+
+@given(float_like(), st.one_of(st.none(), float_like()))
+@settings(max_examples=200, deadline=None)
+def test_chosen_encoding_round_trips(data: bytes, base: bytes | None) -> None:
+    enc, payload = encode(data, 1, base)
+    assert decode(enc, payload, len(data), base if needs_base(enc) else None) == data
+
+
+def test_delta_against_a_wrong_base_never_yields_the_right_hash_silently() -> None:
+    rng = np.random.default_rng(1)
+    base = rng.normal(0, 0.02, 1 << 18).astype(np.float32)
+    new = (base + 1e-5).astype(np.float32)
+    enc, payload = encode(new.tobytes(), 1, base.tobytes())
+    assert needs_base(enc)
+    wrong = decode(enc, payload, new.nbytes, os.urandom(base.nbytes))
+    assert wrong != new.tobytes()  # pull catches this by hashing every decoded chunk
+
+
+def test_random_data_costs_at_most_one_percent_over_raw() -> None:
+    data, base = os.urandom(4 * MiB), os.urandom(4 * MiB)
+    enc, payload = encode(data, 1, base)
+    assert enc == "raw" and len(payload) <= len(data) * 1.01
+
+
+# --- a synthetic AdamW-like series -------------------------------------------------------
+
+
+def adamw_series(root: Path, saves: int, *, frozen: float = 0.0, seed: int = 0) -> list[Path]:
+    """DCP-shaped checkpoints: weights + two moments, updated a little between saves;
+    ``frozen`` is the fraction of weights (and their moments) that never change."""
+    rng = np.random.default_rng(seed)
+    n = 3 * MiB // 4  # 3 MiB per tensor
+    w = rng.normal(0, 0.02, n).astype(np.float32)
+    m = rng.normal(0, 1e-4, n).astype(np.float32)
+    v = np.abs(rng.normal(0, 1e-8, n)).astype(np.float32)
+    live = np.arange(n) >= int(n * frozen)
+    dirs = []
+    for k in range(saves):
+        d = root / f"step_{(k + 1) * 20:06d}"
+        write_file(d / "__0_0.distcp", w.tobytes() + m.tobytes())
+        write_file(d / "__1_0.distcp", v.tobytes())
+        write_file(d / ".metadata", b"dcp")
+        dirs.append(d)
+        g = rng.normal(0, 1e-3, n).astype(np.float32)
+        m = np.where(live, 0.9 * m + 0.1 * g, m).astype(np.float32)
+        v = np.where(live, 0.999 * v + 0.001 * g * g, v).astype(np.float32)
+        w = np.where(live, w - 3e-5 * m / (np.sqrt(v) + 1e-8) * 1e-2, w).astype(np.float32)
+    return dirs
+
+
+def push_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:  # type: ignore[type-arg]
+    assert ferry([*argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)  # type: ignore[no-any-return]
+
+
+def test_successive_checkpoints_are_delta_coded_and_pull_byte_exact(
+    store_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    k0, k1 = adamw_series(tmp_path / "hot", 2, frozen=0.5)
+    first = push_json(capsys, "push", str(k0), store_url, "--job", "d", "--node", "n", *SMALL)
+    assert first["chunks_delta"] == 0 and first["base_step"] is None
+    second = push_json(capsys, "push", str(k1), store_url, "--job", "d", "--node", "n", *SMALL)
+    assert second["base_step"] == 20 and second["base_local"] is True  # sibling step dir
+    assert second["chunks_delta"] > 0 and second["chunks_deduped"] > 0
+    assert second["bytes_transferred"] < 0.6 * second["bytes_raw"]
+    assert second["chunks_raw"] + second["chunks_delta"] == second["chunks_new"]
+
+    out = tmp_path / "cold"
+    pulled = push_json(capsys, "pull", store_url, str(out), "--job", "d", *SMALL)
+    assert pulled["chunks_delta"] > 0
+    assert tree_bytes(out) == tree_bytes(k1)
+
+
+def test_pull_onto_a_node_holding_the_base_downloads_only_the_deltas(
+    store_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    k0, k1 = adamw_series(tmp_path / "hot", 2, frozen=0.5)
+    push_json(capsys, "push", str(k0), store_url, "--job", "d", "--node", "n", *SMALL)
+    second = push_json(capsys, "push", str(k1), store_url, "--job", "d", "--node", "n", *SMALL)
+    held = tmp_path / "node2" / "step_000020"
+    shutil.copytree(k0, held)
+    out = tmp_path / "node2" / "step_000040"
+    pulled = push_json(
+        capsys, "pull", store_url, str(out), "--job", "d", "--base-dir", str(held), *SMALL
+    )
+    assert tree_bytes(out) == tree_bytes(k1)
+    assert pulled["chunks_local"] > 0
+    # only what the second push wrote (its deltas) is downloaded, never the unchanged chunks
+    assert pulled["bytes_transferred"] <= second["bytes_transferred"]
+
+
+def test_corrupt_local_base_falls_back_to_the_store(
+    local_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    k0, k1 = adamw_series(tmp_path / "hot", 2)
+    push_json(capsys, "push", str(k0), local_url, "--job", "d", "--node", "n", *SMALL)
+    push_json(capsys, "push", str(k1), local_url, "--job", "d", "--node", "n", *SMALL)
+    held = tmp_path / "held"
+    shutil.copytree(k0, held)
+    with open(held / "__0_0.distcp", "r+b") as fh:  # damage every MiB of the local base
+        for off in range(0, os.path.getsize(held / "__0_0.distcp"), MiB):
+            fh.seek(off + 100)
+            fh.write(b"\x00\x01\x02\x03")
+    out = tmp_path / "out"
+    push_json(capsys, "pull", local_url, str(out), "--job", "d", "--base-dir", str(held), *SMALL)
+    assert tree_bytes(out) == tree_bytes(k1)
+
+
+def test_missing_base_pack_fails_clearly_and_leaves_nothing(
+    local_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    k0, k1 = adamw_series(tmp_path / "hot", 2)
+    push_json(capsys, "push", str(k0), local_url, "--job", "d", "--node", "n", *SMALL)
+
+    async def packs() -> set[str]:
+        store = open_test_store(local_url)
+        return {o.key for o in await store.list("packs/")}
+
+    first_packs = asyncio.run(packs())
+    second = push_json(capsys, "push", str(k1), local_url, "--job", "d", "--node", "n", *SMALL)
+    assert second["chunks_delta"] > 0
+    for key in first_packs:  # the base's packs vanish (a broken GC, a manual delete)
+        os.remove(Path(local_url) / key)
+    out = tmp_path / "out"
+    assert ferry(["pull", local_url, str(out), "--job", "d", "--step", "40"]) == 1
+    assert "missing" in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_restore_chains_are_bounded_and_every_step_restores(tmp_path: Path) -> None:
+    series = adamw_series(tmp_path / "hot", 6, seed=3)
+    opts = TransferOptions(chunk_size=MiB, part_size=5 * MiB, pack_size=10 * MiB, max_chain=2)
+    store_dir = tmp_path / "store"
+    store_dir.mkdir()
+
+    async def go() -> list[int]:
+        store = open_test_store(str(store_dir))
+        for d in series:
+            step = int(d.name.split("_")[1])
+            await push(store, d, job="c", step=step, node="n", options=opts)
+        depths = []
+        for c in await list_checkpoints(store, "c"):
+            m = await load_manifest(store, c.job, c.step, c.node)
+            depths.append(max(chain_depths(m).values()))
+            await pull(store, tmp_path / f"r{c.step}", job="c", step=c.step, options=opts)
+        return depths
+
+    depths = asyncio.run(go())
+    assert max(depths) == 2, depths  # deltas were used, and never chained past max_chain
+    for d in series:
+        assert tree_bytes(tmp_path / f"r{int(d.name.split('_')[1])}") == tree_bytes(d)
+
+
+def test_full_forces_a_keyframe(
+    local_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    k0, k1 = adamw_series(tmp_path / "hot", 2)
+    push_json(capsys, "push", str(k0), local_url, "--job", "d", "--node", "n", *SMALL)
+    r = push_json(capsys, "push", str(k1), local_url, "--job", "d", "--node", "n", "--full")
+    assert r["chunks_delta"] == 0 and r["base_step"] is None

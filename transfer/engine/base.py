@@ -1,0 +1,69 @@
+"""Choosing the delta base of a push, and where its bytes can be read locally."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from transfer.engine.catalog import list_checkpoints, load_manifest
+from transfer.errors import CheckpointNotFoundError
+from transfer.format.manifest import ChunkRef, Manifest
+from transfer.format.names import step_from_dirname
+from transfer.store.base import Store
+
+
+@dataclass
+class BasePlan:
+    manifest: Manifest
+    local_dir: Path | None  # a local copy to try first (every chunk is hash-checked)
+    _by_path: dict[str, tuple[ChunkRef, ...]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._by_path = {f.path: f.chunks for f in self.manifest.files}
+
+    def chunk_at(self, path: str, offset: int) -> ChunkRef | None:
+        """The base's chunk at the same file offset (DCP writes the same layout each save)."""
+        chunks = self._by_path.get(path)
+        index = offset // self.manifest.chunk_size
+        if chunks is None or offset % self.manifest.chunk_size or index >= len(chunks):
+            return None
+        return chunks[index]
+
+
+async def choose_base(
+    store: Store,
+    ckpt_dir: Path,
+    *,
+    job: str,
+    step: int,
+    node: str,
+    base_step: int | None,
+    base_dir: Path | None,
+) -> BasePlan | None:
+    """The newest committed part of (job, node) before ``step``, or ``base_step``."""
+    steps = [c.step for c in await list_checkpoints(store, job) if c.node == node]
+    if base_step is not None:
+        if base_step not in steps:
+            raise CheckpointNotFoundError(f"base step {base_step} of {job}/{node} is not committed")
+        chosen = base_step
+    else:
+        earlier = [s for s in steps if s < step]
+        if not earlier:
+            return None
+        chosen = max(earlier)
+    manifest = await load_manifest(store, job, chosen, node)
+    if manifest.chunk_size <= 0:
+        return None
+    return BasePlan(manifest, base_dir or _sibling_with_step(ckpt_dir, chosen))
+
+
+def _sibling_with_step(ckpt_dir: Path, step: int) -> Path | None:
+    """A directory beside ``ckpt_dir`` whose name carries ``step`` (e.g. step_000100)."""
+    parent = ckpt_dir.absolute().parent
+    try:
+        for candidate in parent.iterdir():
+            if candidate.is_dir() and step_from_dirname(candidate.name) == step:
+                return candidate
+    except OSError:
+        return None
+    return None

@@ -1,0 +1,108 @@
+"""Raw bytes of any chunk by id: from a verified local copy when one is at hand, else from
+the store (fetching and decoding its base chain first).
+
+Local copies are found by position: a delta chunk's base sits at the same file path and
+offset in the base checkpoint, so the caller passes that position as a hint; the bytes
+there are used only when they hash to the expected id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from transfer.codec import decode
+from transfer.engine.chunkindex import ChunkIndex, StoredChunk
+from transfer.errors import FormatError, IntegrityError, NotFoundError, RangeNotSatisfiableError
+from transfer.format.chunkid import chunk_id
+from transfer.format.layout import pack_key
+from transfer.store.base import Store
+
+Hint = tuple[str, int]  # (relative file path, offset in the file)
+
+
+def read_local_chunk(root: Path, rel: str, offset: int, size: int, expected: str) -> bytes | None:
+    """The bytes at ``root/rel[offset:offset+size]`` if they hash to ``expected``."""
+    path = root / rel  # rel comes from a validated manifest: it cannot leave root
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        data = os.pread(fd, size, offset)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    if len(data) != size or chunk_id(data) != expected:
+        return None
+    return data
+
+
+def decode_verified(chunk: StoredChunk, payload: bytes, base: bytes | None) -> bytes:
+    """Decode and check the hash; any mismatch is an IntegrityError naming the chunk."""
+    try:
+        data = decode(chunk.enc, payload, chunk.size, base)
+    except FormatError as exc:
+        msg = f"chunk {chunk.id} in pack {chunk.pack_id} is corrupt: {exc}"
+        raise IntegrityError(msg, [chunk.id]) from None
+    if chunk_id(data) != chunk.id:
+        raise IntegrityError(
+            f"chunk {chunk.id} in pack {chunk.pack_id} is corrupt: its bytes hash to "
+            "something else" + (" (or its base is)" if chunk.base else ""),
+            [chunk.id],
+        )
+    return data
+
+
+class ChunkResolver:
+    def __init__(
+        self,
+        store: Store,
+        index: ChunkIndex,
+        pool: ThreadPoolExecutor,
+        local_root: Path | None = None,
+        on_bytes_read: Callable[[int], None] = lambda n: None,
+    ) -> None:
+        self.store = store
+        self.index = index
+        self.pool = pool
+        self.local_root = local_root
+        self.on_bytes_read = on_bytes_read
+        self.local_hits = 0
+
+    async def local(self, cid: str, size: int, hint: Hint | None) -> bytes | None:
+        if self.local_root is None or hint is None:
+            return None
+        loop = asyncio.get_running_loop()
+        data = await loop.run_in_executor(
+            self.pool, read_local_chunk, self.local_root, hint[0], hint[1], size, cid
+        )
+        if data is not None:
+            self.local_hits += 1
+        return data
+
+    async def raw(self, cid: str, hint: Hint | None = None) -> bytes:
+        chunk = self.index.get(cid)
+        if chunk is None:
+            raise IntegrityError(f"chunk {cid} is needed but no manifest says where it is", [cid])
+        local = await self.local(cid, chunk.size, hint)
+        if local is not None:
+            return local
+        try:
+            payload = await self.store.get(
+                pack_key(chunk.pack_id), chunk.offset, chunk.offset + chunk.stored
+            )
+        except (NotFoundError, RangeNotSatisfiableError):
+            raise IntegrityError(
+                f"chunk {cid}: pack {chunk.pack_id} is missing or truncated", [cid]
+            ) from None
+        self.on_bytes_read(len(payload))
+        if len(payload) != chunk.stored:
+            raise IntegrityError(f"chunk {cid}: pack {chunk.pack_id} is truncated", [cid])
+        base = await self.raw(chunk.base, hint) if chunk.base else None
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self.pool, decode_verified, chunk, payload, base)
