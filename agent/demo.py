@@ -1,42 +1,53 @@
 """``ferry demo``: the whole flow on an embedded default, in a scratch directory.
 
 Writes three DCP-shaped checkpoints of a small "training run" (float32 weights and Adam
-moments; some layers frozen, so successive saves share most chunks), pushes each to a
-local-directory store, pulls the latest into a fresh directory, checks it byte for byte,
-and prints what moved.
+state advanced by AdamW-like steps; half the ranks frozen, so successive saves share their
+chunks and the rest delta-code against the previous save), pushes each to a local-directory
+store, pulls the latest into a fresh directory, checks it byte for byte, and prints what
+moved.
 """
 
 from __future__ import annotations
 
 import asyncio
 import filecmp
-import random
 import shutil
 import tempfile
-from array import array
 from pathlib import Path
+
+import numpy as np
 
 from transfer.engine import TransferOptions, pull, push
 from transfer.store.local import LocalStore
 
-SHARD_FLOATS = 2 << 20  # 8 MiB of float32 per shard
+SHARD_FLOATS = 2 << 20  # 8 MiB of float32 per tensor
 FROZEN_SHARDS = 2  # of 4: embeddings and early layers do not change between saves
 
 
-def _floats(rng: random.Random, n: int, scale: float) -> bytes:
-    return array("f", (rng.gauss(0.0, scale) for _ in range(n))).tobytes()
+class TinyRun:
+    """Weights and Adam moments per rank, advanced by AdamW-like steps between saves."""
 
+    def __init__(self, ranks: int = 4, seed: int = 0) -> None:
+        rng = np.random.default_rng(seed)
+        self.rng = rng
+        self.weights = [rng.normal(0, 0.02, SHARD_FLOATS).astype(np.float32) for _ in range(ranks)]
+        self.exp_avg_sq = [np.full(SHARD_FLOATS, 1e-6, np.float32) for _ in range(ranks)]
 
-def write_checkpoint(root: Path, step: int) -> Path:
-    """A DCP-shaped directory: 4 shards + .metadata; trained shards change every save."""
-    ckpt = root / f"step_{step:06d}"
-    ckpt.mkdir(parents=True)
-    for rank in range(4):
-        trained = rank >= FROZEN_SHARDS
-        rng = random.Random(rank * 1000 + (step if trained else 0))
-        (ckpt / f"__{rank}_0.distcp").write_bytes(_floats(rng, SHARD_FLOATS, 0.02))
-    (ckpt / ".metadata").write_bytes(f"dcp-metadata step={step}\n".encode())
-    return ckpt
+    def train(self, steps: int, lr: float = 3e-5) -> None:
+        for rank in range(FROZEN_SHARDS, len(self.weights)):
+            for _ in range(steps):
+                grad = self.rng.normal(0, 1e-3, SHARD_FLOATS).astype(np.float32)
+                v = self.exp_avg_sq[rank] = 0.999 * self.exp_avg_sq[rank] + 0.001 * grad * grad
+                self.weights[rank] -= (lr * grad / (np.sqrt(v) + 1e-8)).astype(np.float32)
+
+    def save(self, root: Path, step: int) -> Path:
+        """A DCP-shaped directory: one shard per rank (weights + Adam state) + .metadata."""
+        ckpt = root / f"step_{step:06d}"
+        ckpt.mkdir(parents=True)
+        for rank, (w, v) in enumerate(zip(self.weights, self.exp_avg_sq, strict=True)):
+            (ckpt / f"__{rank}_0.distcp").write_bytes(w.tobytes() + v.tobytes())
+        (ckpt / ".metadata").write_bytes(f"dcp-metadata step={step}\n".encode())
+        return ckpt
 
 
 async def run_demo(workdir: Path) -> None:
@@ -45,16 +56,20 @@ async def run_demo(workdir: Path) -> None:
     store = LocalStore(store_dir)
     options = TransferOptions(chunk_size=4 << 20)
     print(f"ferry demo in {workdir}")
-    print(f"{'step':>6} {'raw MB':>8} {'written MB':>11} {'deduped':>8} {'seconds':>8}")
+    print(
+        f"{'step':>6} {'raw MB':>8} {'written MB':>11} {'deduped':>8} {'delta':>6} {'seconds':>8}"
+    )
     last = None
-    for step in (100, 200, 300):
-        last = write_checkpoint(workdir / "hot", step)
+    run = TinyRun()
+    for step in (100, 120, 140):
+        run.train(4)
+        last = run.save(workdir / "hot", step)
         r = await push(store, last, job="demo", step=step, node="node-a", options=options)
         print(
             f"{step:>6} {r.bytes_raw / 1e6:>8.1f} {r.bytes_transferred / 1e6:>11.1f} "
-            f"{r.chunks_deduped:>4}/{r.chunks_total:<3} {r.seconds:>8.2f}"
+            f"{r.chunks_deduped:>4}/{r.chunks_total:<3} {r.chunks_delta:>6} {r.seconds:>8.2f}"
         )
-    dest = workdir / "restored" / "step_000300"
+    dest = workdir / "restored" / "step_000140"
     p = await pull(store, dest, job="demo", step=None, options=options)
     assert last is not None
     same = not filecmp.dircmp(last, dest).diff_files and sorted(
@@ -65,6 +80,18 @@ async def run_demo(workdir: Path) -> None:
         f"pulled latest (step {p.step}) into {dest}: {p.bytes_raw / 1e6:.1f} MB, read "
         f"{p.bytes_transferred / 1e6:.1f} MB in {p.seconds:.2f}s, every chunk verified; "
         f"identical to the original: {'yes' if same else 'NO'}"
+    )
+    near = await pull(
+        store,
+        workdir / "node-b" / "step_000140",
+        job="demo",
+        step=None,
+        options=options,
+        base_dir=workdir / "hot" / "step_000120",
+    )
+    print(
+        f"pulled it again onto a node that holds step 120: read {near.bytes_transferred / 1e6:.1f}"
+        f" MB ({near.chunks_local} chunks reused from the local copy) in {near.seconds:.2f}s"
     )
     print(f"store holds {stored / 1e6:.1f} MB for 3 checkpoints of {p.bytes_raw / 1e6:.1f} MB each")
     if not same:
