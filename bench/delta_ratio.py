@@ -75,11 +75,13 @@ def codec_speed(pairs: list[tuple[bytes, bytes | None]]) -> tuple[float, float]:
     return total / enc_s / 1e6, total / dec_s / 1e6
 
 
+def step_dirs(series: Path) -> list[Path]:
+    found = [d for d in series.iterdir() if d.is_dir() and step_from_dirname(d.name) is not None]
+    return sorted(found, key=lambda d: step_from_dirname(d.name) or 0)
+
+
 async def measure(series: Path, work: Path) -> list[dict[str, object]]:
-    steps = sorted(
-        (d for d in series.iterdir() if d.is_dir() and step_from_dirname(d.name) is not None),
-        key=lambda d: step_from_dirname(d.name) or 0,
-    )
+    steps = step_dirs(series)
     store_dir = work / "store"
     store_dir.mkdir()
     store = LocalStore(store_dir)
@@ -127,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("series", nargs="+", type=Path)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
-    print("command: python -m bench.delta_ratio " + " ".join(sys.argv[1:] if argv is None else argv))
+    shown = sys.argv[1:] if argv is None else argv
+    print("command: python -m bench.delta_ratio " + " ".join(shown))
     all_rows = []
     header = (
         "| series | step | raw MB | zstd-3 | ours MB | ours/raw | raw/ours | dedup/delta/raw "

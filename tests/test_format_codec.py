@@ -165,3 +165,33 @@ def test_chunks_must_follow_the_fixed_size_rule() -> None:
     doc["chunk_size"] = 8192  # the first chunk (4096) is no longer a full chunk
     with pytest.raises(FormatError, match="chunk_size"):
         parse_manifest(json.dumps(doc).encode())
+
+
+def test_delta_records_must_be_consistent() -> None:
+    import json
+
+    base_doc = json.loads(sample_manifest().to_json())
+    a = base_doc["files"][0]["chunks"][0]["id"]
+    b = base_doc["files"][0]["chunks"][1]["id"]
+
+    doc = json.loads(json.dumps(base_doc))
+    doc["files"][0]["chunks"][1]["base"] = a  # zstd chunk claiming a base
+    with pytest.raises(FormatError, match="disagree"):
+        parse_manifest(json.dumps(doc).encode())
+
+    doc = json.loads(json.dumps(base_doc))
+    doc["files"][0]["chunks"][1].update(enc="xor+bp4+zstd")  # delta without a base
+    with pytest.raises(FormatError, match="disagree"):
+        parse_manifest(json.dumps(doc).encode())
+
+    doc = json.loads(json.dumps(base_doc))
+    doc["files"][0]["chunks"][1].update(enc="xor+zstd", base="f" * 64)  # base nowhere
+    with pytest.raises(FormatError, match="not in the manifest"):
+        parse_manifest(json.dumps(doc).encode())
+
+    # a loop hidden behind a duplicate id: b -> a, and a listed again as a delta on b
+    doc = json.loads(json.dumps(base_doc))
+    doc["files"][0]["chunks"][1].update(enc="xor+zstd", base=a)
+    doc["bases"] = [dict(doc["files"][0]["chunks"][0], enc="xor+zstd", base=b)]
+    with pytest.raises(FormatError, match=r"two different records|loops"):
+        parse_manifest(json.dumps(doc).encode())

@@ -68,27 +68,24 @@ def _transform(enc: str, data: bytes, base: bytes | None) -> bytes:
     return data
 
 
-def _samples(data: bytes) -> list[bytes]:
-    if len(data) <= 2 * SAMPLE_BYTES:
-        return [data]
-    out = []
-    for frac in (0.25, 0.75):
-        start = int(len(data) * frac) // 8 * 8
-        out.append(data[start : start + SAMPLE_BYTES])
-    return out
+def _sample_spans(size: int) -> list[tuple[int, int]]:
+    """Where to sample a chunk: all of it when small, else 64 KiB at 1/4 and 3/4."""
+    if size <= 2 * SAMPLE_BYTES:
+        return [(0, size)]
+    starts = (int(size * frac) // 8 * 8 for frac in (0.25, 0.75))
+    return [(start, start + SAMPLE_BYTES) for start in starts]
 
 
 def _pick(data: bytes, base: bytes | None, candidates: tuple[str, ...], level: int) -> str:
     """The candidate that compresses samples of ``data`` best (ties: the earlier one)."""
     cctx = _compressor(min(level, 1))
-    pieces = _samples(data)
-    base_pieces = _samples(base) if base is not None and len(base) == len(data) else None
+    spans = _sample_spans(len(data))
     best, best_size = candidates[0], None
     for enc in candidates:
         size = 0
-        for i, piece in enumerate(pieces):
-            piece_base = base_pieces[i] if base_pieces is not None else base
-            size += len(cctx.compress(_transform(enc, piece, piece_base)))
+        for lo, hi in spans:  # the base is sampled at the same offsets: XOR aligns them
+            piece_base = base[lo:hi] if base is not None else None
+            size += len(cctx.compress(_transform(enc, data[lo:hi], piece_base)))
         if best_size is None or size < best_size:
             best, best_size = enc, size
     return best

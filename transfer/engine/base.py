@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from transfer.engine.catalog import list_checkpoints, load_manifest
-from transfer.errors import CheckpointNotFoundError
+from transfer.errors import CheckpointNotFoundError, FormatError
 from transfer.format.manifest import ChunkRef, Manifest
 from transfer.format.names import step_from_dirname
 from transfer.store.base import Store
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -51,8 +54,10 @@ async def choose_base(
         if not earlier:
             return None
         chosen = max(earlier)
-    manifest = await load_manifest(store, job, chosen, node)
-    if manifest.chunk_size <= 0:
+    try:
+        manifest = await load_manifest(store, job, chosen, node)
+    except FormatError as exc:  # a delta is an optimisation: push a keyframe instead
+        log.warning("cannot use step %s as delta base, pushing a keyframe: %s", chosen, exc)
         return None
     return BasePlan(manifest, base_dir or _sibling_with_step(ckpt_dir, chosen))
 

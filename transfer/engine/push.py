@@ -269,7 +269,7 @@ class _PushRun:
 
     async def _base_bytes(self, cid: str, path: str, offset: int) -> tuple[str, bytes] | None:
         """(base id, base bytes) for the chunk at (path, offset), when a delta is allowed."""
-        if self.base is None or self.resolver is None:
+        if self.base is None or self.resolver is None or self.options.zstd_level is None:
             return None
         base_ref = self.base.chunk_at(path, offset)
         if base_ref is None or base_ref.id == cid:

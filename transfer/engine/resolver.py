@@ -19,6 +19,7 @@ from transfer.engine.chunkindex import ChunkIndex, StoredChunk
 from transfer.errors import FormatError, IntegrityError, NotFoundError, RangeNotSatisfiableError
 from transfer.format.chunkid import chunk_id
 from transfer.format.layout import pack_key
+from transfer.format.manifest import MAX_CHAIN
 from transfer.store.base import Store
 
 Hint = tuple[str, int]  # (relative file path, offset in the file)
@@ -85,7 +86,9 @@ class ChunkResolver:
             self.local_hits += 1
         return data
 
-    async def raw(self, cid: str, hint: Hint | None = None) -> bytes:
+    async def raw(self, cid: str, hint: Hint | None = None, _depth: int = 0) -> bytes:
+        if _depth > MAX_CHAIN:  # manifests are validated; this guards hand-built indexes
+            raise IntegrityError(f"chunk {cid}: base chain longer than {MAX_CHAIN}", [cid])
         chunk = self.index.get(cid)
         if chunk is None:
             raise IntegrityError(f"chunk {cid} is needed but no manifest says where it is", [cid])
@@ -103,6 +106,6 @@ class ChunkResolver:
         self.on_bytes_read(len(payload))
         if len(payload) != chunk.stored:
             raise IntegrityError(f"chunk {cid}: pack {chunk.pack_id} is truncated", [cid])
-        base = await self.raw(chunk.base, hint) if chunk.base else None
+        base = await self.raw(chunk.base, hint, _depth + 1) if chunk.base else None
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self.pool, decode_verified, chunk, payload, base)

@@ -148,6 +148,9 @@ def _parse_chunk(doc: object, where: str, n_packs: int, version: int) -> ChunkRe
     base = doc.get("base")
     if base is not None and (version < 2 or not is_chunk_id(base) or base == cid):
         raise FormatError(f"{where}: chunk {cid} has an invalid base {base!r}")
+    # encoding grammar (see transfer.codec): a pipeline starting with "xor" needs a base
+    if (enc.split("+", 1)[0] == "xor") != (base is not None):
+        raise FormatError(f"{where}: chunk {cid}: encoding {enc!r} and base disagree")
     return ChunkRef(
         id=cid,  # type: ignore[arg-type]  # checked by is_chunk_id
         size=_int(doc, "size", where, 0, MAX_CHUNK_BYTES),
@@ -235,7 +238,11 @@ def parse_manifest(raw: bytes) -> Manifest:
 def chain_depths(manifest: Manifest) -> dict[str, int]:
     """Decode steps per chunk id (0: no base). Raises FormatError when a base is missing
     from the manifest, the chain loops, or it is longer than MAX_CHAIN."""
-    by_id = {c.id: c for c in manifest.all_chunks()}
+    by_id: dict[str, ChunkRef] = {}
+    for c in manifest.all_chunks():
+        # the same content may be listed many times, but always with one location and base
+        if by_id.setdefault(c.id, c) != c:
+            raise FormatError(f"chunk {c.id} is listed with two different records")
     depth: dict[str, int] = {}
     for start in by_id:
         chain: list[str] = []
