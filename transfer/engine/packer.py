@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from transfer.format.layout import new_pack_id, pack_key
@@ -59,6 +59,9 @@ class PackWriter:
         self._current: _OpenPack | None = None
         self._closing: list[asyncio.Task[None]] = []
         self._uploads: list[asyncio.Task[Upload]] = []
+        # the final write of each pack runs shielded from cancellation, so that after a
+        # failure abort() knows for sure which packs exist and can delete them
+        self._commits: dict[str, asyncio.Future[None]] = {}
         self.completed_packs: list[str] = []
 
     async def add(self, payload: bytes) -> PackLocation:
@@ -90,7 +93,8 @@ class PackWriter:
         for task in self._uploads:
             if task.done() and not task.cancelled() and task.exception() is None:
                 await task.result().abort()
-        for pack_id in self.completed_packs:
+        await asyncio.gather(*self._commits.values(), return_exceptions=True)
+        for pack_id in self._commits:
             with contextlib.suppress(Exception):
                 await self._store.delete(pack_key(pack_id))
 
@@ -125,9 +129,13 @@ class PackWriter:
             await self._flush_part(pack)
         self._closing.append(self._tasks.create_task(self._complete(pack)))
 
+    def _commit(self, pack_id: str, write: Awaitable[None]) -> Awaitable[None]:
+        self._commits[pack_id] = asyncio.ensure_future(write)
+        return asyncio.shield(self._commits[pack_id])
+
     async def _put_whole(self, pack: _OpenPack, data: bytes) -> None:
         try:
-            await self._store.put(pack_key(pack.pack_id), data)
+            await self._commit(pack.pack_id, self._store.put(pack_key(pack.pack_id), data))
             self._on_bytes_stored(len(data))
             self.completed_packs.append(pack.pack_id)
         finally:
@@ -138,5 +146,5 @@ class PackWriter:
         upload = await pack.upload
         for part in pack.parts:
             await part
-        await upload.complete()
+        await self._commit(pack.pack_id, upload.complete())
         self.completed_packs.append(pack.pack_id)

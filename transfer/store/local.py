@@ -67,31 +67,41 @@ class LocalUpload(Upload):
         self._final = store.path_of(key)
         self._tmp = _temp_path(self._final)
         self._fd: int | None = None
-        # complete() and abort() may race (abort runs while a cancelled complete's thread
-        # is still going): whoever takes the fd closes it, exactly once
-        self._fd_lock = threading.Lock()
+        # complete() and abort() may race with each other and with part writes whose
+        # threads outlive a cancelled task: whoever takes the fd closes it, exactly once,
+        # and only after in-flight writes are done (a reused fd number must never be hit)
+        self._fd_cond = threading.Condition()
+        self._writing = 0
 
     def _take_fd(self) -> int | None:
-        with self._fd_lock:
+        with self._fd_cond:
+            self._fd_cond.wait_for(lambda: self._writing == 0)
             fd, self._fd = self._fd, None
         return fd
+
+    def _pwrite(self, offset: int, data: bytes) -> None:
+        with self._fd_cond:
+            fd = self._fd
+            if fd is None:
+                raise StoreError(f"upload of {self.key} is closed")
+            self._writing += 1
+        try:
+            view = memoryview(data)
+            pos = 0
+            while pos < len(view):
+                pos += os.pwrite(fd, view[pos:], offset + pos)
+        finally:
+            with self._fd_cond:
+                self._writing -= 1
+                self._fd_cond.notify_all()
 
     def _open(self) -> None:
         self._final.parent.mkdir(parents=True, exist_ok=True)
         self._fd = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
 
     async def write_part(self, number: int, offset: int, data: bytes) -> None:
-        def write() -> None:
-            fd = self._fd
-            if fd is None:
-                raise StoreError(f"upload of {self.key} is closed")
-            view = memoryview(data)
-            pos = 0
-            while pos < len(view):
-                pos += os.pwrite(fd, view[pos:], offset + pos)
-
         try:
-            await asyncio.to_thread(write)
+            await asyncio.to_thread(self._pwrite, offset, data)
         except OSError as exc:
             raise _map_os_error(exc, f"write {self.key}") from exc
 
