@@ -19,7 +19,6 @@ import dataclasses
 import datetime
 import json
 import os
-import platform
 import secrets
 import shlex
 import shutil
@@ -39,6 +38,7 @@ if str(REPO) not in sys.path:  # also runnable as `python bench/s3_throughput.py
 import blake3  # noqa: E402
 import numpy as np  # noqa: E402
 
+from bench._env import describe_source, machine_info, source_info  # noqa: E402
 from tests.s3server import S3Endpoint, S3Server, start_s3_server  # noqa: E402
 
 RESULTS = REPO / "bench" / "results" / "s3_throughput.json"
@@ -74,6 +74,7 @@ class Sample:
     peak_rss_mb: float
     bytes_moved: int
     server_cpu: float | None  # CPU seconds the S3 server burned meanwhile (local server only)
+    other_cpu: float | None  # busy CPU s of all else (kernel threads, neighbours): noise
     sync_after: float  # seconds an os.sync() took right after (unflushed writes left behind)
     tool_seconds: float | None = None  # what ferry itself reports (no interpreter start-up)
     detail: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -158,6 +159,18 @@ def proc_cpu_seconds(pid: int | None) -> float | None:
     return (int(fields[11]) + int(fields[12])) / ticks  # fields 14 and 15 of stat(5)
 
 
+def system_busy_seconds() -> float | None:
+    """CPU seconds every core has spent busy since boot (/proc/stat), None if unavailable."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    # user nice system idle iowait irq softirq steal: everything but idle and iowait
+    busy = sum(int(x) for i, x in enumerate(fields[1:9]) if i not in (3, 4))
+    return busy / os.sysconf("SC_CLK_TCK")
+
+
 @dataclasses.dataclass
 class Ran:
     returncode: int
@@ -168,29 +181,72 @@ class Ran:
     cpu_sys: float
     peak_rss_mb: float
     server_cpu: float | None
+    other_cpu: float | None  # busy CPU seconds of everything else on the machine meanwhile
+
+
+# Measuring a child's peak RSS needs care: Linux keeps ``maxrss`` across exec, and Python
+# spawns through vfork, so a child's ru_maxrss starts at *this* process's high-water mark
+# (hundreds of MB after generating and hashing the checkpoint). A tiny launcher (python -S,
+# ~10 MB) forks the real command, waits for it and reports its rusage and wall clock, so
+# the numbers belong to the command alone (floor: the launcher's ~10 MB).
+_LAUNCHER = """
+import json, os, sys, time
+t0 = time.perf_counter()
+pid = os.fork()
+if pid == 0:
+    try:
+        os.execvp(sys.argv[2], sys.argv[2:])
+    finally:
+        os._exit(127)
+_, status, ru = os.wait4(pid, 0)
+seconds = time.perf_counter() - t0
+with open(sys.argv[1], "w") as f:
+    json.dump({"seconds": seconds, "utime": ru.ru_utime, "stime": ru.ru_stime,
+               "maxrss_kib": ru.ru_maxrss}, f)
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
 
 
 def run_timed(argv: Sequence[str], env: dict[str, str], server_pid: int | None) -> Ran:
-    """Run ``argv`` to completion; wall clock plus the child's own rusage via wait4."""
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+    """Run ``argv`` to completion: wall clock and the command's own rusage (via wait4)."""
+    with (
+        tempfile.TemporaryFile() as out,
+        tempfile.TemporaryFile() as err,
+        tempfile.NamedTemporaryFile("r", suffix=".json") as usage_file,
+    ):
+        launcher = [sys.executable, "-S", "-c", _LAUNCHER, usage_file.name, *argv]
         srv0 = proc_cpu_seconds(server_pid)
-        t0 = time.perf_counter()
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env)
-        _, status, usage = os.wait4(proc.pid, 0)
-        seconds = time.perf_counter() - t0
+        busy0 = system_busy_seconds()
+        proc = subprocess.run(
+            launcher, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env, check=False
+        )
         srv1 = proc_cpu_seconds(server_pid)
-        proc.returncode = os.waitstatus_to_exitcode(status)  # reaped by us, not by Popen
+        busy1 = system_busy_seconds()
+        usage = json.loads(Path(usage_file.name).read_text() or "{}")
         out.seek(0)
         err.seek(0)
+        stderr = err.read().decode(errors="replace")
+        if not usage:
+            raise SystemExit(f"launcher failed for {shlex.join(argv)}: {stderr[-2000:]}")
         return Ran(
             returncode=proc.returncode,
             stdout=out.read().decode(errors="replace"),
-            stderr=err.read().decode(errors="replace"),
-            seconds=seconds,
-            cpu_user=usage.ru_utime,
-            cpu_sys=usage.ru_stime,
-            peak_rss_mb=usage.ru_maxrss / 1024,  # KiB on Linux
+            stderr=stderr,
+            seconds=usage["seconds"],
+            cpu_user=usage["utime"],
+            cpu_sys=usage["stime"],
+            peak_rss_mb=usage["maxrss_kib"] / 1024,  # KiB on Linux
             server_cpu=None if srv0 is None or srv1 is None else srv1 - srv0,
+            other_cpu=None
+            if busy0 is None or busy1 is None
+            else max(
+                0.0,
+                busy1
+                - busy0
+                - usage["utime"]
+                - usage["stime"]
+                - (0.0 if srv0 is None or srv1 is None else srv1 - srv0),
+            ),
         )
 
 
@@ -208,6 +264,10 @@ class Bench:
             AWS_DEFAULT_REGION="us-east-1",
             AWS_REGION="us-east-1",
             AWS_EC2_METADATA_DISABLED="true",
+        )
+        # the ferry under test is the one beside this script, whatever pip installed
+        self.env["PYTHONPATH"] = os.pathsep.join(
+            [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]
         )
         self.drop = not args.no_drop_caches
         self.ferry = [sys.executable, "-m", "agent"]
@@ -244,12 +304,15 @@ class Bench:
             peak_rss_mb=ran.peak_rss_mb,
             bytes_moved=bytes_moved,
             server_cpu=ran.server_cpu,
+            other_cpu=ran.other_cpu,
             sync_after=sync_after,
             tool_seconds=tool_seconds,
             detail=detail,
         )
         self.samples.append(sample)
         srv = "" if ran.server_cpu is None else f", server CPU {ran.server_cpu:5.1f} s"
+        if ran.other_cpu is not None:
+            srv += f", other CPU {ran.other_cpu:5.1f} s"
         print(
             f"  round {rnd} {tool:6} {scenario:<50} {ran.seconds:7.2f} s, "
             f"CPU {sample.cpu:5.1f} s, RSS {ran.peak_rss_mb:6.0f} MB{srv}",
@@ -292,6 +355,24 @@ class Bench:
 
     def s5cmd(self, *args: str) -> list[str]:
         return ["s5cmd", "--endpoint-url", self.ep.url, *args]
+
+    def warm_up(self, ckpt: Path) -> float:
+        """One untimed upload by each tool: a fresh server allocates its volumes on the
+        first big write, which would otherwise land on whichever tool goes first."""
+        t0 = time.perf_counter()
+        tok = secrets.token_hex(4)
+        s5_prefix = f"s3://{self.ep.bucket}/warmup-{tok}-s5cmd"
+        ferry_url = f"s3://{self.ep.bucket}/warmup-{tok}-ferry"
+        for argv in (
+            self.s5cmd("cp", f"{ckpt}/*", f"{s5_prefix}/"),
+            self.ferry_push(ckpt, ferry_url, 1, []),
+            self.s5cmd("rm", f"{s5_prefix}/*"),
+            self.s5cmd("rm", f"{ferry_url}/*"),
+        ):
+            subprocess.run(
+                argv, env=self.env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, check=True
+            )
+        return time.perf_counter() - t0
 
     def round(self, rnd: int, ckpt: Path, raw_bytes: int, expected: Any, scratch: Path) -> None:
         tok = secrets.token_hex(4)
@@ -373,6 +454,7 @@ def summarize(samples: list[Sample], raw_bytes: int) -> list[dict[str, Any]]:
             med = medians[(scenario, tool)]
             base = medians.get((BASELINE[scenario], "s5cmd"))
             server = [x.server_cpu for x in group if x.server_cpu is not None]
+            other = [x.other_cpu for x in group if x.other_cpu is not None]
             tool_s = [x.tool_seconds for x in group if x.tool_seconds is not None]
             rows.append(
                 {
@@ -387,6 +469,7 @@ def summarize(samples: list[Sample], raw_bytes: int) -> list[dict[str, Any]]:
                     "peak_rss_mb": max(x.peak_rss_mb for x in group),
                     "cpu_s": statistics.median(x.cpu for x in group),
                     "server_cpu_s": statistics.median(server) if server else None,
+                    "other_cpu_s": statistics.median(other) if other else None,
                     "sync_after_s": statistics.median(x.sync_after for x in group),
                     "tool_reported_s": statistics.median(tool_s) if tool_s else None,
                     "ratio_vs_s5cmd": med / base if tool == "ferry" and base else None,
@@ -395,41 +478,31 @@ def summarize(samples: list[Sample], raw_bytes: int) -> list[dict[str, Any]]:
     return rows
 
 
+def human_bytes(n: float) -> str:
+    if n >= MB:
+        return f"{n / MB:,.1f} MB"
+    if n >= 1e3:
+        return f"{n / 1e3:,.1f} kB"
+    return f"{n:,.0f} B"
+
+
 def markdown_table(rows: list[dict[str, Any]]) -> str:
     head = (
         "| scenario | tool | median s (min–max) | MB/s | bytes moved | peak RSS MB | CPU s "
-        "| server CPU s | ferry/s5cmd |"
+        "| server CPU s | other CPU s | ferry/s5cmd |"
     )
-    lines = [head, "|" + "---|" * 9]
+    lines = [head, "|" + "---|" * 10]
     for r in rows:
         ratio = f"{r['ratio_vs_s5cmd']:.2f}x" if r["ratio_vs_s5cmd"] is not None else ""
         server = f"{r['server_cpu_s']:.1f}" if r["server_cpu_s"] is not None else "n/a"
+        other = f"{r['other_cpu_s']:.1f}" if r["other_cpu_s"] is not None else "n/a"
         lines.append(
             f"| {r['scenario']} | {r['tool']} | {r['median_s']:.2f} "
             f"({r['min_s']:.2f}–{r['max_s']:.2f}) | {r['mb_per_s']:.0f} | "
-            f"{r['bytes_moved'] / MB:,.1f} MB | {r['peak_rss_mb']:.0f} | {r['cpu_s']:.1f} | "
-            f"{server} | {ratio} |"
+            f"{human_bytes(r['bytes_moved'])} | {r['peak_rss_mb']:.0f} | {r['cpu_s']:.1f} | "
+            f"{server} | {other} | {ratio} |"
         )
     return "\n".join(lines)
-
-
-def machine_info() -> dict[str, Any]:
-    model = "unknown"
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    mem_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
-    s5 = subprocess.run(["s5cmd", "version"], capture_output=True, text=True, check=False)
-    return {
-        "cpus": os.cpu_count(),
-        "cpu_model": model,
-        "mem_gb": round(mem_gb, 1),
-        "kernel": platform.release(),
-        "python": platform.python_version(),
-        "s5cmd": s5.stdout.strip(),
-    }
 
 
 def reproduce_command(args: argparse.Namespace) -> str:
@@ -461,6 +534,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ckpt = workdir / "ckpt"
     server: S3Server | None = None
     started = time.monotonic()
+    load_before = os.getloadavg()
+    source_before = source_info(REPO)
     try:
         total = int(args.size_gb * 1e9)
         t0 = time.perf_counter()
@@ -478,6 +553,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         server_pid = proc.pid if proc is not None else None
         print(f"S3 server: {ep.kind} at {ep.url}, bucket {ep.bucket}", flush=True)
         bench = Bench(args, ep, server_pid)
+        print(f"warm-up (untimed): {bench.warm_up(ckpt):.1f} s", flush=True)
         for rnd in range(1, args.runs + 1):
             print(f"round {rnd}/{args.runs}", flush=True)
             bench.round(rnd, ckpt, raw_bytes, expected, workdir)
@@ -485,13 +561,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         table = markdown_table(rows)
         now = datetime.datetime.now(datetime.UTC)
         info = machine_info()
+        s5 = subprocess.run(["s5cmd", "version"], capture_output=True, text=True, check=False)
+        info["s5cmd"] = s5.stdout.strip()
+        source = source_info(REPO)
         cache = "dropped before every operation" if bench.drop else "warm (not dropped)"
         print()
         print(
             f"{now:%Y-%m-%d %H:%M} UTC, {info['cpus']} cores ({info['cpu_model']}), "
             f"S3 = {ep.kind} on loopback, checkpoint {raw_bytes / MB:,.0f} MB "
             f"(.metadata + {SHARDS} float32 shards), page cache {cache}, "
-            f"median of {args.runs} round(s); MB/s is of the raw checkpoint size"
+            f"median of {args.runs} round(s); MB/s is of the raw checkpoint size; "
+            f"{describe_source(source_before, source)}, s5cmd {info['s5cmd']} (defaults)"
         )
         print()
         print(table)
@@ -499,11 +579,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             "command": reproduce_command(args),
             "date_utc": now.isoformat(timespec="seconds"),
             "machine": info,
+            "source": source_before,
+            "source_after": source,
             "server": {"kind": ep.kind, "url": ep.url},
             "checkpoint": {"files": len(expected), "bytes": raw_bytes, "seed": SEED},
             "page_cache": cache,
             "runs": args.runs,
             "total_seconds": round(time.monotonic() - started, 1),
+            "loadavg_before": load_before,
+            "loadavg_after": os.getloadavg(),
             "summary": rows,
             "samples": [{**dataclasses.asdict(s), "cpu_s": s.cpu} for s in bench.samples],
             "table_markdown": table,

@@ -20,7 +20,7 @@ data directory (wiped at every start) and unix sockets. A lock file rejects a
 second server on the same workdir, because two servers sharing a data dir
 silently corrupt each other.
 
-Shutdown is SIGTERM to the server's process group, then SIGKILL after 10 s.
+Shutdown is SIGTERM to the server's process group, then SIGKILL after 3 s.
 Safety nets against leaked servers: an ``atexit`` hook, and on Linux the
 child gets ``PR_SET_PDEATHSIG`` so it dies even if the test process is
 SIGKILLed (only when started from the main thread: the signal fires when the
@@ -77,7 +77,7 @@ DEFAULT_ACCESS_KEY = "ferrykey"
 DEFAULT_SECRET_KEY = "ferrysecret"
 REGION = "us-east-1"
 
-_STOP_GRACE_SECONDS = 10.0
+_STOP_GRACE_SECONDS = 3.0  # weed mini often ignores SIGTERM; its data is disposable
 _LOG_TAIL_LINES = 40
 _PORT_RETRIES = 3  # a reserved port can be taken by someone else before the server binds it
 _MAX_SOCKET_PATH = 100  # sun_path is 108 bytes on Linux; keep a margin

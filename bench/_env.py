@@ -1,0 +1,65 @@
+"""What a benchmark result needs to be reproducible: the machine and the code it ran."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import subprocess
+from pathlib import Path
+from typing import Any
+
+
+def machine_info() -> dict[str, Any]:
+    model = "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    mem_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
+    return {
+        "cpus": os.cpu_count(),
+        "cpu_model": model,
+        "mem_gb": round(mem_gb, 1),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+    }
+
+
+def source_info(repo: Path) -> dict[str, Any]:
+    """The commit of the code under test and whether transfer/ or agent/ differ from it."""
+
+    def git(*args: str) -> str:
+        done = subprocess.run(
+            ["git", "-C", str(repo), *args], capture_output=True, text=True, check=False
+        )
+        return done.stdout.strip() if done.returncode == 0 else ""
+
+    commit = git("rev-parse", "HEAD")
+    changed = git("status", "--porcelain", "--", "transfer", "agent")
+    digest = hashlib.sha256()
+    for path in sorted([*repo.glob("transfer/**/*.py"), *repo.glob("agent/**/*.py")]):
+        digest.update(path.relative_to(repo).as_posix().encode() + b"\0")
+        digest.update(path.read_bytes())
+    return {
+        "repo": str(repo),
+        "commit": commit or "unknown",
+        "library_modified": bool(changed),
+        "modified_files": changed.splitlines(),
+        # identifies the exact code run, committed or not
+        "library_sha256": digest.hexdigest()[:16],
+    }
+
+
+def describe_source(before: dict[str, Any], after: dict[str, Any]) -> str:
+    """One line for a results header; flags code that changed while the benchmark ran."""
+    text = f"ferry at {before['commit'][:10]}"
+    if before["library_modified"]:
+        text += f" + uncommitted changes (library sha256 {before['library_sha256']})"
+    if after["library_sha256"] != before["library_sha256"]:
+        text += " -- WARNING: the library changed while this ran; results mix two versions"
+    return text
