@@ -75,8 +75,9 @@ class PackWriter:
         if pack.size >= self._pack_size:
             self._current = None  # later chunks go to a new pack while this one drains
             await self._close(pack)
-        elif len(pack.buffer) >= self._part_size:
-            await self._flush_part(pack)
+        else:
+            while len(pack.buffer) >= self._part_size:  # parts of exactly part_size bytes
+                await self._flush_part(pack, self._part_size)
         return location
 
     async def finish(self) -> list[str]:
@@ -98,8 +99,11 @@ class PackWriter:
             with contextlib.suppress(Exception):
                 await self._store.delete(pack_key(pack_id))
 
-    async def _flush_part(self, pack: _OpenPack) -> None:
-        data, pack.buffer = bytes(pack.buffer), bytearray()
+    async def _flush_part(self, pack: _OpenPack, nbytes: int | None = None) -> None:
+        """Send the first ``nbytes`` of the buffer (all of it by default) as the next part."""
+        with memoryview(pack.buffer) as view:
+            data = bytes(view[:nbytes])
+        del pack.buffer[: len(data)]
         number, offset = pack.next_part, pack.flushed
         pack.next_part += 1
         pack.flushed += len(data)

@@ -12,6 +12,7 @@ import errno
 import os
 import secrets
 import shutil
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -129,14 +130,14 @@ async def pull(
     try:
         await asyncio.to_thread(_create_files, staging, files, targets)
         progress.start(sum(f.size for f in files), "pull")
-        paths = [staging / f.path for f in files]
+        out = _StagingFiles(staging, files)
 
         def write(c: StoredChunk, data: bytes) -> None:
             for fi, offset in targets.get(c.id, ()):
-                _pwrite_all(paths[fi], offset, data)
+                out.pwrite(fi, offset, data)
             progress.advance(len(data) * max(1, len(targets.get(c.id, ()))))
 
-        with ThreadPoolExecutor(options.workers, thread_name_prefix="ferry-pull") as pool:
+        with out, ThreadPoolExecutor(options.workers, thread_name_prefix="ferry-pull") as pool:
             resolver = ChunkResolver(store, index, pool, base_dir, on_bytes_read=count)
             local = await _reuse_local(resolver, index, targets, hints, write, options.window)
             remote = [index.get(cid) for cid in targets if cid not in local]
@@ -244,19 +245,54 @@ def _create_files(
             os.close(fd)
 
 
-def _pwrite_all(path: Path, offset: int, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW)
-    try:
-        view = memoryview(data)
-        done = 0
-        while done < len(view):
-            done += os.pwrite(fd, view[done:], offset + done)
-    except OSError as exc:
-        if exc.errno == errno.ENOSPC:
-            raise DestinationError(f"no space left writing {path}") from None
-        raise
-    finally:
-        os.close(fd)
+class _StagingFiles:
+    """pwrite into the staging files from worker threads. Files of several chunks keep one
+    fd open for the whole pull (closed only after every writer thread is done, so an fd
+    number is never reused under a writer); single-chunk files are opened per write."""
+
+    MAX_KEPT_OPEN = 1024
+
+    def __init__(self, staging: Path, files: list[FileEntry]) -> None:
+        self._paths = [staging / f.path for f in files]
+        multi = [i for i, f in enumerate(files) if len(f.chunks) > 1]
+        self._keep = set(multi) if len(multi) <= self.MAX_KEPT_OPEN else set()
+        self._fds: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> _StagingFiles:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with self._lock:
+            fds, self._fds = list(self._fds.values()), {}
+        for fd in fds:
+            os.close(fd)
+
+    def _open(self, index: int) -> int:
+        return os.open(self._paths[index], os.O_WRONLY | os.O_NOFOLLOW)
+
+    def pwrite(self, index: int, offset: int, data: bytes) -> None:
+        kept = index in self._keep
+        if kept:
+            with self._lock:
+                fd = self._fds.get(index)
+                if fd is None:
+                    fd = self._fds[index] = self._open(index)
+        else:
+            fd = self._open(index)
+        try:
+            view = memoryview(data)
+            done = 0
+            while done < len(view):
+                done += os.pwrite(fd, view[done:], offset + done)
+        except OSError as exc:
+            if exc.errno == errno.ENOSPC:
+                msg = f"no space left writing {self._paths[index]}"
+                raise DestinationError(msg) from None
+            raise
+        finally:
+            if not kept:
+                os.close(fd)
 
 
 def _seal(staging: Path, files: list[FileEntry], dest: Path) -> None:
