@@ -17,7 +17,7 @@ import threading
 
 import zstandard
 
-from transfer.codec.transforms import from_planes, to_planes, xor_with_base
+from transfer.codec.transforms import Buffer, from_planes, to_planes, xor_with_base
 from transfer.errors import FormatError, UnknownEncodingError
 
 RAW = "raw"
@@ -57,7 +57,7 @@ def needs_base(enc: str) -> bool:
     return enc.split("+", 1)[0] == "xor"
 
 
-def _transform(enc: str, data: bytes, base: bytes | None) -> bytes:
+def _transform(enc: str, data: Buffer, base: Buffer | None) -> Buffer:
     """Apply every step of ``enc`` except the final zstd."""
     for step in enc.split("+"):
         if step == "xor":
@@ -76,7 +76,7 @@ def _sample_spans(size: int) -> list[tuple[int, int]]:
     return [(start, start + SAMPLE_BYTES) for start in starts]
 
 
-def _pick(data: bytes, base: bytes | None, candidates: tuple[str, ...], level: int) -> str:
+def _pick(data: Buffer, base: Buffer | None, candidates: tuple[str, ...], level: int) -> str:
     """The candidate that compresses samples of ``data`` best (ties: the earlier one)."""
     cctx = _compressor(min(level, 1))
     spans = _sample_spans(len(data))
@@ -91,9 +91,7 @@ def _pick(data: bytes, base: bytes | None, candidates: tuple[str, ...], level: i
     return best
 
 
-def encode(
-    data: bytes | memoryview, zstd_level: int | None, base: bytes | None = None
-) -> tuple[str, bytes]:
+def encode(data: Buffer, zstd_level: int | None, base: Buffer | None = None) -> tuple[str, bytes]:
     """Return (encoding, payload). ``base``: the base chunk's bytes, to try delta coding.
     ``zstd_level=None`` stores raw."""
     raw = bytes(data)
@@ -107,7 +105,7 @@ def encode(
     return RAW, raw
 
 
-def encode_as(enc: str, data: bytes, zstd_level: int, base: bytes | None = None) -> bytes:
+def encode_as(enc: str, data: Buffer, zstd_level: int, base: Buffer | None = None) -> bytes:
     """Payload of ``data`` in the given encoding (no choosing, no raw fallback)."""
     check_encoding(enc)
     if enc == RAW:
@@ -117,13 +115,14 @@ def encode_as(enc: str, data: bytes, zstd_level: int, base: bytes | None = None)
     return _compressor(zstd_level).compress(_transform(enc, bytes(data), base))
 
 
-def decode(enc: str, payload: bytes | memoryview, size: int, base: bytes | None = None) -> bytes:
+def decode(enc: str, payload: Buffer, size: int, base: Buffer | None = None) -> Buffer:
     """Decode one chunk to exactly ``size`` bytes, or raise (never return a short buffer)."""
     check_encoding(enc)
     if needs_base(enc) and base is None:
         raise FormatError(f"encoding {enc!r} needs the base chunk's bytes")
+    out: Buffer
     if enc == RAW:
-        out = bytes(payload)
+        out = payload
     else:
         try:
             declared = zstandard.frame_content_size(payload)

