@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from transfer.codec.transforms import Buffer
 from transfer.engine.chunkindex import StoredChunk
 from transfer.engine.errors import first_error
-from transfer.engine.resolver import ChunkResolver, Hint, decode_verified
+from transfer.engine.resolver import ChunkResolver, Hint
 from transfer.errors import IntegrityError, NotFoundError, RangeNotSatisfiableError
 from transfer.format.layout import pack_key
 
@@ -81,7 +81,7 @@ async def fetch_chunks(
     def finish(c: StoredChunk, payload: Buffer, base: Buffer | None) -> None:
         if len(payload) != c.stored:
             raise IntegrityError(f"chunk {c.id}: pack {c.pack_id} is truncated", [c.id])
-        sink(c, decode_verified(c, payload, base))
+        sink(c, resolver.decode(c, payload, base))
 
     async def one(c: StoredChunk, payload: Buffer) -> None:
         try:

@@ -44,8 +44,11 @@ class PullResult:
     bytes_raw: int
     bytes_transferred: int
     chunks_total: int
-    chunks_local: int  # rebuilt from --base-dir instead of downloaded
-    chunks_delta: int  # decoded against a base
+    chunks_deduped: int  # not downloaded: repeats, holes, or reused from --base-dir
+    chunks_local: int  # of those, distinct chunks reused from --base-dir
+    chunks_delta: int  # downloaded and decoded against a base
+    chunks_raw: int  # downloaded and decoded on their own
+    encode_seconds: float  # codec thread time (decoding and verifying, for a pull)
     seconds: float
     dest: str
 
@@ -141,10 +144,10 @@ async def pull(
         with out, ThreadPoolExecutor(options.workers, thread_name_prefix="ferry-pull") as pool:
             resolver = ChunkResolver(store, index, pool, base_dir, on_bytes_read=count)
             local = await _reuse_local(resolver, index, targets, hints, write, options.window)
-            remote = [index.get(cid) for cid in targets if cid not in local]
+            fetched = [s for cid in targets if cid not in local and (s := index.get(cid))]
             await fetch_chunks(
                 resolver,
-                [c for c in remote if c is not None],
+                fetched,
                 part_size=options.part_size,
                 window=options.window,
                 sink=write,
@@ -163,8 +166,11 @@ async def pull(
         bytes_raw=sum(f.size for f in files),
         bytes_transferred=bytes_read,
         chunks_total=sum(len(f.chunks) for f in files),
+        chunks_deduped=sum(len(f.chunks) for f in files) - len(fetched),
         chunks_local=len(local),
-        chunks_delta=sum(1 for f in files for c in f.chunks if c.base and c.id not in local),
+        chunks_delta=sum(1 for c in fetched if c.base),
+        chunks_raw=sum(1 for c in fetched if not c.base),
+        encode_seconds=round(resolver.decode_seconds, 3),
         seconds=time.monotonic() - started,
         dest=str(dest_abs),
     )
