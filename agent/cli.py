@@ -54,6 +54,11 @@ def _add_transfer_args(p: argparse.ArgumentParser) -> None:
         "--zstd-level", type=int, default=d.zstd_level, help="zstd level for chunks; 0 stores raw"
     )
     p.add_argument(
+        "--memory-mib",
+        type=int,
+        help="cap on transfer buffers; shrinks --window to fit (default: no cap)",
+    )
+    p.add_argument(
         "--max-chain",
         type=int,
         default=d.max_chain,
@@ -113,7 +118,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _transfer_options(args: argparse.Namespace) -> TransferOptions:
-    return TransferOptions(
+    options = TransferOptions(
         chunk_size=args.chunk_size_mib * MiB,
         part_size=args.part_size_mib * MiB,
         pack_size=args.pack_size_mib * MiB,
@@ -122,6 +127,9 @@ def _transfer_options(args: argparse.Namespace) -> TransferOptions:
         zstd_level=args.zstd_level or None,
         max_chain=args.max_chain,
     )
+    if args.memory_mib is not None:
+        options = options.within_budget(args.memory_mib * MiB)
+    return options
 
 
 def _progress(args: argparse.Namespace) -> Progress:

@@ -195,3 +195,15 @@ def test_delta_records_must_be_consistent() -> None:
     doc["bases"] = [dict(doc["files"][0]["chunks"][0], enc="xor+zstd", base=b)]
     with pytest.raises(FormatError, match=r"two different records|loops"):
         parse_manifest(json.dumps(doc).encode())
+
+
+def test_memory_budget_shrinks_the_window_and_is_respected() -> None:
+    from transfer.engine import TransferOptions
+
+    opts = TransferOptions(chunk_size=4 << 20, part_size=8 << 20, window=16, workers=2)
+    assert opts.memory_estimate() > 256 << 20
+    fitted = opts.within_budget(128 << 20)
+    assert fitted.window < opts.window and fitted.memory_estimate() <= 128 << 20
+    assert opts.within_budget(1 << 40).window == 16  # a generous budget changes nothing
+    with pytest.raises(ValueError, match="too small"):
+        opts.within_budget(16 << 20)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 
@@ -27,6 +28,23 @@ class TransferOptions:
     #: decode steps a restore of any chunk may need (a chunk whose base is already this deep
     #: is stored as a keyframe instead)
     max_chain: int = 4
+
+    def memory_estimate(self) -> int:
+        """Bytes a transfer holds at its peak, whatever the checkpoint size: every part in
+        flight twice (ours, and the HTTP client's copy of the body), the part being filled,
+        and per worker a chunk, its base and its encoding."""
+        return (2 * self.window + 1) * self.part_size + 3 * (self.workers + 1) * self.chunk_size
+
+    def within_budget(self, budget: int) -> TransferOptions:
+        """The same options with the window shrunk until memory_estimate() fits ``budget``."""
+        fixed = self.part_size + 3 * (self.workers + 1) * self.chunk_size
+        window = (budget - fixed) // (2 * self.part_size)
+        if window < 1:
+            raise ValueError(
+                f"a memory budget of {budget >> 20} MiB is too small for "
+                f"{self.part_size >> 20} MiB parts and {self.workers} workers"
+            )
+        return dataclasses.replace(self, window=min(window, self.window))
 
     def __post_init__(self) -> None:
         if not 4096 <= self.chunk_size <= 64 << 20:
