@@ -105,6 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--job")
     _add_store_args(p)
 
+    p = sub.add_parser("agent", help="run the node agent (RPC; prefetch, estimates, pins)")
+    p.add_argument("--config", type=Path, help="TOML file; every key also FERRY_<KEY>")
+    p.add_argument("--print-example-config", action="store_true")
+
     p = sub.add_parser("demo", help="run the whole flow on generated checkpoints")
     p.add_argument("--workdir", type=Path, help="keep everything here (default: a temp dir)")
 
@@ -272,9 +276,30 @@ async def _run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         await store.close()
 
 
+def _run_agent(args: argparse.Namespace) -> int:
+    from agent.config import ConfigError, example_toml, load_config
+    from agent.daemon import serve
+
+    if args.print_example_config:
+        print(example_toml())
+        return 0
+    try:
+        config = load_config(args.config)
+        token = config.read_token()
+        if not token:
+            raise ConfigError("set token_file (or FERRY_TOKEN_FILE): the RPC requires a token")
+    except (FerryError, OSError) as exc:
+        print(f"ferry agent: error: {exc}", file=sys.stderr)
+        return 1
+    asyncio.run(serve(config, token))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.command == "agent":
+        return _run_agent(args)
     if args.command == "demo":
         from agent.demo import main as demo
 

@@ -1,0 +1,98 @@
+"""A small async client for the agent's RPC (used by the tests and examples/scale_down.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from types import TracebackType
+from typing import Any
+
+import aiohttp
+
+
+class RpcError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"HTTP {status}: {message}")
+        self.status = status
+
+
+class FerryClient:
+    def __init__(self, base_url: str, token: str, *, timeout: float = 30.0) -> None:
+        self.base_url = base_url.rstrip("/")
+        self._session = aiohttp.ClientSession(
+            headers={"Authorization": f"Bearer {token}"},
+            timeout=aiohttp.ClientTimeout(total=timeout),
+        )
+
+    async def __aenter__(self) -> FerryClient:
+        return self
+
+    async def __aexit__(
+        self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._session.close()
+
+    async def _call(self, method: str, path: str, **kwargs: Any) -> Any:
+        async with self._session.request(method, self.base_url + path, **kwargs) as resp:
+            try:
+                doc = await resp.json(content_type=None)
+            except ValueError:
+                doc = {"error": await resp.text()}
+            if resp.status >= 400:
+                raise RpcError(resp.status, str(doc.get("error", doc)))
+            return doc
+
+    async def health(self) -> dict[str, Any]:
+        return await self._call("GET", "/healthz")  # type: ignore[no-any-return]
+
+    async def checkpoints(self) -> dict[str, Any]:
+        return await self._call("GET", "/v1/checkpoints")  # type: ignore[no-any-return]
+
+    async def estimate(
+        self, job: str, step: int | str = "latest", *, gpus: int = 1, gpu_hour_price: float = 0
+    ) -> dict[str, Any]:
+        params = {
+            "job": job,
+            "step": str(step),
+            "gpus": str(gpus),
+            "gpu_hour_price": str(gpu_hour_price),
+        }
+        return await self._call("GET", "/v1/estimate", params=params)  # type: ignore[no-any-return]
+
+    async def prefetch(
+        self, job: str, step: int | str = "latest", deadline_s: float | None = None
+    ) -> str:
+        body: dict[str, Any] = {"job": job, "step": step}
+        if deadline_s is not None:
+            body["deadline_s"] = deadline_s
+        return str((await self._call("POST", "/v1/prefetch", json=body))["id"])
+
+    async def prefetch_status(self, prefetch_id: str) -> dict[str, Any]:
+        return await self._call("GET", f"/v1/prefetch/{prefetch_id}")  # type: ignore[no-any-return]
+
+    async def cancel_prefetch(self, prefetch_id: str) -> dict[str, Any]:
+        return await self._call("DELETE", f"/v1/prefetch/{prefetch_id}")  # type: ignore[no-any-return]
+
+    async def wait_prefetch(
+        self, prefetch_id: str, within_s: float = 600.0, poll: float = 0.1
+    ) -> dict[str, Any]:
+        """Poll until the prefetch is ready, failed or cancelled; returns its final state."""
+        deadline = time.monotonic() + within_s
+        while True:
+            status = await self.prefetch_status(prefetch_id)
+            if status["state"] in ("ready", "failed", "cancelled"):
+                return status
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"prefetch {prefetch_id} still {status['state']}")
+            await asyncio.sleep(poll)
+
+    async def pin(self, job: str, step: int, ttl_s: float = 3600) -> dict[str, Any]:
+        body = {"job": job, "step": step, "ttl_s": ttl_s}
+        return await self._call("POST", "/v1/pins", json=body)  # type: ignore[no-any-return]
+
+    async def unpin(self, job: str, step: int) -> dict[str, Any]:
+        params = {"job": job, "step": str(step)}
+        return await self._call("DELETE", "/v1/pins", params=params)  # type: ignore[no-any-return]

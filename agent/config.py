@@ -1,0 +1,372 @@
+"""Configuration of the node agent (``ferry agent --config ferry.toml``).
+
+Every key comes from the TOML file or from ``FERRY_<KEY>`` (upper-case; keys of the
+``[transfer]`` table as ``FERRY_TRANSFER_<KEY>``); the environment wins, so one file can serve
+a whole fleet with per-node settings injected by the scheduler. Lists in the environment are
+comma-separated. An empty variable counts as unset, except for lists, where it means "empty".
+Unknown keys in the file are errors (a typo must not silently fall back to a default);
+unknown ``FERRY_*`` variables are ignored because other tools (tests, scripts) use the prefix.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import stat
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlsplit
+
+from transfer.engine import TransferOptions
+from transfer.errors import FerryError, FormatError
+from transfer.format.names import check_name
+
+MiB = 1 << 20
+ENV_PREFIX = "FERRY_"
+
+log = logging.getLogger(__name__)
+
+
+class ConfigError(FerryError):
+    """The agent's configuration is missing, malformed or inconsistent."""
+
+
+_DEFAULT_TRANSFER = TransferOptions()
+
+
+@dataclass(frozen=True)
+class TransferSettings:
+    """The ``[transfer]`` table: the CLI's tunables, in the CLI's units (MiB)."""
+
+    chunk_size_mib: int = _DEFAULT_TRANSFER.chunk_size // MiB
+    part_size_mib: int = _DEFAULT_TRANSFER.part_size // MiB
+    pack_size_mib: int = _DEFAULT_TRANSFER.pack_size // MiB
+    window: int = _DEFAULT_TRANSFER.window
+    workers: int = _DEFAULT_TRANSFER.workers
+    #: 0 stores chunks raw (as ``--zstd-level 0``)
+    zstd_level: int = _DEFAULT_TRANSFER.zstd_level or 0
+    max_chain: int = _DEFAULT_TRANSFER.max_chain
+
+    def to_options(self) -> TransferOptions:
+        """Raises ValueError when the combination is invalid (e.g. parts smaller than chunks)."""
+        return TransferOptions(
+            chunk_size=self.chunk_size_mib * MiB,
+            part_size=self.part_size_mib * MiB,
+            pack_size=self.pack_size_mib * MiB,
+            window=self.window,
+            workers=self.workers,
+            zstd_level=self.zstd_level or None,
+            max_chain=self.max_chain,
+        )
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    node: str
+    hot_dir: Path
+    listen: str = "127.0.0.1:7070"
+    token_file: Path | None = None
+    commit_marker: str = ".metadata"
+    #: store URLs, hottest first
+    tiers: tuple[str, ...] = ()
+    #: other agents' base URLs (``http://10.0.0.2:7070``)
+    peers: tuple[str, ...] = ()
+    #: nodes whose parts make up a complete step; empty means a single-node job
+    expected_nodes: tuple[str, ...] = ()
+    endpoint_url: str | None = None
+    max_body_bytes: int = 1 * MiB
+    prefetch_concurrency: int = 2
+    drain_seconds: float = 30.0
+    #: left empty (``Path()``) it becomes ``<hot_dir>/.ferry``
+    state_dir: Path = Path()
+    transfer: TransferSettings = field(default_factory=TransferSettings)
+
+    def __post_init__(self) -> None:
+        if self.state_dir == Path():
+            object.__setattr__(self, "state_dir", self.hot_dir / ".ferry")
+
+    @property
+    def listen_host(self) -> str:
+        return _parse_listen(self.listen)[0]
+
+    @property
+    def listen_port(self) -> int:
+        return _parse_listen(self.listen)[1]
+
+    def transfer_options(self) -> TransferOptions:
+        return self.transfer.to_options()
+
+    def read_token(self) -> str | None:
+        """The bearer token, re-read on every call so a rotated file takes effect."""
+        if self.token_file is None:
+            return None
+        try:
+            token = self.token_file.read_text(encoding="utf-8").strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"cannot read token_file {self.token_file}: {exc}") from exc
+        if not token:
+            raise ConfigError(f"token_file {self.token_file} is empty")
+        return token
+
+
+# Key -> the TOML type it must have; env strings are converted to that type first.
+_TOP_KEYS: dict[str, type] = {
+    "node": str,
+    "listen": str,
+    "token_file": str,
+    "hot_dir": str,
+    "commit_marker": str,
+    "tiers": list,
+    "peers": list,
+    "expected_nodes": list,
+    "endpoint_url": str,
+    "max_body_bytes": int,
+    "prefetch_concurrency": int,
+    "drain_seconds": float,
+    "state_dir": str,
+}
+_TRANSFER_KEYS: dict[str, type] = {
+    "chunk_size_mib": int,
+    "part_size_mib": int,
+    "pack_size_mib": int,
+    "window": int,
+    "workers": int,
+    "zstd_level": int,
+    "max_chain": int,
+}
+_TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", list: "a list of strings"}
+
+
+def load_config(path: Path | None, env: Mapping[str, str] = os.environ) -> AgentConfig:
+    """Read ``path`` (None: environment and defaults only), apply ``FERRY_*`` overrides,
+    validate everything and return the config; raises ConfigError with a one-line reason."""
+    raw: dict[str, object] = {}
+    if path is not None:
+        try:
+            with path.open("rb") as f:
+                raw = tomllib.load(f)
+        except OSError as exc:
+            raise ConfigError(f"cannot read config {path}: {exc.strerror or exc}") from exc
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{path}: invalid TOML: {exc}") from exc
+
+    transfer_raw = raw.pop("transfer", {})
+    if not isinstance(transfer_raw, dict):
+        raise ConfigError("transfer: expected a table ([transfer])")
+    top = _typed(raw, _TOP_KEYS, env, "", ENV_PREFIX)
+    tr = _typed(transfer_raw, _TRANSFER_KEYS, env, "transfer.", ENV_PREFIX + "TRANSFER_")
+
+    transfer = TransferSettings(**{k: _int_at_least(f"transfer.{k}", v, 0) for k, v in tr.items()})
+    try:
+        transfer.to_options()
+    except ValueError as exc:
+        raise ConfigError(f"transfer: {exc}") from exc
+
+    if "hot_dir" not in top:
+        raise ConfigError("hot_dir is required (in the config file or FERRY_HOT_DIR)")
+    config = AgentConfig(
+        node=_name("node", top.get("node") or _host_name()),
+        hot_dir=_path("hot_dir", top["hot_dir"]),
+        listen=str(top.get("listen", AgentConfig.listen)),
+        token_file=_path("token_file", top["token_file"]) if "token_file" in top else None,
+        commit_marker=_commit_marker(top.get("commit_marker", AgentConfig.commit_marker)),
+        tiers=tuple(_tier_url(u) for u in _strs(top.get("tiers"))),
+        peers=tuple(_http_url("peers", u).rstrip("/") for u in _strs(top.get("peers"))),
+        expected_nodes=_expected_nodes(_strs(top.get("expected_nodes"))),
+        endpoint_url=_http_url("endpoint_url", top["endpoint_url"])
+        if "endpoint_url" in top
+        else None,
+        max_body_bytes=_int_at_least("max_body_bytes", top.get("max_body_bytes", 1 * MiB), 1),
+        prefetch_concurrency=_int_at_least(
+            "prefetch_concurrency", top.get("prefetch_concurrency", 2), 1
+        ),
+        drain_seconds=_seconds("drain_seconds", top.get("drain_seconds", 30.0)),
+        state_dir=_path("state_dir", top["state_dir"]) if "state_dir" in top else Path(),
+        transfer=transfer,
+    )
+    _parse_listen(config.listen)
+    if config.token_file is not None:
+        config.read_token()  # fail at startup, not on the first request
+        _warn_if_shared(config.token_file)
+    return config
+
+
+def _typed(
+    raw: Mapping[str, object],
+    schema: Mapping[str, type],
+    env: Mapping[str, str],
+    key_prefix: str,
+    env_prefix: str,
+) -> dict[str, object]:
+    """Type-check the file's values, then overlay the environment's."""
+    out: dict[str, object] = {}
+    for key, value in raw.items():
+        if key not in schema:
+            raise ConfigError(f"unknown config key {key_prefix + key!r}")
+        out[key] = _check(f"{key_prefix}{key}", value, schema[key])
+    for key, kind in schema.items():
+        name = env_prefix + key.upper()
+        text = env.get(name)
+        if text is None or (text == "" and kind is not list):
+            continue
+        out[key] = _from_env(name, text, kind)
+    return out
+
+
+def _check(key: str, value: object, kind: type) -> object:
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)  # `drain_seconds = 30` in TOML is an int, and fine
+    if kind is list:
+        ok = isinstance(value, list) and all(isinstance(v, str) for v in value)
+    else:
+        ok = _is_int(value) if kind is int else isinstance(value, kind)
+    if not ok:
+        raise ConfigError(f"{key}: expected {_TYPE_NAMES[kind]}, got {value!r}")
+    return value
+
+
+def _is_int(value: object) -> bool:
+    # bool is an int subclass; `workers = true` is a mistake, not 1
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _from_env(name: str, text: str, kind: type) -> object:
+    if kind is list:
+        return [part.strip() for part in text.split(",") if part.strip()]
+    if kind is str:
+        return text
+    try:
+        return int(text) if kind is int else float(text)
+    except ValueError:
+        raise ConfigError(f"{name}: expected {_TYPE_NAMES[kind]}, got {text!r}") from None
+
+
+def _strs(value: object) -> list[str]:
+    return list(value) if isinstance(value, list) else []
+
+
+def _host_name() -> str:
+    return socket.gethostname().split(".")[0] or "node"
+
+
+def _name(kind: str, value: object) -> str:
+    try:
+        return check_name(kind, value)
+    except FormatError as exc:
+        raise ConfigError(str(exc)) from exc
+
+
+def _path(key: str, value: object) -> Path:
+    if not value:
+        raise ConfigError(f"{key}: expected a path, got an empty string")
+    return Path(str(value)).expanduser()
+
+
+def _int_at_least(key: str, value: object, minimum: int) -> int:
+    assert isinstance(value, int)  # checked by _check
+    if value < minimum:
+        raise ConfigError(f"{key}: must be at least {minimum}, got {value}")
+    return value
+
+
+def _seconds(key: str, value: object) -> float:
+    assert isinstance(value, float)  # checked by _check
+    if not 0.0 <= value < float("inf"):
+        raise ConfigError(f"{key}: must be a non-negative number of seconds, got {value}")
+    return value
+
+
+def _parse_listen(listen: str) -> tuple[str, int]:
+    host, sep, port = listen.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host  # [::1]:7070
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ConfigError(f"listen: expected HOST:PORT with a port in 0..65535, got {listen!r}")
+    return host, int(port)
+
+
+def _commit_marker(value: object) -> str:
+    marker = str(value)
+    if not marker or "/" in marker or marker in (".", ".."):
+        raise ConfigError(f"commit_marker: expected a file name, got {marker!r}")
+    return marker
+
+
+def _tier_url(url: str) -> str:
+    # A light syntax check only: opening the store would touch the network.
+    parts = urlsplit(url)
+    bad_s3 = parts.scheme == "s3" and not parts.netloc
+    if not url or parts.scheme not in ("", "file", "s3") or bad_s3:
+        raise ConfigError(f"tiers: unsupported store URL {url!r} (a path, file://, s3://bucket)")
+    return url
+
+
+def _http_url(key: str, url: object) -> str:
+    parts = urlsplit(str(url))
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ConfigError(f"{key}: expected an http:// or https:// URL, got {url!r}")
+    return str(url)
+
+
+def _expected_nodes(names: list[str]) -> tuple[str, ...]:
+    nodes = tuple(_name("expected node", n) for n in names)
+    if len(set(nodes)) != len(nodes):
+        raise ConfigError(f"expected_nodes: duplicate names in {list(nodes)}")
+    return nodes
+
+
+def _warn_if_shared(token_file: Path) -> None:
+    # Warn rather than refuse: secrets mounted by Kubernetes are often 0644 by default.
+    try:
+        mode = token_file.stat().st_mode
+    except OSError:
+        return
+    if mode & (stat.S_IRWXG | stat.S_IRWXO):
+        log.warning("token_file %s is accessible by group/others (chmod 600 it)", token_file)
+
+
+def example_toml() -> str:
+    """A commented example that ``load_config`` accepts (a test keeps it honest)."""
+    return """\
+# ckpt-ferry node agent: `ferry agent --config ferry.toml`.
+# Every key can be overridden by FERRY_<KEY> (e.g. FERRY_HOT_DIR, FERRY_TIERS="a,b";
+# [transfer] keys as FERRY_TRANSFER_<KEY>).
+
+# This node's name in store keys (default: the host name).
+node = "node-07"
+# Address of the agent's HTTP API (HOST:PORT).
+listen = "127.0.0.1:7070"
+# Bearer token for the API, read from this file (keep it chmod 600).
+# token_file = "/etc/ferry/token"
+# Training writes checkpoints to <hot_dir>/<job>/<step dir>/ (required).
+hot_dir = "/nvme/ckpt"
+# A step directory is complete once this file exists (PyTorch DCP writes it last).
+commit_marker = ".metadata"
+# Stores to copy checkpoints to, hottest first: paths, file:// or s3://bucket/prefix.
+tiers = ["/mnt/nfs/ckpt", "s3://bucket/ckpt"]
+# Other nodes' agents, for peer-to-peer restore.
+peers = ["http://10.0.0.2:7070"]
+# Nodes whose parts make up a complete step (empty: a single-node job).
+expected_nodes = ["node-07", "node-08"]
+# S3 endpoint (default: $AWS_ENDPOINT_URL).
+endpoint_url = "http://127.0.0.1:9000"
+# Largest accepted API request body.
+max_body_bytes = 1048576
+# Prefetches (scheduler-requested pulls) running at once.
+prefetch_concurrency = 2
+# On SIGTERM, how long in-flight transfers may finish.
+drain_seconds = 30.0
+# Agent state (default: <hot_dir>/.ferry).
+state_dir = "/nvme/ckpt/.ferry"
+
+[transfer]
+chunk_size_mib = 4
+part_size_mib = 8
+pack_size_mib = 256
+window = 16
+workers = 8
+zstd_level = 1   # 0 stores raw
+max_chain = 4
+"""

@@ -1,0 +1,192 @@
+"""Prefetch jobs: materialise a whole checkpoint (every node's part) in this node's hot dir
+before the scheduler needs it, reusing what the node already holds.
+
+A job pulls from the tiers in order (the first that has the checkpoint; on failure the next),
+with the newest local checkpoint of the same job as the base, into a staging directory that
+is renamed into place only when every chunk is verified. It never overwrites a checkpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import secrets
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from agent.holdings import local_checkpoints, step_dir_name
+from transfer.engine import TransferOptions, pull, resolve_manifests
+from transfer.engine.estimate import BandwidthMeter
+from transfer.errors import CheckpointNotFoundError, FerryError
+from transfer.store.base import Store
+
+
+class State(enum.StrEnum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    READY = "ready"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+FINAL = {State.READY, State.FAILED, State.CANCELLED}
+
+
+@dataclass
+class PrefetchJob:
+    id: str
+    job: str
+    step: int | None  # None: latest at the time the job starts
+    deadline_s: float | None
+    state: State = State.QUEUED
+    bytes_total: int = 0
+    bytes_done: int = 0
+    bytes_by_source: dict[str, int] = field(default_factory=dict)
+    dest: str | None = None
+    error: str | None = None
+    created: float = field(default_factory=time.time)
+    started: float | None = None
+    finished: float | None = None
+    task: asyncio.Task[None] | None = None
+    eta_rate: float = 0.0  # bytes/s used for the ETA (measured average of the source)
+    chunks_local: int = 0  # chunks rebuilt from a checkpoint this node already held
+
+    def to_dict(self) -> dict[str, Any]:
+        remaining = max(self.bytes_total - self.bytes_done, 0)
+        eta = remaining / self.eta_rate if self.eta_rate and self.state == State.RUNNING else None
+        return {
+            "id": self.id,
+            "job": self.job,
+            "step": self.step,
+            "state": self.state.value,
+            "bytes_total": self.bytes_total,
+            "bytes_done": self.bytes_done,
+            "bytes_by_source": dict(self.bytes_by_source),
+            "chunks_local": self.chunks_local,
+            "eta_seconds": eta,
+            "dest": self.dest,
+            "error": self.error,
+            "seconds": (self.finished or time.time()) - self.started if self.started else None,
+        }
+
+
+class _JobProgress:
+    """Feeds pull's progress (bytes restored, all sources) into the job record."""
+
+    def __init__(self, job: PrefetchJob) -> None:
+        self.job = job
+
+    def start(self, total_bytes: int, what: str) -> None:
+        self.job.bytes_total = total_bytes
+
+    def advance(self, nbytes: int) -> None:
+        self.job.bytes_done += nbytes
+
+    def finish(self) -> None:
+        pass
+
+
+class Prefetcher:
+    """Owns every prefetch job and its task; at most ``concurrency`` run at once."""
+
+    def __init__(
+        self,
+        hot_dir: Path,
+        commit_marker: str,
+        tiers: list[tuple[str, Store]],
+        options: TransferOptions,
+        meter: BandwidthMeter,
+        concurrency: int = 2,
+    ) -> None:
+        self.hot_dir = hot_dir
+        self.commit_marker = commit_marker
+        self.tiers = tiers
+        self.options = options
+        self.meter = meter
+        self.jobs: dict[str, PrefetchJob] = {}
+        self._slots = asyncio.Semaphore(concurrency)
+        self._dest_locks: dict[tuple[str, int], asyncio.Lock] = {}
+
+    def submit(self, job: str, step: int | None, deadline_s: float | None) -> PrefetchJob:
+        record = PrefetchJob(secrets.token_hex(8), job, step, deadline_s)
+        self.jobs[record.id] = record
+        record.task = asyncio.create_task(self._run(record), name=f"prefetch-{record.id}")
+        return record
+
+    def cancel(self, job_id: str) -> PrefetchJob | None:
+        record = self.jobs.get(job_id)
+        if record is not None and record.task is not None and record.state not in FINAL:
+            record.task.cancel()
+        return record
+
+    def active(self) -> int:
+        return sum(1 for j in self.jobs.values() if j.state not in FINAL)
+
+    async def drain(self, seconds: float) -> None:
+        """Let running jobs finish for up to ``seconds``, then cancel the rest."""
+        tasks = [j.task for j in self.jobs.values() if j.task and not j.task.done()]
+        if not tasks:
+            return
+        _, pending = await asyncio.wait(tasks, timeout=seconds)
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+
+    async def _run(self, record: PrefetchJob) -> None:
+        try:
+            async with self._slots:
+                record.state, record.started = State.RUNNING, time.time()
+                async with asyncio.timeout(record.deadline_s):
+                    await self._fetch(record)
+                record.state = State.READY
+        except asyncio.CancelledError:
+            record.state, record.error = State.CANCELLED, "cancelled"
+        except TimeoutError:
+            record.state, record.error = State.FAILED, f"deadline of {record.deadline_s}s passed"
+        except (FerryError, OSError, ValueError) as exc:
+            record.state, record.error = State.FAILED, " ".join(str(exc).split())
+        finally:
+            record.finished = time.time()
+
+    async def _fetch(self, record: PrefetchJob) -> None:
+        errors = []
+        for name, store in self.tiers:
+            try:
+                manifests = await resolve_manifests(store, record.job, record.step)
+            except CheckpointNotFoundError as exc:
+                errors.append(f"{name}: {exc}")
+                continue
+            record.step = manifests[0].step
+            key = (record.job, record.step)
+            lock = self._dest_locks.setdefault(key, asyncio.Lock())
+            async with lock:  # two prefetches of one checkpoint never race on its directory
+                await self._pull_from(record, name, store)
+            return
+        raise CheckpointNotFoundError("; ".join(errors) or "no tiers configured")
+
+    async def _pull_from(self, record: PrefetchJob, name: str, store: Store) -> None:
+        assert record.step is not None
+        dest = self.hot_dir / record.job / step_dir_name(record.step)
+        record.dest = str(dest)
+        held = local_checkpoints(self.hot_dir, record.job, self.commit_marker)
+        if any(c.step == record.step for c in held):
+            return  # already here (written by training on this node, or an earlier prefetch)
+        base = next((c.path for c in held if c.step < record.step), None)
+        source = f"tier:{name}"
+        record.eta_rate = self.meter.rate(source)
+        began = time.monotonic()
+        result = await pull(
+            store,
+            dest,
+            job=record.job,
+            step=record.step,
+            options=self.options,
+            progress=_JobProgress(record),
+            base_dir=base,
+        )
+        seconds = time.monotonic() - began
+        self.meter.record(source, result.bytes_transferred, seconds)
+        record.bytes_by_source[source] = result.bytes_transferred
+        record.chunks_local = result.chunks_local

@@ -1,0 +1,302 @@
+"""The agent's RPC: aiohttp, JSON, bearer-token auth on every route but /healthz.
+
+create_app() builds the application from a config; resources (stores, the prefetcher) live
+in a cleanup context so they are released exactly when startup succeeded. Domain errors map
+to JSON 4xx in one middleware; auth is another. docs/openapi.yaml documents the routes.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from agent.config import AgentConfig
+from agent.holdings import local_checkpoints
+from agent.metrics import Metrics
+from agent.prefetch import FINAL, Prefetcher, State
+from transfer.engine import list_checkpoints, resolve_manifests
+from transfer.engine.catalog import load_manifest, open_catalog
+from transfer.engine.estimate import BandwidthMeter, estimate_migration
+from transfer.errors import (
+    AccessDeniedError,
+    CheckpointNotFoundError,
+    DestinationError,
+    FerryError,
+    FormatError,
+    StoreError,
+)
+from transfer.format.names import check_name, check_step
+from transfer.store import StoreOptions, open_store
+from transfer.store.base import Store
+
+CONFIG = web.AppKey("config", AgentConfig)
+TOKEN = web.AppKey("token", str)
+TIERS = web.AppKey("tiers", list)
+PREFETCHER = web.AppKey("prefetcher", Prefetcher)
+METER = web.AppKey("meter", BandwidthMeter)
+METRICS = web.AppKey("metrics", Metrics)
+PINS = web.AppKey("pins", dict)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+MAX_PIN_SECONDS = 7 * 24 * 3600
+
+
+def _error(status: int, message: str, kind: str) -> web.Response:
+    return web.json_response({"error": message, "type": kind}, status=status)
+
+
+@web.middleware
+async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    if request.path != "/healthz":
+        expected = request.app[TOKEN]
+        header = request.headers.get("Authorization", "")
+        scheme, _, given = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), expected.encode()):
+            return _error(401, "missing or wrong bearer token", "Unauthorized")
+    return await handler(request)
+
+
+_STATUS = [
+    (CheckpointNotFoundError, 404),
+    (DestinationError, 409),
+    (FormatError, 400),
+    (AccessDeniedError, 502),
+    (StoreError, 502),
+    (FerryError, 400),
+]
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.content_type == "application/json":
+            raise
+        return _error(exc.status, exc.reason, type(exc).__name__)
+    except (FerryError, ValueError) as exc:
+        status = next((code for cls, code in _STATUS if isinstance(exc, cls)), 400)
+        return _error(status, " ".join(str(exc).split()), type(exc).__name__)
+
+
+async def _json_body(request: web.Request) -> dict[str, Any]:
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise ValueError("request body is not JSON") from None
+    if not isinstance(body, dict):
+        raise ValueError("request body must be a JSON object")
+    return body
+
+
+def _step_arg(value: object) -> int | None:
+    """A step number, or None for 'latest'."""
+    if value in (None, "latest"):
+        return None
+    if isinstance(value, str) and value.isdigit():
+        value = int(value)
+    return check_step(value)
+
+
+async def healthz(request: web.Request) -> web.Response:
+    return web.json_response({"ok": True, "node": request.app[CONFIG].node})
+
+
+async def metrics(request: web.Request) -> web.Response:
+    m = request.app[METRICS]
+    prefetcher = request.app[PREFETCHER]
+    m.set("ferry_prefetch_queue_depth", prefetcher.active())
+    for source, rate in request.app[METER].snapshot().items():
+        m.set("ferry_bandwidth_bytes_per_second", float(rate), source=source)
+    return web.Response(text=m.render(), content_type="text/plain")
+
+
+async def post_prefetch(request: web.Request) -> web.Response:
+    body = await _json_body(request)
+    job = check_name("job", body.get("job"))
+    step = _step_arg(body.get("step", "latest"))
+    deadline = body.get("deadline_s")
+    if deadline is not None and (not isinstance(deadline, int | float) or deadline <= 0):
+        raise ValueError("deadline_s must be a positive number")
+    record = request.app[PREFETCHER].submit(job, step, deadline)
+    request.app[METRICS].inc("ferry_prefetch_started_total")
+    return web.json_response({"id": record.id}, status=202)
+
+
+async def get_prefetch(request: web.Request) -> web.Response:
+    record = request.app[PREFETCHER].jobs.get(request.match_info["id"])
+    if record is None:
+        raise web.HTTPNotFound(reason="no such prefetch")
+    return web.json_response(record.to_dict())
+
+
+async def delete_prefetch(request: web.Request) -> web.Response:
+    record = request.app[PREFETCHER].cancel(request.match_info["id"])
+    if record is None:
+        raise web.HTTPNotFound(reason="no such prefetch")
+    if record.task is not None and not record.task.done():
+        await record.task  # the job records its own cancellation; staging is cleaned up
+    return web.json_response(record.to_dict())
+
+
+async def get_checkpoints(request: web.Request) -> web.Response:
+    config = request.app[CONFIG]
+    jobs: dict[str, dict[int, dict[str, Any]]] = {}
+    for name, store in request.app[TIERS]:
+        if not await open_catalog(store, create=False):
+            continue
+        for c in await list_checkpoints(store):
+            entry = jobs.setdefault(c.job, {}).setdefault(
+                c.step, {"step": c.step, "tiers": [], "nodes": [], "local": False}
+            )
+            if name not in entry["tiers"]:
+                entry["tiers"].append(name)
+            if c.node not in entry["nodes"]:
+                entry["nodes"].append(c.node)
+    for job, steps in jobs.items():
+        for held in local_checkpoints(config.hot_dir, job, config.commit_marker):
+            if held.step in steps:
+                steps[held.step]["local"] = True
+        for entry in steps.values():
+            expected = set(config.expected_nodes)
+            entry["complete"] = expected.issubset(entry["nodes"]) if expected else True
+            entry["pinned"] = _pinned(request.app, job, entry["step"])
+    listing = {job: sorted(steps.values(), key=lambda e: e["step"]) for job, steps in jobs.items()}
+    return web.json_response({"jobs": listing})
+
+
+async def get_estimate(request: web.Request) -> web.Response:
+    query = request.query
+    job = check_name("job", query.get("job"))
+    step = _step_arg(query.get("step", "latest"))
+    gpus = int(query.get("gpus", "1"))
+    price = float(query.get("gpu_hour_price", "0"))
+    if gpus < 0 or price < 0:
+        raise ValueError("gpus and gpu_hour_price must not be negative")
+    config = request.app[CONFIG]
+    for name, store in request.app[TIERS]:
+        try:
+            manifests = await resolve_manifests(store, job, step)
+        except CheckpointNotFoundError:
+            continue
+        held_ids = await _held_chunk_ids(request.app, store, job, manifests[0].step)
+        needed: dict[str, int] = {}
+        total = 0
+        for m in manifests:
+            for f in m.files:
+                total += f.size
+                for c in f.chunks:
+                    if c.id not in held_ids:
+                        needed[c.id] = c.stored
+        missing = sum(needed.values())
+        est = estimate_migration(
+            {f"tier:{name}": missing},
+            request.app[METER],
+            bytes_total=total,
+            gpus=gpus,
+            gpu_hour_price=price,
+        )
+        doc = est.to_dict()
+        doc.update(job=job, step=manifests[0].step, node=config.node, source=f"tier:{name}")
+        return web.json_response(doc)
+    raise CheckpointNotFoundError(f"no tier holds job {job!r} step {step or 'latest'}")
+
+
+async def _held_chunk_ids(app: web.Application, store: Store, job: str, step: int) -> set[str]:
+    """Chunk ids of the checkpoints of ``job`` up to ``step`` that this node holds, as their
+    committed manifests describe them (a local copy was verified when it was pulled, or is
+    the source a push was made from)."""
+    config = app[CONFIG]
+    held = {c.step for c in local_checkpoints(config.hot_dir, job, config.commit_marker)}
+    ids: set[str] = set()
+    for c in await list_checkpoints(store, job):
+        if c.step in held and c.step <= step:
+            try:
+                manifest = await load_manifest(store, job, c.step, c.node)
+            except FerryError:
+                continue  # unreadable: count its chunks as missing
+            ids.update(chunk.id for chunk in manifest.all_chunks())
+    return ids
+
+
+def _pinned(app: web.Application, job: str, step: int) -> bool:
+    expiry = app[PINS].get((job, step))
+    return expiry is not None and expiry > time.time()
+
+
+async def post_pin(request: web.Request) -> web.Response:
+    body = await _json_body(request)
+    job = check_name("job", body.get("job"))
+    step = check_step(body.get("step"))
+    ttl = body.get("ttl_s", 3600)
+    if not isinstance(ttl, int | float) or not 0 < ttl <= MAX_PIN_SECONDS:
+        raise ValueError(f"ttl_s must be within 0..{MAX_PIN_SECONDS} (pins expire)")
+    expiry = time.time() + ttl
+    request.app[PINS][(job, step)] = expiry
+    return web.json_response({"job": job, "step": step, "expires_at": expiry}, status=201)
+
+
+async def delete_pin(request: web.Request) -> web.Response:
+    job = check_name("job", request.query.get("job"))
+    step = _step_arg(request.query.get("step"))
+    if step is None:
+        raise ValueError("step is required")
+    request.app[PINS].pop((job, step), None)
+    return web.json_response({"job": job, "step": step, "pinned": False})
+
+
+def create_app(config: AgentConfig, token: str) -> web.Application:
+    if not token:
+        raise ValueError("the RPC needs a non-empty bearer token")
+    app = web.Application(
+        middlewares=[error_middleware, auth_middleware], client_max_size=config.max_body_bytes
+    )
+    app[CONFIG] = config
+    app[TOKEN] = token
+    app[METER] = BandwidthMeter()
+    app[METRICS] = Metrics()
+    app[PINS] = {}
+    app.cleanup_ctx.append(_resources)
+    app.add_routes(
+        [
+            web.get("/healthz", healthz),
+            web.get("/metrics", metrics),
+            web.post("/v1/prefetch", post_prefetch),
+            web.get("/v1/prefetch/{id}", get_prefetch),
+            web.delete("/v1/prefetch/{id}", delete_prefetch),
+            web.get("/v1/checkpoints", get_checkpoints),
+            web.get("/v1/estimate", get_estimate),
+            web.post("/v1/pins", post_pin),
+            web.delete("/v1/pins", delete_pin),
+        ]
+    )
+    return app
+
+
+async def _resources(app: web.Application):  # type: ignore[no-untyped-def]
+    config = app[CONFIG]
+    options = StoreOptions(endpoint_url=config.endpoint_url)
+    tiers = [(url, open_store(url, options)) for url in config.tiers]
+    app[TIERS] = tiers
+    app[PREFETCHER] = Prefetcher(
+        config.hot_dir,
+        config.commit_marker,
+        tiers,
+        config.transfer_options(),
+        app[METER],
+        concurrency=config.prefetch_concurrency,
+    )
+    try:
+        yield
+    finally:
+        await app[PREFETCHER].drain(config.drain_seconds)
+        for _, store in tiers:
+            await store.close()
+
+
+__all__ = ["FINAL", "State", "create_app"]

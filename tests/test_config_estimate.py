@@ -1,0 +1,312 @@
+"""The agent's configuration loader and the migration/checkpoint-interval arithmetic."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import fields
+from pathlib import Path
+
+import pytest
+
+from agent.config import AgentConfig, ConfigError, TransferSettings, example_toml, load_config
+from transfer.engine import TransferOptions
+from transfer.engine.estimate import (
+    DEFAULT_RATES,
+    BandwidthMeter,
+    badput_fraction,
+    badput_per_interruption,
+    estimate_migration,
+    optimal_interval,
+    optimal_interval_steps,
+)
+
+MiB = 1 << 20
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "ferry.toml"
+    path.write_text(text)
+    return path
+
+
+# --- config ---------------------------------------------------------------------------
+
+
+def test_example_toml_loads_with_its_values(tmp_path: Path) -> None:
+    config = load_config(write(tmp_path, example_toml()), env={})
+    assert config.node == "node-07"
+    assert (config.listen_host, config.listen_port) == ("127.0.0.1", 7070)
+    assert config.hot_dir == Path("/nvme/ckpt")
+    assert config.tiers == ("/mnt/nfs/ckpt", "s3://bucket/ckpt")
+    assert config.peers == ("http://10.0.0.2:7070",)
+    assert config.expected_nodes == ("node-07", "node-08")
+    assert config.endpoint_url == "http://127.0.0.1:9000"
+    assert config.state_dir == Path("/nvme/ckpt/.ferry")
+    assert config.transfer.workers == 8
+
+
+def test_example_toml_documents_every_key() -> None:
+    text = example_toml()
+    for f in [*fields(AgentConfig), *fields(TransferSettings)]:
+        if f.name != "transfer":
+            assert f"\n{f.name} =" in text or f"\n# {f.name} =" in text, f.name
+
+
+def test_env_overrides_file(tmp_path: Path) -> None:
+    env = {
+        "FERRY_NODE": "node-09",
+        "FERRY_LISTEN": "0.0.0.0:8080",
+        "FERRY_HOT_DIR": "/other",
+        "FERRY_TIERS": " /mnt/a , s3://b/p ,",
+        "FERRY_PEERS": "",  # an empty list variable clears the file's list
+        "FERRY_DRAIN_SECONDS": "5",
+        "FERRY_TRANSFER_WINDOW": "4",
+    }
+    config = load_config(write(tmp_path, example_toml()), env=env)
+    assert config.node == "node-09"
+    assert config.listen_port == 8080
+    assert config.hot_dir == Path("/other")
+    assert config.tiers == ("/mnt/a", "s3://b/p")
+    assert config.peers == ()
+    assert config.drain_seconds == 5.0
+    assert config.transfer_options().window == 4
+
+
+def test_environment_alone_with_defaults() -> None:
+    config = load_config(None, env={"FERRY_HOT_DIR": "/hot", "FERRY_EXPECTED_NODES": "a,b"})
+    assert config.state_dir == Path("/hot/.ferry")
+    assert config.expected_nodes == ("a", "b")
+    assert config.commit_marker == ".metadata"
+    assert config.max_body_bytes == MiB
+    assert config.token_file is None and config.read_token() is None
+    assert config.transfer_options() == TransferOptions()
+
+
+def test_hot_dir_required() -> None:
+    with pytest.raises(ConfigError, match="hot_dir"):
+        load_config(None, env={})
+
+
+def test_unknown_keys_rejected_by_name(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="'hot_dri'"):
+        load_config(write(tmp_path, 'hot_dri = "/x"\n'), env={})
+    with pytest.raises(ConfigError, match=r"'transfer\.windw'"):
+        load_config(write(tmp_path, 'hot_dir = "/x"\n[transfer]\nwindw = 3\n'), env={})
+
+
+@pytest.mark.parametrize(
+    ("toml", "env", "message"),
+    [
+        ('hot_dir = "/x"\nprefetch_concurrency = "2"', {}, "prefetch_concurrency: expected an int"),
+        ('hot_dir = "/x"\ntiers = "s3://b"', {}, "tiers: expected a list"),
+        ('hot_dir = "/x"\n[transfer]\nworkers = true', {}, "transfer.workers: expected an int"),
+        ('hot_dir = "/x"', {"FERRY_MAX_BODY_BYTES": "1MB"}, "FERRY_MAX_BODY_BYTES: expected an"),
+        ("hot_dir = 3", {}, "hot_dir: expected a string"),
+    ],
+)
+def test_wrong_types_rejected(tmp_path: Path, toml: str, env: dict[str, str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(write(tmp_path, toml + "\n"), env=env)
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"FERRY_NODE": "../etc"}, "invalid node name"),
+        ({"FERRY_EXPECTED_NODES": "a,a"}, "duplicate"),
+        ({"FERRY_LISTEN": "7070"}, "listen"),
+        ({"FERRY_LISTEN": "host:70000"}, "listen"),
+        ({"FERRY_LISTEN": ":7070"}, "listen"),
+        ({"FERRY_PEERS": "10.0.0.2:7070"}, "peers"),
+        ({"FERRY_TIERS": "gs://bucket"}, "tiers"),
+        ({"FERRY_COMMIT_MARKER": "a/b"}, "commit_marker"),
+        ({"FERRY_PREFETCH_CONCURRENCY": "0"}, "prefetch_concurrency"),
+        ({"FERRY_TRANSFER_PART_SIZE_MIB": "1"}, "part_size must be at least chunk_size"),
+    ],
+)
+def test_bad_values_rejected(env: dict[str, str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, env={"FERRY_HOT_DIR": "/x", **env})
+
+
+def test_ipv6_listen() -> None:
+    config = load_config(None, env={"FERRY_HOT_DIR": "/x", "FERRY_LISTEN": "[::1]:0"})
+    assert (config.listen_host, config.listen_port) == ("::1", 0)
+
+
+def test_invalid_toml_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="invalid TOML"):
+        load_config(write(tmp_path, "hot_dir = \n"), env={})
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "missing.toml", env={})
+
+
+def test_token_file_read_stripped_and_checked(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    token = tmp_path / "token"
+    token.write_text("  s3cret\n")
+    token.chmod(0o600)
+    env = {"FERRY_HOT_DIR": "/x", "FERRY_TOKEN_FILE": str(token)}
+    with caplog.at_level(logging.WARNING):
+        assert load_config(None, env=env).read_token() == "s3cret"
+    assert not caplog.records
+
+    token.chmod(0o644)  # warned about, not refused
+    with caplog.at_level(logging.WARNING):
+        load_config(None, env=env)
+    assert "group/others" in caplog.text
+
+    token.write_text(" \n")
+    with pytest.raises(ConfigError, match="empty"):
+        load_config(None, env=env)
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(None, env={**env, "FERRY_TOKEN_FILE": str(tmp_path / "nope")})
+
+
+def test_transfer_options_mapping(tmp_path: Path) -> None:
+    toml = """hot_dir = "/x"
+[transfer]
+chunk_size_mib = 8
+part_size_mib = 16
+pack_size_mib = 64
+window = 3
+workers = 2
+zstd_level = 0
+max_chain = 7
+"""
+    options = load_config(write(tmp_path, toml), env={}).transfer_options()
+    assert options == TransferOptions(
+        chunk_size=8 * MiB,
+        part_size=16 * MiB,
+        pack_size=64 * MiB,
+        window=3,
+        workers=2,
+        zstd_level=None,
+        max_chain=7,
+    )
+
+
+# --- bandwidth and migration estimates ---------------------------------------------------
+
+
+def test_meter_defaults_before_samples() -> None:
+    meter = BandwidthMeter()
+    assert meter.rate("local") == 1.0e9
+    assert meter.rate("peer") == 0.5e9
+    assert meter.rate("tier:s3://bucket/x") == 0.2e9
+    assert not meter.measured("peer")
+    assert meter.snapshot() == {}
+    with pytest.raises(ValueError, match="unknown source"):
+        meter.rate("carrier-pigeon")
+
+
+def test_meter_measures_and_ignores_tiny_samples() -> None:
+    meter = BandwidthMeter()
+    assert not meter.record("peer", 512 * 1024, 1.0)  # too few bytes
+    assert not meter.record("peer", 100 * MiB, 0.005)  # too short
+    assert not meter.measured("peer")
+
+    assert meter.record("peer", 100 * MiB, 1.0)
+    assert meter.measured("peer")
+    assert meter.rate("peer") == 100 * MiB
+    assert meter.snapshot() == {"peer": 100 * MiB}
+    assert meter.rate("tier:s3://b") == DEFAULT_RATES["tier"]  # other sources unaffected
+
+
+def test_meter_ewma_moves_toward_new_samples() -> None:
+    meter = BandwidthMeter()
+    meter.record("local", 100 * MiB, 1.0)
+    meter.record("local", 200 * MiB, 1.0)
+    assert meter.rate("local") == pytest.approx(0.3 * 200 * MiB + 0.7 * 100 * MiB)
+    for _ in range(30):
+        meter.record("local", 200 * MiB, 1.0)
+    assert meter.rate("local") == pytest.approx(200 * MiB, rel=1e-3)
+
+
+def test_migration_cost_and_cooldown() -> None:
+    meter = BandwidthMeter()
+    meter.record("peer", 1_000_000_000, 2.0)  # 0.5 GB/s, same as the default, but measured
+    est = estimate_migration(
+        {"peer": 1_000_000_000, "tier:s3://b": 400_000_000},
+        meter,
+        bytes_total=3_000_000_000,
+        gpus=8,
+        gpu_hour_price=2.5,
+    )
+    assert est.seconds == pytest.approx(2.0 + 2.0)  # sequential: 1 GB at 0.5 + 0.4 GB at 0.2
+    assert est.bytes_missing == 1_400_000_000
+    assert est.cost == pytest.approx(4.0 / 3600 * 8 * 2.5)
+    assert est.cooldown_seconds == pytest.approx(304.0)
+    doc = est.to_dict()
+    assert doc["bytes_by_source"] == {"peer": 1_000_000_000, "tier:s3://b": 400_000_000}
+    assert doc["cost"] == est.cost
+
+    parallel = estimate_migration(
+        {"peer": 1_000_000_000, "tier:s3://b": 400_000_000},
+        meter,
+        bytes_total=3_000_000_000,
+        gpus=8,
+        gpu_hour_price=2.5,
+        parallel=True,
+    )
+    assert parallel.seconds == pytest.approx(2.0)
+
+
+def test_migration_invalid_inputs() -> None:
+    meter = BandwidthMeter()
+    with pytest.raises(ValueError):
+        estimate_migration({"local": 10}, meter, bytes_total=5, gpus=1, gpu_hour_price=1.0)
+    with pytest.raises(ValueError):
+        estimate_migration({"local": 1}, meter, bytes_total=5, gpus=-1, gpu_hour_price=1.0)
+    with pytest.raises(ValueError):
+        estimate_migration({"local": -1}, meter, bytes_total=5, gpus=1, gpu_hour_price=1.0)
+
+
+# --- checkpoint interval -------------------------------------------------------------------
+
+
+def test_badput_arithmetic() -> None:
+    # 60 s saves every 1800 s, an interruption every 6 h costing 120 s restart + 900 s of work
+    assert badput_fraction(60, 1800, 21600, restart_seconds=120) == pytest.approx(
+        60 / 1800 + (120 + 900) / 21600
+    )
+    assert badput_per_interruption(30, 100, 2.0) == pytest.approx(130.0)
+
+
+@pytest.mark.parametrize(("save", "mtbi"), [(60.0, 21600.0), (5.0, 3600.0), (300.0, 86400.0)])
+def test_optimal_interval_minimizes_badput(save: float, mtbi: float) -> None:
+    best = optimal_interval(save, mtbi)
+    assert best == pytest.approx((2 * save * mtbi) ** 0.5)
+    at_best = badput_fraction(save, best, mtbi, restart_seconds=30)
+    for factor in (0.5, 0.9, 1.1, 2.0):
+        assert at_best < badput_fraction(save, best * factor, mtbi, restart_seconds=30)
+
+
+def test_optimal_interval_steps() -> None:
+    # Young: sqrt(2 x 60 x 21600) = 1609.97 s; at 2 s per step 804.98 steps
+    steps = optimal_interval_steps(60, 2.0, 21600)
+    assert steps in (804, 805)
+    for other in (steps - 1, steps + 1):
+        assert badput_fraction(60, steps * 2.0, 21600) <= badput_fraction(60, other * 2.0, 21600)
+    assert optimal_interval_steps(1, 1000.0, 100) == 1  # a step longer than the optimum
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: badput_fraction(60, 0, 3600),
+        lambda: badput_fraction(60, 100, -1),
+        lambda: badput_fraction(-1, 100, 3600),
+        lambda: badput_fraction(60, 100, float("nan")),
+        lambda: optimal_interval(0, 3600),
+        lambda: optimal_interval(60, 0),
+        lambda: badput_per_interruption(60, 0, 1.0),
+        lambda: optimal_interval_steps(60, 0, 3600),
+        lambda: BandwidthMeter().record("peer", -1, 1.0),
+    ],
+)
+def test_invalid_inputs_raise(call: Callable[[], object]) -> None:
+    with pytest.raises(ValueError):
+        call()

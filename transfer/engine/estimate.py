@@ -1,0 +1,192 @@
+"""How long and how much a checkpoint migration costs, and how often to checkpoint.
+
+Pure arithmetic, no I/O: the agent feeds measured transfers into a BandwidthMeter and asks
+for estimates; a scheduler uses them to decide whether moving a job is worth it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+
+MiB = 1 << 20
+
+#: Rates (bytes/s) assumed for a source kind until a transfer from it has been measured.
+#: Deliberately conservative for one node: NVMe sustains several GB/s, 10 GbE carries
+#: ~1.1 GB/s, and one node's streams to an object store commonly get a few hundred MB/s.
+DEFAULT_RATES: Mapping[str, float] = {"local": 1.0e9, "peer": 0.5e9, "tier": 0.2e9}
+
+#: Weight of a new sample: it moves the average about a third of the way, so a changed
+#: link (congestion, another peer) shows within a few transfers while one outlier does not
+#: halve or double the estimate.
+EWMA_ALPHA = 0.3
+
+#: Samples below these sizes measure request latency, not bandwidth.
+MIN_SAMPLE_BYTES = 1 * MiB
+MIN_SAMPLE_SECONDS = 0.010
+
+#: Added to a migration's duration to get a scale-down cooldown: the default of the
+#: Kubernetes HPA's ``behavior.scaleDown.stabilizationWindowSeconds`` (300 s), so capacity is
+#: not reclaimed before the migrated job has settled.
+COOLDOWN_MARGIN_SECONDS = 300.0
+
+
+def _kind(source: str) -> str:
+    """``"tier:s3://b/x"`` -> ``"tier"``; ``"peer"`` -> ``"peer"``."""
+    kind = source.split(":", 1)[0]
+    if kind not in DEFAULT_RATES:
+        raise ValueError(f"unknown source {source!r}: expected local, peer[:...] or tier:URL")
+    return kind
+
+
+class BandwidthMeter:
+    """Per-source exponentially weighted average of measured throughput (bytes/s)."""
+
+    def __init__(self) -> None:
+        self._rates: dict[str, float] = {}
+
+    def record(self, source: str, nbytes: int, seconds: float) -> bool:
+        """Add a measurement; returns False if it was too small to count."""
+        _kind(source)
+        if nbytes < 0 or not seconds >= 0:
+            raise ValueError(f"invalid sample: {nbytes} bytes in {seconds} s")
+        if nbytes < MIN_SAMPLE_BYTES or seconds < MIN_SAMPLE_SECONDS or math.isinf(seconds):
+            return False
+        rate = nbytes / seconds
+        old = self._rates.get(source)
+        self._rates[source] = rate if old is None else EWMA_ALPHA * rate + (1 - EWMA_ALPHA) * old
+        return True
+
+    def rate(self, source: str) -> float:
+        """The measured average, or the kind's DEFAULT_RATES entry before any sample."""
+        measured = self._rates.get(source)
+        return measured if measured is not None else DEFAULT_RATES[_kind(source)]
+
+    def measured(self, source: str) -> bool:
+        return source in self._rates
+
+    def snapshot(self) -> dict[str, float]:
+        """Measured sources only (bytes/s), for JSON and metrics; defaults are not data."""
+        return dict(sorted(self._rates.items()))
+
+
+@dataclass(frozen=True)
+class MigrationEstimate:
+    bytes_total: int
+    bytes_missing: int
+    bytes_by_source: dict[str, int]
+    seconds: float
+    gpus: int
+    gpu_hour_price: float
+    #: GPU time idle while the checkpoint moves: seconds/3600 x gpus x price
+    cost: float = field(init=False)
+    cooldown_seconds: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "cost", self.seconds / 3600 * self.gpus * self.gpu_hour_price)
+        object.__setattr__(self, "cooldown_seconds", self.seconds + COOLDOWN_MARGIN_SECONDS)
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+def estimate_migration(
+    bytes_by_source: Mapping[str, int],
+    meter: BandwidthMeter,
+    *,
+    bytes_total: int,
+    gpus: int,
+    gpu_hour_price: float,
+    parallel: bool = False,
+) -> MigrationEstimate:
+    """Time and GPU cost to bring the missing bytes to a node.
+
+    Sequential by default: sources are drained cheapest first and share the node's NIC and
+    disk, so their times add up; ``parallel`` takes the slowest source instead (an upper
+    bound on overlap, for sources that use independent paths).
+    """
+    if any(n < 0 for n in bytes_by_source.values()) or bytes_total < 0:
+        raise ValueError("byte counts must not be negative")
+    if gpus < 0 or not gpu_hour_price >= 0:
+        raise ValueError("gpus and gpu_hour_price must not be negative")
+    missing = sum(bytes_by_source.values())
+    if missing > bytes_total:
+        raise ValueError(f"{missing} bytes missing of a {bytes_total}-byte checkpoint")
+    times = [n / meter.rate(s) for s, n in bytes_by_source.items() if n]
+    seconds = (max(times, default=0.0) if parallel else sum(times)) if times else 0.0
+    return MigrationEstimate(
+        bytes_total=bytes_total,
+        bytes_missing=missing,
+        bytes_by_source=dict(bytes_by_source),
+        seconds=seconds,
+        gpus=gpus,
+        gpu_hour_price=gpu_hour_price,
+    )
+
+
+def _positive(**values: float) -> None:
+    for name, value in values.items():
+        if not (value > 0 and math.isfinite(value)):
+            raise ValueError(f"{name} must be a positive finite number, got {value}")
+
+
+def _non_negative(**values: float) -> None:
+    for name, value in values.items():
+        if not (value >= 0 and math.isfinite(value)):
+            raise ValueError(f"{name} must be a non-negative finite number, got {value}")
+
+
+def badput_fraction(
+    save_seconds: float,
+    interval_seconds: float,
+    mtbi_seconds: float,
+    restart_seconds: float = 0.0,
+) -> float:
+    """Fraction of wall time lost to checkpointing (first-order Young/Daly model).
+
+    Each save stalls training for ``save_seconds`` once per interval; each interruption
+    (mean time between them: ``mtbi_seconds``) costs the restart plus, on average, half an
+    interval of work since the last save:
+    ``save/interval + (restart + interval/2) / mtbi``.
+    """
+    _non_negative(save_seconds=save_seconds, restart_seconds=restart_seconds)
+    _positive(interval_seconds=interval_seconds, mtbi_seconds=mtbi_seconds)
+    return save_seconds / interval_seconds + (restart_seconds + interval_seconds / 2) / mtbi_seconds
+
+
+def optimal_interval(save_seconds: float, mtbi_seconds: float) -> float:
+    """Young's formula: the interval ``sqrt(2 x save x MTBI)`` minimizes badput_fraction.
+
+    Setting d/dT (save/T + T/(2 MTBI)) = 0 gives it; the restart cost does not depend on T.
+    Assumes interruptions are independent (exponential, mean MTBI), save << MTBI, a constant
+    save cost, and no interruption during a save or restart (Daly's higher-order model adds
+    those terms; they matter only when the save takes a sizeable fraction of the MTBI).
+    """
+    _positive(save_seconds=save_seconds, mtbi_seconds=mtbi_seconds)
+    return math.sqrt(2 * save_seconds * mtbi_seconds)
+
+
+def badput_per_interruption(save_seconds: float, interval_steps: int, step_seconds: float) -> float:
+    """Seconds lost per interruption as the issue phrases it: ``save + N/2 x step`` with N the
+    checkpoint interval in steps; divided by the MTBI it is the lost fraction of time.
+
+    It omits the stall of every save between interruptions (``save/interval`` in
+    badput_fraction), so it grows with N and cannot pick N on its own: use
+    optimal_interval_steps for that.
+    """
+    _non_negative(save_seconds=save_seconds)
+    _positive(interval_steps=interval_steps, step_seconds=step_seconds)
+    return save_seconds + interval_steps / 2 * step_seconds
+
+
+def optimal_interval_steps(save_seconds: float, step_seconds: float, mtbi_seconds: float) -> int:
+    """Young's interval in whole steps: whichever neighbour of sqrt(2 x save x MTBI) / step
+    has the lower badput_fraction (it is convex in the interval), at least 1."""
+    _positive(step_seconds=step_seconds)
+    steps = optimal_interval(save_seconds, mtbi_seconds) / step_seconds
+    candidates = {max(1, math.floor(steps)), max(1, math.ceil(steps))}
+    return min(
+        sorted(candidates),
+        key=lambda n: badput_fraction(save_seconds, n * step_seconds, mtbi_seconds),
+    )
