@@ -1,0 +1,242 @@
+"""The agent's RPC on a real aiohttp server on loopback, against real stores: auth, errors,
+prefetch (cold, and onto a node holding the previous checkpoint), estimates, pins, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from agent.client import FerryClient, RpcError
+from agent.config import load_config
+from agent.rpc import create_app
+from tests.conftest import tree_bytes
+from tests.test_delta import adamw_series
+from transfer.engine import TransferOptions, push
+from transfer.store import open_store
+
+TOKEN = "s3cret-token"
+OPTS = TransferOptions(chunk_size=1 << 20, part_size=5 << 20, pack_size=10 << 20)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@asynccontextmanager
+async def agent(hot: Path, tiers: list[str], node: str = "b") -> AsyncIterator[str]:
+    """A real agent app on a loopback port; yields its base URL."""
+    port = free_port()
+    env = {
+        "FERRY_NODE": node,
+        "FERRY_HOT_DIR": str(hot),
+        "FERRY_TIERS": ",".join(tiers),
+        "FERRY_LISTEN": f"127.0.0.1:{port}",
+        "FERRY_TRANSFER_CHUNK_SIZE_MIB": "1",
+        "FERRY_TRANSFER_PART_SIZE_MIB": "5",
+        "FERRY_TRANSFER_PACK_SIZE_MIB": "10",
+    }
+    if "AWS_ENDPOINT_URL" in os.environ:
+        env["FERRY_ENDPOINT_URL"] = os.environ["AWS_ENDPOINT_URL"]
+    config = load_config(None, env)
+    runner = web.AppRunner(create_app(config, TOKEN))
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+async def push_series(store_url: str, dirs: list[Path], node: str = "a") -> None:
+    store = open_store(store_url)
+    try:
+        for d in dirs:
+            step = int(d.name.split("_")[1])
+            await push(store, d, job="llm", step=step, node=node, options=OPTS)
+    finally:
+        await store.close()
+
+
+def test_auth_is_required_everywhere_but_health(local_url: str, tmp_path: Path) -> None:
+    async def go() -> None:
+        async with agent(tmp_path / "hot", [local_url]) as url, aiohttp.ClientSession() as s:
+            async with s.get(f"{url}/healthz") as r:
+                assert r.status == 200 and (await r.json())["node"] == "b"
+            for path in ("/v1/checkpoints", "/metrics", "/v1/estimate?job=x"):
+                async with s.get(url + path) as r:
+                    assert r.status == 401, path
+                    assert (await r.json())["type"] == "Unauthorized"
+                async with s.get(url + path, headers={"Authorization": "Bearer nope"}) as r:
+                    assert r.status == 401, path
+            async with s.post(f"{url}/v1/prefetch", json={"job": "x"}) as r:
+                assert r.status == 401
+
+    asyncio.run(go())
+
+
+def test_bad_requests_get_json_4xx(local_url: str, tmp_path: Path) -> None:
+    async def go() -> None:
+        headers = {"Authorization": f"Bearer {TOKEN}"}
+        async with (
+            agent(tmp_path / "hot", [local_url]) as url,
+            aiohttp.ClientSession(headers=headers) as s,
+        ):
+            cases = [
+                ("POST", "/v1/prefetch", {"data": b"not json"}, 400),
+                ("POST", "/v1/prefetch", {"json": {"job": "../../etc"}}, 400),
+                ("POST", "/v1/prefetch", {"json": {"job": "ok", "step": -3}}, 400),
+                ("POST", "/v1/prefetch", {"json": {"job": "ok", "deadline_s": "soon"}}, 400),
+                ("POST", "/v1/prefetch", {"data": b"{" + b" " * (2 << 20) + b"}"}, 413),
+                ("GET", "/v1/prefetch/doesnotexist", {}, 404),
+                ("GET", "/v1/estimate?job=nojob", {}, 404),
+                ("GET", "/v1/estimate?job=j&gpus=many", {}, 400),
+                ("POST", "/v1/pins", {"json": {"job": "j", "step": 1, "ttl_s": 10**9}}, 400),
+            ]
+            for method, path, kwargs, status in cases:
+                async with s.request(method, url + path, **kwargs) as r:
+                    assert r.status == status, (path, kwargs, await r.text())
+                    assert "error" in await r.json(content_type=None)
+        assert not (tmp_path / "etc").exists()
+
+    asyncio.run(go())
+
+
+def test_prefetch_cold_and_onto_a_node_holding_the_previous_step(
+    store_url: str, tmp_path: Path
+) -> None:
+    k0, k1 = adamw_series(tmp_path / "node-a", 2, frozen=0.5)
+
+    async def go() -> None:
+        await push_series(store_url, [k0])
+        hot_b = tmp_path / "node-b"
+        async with agent(hot_b, [store_url]) as url, FerryClient(url, TOKEN) as client:
+            before = await client.estimate("llm", gpus=8, gpu_hour_price=2.5)
+            assert before["bytes_missing"] > 0 and before["step"] == 20
+            assert before["cost"] == pytest.approx(before["seconds"] / 3600 * 8 * 2.5)
+            assert before["cooldown_seconds"] == pytest.approx(before["seconds"] + 300)
+
+            first = await client.wait_prefetch(await client.prefetch("llm"), within_s=120)
+            assert first["state"] == "ready", first
+            assert tree_bytes(Path(first["dest"])) == tree_bytes(k0)
+
+            await push_series(store_url, [k1])
+            est = await client.estimate("llm", "latest")
+            assert 0 < est["bytes_missing"] < before["bytes_missing"]  # it holds step 20
+            second = await client.wait_prefetch(await client.prefetch("llm", 40), within_s=120)
+            assert second["state"] == "ready", second
+            assert Path(second["dest"]).name == "step_000040"
+            assert tree_bytes(Path(second["dest"])) == tree_bytes(k1)
+            assert second["chunks_local"] > 0
+            moved = sum(second["bytes_by_source"].values())
+            assert moved <= est["bytes_missing"] * 1.01 + 4096  # only what it did not hold
+
+            again = await client.wait_prefetch(await client.prefetch("llm", 40))
+            assert again["state"] == "ready" and not again["bytes_by_source"]  # already here
+            listing = (await client.checkpoints())["jobs"]["llm"]
+            assert [(e["step"], e["local"]) for e in listing] == [(20, True), (40, True)]
+
+            auth = {"Authorization": f"Bearer {TOKEN}"}
+            async with aiohttp.ClientSession(headers=auth) as s, s.get(f"{url}/metrics") as r:
+                text = await r.text()
+            assert "ferry_prefetch_started_total 3" in text
+            assert 'ferry_bandwidth_bytes_per_second{source="tier:' in text
+
+    asyncio.run(go())
+
+
+def test_prefetch_of_a_missing_checkpoint_fails_visibly(local_url: str, tmp_path: Path) -> None:
+    async def go() -> None:
+        async with agent(tmp_path / "hot", [local_url]) as url, FerryClient(url, TOKEN) as client:
+            status = await client.wait_prefetch(await client.prefetch("ghost", 5), within_s=30)
+            assert status["state"] == "failed"
+            assert (
+                "no committed checkpoint" in status["error"] or "no checkpoints" in status["error"]
+            )
+
+    asyncio.run(go())
+
+
+def test_pins_expire_and_show_in_the_listing(local_url: str, tmp_path: Path) -> None:
+    (k0,) = adamw_series(tmp_path / "a", 1)
+
+    async def go() -> None:
+        await push_series(local_url, [k0])
+        async with agent(tmp_path / "hot", [local_url]) as url, FerryClient(url, TOKEN) as client:
+            await client.pin("llm", 20, ttl_s=60)
+            assert (await client.checkpoints())["jobs"]["llm"][0]["pinned"] is True
+            await client.unpin("llm", 20)
+            assert (await client.checkpoints())["jobs"]["llm"][0]["pinned"] is False
+            await client.pin("llm", 20, ttl_s=0.2)
+            await asyncio.sleep(0.3)
+            assert (await client.checkpoints())["jobs"]["llm"][0]["pinned"] is False
+            with pytest.raises(RpcError) as exc:
+                await client.pin("llm", 20, ttl_s=-1)
+            assert exc.value.status == 400
+
+    asyncio.run(go())
+
+
+def test_ferry_agent_process_serves_and_stops_on_sigterm(local_url: str, tmp_path: Path) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")
+    port = free_port()
+    env = dict(
+        os.environ,
+        FERRY_NODE="proc",
+        FERRY_HOT_DIR=str(tmp_path / "hot"),
+        FERRY_TIERS=local_url,
+        FERRY_LISTEN=f"127.0.0.1:{port}",
+        FERRY_TOKEN_FILE=str(token_file),
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "agent", "agent"], env=env, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                    break
+            except OSError:
+                time.sleep(0.1)
+
+        async def ask() -> dict:  # type: ignore[type-arg]
+            async with FerryClient(f"http://127.0.0.1:{port}", TOKEN) as client:
+                return await client.checkpoints()
+
+        assert asyncio.run(ask()) == {"jobs": {}}
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        assert proc.stdout is not None and "draining" in proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_printed_example_config_loads(tmp_path: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "agent", "agent", "--print-example-config"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    path = tmp_path / "ferry.toml"
+    path.write_text(out.stdout)
+    (tmp_path / "token").write_text("t")
+    config = load_config(path, {"FERRY_TOKEN_FILE": str(tmp_path / "token")})
+    assert config.hot_dir.is_absolute() and config.listen_port > 0
