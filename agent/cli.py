@@ -109,6 +109,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", type=Path, help="TOML file; every key also FERRY_<KEY>")
     p.add_argument("--print-example-config", action="store_true")
 
+    p = sub.add_parser("estimate", help="ask an agent what moving a checkpoint there costs")
+    p.add_argument("agent_url", help="e.g. http://node-b:7070")
+    p.add_argument("--token-file", type=Path, required=True)
+    p.add_argument("--job", required=True)
+    p.add_argument("--step", default="latest")
+    p.add_argument("--gpus", type=int, default=1, help="GPUs idle while the job migrates")
+    p.add_argument("--gpu-hour-price", type=float, default=0.0)
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("plan", help="badput and the checkpoint interval that minimises it")
+    p.add_argument("--save-seconds", type=float, required=True, help="training stall per save")
+    p.add_argument("--step-seconds", type=float, required=True, help="one training step")
+    p.add_argument(
+        "--mtbi-hours", type=float, required=True, help="mean time between interruptions"
+    )
+    p.add_argument("--interval-steps", type=int, help="the interval in use now, to compare")
+    p.add_argument("--restart-seconds", type=float, default=0.0)
+    p.add_argument("--json", action="store_true")
+
     p = sub.add_parser("demo", help="run the whole flow on generated checkpoints")
     p.add_argument("--workdir", type=Path, help="keep everything here (default: a temp dir)")
 
@@ -276,6 +295,49 @@ async def _run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         await store.close()
 
 
+async def _cmd_estimate(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    from agent.client import FerryClient, RpcError
+
+    token = args.token_file.read_text().strip()
+    async with FerryClient(args.agent_url, token) as client:
+        try:
+            doc: dict[str, Any] = await client.estimate(
+                args.job, args.step, gpus=args.gpus, gpu_hour_price=args.gpu_hour_price
+            )
+        except RpcError as exc:
+            raise FerryError(str(exc)) from None
+    line = (
+        f"{doc['node']}: {args.job} step {doc['step']}: {_human(doc['bytes_missing'])} missing "
+        f"of {_human(doc['bytes_total'])}, ~{doc['seconds']:.1f}s, cost {doc['cost']:.2f} "
+        f"({args.gpus} GPUs); recommended scale-down cooldown {doc['cooldown_seconds']:.0f}s"
+    )
+    return doc, line
+
+
+def _plan(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    from transfer.engine.estimate import badput_fraction, optimal_interval_steps
+
+    mtbi = args.mtbi_hours * 3600
+    best = optimal_interval_steps(args.save_seconds, args.step_seconds, mtbi)
+    doc: dict[str, Any] = {
+        "optimal_interval_steps": best,
+        "optimal_badput": badput_fraction(
+            args.save_seconds, best * args.step_seconds, mtbi, args.restart_seconds
+        ),
+    }
+    line = (
+        f"save every {best} steps ({best * args.step_seconds:.0f}s): badput "
+        f"{doc['optimal_badput']:.2%} of training time"
+    )
+    if args.interval_steps:
+        now = badput_fraction(
+            args.save_seconds, args.interval_steps * args.step_seconds, mtbi, args.restart_seconds
+        )
+        doc["current_interval_steps"], doc["current_badput"] = args.interval_steps, now
+        line += f"; every {args.interval_steps} steps (now): {now:.2%}"
+    return doc, line
+
+
 def _run_agent(args: argparse.Namespace) -> int:
     from agent.config import ConfigError, example_toml, load_config
     from agent.daemon import serve
@@ -300,6 +362,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "agent":
         return _run_agent(args)
+    if args.command in ("estimate", "plan"):
+        try:
+            doc, line = (
+                asyncio.run(_cmd_estimate(args)) if args.command == "estimate" else _plan(args)
+            )
+        except (FerryError, ValueError, OSError) as exc:
+            print(f"ferry {args.command}: error: {exc}", file=sys.stderr)
+            return 1
+        print(json.dumps(doc) if args.json else line)
+        return 0
     if args.command == "demo":
         from agent.demo import main as demo
 

@@ -4,6 +4,7 @@ prefetch (cold, and onto a node holding the previous checkpoint), estimates, pin
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -18,6 +19,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from agent.cli import main as ferry
 from agent.client import FerryClient, RpcError
 from agent.config import load_config
 from agent.rpc import create_app
@@ -190,7 +192,11 @@ def test_pins_expire_and_show_in_the_listing(local_url: str, tmp_path: Path) -> 
     asyncio.run(go())
 
 
-def test_ferry_agent_process_serves_and_stops_on_sigterm(local_url: str, tmp_path: Path) -> None:
+def test_ferry_agent_process_serves_and_stops_on_sigterm(
+    local_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (k0,) = adamw_series(tmp_path / "a", 1)
+    asyncio.run(push_series(local_url, [k0]))
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN + "\n")
     port = free_port()
@@ -218,7 +224,14 @@ def test_ferry_agent_process_serves_and_stops_on_sigterm(local_url: str, tmp_pat
             async with FerryClient(f"http://127.0.0.1:{port}", TOKEN) as client:
                 return await client.checkpoints()
 
-        assert asyncio.run(ask()) == {"jobs": {}}
+        assert [e["step"] for e in asyncio.run(ask())["jobs"]["llm"]] == [20]
+        url = f"http://127.0.0.1:{port}"
+        argv = ["estimate", url, "--token-file", str(token_file), "--job", "llm", "--gpus", "4"]
+        capsys.readouterr()
+        assert ferry([*argv, "--gpu-hour-price", "3", "--json"]) == 0
+        est = json.loads(capsys.readouterr().out)
+        assert est["bytes_missing"] > 0 and est["cost"] == pytest.approx(est["seconds"] / 300)
+        assert ferry(["estimate", url, "--token-file", str(tmp_path / "a" / "x"), "--job", "llm"])
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
         assert proc.stdout is not None and "draining" in proc.stdout.read()
@@ -240,3 +253,11 @@ def test_printed_example_config_loads(tmp_path: Path) -> None:
     (tmp_path / "token").write_text("t")
     config = load_config(path, {"FERRY_TOKEN_FILE": str(tmp_path / "token")})
     assert config.hot_dir.is_absolute() and config.listen_port > 0
+
+
+def test_plan_finds_youngs_interval(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["plan", "--save-seconds", "30", "--step-seconds", "2", "--mtbi-hours", "6"]
+    assert ferry([*argv, "--interval-steps", "100", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["optimal_interval_steps"] == 569  # sqrt(2 x 30 s x 6 h) = 1138 s = 569 steps
+    assert doc["optimal_badput"] < doc["current_badput"]
