@@ -19,6 +19,7 @@ from typing import Any
 from agent.holdings import local_checkpoints, step_dir_name
 from transfer.engine import TransferOptions, pull, resolve_manifests
 from transfer.engine.estimate import BandwidthMeter
+from transfer.engine.pull import ChunkSource
 from transfer.errors import CheckpointNotFoundError, FerryError
 from transfer.store.base import Store
 
@@ -99,7 +100,9 @@ class Prefetcher:
         options: TransferOptions,
         meter: BandwidthMeter,
         concurrency: int = 2,
+        chunk_source: ChunkSource | None = None,
     ) -> None:
+        self.chunk_source = chunk_source
         self.hot_dir = hot_dir
         self.commit_marker = commit_marker
         self.tiers = tiers
@@ -185,8 +188,11 @@ class Prefetcher:
             options=self.options,
             progress=_JobProgress(record),
             base_dir=base,
+            chunk_source=self.chunk_source,
         )
         seconds = time.monotonic() - began
         self.meter.record(source, result.bytes_transferred, seconds)
         record.bytes_by_source[source] = result.bytes_transferred
+        if result.bytes_from_source:
+            record.bytes_by_source["peer"] = result.bytes_from_source
         record.chunks_local = result.chunks_local

@@ -7,6 +7,7 @@ to JSON 4xx in one middleware; auth is another. docs/openapi.yaml documents the 
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import time
@@ -18,6 +19,7 @@ from aiohttp import web
 from agent.config import AgentConfig
 from agent.holdings import local_checkpoints
 from agent.metrics import Metrics
+from agent.peers import HotIndex, PeerSource, read_verified
 from agent.prefetch import FINAL, Prefetcher, State
 from transfer.engine import list_checkpoints, resolve_manifests
 from transfer.engine.catalog import load_manifest, open_catalog
@@ -30,6 +32,7 @@ from transfer.errors import (
     FormatError,
     StoreError,
 )
+from transfer.format.chunkid import is_chunk_id
 from transfer.format.names import check_name, check_step
 from transfer.store import StoreOptions, open_store
 from transfer.store.base import Store
@@ -41,6 +44,7 @@ PREFETCHER = web.AppKey("prefetcher", Prefetcher)
 METER = web.AppKey("meter", BandwidthMeter)
 METRICS = web.AppKey("metrics", Metrics)
 PINS = web.AppKey("pins", dict)
+HOT_INDEX = web.AppKey("hot_index", HotIndex)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 MAX_PIN_SECONDS = 7 * 24 * 3600
@@ -142,6 +146,21 @@ async def delete_prefetch(request: web.Request) -> web.Response:
     if record.task is not None and not record.task.done():
         await record.task  # the job records its own cancellation; staging is cleaned up
     return web.json_response(record.to_dict())
+
+
+async def get_chunk(request: web.Request) -> web.Response:
+    """A chunk's raw bytes from this node's hot data, for peer agents (hash-checked first)."""
+    cid = request.match_info["id"]
+    if not is_chunk_id(cid):
+        raise ValueError("not a chunk id")
+    index = request.app[HOT_INDEX]
+    where = await index.locate(cid)
+    data = await asyncio.to_thread(read_verified, where, cid) if where else None
+    if data is None:
+        index.forget(cid)
+        raise web.HTTPNotFound(reason="this node does not hold that chunk")
+    request.app[METRICS].inc("ferry_bytes_total", len(data), direction="out", source="peer")
+    return web.Response(body=data, content_type="application/octet-stream")
 
 
 async def get_checkpoints(request: web.Request) -> web.Response:
@@ -270,6 +289,7 @@ def create_app(config: AgentConfig, token: str) -> web.Application:
             web.get("/v1/prefetch/{id}", get_prefetch),
             web.delete("/v1/prefetch/{id}", delete_prefetch),
             web.get("/v1/checkpoints", get_checkpoints),
+            web.get("/v1/chunks/{id}", get_chunk),
             web.get("/v1/estimate", get_estimate),
             web.post("/v1/pins", post_pin),
             web.delete("/v1/pins", delete_pin),
@@ -283,6 +303,8 @@ async def _resources(app: web.Application):  # type: ignore[no-untyped-def]
     options = StoreOptions(endpoint_url=config.endpoint_url)
     tiers = [(url, open_store(url, options)) for url in config.tiers]
     app[TIERS] = tiers
+    app[HOT_INDEX] = HotIndex(config.hot_dir, config.commit_marker, tiers)
+    peers = PeerSource(config.peers, app[TOKEN]) if config.peers else None
     app[PREFETCHER] = Prefetcher(
         config.hot_dir,
         config.commit_marker,
@@ -290,11 +312,14 @@ async def _resources(app: web.Application):  # type: ignore[no-untyped-def]
         config.transfer_options(),
         app[METER],
         concurrency=config.prefetch_concurrency,
+        chunk_source=peers,
     )
     try:
         yield
     finally:
         await app[PREFETCHER].drain(config.drain_seconds)
+        if peers is not None:
+            await peers.close()
         for _, store in tiers:
             await store.close()
 

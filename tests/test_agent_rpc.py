@@ -261,3 +261,131 @@ def test_plan_finds_youngs_interval(capsys: pytest.CaptureFixture[str]) -> None:
     doc = json.loads(capsys.readouterr().out)
     assert doc["optimal_interval_steps"] == 569  # sqrt(2 x 30 s x 6 h) = 1138 s = 569 steps
     assert doc["optimal_badput"] < doc["current_badput"]
+
+
+@asynccontextmanager
+async def peer_agent(
+    hot: Path, tiers: list[str], peers: list[str], node: str
+) -> AsyncIterator[str]:
+    """Like agent(), with peers configured."""
+    port = free_port()
+    env = {
+        "FERRY_NODE": node,
+        "FERRY_HOT_DIR": str(hot),
+        "FERRY_TIERS": ",".join(tiers),
+        "FERRY_PEERS": ",".join(peers),
+        "FERRY_LISTEN": f"127.0.0.1:{port}",
+        "FERRY_TRANSFER_CHUNK_SIZE_MIB": "1",
+        "FERRY_TRANSFER_PART_SIZE_MIB": "5",
+        "FERRY_TRANSFER_PACK_SIZE_MIB": "10",
+    }
+    runner = web.AppRunner(create_app(load_config(None, env), TOKEN))
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+class DyingProxy:
+    """A real HTTP proxy in front of a peer that forwards ``budget`` chunk requests and then
+    goes away (its port closes), as a node that dies in the middle of a prefetch does."""
+
+    def __init__(self, target: str, budget: int) -> None:
+        self.target, self.budget, self.served = target, budget, 0
+        self.port = free_port()
+        self.runner: web.AppRunner | None = None
+
+    async def handle(self, request: web.Request) -> web.Response:
+        if self.served >= self.budget:
+            asyncio.get_running_loop().call_soon(asyncio.ensure_future, self.stop())
+            raise web.HTTPServiceUnavailable()
+        self.served += 1
+        async with (
+            aiohttp.ClientSession() as s,
+            s.get(
+                self.target + request.path,
+                headers={"Authorization": request.headers["Authorization"]},
+            ) as r,
+        ):
+            return web.Response(status=r.status, body=await r.read())
+
+    async def start(self) -> str:
+        app = web.Application()
+        app.router.add_get("/v1/chunks/{id}", self.handle)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
+        return f"http://127.0.0.1:{self.port}"
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            runner, self.runner = self.runner, None
+            await runner.cleanup()
+
+
+def test_prefetch_prefers_peers_and_survives_a_peer_dying(local_url: str, tmp_path: Path) -> None:
+    hot_a = tmp_path / "node-a"
+    (k0,) = adamw_series(hot_a / "llm", 1, seed=7)  # node A wrote it: <hot>/llm/step_000020
+
+    async def go() -> None:
+        await push_series(local_url, [k0])
+        async with peer_agent(hot_a, [local_url], [], "a") as url_a:
+            # B: every chunk comes from peer A, nothing from the tier
+            node_b = peer_agent(tmp_path / "b", [local_url], [url_a], "b")
+            async with node_b as url_b, FerryClient(url_b, TOKEN) as client:
+                done = await client.wait_prefetch(await client.prefetch("llm"), within_s=60)
+            assert done["state"] == "ready", done
+            assert tree_bytes(Path(done["dest"])) == tree_bytes(k0)
+            assert done["bytes_by_source"]["peer"] > 0
+            assert done["bytes_by_source"][f"tier:{local_url}"] == 0
+
+            # C: peer A dies after 3 chunks; C completes from the tier
+            proxy = DyingProxy(url_a, budget=3)
+            url_proxy = await proxy.start()
+            try:
+                node_c = peer_agent(tmp_path / "c", [local_url], [url_proxy], "c")
+                async with node_c as url_c, FerryClient(url_c, TOKEN) as client:
+                    done = await client.wait_prefetch(await client.prefetch("llm"), within_s=60)
+            finally:
+                await proxy.stop()
+            assert done["state"] == "ready", done
+            assert tree_bytes(Path(done["dest"])) == tree_bytes(k0)
+            assert proxy.served == 3
+            assert 0 < done["bytes_by_source"]["peer"] <= 3 << 20  # the 3 chunks it served
+            assert done["bytes_by_source"][f"tier:{local_url}"] > 0
+
+    asyncio.run(go())
+
+
+def test_chunk_route_serves_only_verified_local_chunks(local_url: str, tmp_path: Path) -> None:
+    hot_a = tmp_path / "node-a"
+    (k0,) = adamw_series(hot_a / "llm", 1, seed=8)
+
+    async def go() -> None:
+        await push_series(local_url, [k0])
+        store = open_store(local_url)
+        from transfer.engine.catalog import load_manifest
+
+        manifest = await load_manifest(store, "llm", 20, "a")
+        await store.close()
+        first = manifest.files[0]
+        cid = first.chunks[0].id
+        auth = {"Authorization": f"Bearer {TOKEN}"}
+        async with (
+            peer_agent(hot_a, [local_url], [], "a") as url,
+            aiohttp.ClientSession(headers=auth) as s,
+        ):
+            async with s.get(f"{url}/v1/chunks/{cid}") as r:
+                assert r.status == 200 and len(await r.read()) == first.chunks[0].size
+            async with s.get(f"{url}/v1/chunks/{'0' * 64}") as r:
+                assert r.status == 404
+            async with s.get(f"{url}/v1/chunks/..%2F..%2Fetc%2Fpasswd") as r:
+                assert r.status in (400, 404)
+            corrupt = k0 / first.path  # local corruption: never served
+            await asyncio.to_thread(corrupt.write_bytes, b"\xff" * 64 + corrupt.read_bytes()[64:])
+            async with s.get(f"{url}/v1/chunks/{cid}") as r:
+                assert r.status == 404
+
+    asyncio.run(go())

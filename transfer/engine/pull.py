@@ -15,7 +15,7 @@ import shutil
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cache
@@ -46,6 +46,7 @@ class PullResult:
     chunks_total: int
     chunks_deduped: int  # not downloaded: repeats, holes, or reused from --base-dir
     chunks_local: int  # of those, distinct chunks reused from --base-dir
+    bytes_from_source: int  # raw bytes the chunk_source (peer agents) supplied
     chunks_delta: int  # downloaded and decoded against a base
     chunks_raw: int  # downloaded and decoded on their own
     encode_seconds: float  # codec thread time (decoding and verifying, for a pull)
@@ -95,10 +96,13 @@ async def pull(
     options: TransferOptions | None = None,
     progress: Progress | None = None,
     base_dir: Path | None = None,
+    chunk_source: ChunkSource | None = None,
 ) -> PullResult:
     """Restore a checkpoint into ``dest``. ``base_dir``: a local checkpoint of the job (e.g.
     the previous step) whose chunks are reused, after hash verification, instead of being
-    downloaded, and which supplies delta chunks' bases."""
+    downloaded, and which supplies delta chunks' bases. ``chunk_source``: asked for every
+    chunk neither base_dir nor a repeat supplies, before the store (e.g. peer agents); what it
+    returns is used only when it hashes to the chunk id."""
     options = options or TransferOptions()
     progress = progress or NoProgress()
     started = time.monotonic()
@@ -144,7 +148,17 @@ async def pull(
         with out, ThreadPoolExecutor(options.workers, thread_name_prefix="ferry-pull") as pool:
             resolver = ChunkResolver(store, index, pool, base_dir, on_bytes_read=count)
             local = await _reuse_local(resolver, index, targets, hints, write, options.window)
-            fetched = [s for cid in targets if cid not in local and (s := index.get(cid))]
+            sourced: dict[str, int] = {}
+            if chunk_source is not None:
+                todo = [cid for cid in targets if cid not in local]
+                sourced = await _from_source(
+                    chunk_source, resolver, index, todo, write, options.window
+                )
+            fetched = [
+                s
+                for cid in targets
+                if cid not in local and cid not in sourced and (s := index.get(cid))
+            ]
             await fetch_chunks(
                 resolver,
                 fetched,
@@ -168,12 +182,52 @@ async def pull(
         chunks_total=sum(len(f.chunks) for f in files),
         chunks_deduped=sum(len(f.chunks) for f in files) - len(fetched),
         chunks_local=len(local),
+        bytes_from_source=sum(sourced.values()),
         chunks_delta=sum(1 for c in fetched if c.base),
         chunks_raw=sum(1 for c in fetched if not c.base),
         encode_seconds=round(resolver.decode_seconds, 3),
         seconds=time.monotonic() - started,
         dest=str(dest_abs),
     )
+
+
+ChunkSource = Callable[[StoredChunk], Awaitable[bytes | None]]
+
+
+async def _from_source(
+    source: ChunkSource,
+    resolver: ChunkResolver,
+    index: ChunkIndex,
+    ids: list[str],
+    write: Callable[[StoredChunk, Buffer], None],
+    window: int,
+) -> dict[str, int]:
+    """Ask ``source`` for each chunk; write the ones whose bytes hash right. Returns
+    {chunk id: bytes} of those it supplied; failures just leave a chunk to the store."""
+    supplied: dict[str, int] = {}
+    loop = asyncio.get_running_loop()
+    todo = iter(ids)
+
+    def check_and_write(chunk: StoredChunk, data: bytes) -> bool:
+        if len(data) != chunk.size or chunk_id(data) != chunk.id:
+            return False  # a confused or hostile peer: fall back to the store
+        write(chunk, data)
+        return True
+
+    async def worker() -> None:
+        for cid in todo:
+            chunk = index.get(cid)
+            assert chunk is not None
+            data = await source(chunk)
+            if data is not None and await loop.run_in_executor(
+                resolver.pool, check_and_write, chunk, data
+            ):
+                supplied[cid] = len(data)
+
+    async with asyncio.TaskGroup() as tasks:
+        for _ in range(min(window, len(ids))):
+            tasks.create_task(worker())
+    return supplied
 
 
 async def _reuse_local(

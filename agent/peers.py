@@ -1,0 +1,137 @@
+"""Peer transfers: serving chunks from this node's hot data, and fetching from other agents.
+
+A prefetch asks peers (other agents, which hold checkpoints in their hot dirs) for each chunk
+before the tiers: on a LAN a peer is usually the cheapest source. A peer returns a chunk's
+raw bytes; the receiver verifies the hash, so a confused or hostile peer costs time, never
+correctness. An unreachable peer is skipped for a while instead of being retried per chunk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from pathlib import Path
+
+import aiohttp
+
+from agent.holdings import local_checkpoints
+from transfer.engine import list_checkpoints
+from transfer.engine.catalog import load_manifest
+from transfer.engine.chunkindex import StoredChunk
+from transfer.errors import FerryError
+from transfer.format.chunkid import chunk_id
+from transfer.format.names import check_name
+from transfer.store.base import Store
+
+Location = tuple[Path, int, int]  # file, offset, size
+
+
+class HotIndex:
+    """chunk id -> where this node's hot data holds it, from the committed manifests of the
+    checkpoints present locally. Refreshed on a miss, at most every ``min_refresh`` s."""
+
+    def __init__(
+        self, hot_dir: Path, commit_marker: str, tiers: list[tuple[str, Store]],
+        min_refresh: float = 2.0,
+    ) -> None:  # fmt: skip
+        self.hot_dir = hot_dir
+        self.commit_marker = commit_marker
+        self.tiers = tiers
+        self.min_refresh = min_refresh
+        self._known: set[tuple[str, int]] = set()
+        self._where: dict[str, Location] = {}
+        self._refreshed = 0.0
+        self._lock = asyncio.Lock()
+
+    async def locate(self, cid: str) -> Location | None:
+        if cid not in self._where:
+            async with self._lock:  # a refresh in flight may be about to add it: wait for it
+                if cid not in self._where and time.monotonic() - self._refreshed > self.min_refresh:
+                    await self._refresh_locked()
+        return self._where.get(cid)
+
+    def forget(self, cid: str) -> None:
+        self._where.pop(cid, None)
+
+    async def _refresh_locked(self) -> None:
+        self._refreshed = time.monotonic()
+        try:
+            jobs = [e.name for e in os.scandir(self.hot_dir) if e.is_dir()]
+        except FileNotFoundError:
+            return
+        for job in jobs:
+            try:
+                check_name("job", job)
+            except FerryError:
+                continue
+            for held in local_checkpoints(self.hot_dir, job, self.commit_marker):
+                if (job, held.step) not in self._known:
+                    await self._add(job, held.step, held.path)
+
+    async def _add(self, job: str, step: int, path: Path) -> None:
+        for _, store in self.tiers:
+            try:
+                parts = [c for c in await list_checkpoints(store, job) if c.step == step]
+                manifests = [await load_manifest(store, job, step, c.node) for c in parts]
+            except FerryError:
+                continue
+            if not manifests:
+                continue
+            for m in manifests:
+                for f in m.files:
+                    if (path / f.path).is_file():
+                        for offset, c in f.chunk_offsets():
+                            self._where.setdefault(c.id, (path / f.path, offset, c.size))
+            self._known.add((job, step))
+            return
+
+
+def read_verified(where: Location, cid: str) -> bytes | None:
+    path, offset, size = where
+    try:
+        with open(path, "rb") as fh:
+            data = os.pread(fh.fileno(), size, offset)
+    except OSError:
+        return None
+    return data if len(data) == size and chunk_id(data) == cid else None
+
+
+class PeerSource:
+    """The chunk source a prefetch uses: asks each live peer in turn."""
+
+    def __init__(self, peers: tuple[str, ...], token: str, *, down_seconds: float = 10.0) -> None:
+        self.peers = [p.rstrip("/") for p in peers]
+        self.token = token
+        self.down_seconds = down_seconds
+        self._down_until: dict[str, float] = {}
+        self._session: aiohttp.ClientSession | None = None
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    def _live(self) -> list[str]:
+        now = time.monotonic()
+        return [p for p in self.peers if self._down_until.get(p, 0.0) <= now]
+
+    async def __call__(self, chunk: StoredChunk) -> bytes | None:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                headers={"Authorization": f"Bearer {self.token}"},
+                timeout=aiohttp.ClientTimeout(total=60, sock_connect=2),
+            )
+        for peer in self._live():
+            try:
+                async with self._session.get(f"{peer}/v1/chunks/{chunk.id}") as resp:
+                    if resp.status != 200:
+                        continue
+                    body = bytearray()
+                    async for piece in resp.content.iter_chunked(1 << 20):
+                        body += piece
+                        if len(body) > chunk.size:  # never buffer more than a chunk
+                            break
+                    return bytes(body)
+            except (aiohttp.ClientError, TimeoutError, OSError):
+                self._down_until[peer] = time.monotonic() + self.down_seconds
+        return None
