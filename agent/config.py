@@ -49,10 +49,12 @@ class TransferSettings:
     #: 0 stores chunks raw (as ``--zstd-level 0``)
     zstd_level: int = _DEFAULT_TRANSFER.zstd_level or 0
     max_chain: int = _DEFAULT_TRANSFER.max_chain
+    #: cap on transfer buffers per transfer (shrinks the window); 0: no cap
+    memory_mib: int = 0
 
     def to_options(self) -> TransferOptions:
         """Raises ValueError when the combination is invalid (e.g. parts smaller than chunks)."""
-        return TransferOptions(
+        options = TransferOptions(
             chunk_size=self.chunk_size_mib * MiB,
             part_size=self.part_size_mib * MiB,
             pack_size=self.pack_size_mib * MiB,
@@ -61,6 +63,7 @@ class TransferSettings:
             zstd_level=self.zstd_level or None,
             max_chain=self.max_chain,
         )
+        return options.within_budget(self.memory_mib * MiB) if self.memory_mib else options
 
 
 @dataclass(frozen=True)
@@ -136,6 +139,7 @@ _TRANSFER_KEYS: dict[str, type] = {
     "workers": int,
     "zstd_level": int,
     "max_chain": int,
+    "memory_mib": int,
 }
 _TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", list: "a list of strings"}
 
@@ -323,8 +327,8 @@ def _warn_if_shared(token_file: Path) -> None:
         mode = token_file.stat().st_mode
     except OSError:
         return
-    if mode & (stat.S_IRWXG | stat.S_IRWXO):
-        log.warning("token_file %s is accessible by group/others (chmod 600 it)", token_file)
+    if mode & stat.S_IRWXO:  # group access is the norm for a mounted Secret with fsGroup
+        log.warning("token_file %s is readable by others (chmod o-rwx it)", token_file)
 
 
 def example_toml() -> str:
@@ -369,4 +373,5 @@ window = 16
 workers = 8
 zstd_level = 1   # 0 stores raw
 max_chain = 4
+memory_mib = 0   # cap on transfer buffers (shrinks window); 0: none
 """

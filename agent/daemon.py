@@ -1,7 +1,5 @@
-"""``ferry agent``: serve the RPC until SIGTERM/SIGINT, then drain in-flight work.
-
-(The hot-directory watcher and background pushes join this loop in a later change.)
-"""
+"""``ferry agent``: serve the RPC (and, through its cleanup context, the hot-dir watcher,
+the push queue and prefetches) until SIGTERM/SIGINT, then drain in-flight work."""
 
 from __future__ import annotations
 

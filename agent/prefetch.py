@@ -12,6 +12,7 @@ import asyncio
 import enum
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from agent.holdings import local_checkpoints, step_dir_name
 from transfer.engine import TransferOptions, pull, resolve_manifests
 from transfer.engine.estimate import BandwidthMeter
 from transfer.engine.pull import ChunkSource
-from transfer.errors import CheckpointNotFoundError, FerryError
+from transfer.errors import CheckpointNotFoundError, FerryError, IntegrityError, StoreError
 from transfer.store.base import Store
 
 
@@ -56,7 +57,8 @@ class PrefetchJob:
 
     def to_dict(self) -> dict[str, Any]:
         remaining = max(self.bytes_total - self.bytes_done, 0)
-        eta = remaining / self.eta_rate if self.eta_rate and self.state == State.RUNNING else None
+        known = self.eta_rate and self.bytes_total and self.state == State.RUNNING
+        eta = remaining / self.eta_rate if known else None
         return {
             "id": self.id,
             "job": self.job,
@@ -101,8 +103,12 @@ class Prefetcher:
         meter: BandwidthMeter,
         concurrency: int = 2,
         chunk_source: ChunkSource | None = None,
+        on_restore: Callable[[str, int], None] | None = None,
     ) -> None:
         self.chunk_source = chunk_source
+        # a restored checkpoint lands in the hot dir like a training save; the push queue
+        # must not push it back as this node's part
+        self.on_restore = on_restore
         self.hot_dir = hot_dir
         self.commit_marker = commit_marker
         self.tiers = tiers
@@ -154,20 +160,24 @@ class Prefetcher:
             record.finished = time.time()
 
     async def _fetch(self, record: PrefetchJob) -> None:
+        """Tiers in order: one that lacks the checkpoint, or fails while serving it (store
+        error, corrupt chunk), hands over to the next."""
         errors = []
+        requested = record.step
         for name, store in self.tiers:
             try:
-                manifests = await resolve_manifests(store, record.job, record.step)
-            except CheckpointNotFoundError as exc:
-                errors.append(f"{name}: {exc}")
-                continue
-            record.step = manifests[0].step
-            key = (record.job, record.step)
-            lock = self._dest_locks.setdefault(key, asyncio.Lock())
-            async with lock:  # two prefetches of one checkpoint never race on its directory
-                await self._pull_from(record, name, store)
-            return
-        raise CheckpointNotFoundError("; ".join(errors) or "no tiers configured")
+                manifests = await resolve_manifests(store, record.job, requested)
+                record.step = manifests[0].step
+                lock = self._dest_locks.setdefault((record.job, record.step), asyncio.Lock())
+                async with lock:  # two prefetches of one checkpoint never race on its dir
+                    await self._pull_from(record, name, store)
+                return
+            except (CheckpointNotFoundError, StoreError, IntegrityError) as exc:
+                errors.append(f"{name}: {' '.join(str(exc).split())}")
+                record.bytes_done = 0
+        if all("no committed checkpoint" in e or "holds no checkpoints" in e for e in errors):
+            raise CheckpointNotFoundError("; ".join(errors) or "no tiers configured")
+        raise FerryError("; ".join(errors))
 
     async def _pull_from(self, record: PrefetchJob, name: str, store: Store) -> None:
         assert record.step is not None
@@ -177,6 +187,8 @@ class Prefetcher:
         if any(c.step == record.step for c in held):
             return  # already here (written by training on this node, or an earlier prefetch)
         base = next((c.path for c in held if c.step < record.step), None)
+        if self.on_restore is not None:
+            self.on_restore(record.job, record.step)
         source = f"tier:{name}"
         record.eta_rate = self.meter.rate(source)
         began = time.monotonic()

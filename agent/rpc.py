@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import math
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -21,6 +22,8 @@ from agent.holdings import local_checkpoints
 from agent.metrics import Metrics
 from agent.peers import HotIndex, PeerSource, read_verified
 from agent.prefetch import FINAL, Prefetcher, State
+from agent.pushqueue import PushQueue, is_complete
+from agent.watcher import watch_hot_dir
 from transfer.engine import list_checkpoints, resolve_manifests
 from transfer.engine.catalog import load_manifest, open_catalog
 from transfer.engine.estimate import BandwidthMeter, estimate_migration
@@ -44,6 +47,7 @@ PREFETCHER = web.AppKey("prefetcher", Prefetcher)
 METER = web.AppKey("meter", BandwidthMeter)
 METRICS = web.AppKey("metrics", Metrics)
 PINS = web.AppKey("pins", dict)
+PUSHQUEUE = web.AppKey("pushqueue", PushQueue)
 HOT_INDEX = web.AppKey("hot_index", HotIndex)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -82,7 +86,10 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
     except web.HTTPException as exc:
         if exc.content_type == "application/json":
             raise
-        return _error(exc.status, exc.reason, type(exc).__name__)
+        response = _error(exc.status, exc.reason, type(exc).__name__)
+        if "Allow" in exc.headers:  # 405 must say what is allowed
+            response.headers["Allow"] = exc.headers["Allow"]
+        return response
     except (FerryError, ValueError) as exc:
         status = next((code for cls, code in _STATUS if isinstance(exc, cls)), 400)
         return _error(status, " ".join(str(exc).split()), type(exc).__name__)
@@ -96,6 +103,16 @@ async def _json_body(request: web.Request) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise ValueError("request body must be a JSON object")
     return body
+
+
+def _finite_number(value: object, low: float, high: float) -> bool:
+    """A real JSON number (not a bool, NaN or infinity) in (low, high]."""
+    return (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and low < value <= high
+    )
 
 
 def _step_arg(value: object) -> int | None:
@@ -115,6 +132,7 @@ async def metrics(request: web.Request) -> web.Response:
     m = request.app[METRICS]
     prefetcher = request.app[PREFETCHER]
     m.set("ferry_prefetch_queue_depth", prefetcher.active())
+    request.app[PUSHQUEUE].publish(m)
     for source, rate in request.app[METER].snapshot().items():
         m.set("ferry_bandwidth_bytes_per_second", float(rate), source=source)
     return web.Response(text=m.render(), content_type="text/plain")
@@ -125,8 +143,8 @@ async def post_prefetch(request: web.Request) -> web.Response:
     job = check_name("job", body.get("job"))
     step = _step_arg(body.get("step", "latest"))
     deadline = body.get("deadline_s")
-    if deadline is not None and (not isinstance(deadline, int | float) or deadline <= 0):
-        raise ValueError("deadline_s must be a positive number")
+    if deadline is not None and not _finite_number(deadline, 0, 7 * 24 * 3600):
+        raise ValueError("deadline_s must be a number of seconds in (0, 604800]")
     record = request.app[PREFETCHER].submit(job, step, deadline)
     request.app[METRICS].inc("ferry_prefetch_started_total")
     return web.json_response({"id": record.id}, status=202)
@@ -163,6 +181,12 @@ async def get_chunk(request: web.Request) -> web.Response:
     return web.Response(body=data, content_type="application/octet-stream")
 
 
+async def get_pushes(request: web.Request) -> web.Response:
+    """Background pushes of this node's checkpoints: staged, durable per tier, or failed."""
+    queue = request.app[PUSHQUEUE]
+    return web.json_response({"node": request.app[CONFIG].node, "pushes": queue.states()})
+
+
 async def get_checkpoints(request: web.Request) -> web.Response:
     config = request.app[CONFIG]
     jobs: dict[str, dict[int, dict[str, Any]]] = {}
@@ -182,8 +206,12 @@ async def get_checkpoints(request: web.Request) -> web.Response:
             if held.step in steps:
                 steps[held.step]["local"] = True
         for entry in steps.values():
-            expected = set(config.expected_nodes)
-            entry["complete"] = expected.issubset(entry["nodes"]) if expected else True
+            # complete = the create-only marker the last node's push wrote (not a count of
+            # manifests: a node may still be uploading a part nobody has listed yet)
+            entry["complete"] = any(
+                [await is_complete(store, job, entry["step"], config.expected_nodes)
+                 for name, store in request.app[TIERS] if name in entry["tiers"]]
+            )  # fmt: skip
             entry["pinned"] = _pinned(request.app, job, entry["step"])
     listing = {job: sorted(steps.values(), key=lambda e: e["step"]) for job, steps in jobs.items()}
     return web.json_response({"jobs": listing})
@@ -195,8 +223,8 @@ async def get_estimate(request: web.Request) -> web.Response:
     step = _step_arg(query.get("step", "latest"))
     gpus = int(query.get("gpus", "1"))
     price = float(query.get("gpu_hour_price", "0"))
-    if gpus < 0 or price < 0:
-        raise ValueError("gpus and gpu_hour_price must not be negative")
+    if not 0 <= gpus <= 1_000_000 or not (math.isfinite(price) and 0 <= price <= 1e6):
+        raise ValueError("gpus must be in 0..1000000 and gpu_hour_price a price in 0..1e6")
     config = request.app[CONFIG]
     for name, store in request.app[TIERS]:
         try:
@@ -223,7 +251,8 @@ async def get_estimate(request: web.Request) -> web.Response:
         doc = est.to_dict()
         doc.update(job=job, step=manifests[0].step, node=config.node, source=f"tier:{name}")
         return web.json_response(doc)
-    raise CheckpointNotFoundError(f"no tier holds job {job!r} step {step or 'latest'}")
+    which = "latest" if step is None else str(step)
+    raise CheckpointNotFoundError(f"no tier holds job {job!r} step {which}")
 
 
 async def _held_chunk_ids(app: web.Application, store: Store, job: str, step: int) -> set[str]:
@@ -253,7 +282,7 @@ async def post_pin(request: web.Request) -> web.Response:
     job = check_name("job", body.get("job"))
     step = check_step(body.get("step"))
     ttl = body.get("ttl_s", 3600)
-    if not isinstance(ttl, int | float) or not 0 < ttl <= MAX_PIN_SECONDS:
+    if not _finite_number(ttl, 0, MAX_PIN_SECONDS):
         raise ValueError(f"ttl_s must be within 0..{MAX_PIN_SECONDS} (pins expire)")
     expiry = time.time() + ttl
     request.app[PINS][(job, step)] = expiry
@@ -278,7 +307,14 @@ def create_app(config: AgentConfig, token: str) -> web.Application:
     app[CONFIG] = config
     app[TOKEN] = token
     app[METER] = BandwidthMeter()
-    app[METRICS] = Metrics()
+    app[METRICS] = metrics_registry = Metrics()
+    for name, kind, text in (
+        ("ferry_prefetch_started_total", "counter", "prefetches requested"),
+        ("ferry_prefetch_queue_depth", "gauge", "prefetches queued or running"),
+        ("ferry_bandwidth_bytes_per_second", "gauge", "measured bandwidth per source"),
+        ("ferry_bytes_total", "counter", "bytes moved, by direction and source"),
+    ):
+        metrics_registry.describe(name, kind, text)
     app[PINS] = {}
     app.cleanup_ctx.append(_resources)
     app.add_routes(
@@ -289,6 +325,7 @@ def create_app(config: AgentConfig, token: str) -> web.Application:
             web.get("/v1/prefetch/{id}", get_prefetch),
             web.delete("/v1/prefetch/{id}", delete_prefetch),
             web.get("/v1/checkpoints", get_checkpoints),
+            web.get("/v1/pushes", get_pushes),
             web.get("/v1/chunks/{id}", get_chunk),
             web.get("/v1/estimate", get_estimate),
             web.post("/v1/pins", post_pin),
@@ -305,6 +342,7 @@ async def _resources(app: web.Application):  # type: ignore[no-untyped-def]
     app[TIERS] = tiers
     app[HOT_INDEX] = HotIndex(config.hot_dir, config.commit_marker, tiers)
     peers = PeerSource(config.peers, app[TOKEN]) if config.peers else None
+    queue = app[PUSHQUEUE] = PushQueue.from_config(config, tiers)
     app[PREFETCHER] = Prefetcher(
         config.hot_dir,
         config.commit_marker,
@@ -313,11 +351,23 @@ async def _resources(app: web.Application):  # type: ignore[no-untyped-def]
         app[METER],
         concurrency=config.prefetch_concurrency,
         chunk_source=peers,
+        on_restore=queue.exclude,
+    )
+    await queue.start()
+    stop = asyncio.Event()
+    watcher = asyncio.create_task(
+        watch_hot_dir(config.hot_dir, config.commit_marker, queue.on_committed, stop=stop),
+        name="hot-dir-watcher",
     )
     try:
         yield
     finally:
-        await app[PREFETCHER].drain(config.drain_seconds)
+        stop.set()
+        await asyncio.gather(watcher, return_exceptions=True)  # returns within one poll
+        await asyncio.gather(  # one shared deadline for both drains
+            app[PREFETCHER].drain(config.drain_seconds), queue.drain(config.drain_seconds)
+        )
+        queue.close()
         if peers is not None:
             await peers.close()
         for _, store in tiers:

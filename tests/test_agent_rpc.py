@@ -389,3 +389,34 @@ def test_chunk_route_serves_only_verified_local_chunks(local_url: str, tmp_path:
                 assert r.status == 404
 
     asyncio.run(go())
+
+
+def test_agent_pushes_what_training_writes_and_not_what_it_prefetched(
+    local_url: str, tmp_path: Path
+) -> None:
+    hot_a, hot_b = tmp_path / "node-a", tmp_path / "node-b"
+
+    async def pushes(client: FerryClient) -> list[dict]:  # type: ignore[type-arg]
+        return list((await client._call("GET", "/v1/pushes"))["pushes"])
+
+    async def go() -> None:
+        async with peer_agent(hot_a, [local_url], [], "a") as url_a, FerryClient(url_a, TOKEN) as a:
+            (k0,) = adamw_series(hot_a / "llm", 1, seed=9)  # training saves; .metadata last
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline:
+                states = await pushes(a)
+                if any(s.get("state") == "durable" for s in states):
+                    break
+                await asyncio.sleep(0.2)
+            assert [s["state"] for s in states] == ["durable"], states
+            async with (
+                peer_agent(hot_b, [local_url], [url_a], "b") as url_b,
+                FerryClient(url_b, TOKEN) as b,
+            ):
+                done = await b.wait_prefetch(await b.prefetch("llm"), within_s=60)
+                assert done["state"] == "ready"
+                assert tree_bytes(Path(done["dest"])) == tree_bytes(k0)
+                await asyncio.sleep(1.5)  # more than one watcher poll
+                assert not [s for s in await pushes(b) if s.get("state") != "restored"]
+
+    asyncio.run(go())

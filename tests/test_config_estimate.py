@@ -153,10 +153,15 @@ def test_token_file_read_stripped_and_checked(
         assert load_config(None, env=env).read_token() == "s3cret"
     assert not caplog.records
 
-    token.chmod(0o644)  # warned about, not refused
+    token.chmod(0o640)  # group-readable: a Secret mounted with fsGroup; fine
     with caplog.at_level(logging.WARNING):
         load_config(None, env=env)
-    assert "group/others" in caplog.text
+    assert not caplog.records
+
+    token.chmod(0o644)  # readable by others: warned about, not refused
+    with caplog.at_level(logging.WARNING):
+        load_config(None, env=env)
+    assert "readable by others" in caplog.text
 
     token.write_text(" \n")
     with pytest.raises(ConfigError, match="empty"):

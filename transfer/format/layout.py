@@ -3,6 +3,8 @@
     ferry-store.json                          store descriptor (format name + version)
     packs/<id[:2]>/<id>.pack                  immutable packs of encoded chunks
     manifests/<job>/<step:018d>/<node>.json   one committed checkpoint part per node
+    complete/<job>/<step:018d>.json           written once (create-only) when every expected
+                                              node's part of a step is committed
 
 Steps are zero-padded so that a lexical listing is in step order.
 """
@@ -46,6 +48,11 @@ def manifest_key(job: str, step: int, node: str) -> str:
     check_name("node", node)
     check_step(step)
     return f"{MANIFESTS_PREFIX}{job}/{step:018d}/{node}.json"
+
+
+def completion_key(job: str, step: int) -> str:
+    check_name("job", job)
+    return f"complete/{job}/{check_step(step):018d}.json"
 
 
 def manifest_prefix(job: str | None = None, step: int | None = None) -> str:

@@ -1,0 +1,194 @@
+"""The agent's push journal: which checkpoints this node has seen, and how far each got in
+each tier, in one SQLite file under ``state_dir`` (``<hot_dir>/.ferry/journal.sqlite3``).
+
+Per (job, step, node, tier) a row moves ``staged`` -> ``durable``, or to ``failed`` with the
+error text (then back to ``durable`` when a retry succeeds). A restarted agent resumes every
+checkpoint that is not durable in every configured tier (``pending``).
+
+Resumption is per checkpoint, not per multipart upload: a resumed push simply runs again, and
+everything an earlier attempt already committed is deduplicated (an unchanged re-push writes
+nothing, or finds its manifest already committed). Two kinds of leftovers are not the
+journal's business: the engine deletes the packs of a push that fails or is cancelled, but a
+push killed outright (SIGKILL, power loss) leaves packs that no manifest references; those
+are orphans for retention/GC, never read.
+
+Calls are short and synchronous on the event loop thread, deliberately: the file is on the
+node-local disk, a write is a single small transaction a few times per checkpoint (minutes
+apart), and with WAL + ``synchronous=NORMAL`` a commit does not fsync (only WAL checkpoints
+do). Losing the last commits to a power cut is harmless: a checkpoint whose ``durable`` row
+was lost is re-pushed and found already committed. Staying on one thread also keeps the
+sqlite3 connection single-threaded (``check_same_thread`` enforces it). The state dir must
+be local: SQLite's WAL needs shared memory, which NFS does not provide.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from transfer.format.names import check_name, check_step
+
+STAGED = "staged"
+DURABLE = "durable"
+FAILED = "failed"
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS pushes (
+    job TEXT NOT NULL,
+    step INTEGER NOT NULL,
+    node TEXT NOT NULL,
+    tier TEXT NOT NULL,
+    path TEXT NOT NULL,
+    state TEXT NOT NULL CHECK (state IN ('staged', 'durable', 'failed')),
+    error TEXT,
+    attempts INTEGER NOT NULL DEFAULT 0,
+    bytes_raw INTEGER,
+    bytes_transferred INTEGER,
+    seconds REAL,
+    result TEXT,
+    staged_at REAL NOT NULL,
+    updated_at REAL NOT NULL,
+    PRIMARY KEY (job, step, node, tier)
+);
+-- Checkpoints this agent restored into the hot dir (prefetch): another node's data, never
+-- to be pushed as this node's part.
+CREATE TABLE IF NOT EXISTS restored (
+    job TEXT NOT NULL,
+    step INTEGER NOT NULL,
+    at REAL NOT NULL,
+    PRIMARY KEY (job, step)
+);
+"""
+
+_STATE_COLUMNS = (
+    "job, step, node, tier, path, state, error, attempts, bytes_raw, bytes_transferred, "
+    "seconds, result, staged_at, updated_at"
+)
+
+
+class Journal:
+    """The journal of one node (``node``), stored at ``path`` (created with its directory)."""
+
+    def __init__(self, path: Path, node: str) -> None:
+        self.path = path
+        self.node = check_name("node", node)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(path, timeout=1.0)
+        self._db.row_factory = sqlite3.Row
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute("PRAGMA synchronous=NORMAL")
+        self._db.executescript(_SCHEMA)
+
+    def close(self) -> None:
+        self._db.close()
+
+    def record_staged(self, job: str, step: int, path: Path, tiers: Sequence[str]) -> None:
+        """A committed checkpoint was seen: one ``staged`` row per tier that has none yet (a
+        checkpoint seen again keeps its durable/failed rows)."""
+        check_name("job", job)
+        check_step(step)
+        now = time.time()
+        with self._db:
+            self._db.executemany(
+                "INSERT OR IGNORE INTO pushes (job, step, node, tier, path, state, staged_at,"
+                " updated_at) VALUES (?, ?, ?, ?, ?, 'staged', ?, ?)",
+                [(job, step, self.node, tier, str(path), now, now) for tier in tiers],
+            )
+
+    def record_durable(self, job: str, step: int, tier: str, result: dict[str, Any]) -> None:
+        """The push to ``tier`` committed; ``result`` is ``PushResult.to_dict()``."""
+        with self._db:
+            self._update(
+                job,
+                step,
+                tier,
+                "state = 'durable', error = NULL, attempts = attempts + 1, bytes_raw = ?, "
+                "bytes_transferred = ?, seconds = ?, result = ?",
+                (
+                    result.get("bytes_raw"),
+                    result.get("bytes_transferred"),
+                    result.get("seconds"),
+                    json.dumps(result, default=str),
+                ),
+            )
+
+    def record_failed(self, job: str, step: int, tier: str, error: str) -> None:
+        with self._db:
+            self._update(
+                job, step, tier, "state = 'failed', error = ?, attempts = attempts + 1", (error,)
+            )
+
+    def _update(
+        self, job: str, step: int, tier: str, assignments: str, values: tuple[Any, ...]
+    ) -> None:
+        cur = self._db.execute(
+            f"UPDATE pushes SET {assignments}, updated_at = ? "
+            "WHERE job = ? AND step = ? AND node = ? AND tier = ?",
+            (*values, time.time(), job, step, self.node, tier),
+        )
+        if cur.rowcount != 1:
+            raise KeyError(f"{job} step {step} tier {tier} was never staged")
+
+    def durable_tiers(self, job: str, step: int) -> set[str]:
+        rows = self._db.execute(
+            "SELECT tier FROM pushes WHERE job = ? AND step = ? AND node = ? AND state = ?",
+            (job, step, self.node, DURABLE),
+        )
+        return {r["tier"] for r in rows}
+
+    def record_restored(self, job: str, step: int) -> None:
+        check_name("job", job)
+        check_step(step)
+        with self._db:
+            self._db.execute(
+                "INSERT OR IGNORE INTO restored (job, step, at) VALUES (?, ?, ?)",
+                (job, step, time.time()),
+            )
+
+    def is_restored(self, job: str, step: int) -> bool:
+        row = self._db.execute(
+            "SELECT 1 FROM restored WHERE job = ? AND step = ?", (job, step)
+        ).fetchone()
+        return row is not None
+
+    def pending(self, tiers: Sequence[str] | None = None) -> list[tuple[str, int, Path]]:
+        """(job, step, path) of every checkpoint of this node not durable in every tier of
+        ``tiers`` (default: the tiers it was staged for), oldest step first."""
+        rows = self._db.execute(
+            "SELECT job, step, tier, path, state FROM pushes WHERE node = ? "
+            "AND NOT EXISTS (SELECT 1 FROM restored r WHERE r.job = pushes.job "
+            "AND r.step = pushes.step) ORDER BY step, job",
+            (self.node,),
+        )
+        staged_for: dict[tuple[str, int], set[str]] = {}
+        durable: dict[tuple[str, int], set[str]] = {}
+        paths: dict[tuple[str, int], Path] = {}
+        for r in rows:
+            key = (r["job"], r["step"])
+            paths[key] = Path(r["path"])
+            staged_for.setdefault(key, set()).add(r["tier"])
+            if r["state"] == DURABLE:
+                durable.setdefault(key, set()).add(r["tier"])
+        return [
+            (job, step, path)
+            for (job, step), path in paths.items()
+            if not set(tiers if tiers is not None else staged_for[(job, step)])
+            <= durable.get((job, step), set())
+        ]
+
+    def states(self) -> list[dict[str, Any]]:
+        """Every row of this node, for the RPC: newest step first, tiers in staging order."""
+        rows = self._db.execute(
+            f"SELECT {_STATE_COLUMNS} FROM pushes WHERE node = ? ORDER BY step DESC, job, rowid",
+            (self.node,),
+        )
+        out = []
+        for r in rows:
+            doc = dict(r)
+            doc["result"] = json.loads(doc["result"]) if doc["result"] else None
+            out.append(doc)
+        return out

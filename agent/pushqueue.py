@@ -1,0 +1,288 @@
+"""Background pushes: every committed checkpoint of this node goes to every tier, hot to cold.
+
+The watcher only enqueues (a set insert and one journal write), so training never waits on a
+push. One worker task pushes one checkpoint at a time, tier by tier: the tiers share the
+node's uplink and disk, and one push already keeps ``window`` parts in flight. Tiers are
+independent (each push reads the local directory), so a failing tier does not stop the next.
+
+Every outcome is in the journal (``states()``), not only in a log. A failed tier is retried
+with exponential backoff, ``max_attempts`` attempts in all; then it stays ``failed`` until
+the agent restarts (``resume_pending``) while newer checkpoints carry on normally.
+
+Multi-node jobs: after a push to a tier, when every node of ``expected_nodes`` has a
+manifest for the step there, a completion marker ``complete/<job>/<step:018d>.json`` is
+written create-only. Every node writes its manifest before it looks, so the last of them
+always sees all the manifests; when two see them at once, create-only lets exactly one win.
+The marker is checked before the tier is recorded durable, so a crash in between is repaired
+by the resumed (deduplicated) push.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from agent.config import AgentConfig
+from agent.journal import Journal
+from agent.metrics import Metrics
+from transfer.engine import TransferOptions, list_checkpoints, push
+from transfer.errors import AlreadyExistsError
+from transfer.format.layout import completion_key
+from transfer.format.names import check_name
+from transfer.store.base import Store
+
+log = logging.getLogger(__name__)
+
+JOURNAL_FILE = "journal.sqlite3"
+
+
+async def is_complete(store: Store, job: str, step: int, expected_nodes: Sequence[str]) -> bool:
+    """Whether every node's part of (job, step) is in ``store`` (its completion marker
+    exists). A job without expected nodes is single-node: any committed part is complete."""
+    if not expected_nodes:
+        return True
+    return await store.exists(completion_key(job, step))
+
+
+@dataclass
+class _Item:
+    job: str
+    step: int
+    path: Path
+    attempt: int = 1
+
+
+@dataclass
+class TierStats:
+    pushes_ok: int = 0
+    pushes_failed: int = 0
+    bytes_transferred: int = 0
+    last_push_seconds: float | None = None
+
+
+@dataclass
+class PushStats:
+    tiers: dict[str, TierStats] = field(default_factory=dict)
+    completions_written: int = 0
+
+
+class PushQueue:
+    """Owns the worker task, the retry timers and the journal's writes."""
+
+    def __init__(
+        self,
+        tiers: Sequence[tuple[str, Store]],
+        journal: Journal,
+        *,
+        node: str,
+        options: TransferOptions,
+        expected_nodes: Sequence[str] = (),
+        max_attempts: int = 3,
+        retry_seconds: float = 30.0,
+    ) -> None:
+        if max_attempts < 1:
+            raise ValueError("max_attempts must be at least 1")
+        self.tiers = list(tiers)
+        self.journal = journal
+        self.node = check_name("node", node)
+        self.options = options
+        self.expected_nodes = tuple(expected_nodes)
+        self.max_attempts = max_attempts
+        self.retry_seconds = retry_seconds
+        self.stats = PushStats({name: TierStats() for name, _ in self.tiers})
+        self._queue: asyncio.Queue[_Item] = asyncio.Queue()
+        self._queued: set[tuple[str, int]] = set()  # queued, in flight or waiting to retry
+        self._timers: dict[tuple[str, int], asyncio.TimerHandle] = {}  # retries
+        self._current: tuple[str, int, str] | None = None  # (job, step, tier) being pushed
+        self._worker: asyncio.Task[None] | None = None
+        self._closing = False
+
+    @classmethod
+    def from_config(cls, config: AgentConfig, tiers: Sequence[tuple[str, Store]]) -> PushQueue:
+        """The agent's queue: journal in ``config.state_dir``, the config's node and options."""
+        return cls(
+            tiers,
+            open_journal(config.state_dir, config.node),
+            node=config.node,
+            options=config.transfer_options(),
+            expected_nodes=config.expected_nodes,
+        )
+
+    @property
+    def idle(self) -> bool:
+        """Nothing queued, in flight or scheduled for a retry."""
+        return not self._queued
+
+    async def start(self) -> None:
+        """Re-enqueue what the journal says is unfinished, then start the worker."""
+        if self._worker is not None:
+            raise RuntimeError("push queue already started")
+        self.resume_pending()
+        self._worker = asyncio.create_task(self._run(), name=f"push-queue-{self.node}")
+
+    def resume_pending(self) -> int:
+        """Enqueue every journalled checkpoint not durable in every tier; returns how many."""
+        names = [name for name, _ in self.tiers]
+        return sum(self.enqueue(job, step, path) for job, step, path in self.journal.pending(names))
+
+    def enqueue(self, job: str, step: int, path: Path) -> bool:
+        """Queue a committed checkpoint unless it is queued already, durable in every tier,
+        or was restored here from a store. Never blocks; returns whether it was queued."""
+        key = (job, step)
+        if self._closing or key in self._queued or self.journal.is_restored(job, step):
+            return False
+        names = [name for name, _ in self.tiers]
+        if set(names) <= self.journal.durable_tiers(job, step):
+            return False
+        self.journal.record_staged(job, step, path, names)
+        self._queued.add(key)
+        self._queue.put_nowait(_Item(job, step, path))
+        return True
+
+    def on_committed(self, job: str, step: int, path: Path) -> None:
+        """The watcher's callback."""
+        self.enqueue(job, step, path)
+
+    def exclude(self, job: str, step: int) -> None:
+        """Never push (job, step) from this node: it is being restored here from a store (a
+        prefetch), so it holds other nodes' data. Call before the restore starts."""
+        self.journal.record_restored(job, step)
+
+    def states(self) -> list[dict[str, Any]]:
+        """The journal's rows, with ``pushing`` set on the tier being pushed right now."""
+        rows = self.journal.states()
+        for row in rows:
+            row["pushing"] = (row["job"], row["step"], row["tier"]) == self._current
+        return rows
+
+    def publish(self, metrics: Metrics) -> None:
+        """Copy the counters into the agent's metrics (call it from the /metrics handler)."""
+        metrics.describe("ferry_push_total", "counter", "Background pushes by tier and result")
+        metrics.describe("ferry_push_bytes_total", "counter", "Bytes written by pushes")
+        metrics.describe("ferry_push_last_seconds", "gauge", "Duration of the last push")
+        metrics.set("ferry_push_queue_depth", len(self._queued))
+        metrics.set("ferry_push_completions_written_total", self.stats.completions_written)
+        for tier, s in self.stats.tiers.items():
+            metrics.set("ferry_push_total", s.pushes_ok, tier=tier, result="ok")
+            metrics.set("ferry_push_total", s.pushes_failed, tier=tier, result="failed")
+            metrics.set("ferry_push_bytes_total", s.bytes_transferred, tier=tier)
+            if s.last_push_seconds is not None:
+                metrics.set("ferry_push_last_seconds", s.last_push_seconds, tier=tier)
+
+    async def drain(self, seconds: float) -> None:
+        """Stop taking work, let the push in flight finish for up to ``seconds``, then cancel
+        it. Whatever did not finish stays ``staged`` in the journal for the next start."""
+        self._closing = True
+        for timer in self._timers.values():
+            timer.cancel()
+        self._timers.clear()
+        worker, self._worker = self._worker, None
+        if worker is None:
+            return
+        if self._current is not None:
+            await asyncio.wait({worker}, timeout=seconds)
+        worker.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await worker
+
+    def close(self) -> None:
+        """Close the journal (after ``drain``)."""
+        self.journal.close()
+
+    async def _run(self) -> None:
+        while not self._closing:
+            item = await self._queue.get()
+            try:
+                await self._process(item)
+            except Exception:  # a bug must not end every later push
+                log.exception("push of %s step %s failed unexpectedly", item.job, item.step)
+                self._queued.discard((item.job, item.step))
+
+    async def _process(self, item: _Item) -> None:
+        key = (item.job, item.step)
+        durable = self.journal.durable_tiers(item.job, item.step)
+        failed = False
+        for name, store in self.tiers:
+            if name in durable:
+                continue
+            if self._closing:
+                return  # draining: the rest stays staged for the next start
+            self._current = (item.job, item.step, name)
+            try:
+                result = await push(
+                    store,
+                    item.path,
+                    job=item.job,
+                    step=item.step,
+                    node=self.node,
+                    options=self.options,
+                )
+                await self._complete_if_all_pushed(store, item.job, item.step)
+            except Exception as exc:  # every failure must reach the journal, whatever its type
+                error = " ".join(str(exc).split()) or type(exc).__name__
+                log.warning("push of %s step %s to %s failed: %s", *key, name, error)
+                self.journal.record_failed(item.job, item.step, name, error)
+                self.stats.tiers[name].pushes_failed += 1
+                failed = True
+                continue
+            finally:
+                self._current = None
+            self.journal.record_durable(item.job, item.step, name, result.to_dict())
+            tier = self.stats.tiers[name]
+            tier.pushes_ok += 1
+            tier.bytes_transferred += result.bytes_transferred
+            tier.last_push_seconds = result.seconds
+        if failed and item.attempt < self.max_attempts and not self._closing:
+            delay = self.retry_seconds * 2 ** (item.attempt - 1)
+            retry = _Item(item.job, item.step, item.path, item.attempt + 1)
+            loop = asyncio.get_running_loop()
+            self._timers[key] = loop.call_later(delay, self._retry, retry)
+            return
+        self._queued.discard(key)
+
+    def _retry(self, item: _Item) -> None:
+        self._timers.pop((item.job, item.step), None)
+        self._queue.put_nowait(item)
+
+    async def _complete_if_all_pushed(self, store: Store, job: str, step: int) -> bool:
+        """Write the completion marker when every expected node's part is in ``store``;
+        True only when this call created it."""
+        if not self.expected_nodes:
+            return False
+        nodes = {c.node for c in await list_checkpoints(store, job) if c.step == step}
+        if not set(self.expected_nodes) <= nodes:
+            return False
+        doc = {
+            "job": job,
+            "step": step,
+            "nodes": sorted(nodes),
+            "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        }
+        try:
+            await store.put(completion_key(job, step), json.dumps(doc).encode(), create_only=True)
+        except AlreadyExistsError:
+            return False  # another node saw the same and wrote it first
+        self.stats.completions_written += 1
+        log.info("%s step %s is complete in %s (nodes %s)", job, step, store.url, doc["nodes"])
+        return True
+
+
+def open_journal(state_dir: Path, node: str) -> Journal:
+    return Journal(state_dir / JOURNAL_FILE, node)
+
+
+__all__ = [
+    "PushQueue",
+    "PushStats",
+    "TierStats",
+    "completion_key",
+    "is_complete",
+    "open_journal",
+]

@@ -1,0 +1,334 @@
+"""The agent's background push side on real local-directory tiers and a real hot dir: the
+watcher sees only committed saves, the queue pushes them to every tier (deltas included),
+failures land in the journal, a restarted queue resumes, and multi-node steps get exactly one
+completion marker."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+from agent.journal import Journal
+from agent.pushqueue import PushQueue, completion_key, is_complete
+from agent.watcher import watch_hot_dir
+from tests.conftest import random_bytes, tree_bytes, write_file
+from transfer.engine import TransferOptions, pull
+from transfer.store import open_store
+from transfer.store.base import Store
+from transfer.store.local import LocalStore
+
+OPTS = TransferOptions(
+    chunk_size=64 << 10, part_size=256 << 10, pack_size=1 << 20, window=4, workers=2
+)
+POLL = 0.05
+MARKER = ".metadata"
+
+
+def save(ckpt: Path, shards: dict[str, bytes]) -> Path:
+    """What a DCP save does: every shard first, then ``.metadata`` via temp + rename."""
+    for name, data in shards.items():
+        write_file(ckpt / name, data)
+    tmp = ckpt / ".metadata.tmp"
+    tmp.write_bytes(b"dcp-metadata")
+    os.rename(tmp, ckpt / MARKER)
+    return ckpt
+
+
+async def until(predicate: Callable[[], bool], within: float = 5.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within
+    while not predicate():
+        assert loop.time() < deadline, "timed out waiting for the condition"
+        await asyncio.sleep(0.02)
+
+
+def tier_states(queue: PushQueue, job: str, step: int) -> dict[str, dict[str, object]]:
+    return {r["tier"]: r for r in queue.states() if (r["job"], r["step"]) == (job, step)}
+
+
+def make_queue(
+    tiers: list[str], state: Path, node: str = "n1", **kw: object
+) -> tuple[PushQueue, list[Store]]:
+    stores = [open_store(t) for t in tiers]
+    queue = PushQueue(
+        list(zip(tiers, stores, strict=True)),
+        Journal(state / "journal.sqlite3", node),
+        node=node,
+        options=OPTS,
+        retry_seconds=POLL,
+        **kw,  # type: ignore[arg-type]
+    )
+    return queue, stores
+
+
+@asynccontextmanager
+async def agent(queue: PushQueue, hot: Path) -> AsyncIterator[None]:
+    """The queue plus a watcher feeding it, stopped and drained on exit."""
+    stop = asyncio.Event()
+    await queue.start()
+    watcher = asyncio.create_task(
+        watch_hot_dir(hot, MARKER, queue.on_committed, poll_seconds=POLL, stop=stop)
+    )
+    try:
+        yield
+    finally:
+        stop.set()
+        await watcher
+        await queue.drain(0)
+        queue.close()
+
+
+def tiers_in(tmp_path: Path, *names: str) -> list[str]:
+    urls = []
+    for name in names:
+        (tmp_path / name).mkdir()
+        urls.append(str(tmp_path / name))
+    return urls
+
+
+def test_watcher_reports_each_committed_step_dir_once(tmp_path: Path) -> None:
+    hot = tmp_path / "hot"
+    save(hot / "llama" / "step_000010", {"a.distcp": b"x"})  # there before the agent
+    save(hot / "llama" / ".llama.ferry-staging-1" / "step_000030", {"a": b"x"})
+    save(hot / "llama" / ".step_000040", {"a": b"x"})  # hidden: a pull's staging dir
+    save(hot / ".ferry" / "step_000050", {"a": b"x"})  # the agent's own state dir
+    save(hot / "bad name" / "step_000060", {"a": b"x"})  # not a valid job name
+    save(hot / "llama" / "latest", {"a": b"x"})  # no step number
+    pending = hot / "llama" / "step_000020"
+    write_file(pending / "__0_0.distcp", b"shard")  # a save still in progress
+    seen: list[tuple[str, int, str]] = []
+    failures = [1]
+
+    async def on_committed(job: str, step: int, path: Path) -> None:
+        if step == 20 and failures:
+            failures.pop()
+            raise RuntimeError("transient")  # offered again on the next poll
+        seen.append((job, step, path.name))
+
+    async def go() -> None:
+        stop = asyncio.Event()
+        task = asyncio.create_task(
+            watch_hot_dir(hot, MARKER, on_committed, poll_seconds=POLL, stop=stop)
+        )
+        await until(lambda: len(seen) == 1)
+        await asyncio.sleep(4 * POLL)
+        assert seen == [("llama", 10, "step_000010")]  # once, and the unfinished one not yet
+        save(pending, {})
+        await until(lambda: len(seen) == 2)
+        # deleted and written again (training overwrote the step): reported again
+        for f in (hot / "llama" / "step_000010").iterdir():
+            f.unlink()
+        (hot / "llama" / "step_000010").rmdir()
+        await asyncio.sleep(3 * POLL)
+        save(hot / "llama" / "step_000010", {"a.distcp": b"y"})
+        await until(lambda: len(seen) == 3)
+        await asyncio.sleep(3 * POLL)
+        stop.set()
+        await asyncio.wait_for(task, 1)
+
+    asyncio.run(go())
+    assert seen == [
+        ("llama", 10, "step_000010"),
+        ("llama", 20, "step_000020"),
+        ("llama", 10, "step_000010"),
+    ]
+    assert not failures  # the failing callback was called and retried
+
+
+def test_committed_checkpoints_reach_every_tier_and_pull_back_identical(tmp_path: Path) -> None:
+    hot = tmp_path / "hot"
+    warm, cold = tiers_in(tmp_path, "warm", "cold")
+    shard0 = random_bytes(600_000, 1)
+    shard1 = random_bytes(300_000, 2)
+
+    async def go() -> None:
+        queue, stores = make_queue([warm, cold], tmp_path / "state")
+        async with agent(queue, hot):
+            ckpt = hot / "llama" / "step_000010"
+            write_file(ckpt / "__0_0.distcp", shard0)
+            write_file(ckpt / "__1_0.distcp", shard1)
+            write_file(hot / "llama" / "step_000015" / "__0_0.distcp", shard0)  # never marked
+            await asyncio.sleep(4 * POLL)
+            assert queue.states() == []  # shards without the marker: not a checkpoint yet
+            save(ckpt, {})
+            await until(lambda: queue.idle and len(queue.states()) == 2)
+            rows = tier_states(queue, "llama", 10)
+            assert {t: r["state"] for t, r in rows.items()} == {warm: "durable", cold: "durable"}
+            assert all(r["error"] is None and r["attempts"] == 1 for r in rows.values())
+
+            # next save: shard 1 unchanged (deduplicated), shard 0 slightly changed (delta)
+            changed = bytearray(shard0)
+            changed[::4096] = bytes(len(changed[::4096]))
+            save(
+                hot / "llama" / "step_000020",
+                {"__0_0.distcp": bytes(changed), "__1_0.distcp": shard1},
+            )
+            await until(lambda: queue.idle and len(queue.states()) == 4)
+            second = tier_states(queue, "llama", 20)
+            assert {r["state"] for r in second.values()} == {"durable"}
+            result = second[cold]["result"]
+            assert isinstance(result, dict)
+            assert result["base_step"] == 10 and result["base_local"] is True
+            assert result["chunks_deduped"] > 0 and result["chunks_delta"] > 0
+
+            stats = queue.stats.tiers
+            assert stats[warm].pushes_ok == stats[cold].pushes_ok == 2
+            assert stats[cold].pushes_failed == 0 and stats[cold].bytes_transferred > 0
+
+        restored = tmp_path / "restored"
+        await pull(stores[1], restored, job="llama", step=10, options=OPTS)
+        assert tree_bytes(restored) == tree_bytes(hot / "llama" / "step_000010")
+        restored2 = tmp_path / "restored2"
+        await pull(stores[1], restored2, job="llama", step=None, options=OPTS)
+        assert tree_bytes(restored2) == tree_bytes(hot / "llama" / "step_000020")
+        steps = {p.name for p in (Path(cold) / "manifests" / "llama").iterdir()}
+        assert steps == {f"{10:018d}", f"{20:018d}"}  # step 15 (no marker) was never pushed
+
+    asyncio.run(go())
+
+
+def test_a_failing_tier_is_reported_and_retried_while_the_other_becomes_durable(
+    tmp_path: Path,
+) -> None:
+    hot = tmp_path / "hot"
+    missing = str(tmp_path / "not-mounted")  # a store directory that does not exist
+    (good,) = tiers_in(tmp_path, "good")
+
+    async def go() -> None:
+        queue, _ = make_queue([missing, good], tmp_path / "state", max_attempts=3)
+        async with agent(queue, hot):
+            save(hot / "job1" / "step_000010", {"__0_0.distcp": random_bytes(100_000)})
+            await until(lambda: len(queue.states()) == 2 and queue.idle)
+            rows = tier_states(queue, "job1", 10)
+            assert rows[good]["state"] == "durable" and rows[good]["attempts"] == 1
+            assert rows[missing]["state"] == "failed"
+            assert rows[missing]["attempts"] == 3  # retried, then left failed
+            assert "not-mounted" in str(rows[missing]["error"])
+            assert queue.stats.tiers[missing].pushes_failed == 3
+            # what a restart would resume
+            assert queue.journal.pending([missing, good]) == [
+                ("job1", 10, hot / "job1" / "step_000010")
+            ]
+            assert queue.journal.pending([good]) == []
+
+    asyncio.run(go())
+
+
+class StuckManifestStore(LocalStore):
+    """A tier that hangs on the commit (a manifest write), like a stalled NFS server."""
+
+    async def put(self, key: str, data: bytes, *, create_only: bool = False) -> None:
+        if key.startswith("manifests/"):
+            await asyncio.sleep(60)
+        await super().put(key, data, create_only=create_only)
+
+
+def test_drain_cancels_a_stuck_push_and_a_fresh_queue_resumes_it(tmp_path: Path) -> None:
+    hot = tmp_path / "hot"
+    (tier,) = tiers_in(tmp_path, "tier")
+    ckpt = save(hot / "job1" / "step_000010", {"__0_0.distcp": random_bytes(200_000, 5)})
+    state = tmp_path / "state"
+
+    async def go() -> None:
+        journal = Journal(state / "journal.sqlite3", "n1")
+        stuck = PushQueue(
+            [(tier, StuckManifestStore(Path(tier)))], journal, node="n1", options=OPTS
+        )
+        await stuck.start()
+        assert stuck.enqueue("job1", 10, ckpt)
+        assert not stuck.enqueue("job1", 10, ckpt)  # deduplicated while queued
+        await until(lambda: any(r["pushing"] for r in stuck.states()))
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        await stuck.drain(0.2)
+        assert loop.time() - began < 2
+        assert [r["state"] for r in stuck.states()] == ["staged"]
+        stuck.close()
+
+        # the restarted agent: a fresh queue over the same journal resumes it
+        fresh, _ = make_queue([tier], state)
+        await fresh.start()
+        await until(lambda: fresh.idle)
+        assert [r["state"] for r in fresh.states()] == ["durable"]
+        assert fresh.journal.pending() == []
+        assert not fresh.enqueue("job1", 10, ckpt)  # durable everywhere: nothing to do
+        await fresh.drain(1)
+        fresh.close()
+
+    asyncio.run(go())
+
+
+def test_a_checkpoint_restored_here_is_never_pushed_as_this_nodes_part(tmp_path: Path) -> None:
+    (tier,) = tiers_in(tmp_path, "tier")
+    ckpt = save(tmp_path / "hot" / "job1" / "step_000010", {"a": b"other nodes' data"})
+
+    async def go() -> None:
+        queue, _ = make_queue([tier], tmp_path / "state")
+        queue.exclude("job1", 10)  # what a prefetch does before it pulls
+        assert not queue.enqueue("job1", 10, ckpt)
+        assert queue.states() == [] and queue.journal.pending() == []
+        await queue.drain(0)
+        queue.close()
+
+    asyncio.run(go())
+    assert not (Path(tier) / "manifests").exists()
+
+
+def test_completion_marker_is_written_once_when_every_expected_node_pushed(
+    tmp_path: Path,
+) -> None:
+    (tier,) = tiers_in(tmp_path, "tier")
+    nodes = ("a", "b")
+    parts = {
+        n: {f"__{i}_0.distcp": random_bytes(150_000, 10 * i + ord(n)) for i in (0, 1)}
+        for n in nodes
+    }
+    parts["b"] = {k.replace("__", "__b"): v for k, v in parts["b"].items()}  # b's own ranks
+
+    async def go() -> None:
+        queues = {}
+        for n in nodes:
+            queues[n], _ = make_queue([tier], tmp_path / f"state-{n}", node=n, expected_nodes=nodes)
+            await queues[n].start()
+        store = open_store(tier)
+
+        def pushed(n: str, step: int) -> Callable[[], bool]:
+            return lambda: queues[n].idle and bool(tier_states(queues[n], "job1", step))
+
+        # a alone: its part is durable, the step is not complete
+        queues["a"].enqueue("job1", 10, save(tmp_path / "a" / "job1" / "step_000010", parts["a"]))
+        await until(pushed("a", 10))
+        assert tier_states(queues["a"], "job1", 10)[tier]["state"] == "durable"
+        assert not await is_complete(store, "job1", 10, nodes)
+        assert not (Path(tier) / completion_key("job1", 10)).exists()
+        # then b: now it is, and b (the last) wrote the marker
+        queues["b"].enqueue("job1", 10, save(tmp_path / "b" / "job1" / "step_000010", parts["b"]))
+        await until(pushed("b", 10))
+        assert await is_complete(store, "job1", 10, nodes)
+        assert await is_complete(store, "job1", 10, ())  # single-node jobs: always
+        doc = json.loads((Path(tier) / completion_key("job1", 10)).read_bytes())
+        assert doc["job"] == "job1" and doc["step"] == 10 and doc["nodes"] == ["a", "b"]
+        assert [queues[n].stats.completions_written for n in nodes] == [0, 1]
+        # a late check by a finds it written: no second create
+        assert not await queues["a"]._complete_if_all_pushed(store, "job1", 10)
+
+        # both at once: whoever sees both parts may try, exactly one create succeeds
+        for n in nodes:
+            queues[n].enqueue("job1", 20, save(tmp_path / n / "job1" / "step_000020", parts[n]))
+        await until(lambda: pushed("a", 20)() and pushed("b", 20)())
+        assert await is_complete(store, "job1", 20, nodes)
+        assert sum(queues[n].stats.completions_written for n in nodes) == 2
+
+        # a resharded restore merges both nodes' parts
+        merged = tmp_path / "merged"
+        await pull(store, merged, job="job1", step=20, options=OPTS)
+        assert set(tree_bytes(merged)) == {*parts["a"], *parts["b"], MARKER}
+        for n in nodes:
+            await queues[n].drain(0)
+            queues[n].close()
+
+    asyncio.run(go())
