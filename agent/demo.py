@@ -1,10 +1,13 @@
-"""``ferry demo``: the whole flow on an embedded default, in a scratch directory.
+"""``ferry demo``: the real thing on an embedded default, on loopback, in a scratch directory.
 
-Writes three DCP-shaped checkpoints of a small "training run" (float32 weights and Adam
-state advanced by AdamW-like steps; half the ranks frozen, so successive saves share their
-chunks and the rest delta-code against the previous save), pushes each to a local-directory
-store, pulls the latest into a fresh directory, checks it byte for byte, and prints what
-moved.
+Two agents (node-a, node-b) share a local-directory store as their tier and know each other
+as peers. A small "training run" (float32 weights and Adam state advanced by AdamW-like
+steps; half the ranks frozen) saves DCP-shaped checkpoints into node-a's hot directory;
+node-a's agent notices each one and pushes it (deduplicated and delta-coded) in the
+background. Then a scheduler, about to scale down onto node-b, asks node-b for a migration
+estimate and prefetches the latest checkpoint there; the estimate is printed next to the
+measured time, and the copy is checked byte for byte. A second round shows a node that holds
+the previous checkpoint fetching only the delta.
 """
 
 from __future__ import annotations
@@ -12,16 +15,22 @@ from __future__ import annotations
 import asyncio
 import filecmp
 import shutil
+import socket
 import tempfile
+import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+from aiohttp import web
 
-from transfer.engine import TransferOptions, pull, push
-from transfer.store.local import LocalStore
+from agent.client import FerryClient
+from agent.config import load_config
+from agent.rpc import create_app
 
 SHARD_FLOATS = 2 << 20  # 8 MiB of float32 per tensor
 FROZEN_SHARDS = 2  # of 4: embeddings and early layers do not change between saves
+TOKEN = "demo-token"
 
 
 class TinyRun:
@@ -41,7 +50,7 @@ class TinyRun:
                 self.weights[rank] -= (lr * grad / (np.sqrt(v) + 1e-8)).astype(np.float32)
 
     def save(self, root: Path, step: int) -> Path:
-        """A DCP-shaped directory: one shard per rank (weights + Adam state) + .metadata."""
+        """A DCP-shaped directory: one shard per rank, then .metadata last (the commit)."""
         ckpt = root / f"step_{step:06d}"
         ckpt.mkdir(parents=True)
         for rank, (w, v) in enumerate(zip(self.weights, self.exp_avg_sq, strict=True)):
@@ -50,59 +59,112 @@ class TinyRun:
         return ckpt
 
 
-async def run_demo(workdir: Path) -> None:
-    store_dir = workdir / "store"
-    store_dir.mkdir(parents=True)
-    store = LocalStore(store_dir)
-    options = TransferOptions(chunk_size=4 << 20)
-    print(f"ferry demo in {workdir}")
-    print(
-        f"{'step':>6} {'raw MB':>8} {'written MB':>11} {'deduped':>8} {'delta':>6} {'seconds':>8}"
-    )
-    last = None
-    run = TinyRun()
-    for step in (100, 120, 140):
-        run.train(4)
-        last = run.save(workdir / "hot", step)
-        r = await push(store, last, job="demo", step=step, node="node-a", options=options)
-        print(
-            f"{step:>6} {r.bytes_raw / 1e6:>8.1f} {r.bytes_transferred / 1e6:>11.1f} "
-            f"{r.chunks_deduped:>4}/{r.chunks_total:<3} {r.chunks_delta:>6} {r.seconds:>8.2f}"
-        )
-    dest = workdir / "restored" / "step_000140"
-    p = await pull(store, dest, job="demo", step=None, options=options)
-    assert last is not None
-    same = not filecmp.dircmp(last, dest).diff_files and sorted(
-        f.name for f in last.iterdir()
-    ) == sorted(f.name for f in dest.iterdir())
-    stored = sum(f.stat().st_size for f in store_dir.rglob("*") if f.is_file())
-    print(
-        f"pulled latest (step {p.step}) into {dest}: {p.bytes_raw / 1e6:.1f} MB, read "
-        f"{p.bytes_transferred / 1e6:.1f} MB in {p.seconds:.2f}s, every chunk verified; "
-        f"identical to the original: {'yes' if same else 'NO'}"
-    )
-    near = await pull(
-        store,
-        workdir / "node-b" / "step_000140",
-        job="demo",
-        step=None,
-        options=options,
-        base_dir=workdir / "hot" / "step_000120",
-    )
-    print(
-        f"pulled it again onto a node that holds step 120: read {near.bytes_transferred / 1e6:.1f}"
-        f" MB ({near.chunks_local} chunks reused from the local copy) in {near.seconds:.2f}s"
-    )
-    print(f"store holds {stored / 1e6:.1f} MB for 3 checkpoints of {p.bytes_raw / 1e6:.1f} MB each")
-    if not same:
-        raise SystemExit(1)
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def _start_agent(name: str, hot: Path, store: Path, port: int, peer: int) -> web.AppRunner:
+    env = {
+        "FERRY_NODE": name,
+        "FERRY_HOT_DIR": str(hot),
+        "FERRY_TIERS": str(store),
+        "FERRY_PEERS": f"http://127.0.0.1:{peer}",
+        "FERRY_LISTEN": f"127.0.0.1:{port}",
+    }
+    runner = web.AppRunner(create_app(load_config(None, env), TOKEN))
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner
+
+
+async def _wait_durable(client: FerryClient, step: int) -> dict[str, Any]:
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        rows = (await client._call("GET", "/v1/pushes"))["pushes"]
+        for row in rows:
+            if row["step"] == step and row["state"] == "durable":
+                return dict(row["result"] or {})
+            if row["step"] == step and row["state"] == "failed":
+                raise RuntimeError(f"push of step {step} failed: {row.get('error')}")
+        await asyncio.sleep(0.1)
+    raise TimeoutError(f"step {step} was not pushed in time")
+
+
+def _same(a: Path, b: Path) -> bool:
+    names = sorted(p.name for p in a.iterdir())
+    if names != sorted(p.name for p in b.iterdir()):
+        return False
+    _, mismatch, errors = filecmp.cmpfiles(a, b, names, shallow=False)
+    return not mismatch and not errors
+
+
+async def _scale_down(
+    b: FerryClient, step: int | str
+) -> tuple[dict[str, Any], dict[str, Any], float]:
+    est = await b.estimate("demo", step, gpus=8, gpu_hour_price=2.5)
+    began = time.monotonic()
+    done = await b.wait_prefetch(await b.prefetch("demo", step), poll=0.02)
+    return est, done, time.monotonic() - began
+
+
+async def run_demo(workdir: Path) -> bool:
+    store, hot_a, hot_b = workdir / "store", workdir / "node-a", workdir / "node-b"
+    store.mkdir(parents=True)
+    port_a, port_b = _free_port(), _free_port()
+    runner_a = await _start_agent("node-a", hot_a, store, port_a, port_b)
+    runner_b = await _start_agent("node-b", hot_b, store, port_b, port_a)
+    ok = True
+    try:
+        async with (
+            FerryClient(f"http://127.0.0.1:{port_a}", TOKEN) as a,
+            FerryClient(f"http://127.0.0.1:{port_b}", TOKEN) as b,
+        ):
+            print(f"ferry demo in {workdir}: agents node-a (:{port_a}) and node-b (:{port_b})")
+            print("training on node-a; its agent pushes each save in the background:")
+            print(f"{'step':>6} {'raw MB':>8} {'written MB':>11} {'deduped':>8} {'delta':>6}")
+            run = TinyRun()
+            saves = {}
+            for step in (100, 120, 140):
+                run.train(4)
+                saves[step] = run.save(hot_a / "demo", step)
+                r = await _wait_durable(a, step)
+                print(
+                    f"{step:>6} {r['bytes_raw'] / 1e6:>8.1f} {r['bytes_transferred'] / 1e6:>11.1f} "
+                    f"{r['chunks_deduped']:>4}/{r['chunks_total']:<3} {r['chunks_delta']:>6}"
+                )
+            print("scheduler: scale down onto node-b (8 GPUs at $2.50/h); estimate, then prefetch:")
+            for step in (140, 160):
+                if step == 160:
+                    run.train(4)
+                    saves[step] = run.save(hot_a / "demo", step)
+                    await _wait_durable(a, step)
+                    print("  training saved step 160; node-b already holds step 140:")
+                est, done, seconds = await _scale_down(b, step)
+                same = done["state"] == "ready" and _same(saves[step], Path(done["dest"]))
+                ok = ok and same
+                moved = ", ".join(
+                    f"{k} {v / 1e6:.1f} MB" for k, v in done["bytes_by_source"].items()
+                )
+                print(
+                    f"  step {step}: {est['bytes_missing'] / 1e6:.1f} MB missing, predicted "
+                    f"{est['seconds']:.2f}s (cost ${est['cost']:.4f}, cooldown "
+                    f"{est['cooldown_seconds']:.0f}s); measured {seconds:.2f}s; moved: {moved}; "
+                    f"{done['chunks_local']} chunks reused locally; identical: "
+                    f"{'yes' if same else 'NO'}"
+                )
+    finally:
+        await runner_b.cleanup()
+        await runner_a.cleanup()
+    return ok
 
 
 def main(workdir: Path | None, keep: bool) -> int:
     scratch = workdir or Path(tempfile.mkdtemp(prefix="ferry-demo-"))
     try:
-        asyncio.run(run_demo(scratch))
+        ok = asyncio.run(run_demo(scratch))
     finally:
         if not keep and workdir is None:
             shutil.rmtree(scratch, ignore_errors=True)
-    return 0
+    return 0 if ok else 1

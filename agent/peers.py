@@ -29,7 +29,9 @@ Location = tuple[Path, int, int]  # file, offset, size
 
 class HotIndex:
     """chunk id -> where this node's hot data holds it, from the committed manifests of the
-    checkpoints present locally. Refreshed on a miss, at most every ``min_refresh`` s."""
+    checkpoints present locally. A miss rescans the hot dir (cheap) and loads the manifests
+    of checkpoints not seen before; one without a manifest yet (training just wrote it, the
+    push is running) is retried after ``min_refresh`` s, not on every miss."""
 
     def __init__(
         self, hot_dir: Path, commit_marker: str, tiers: list[tuple[str, Store]],
@@ -40,14 +42,14 @@ class HotIndex:
         self.tiers = tiers
         self.min_refresh = min_refresh
         self._known: set[tuple[str, int]] = set()
+        self._unpublished: dict[tuple[str, int], float] = {}  # -> when we last looked
         self._where: dict[str, Location] = {}
-        self._refreshed = 0.0
         self._lock = asyncio.Lock()
 
     async def locate(self, cid: str) -> Location | None:
         if cid not in self._where:
             async with self._lock:  # a refresh in flight may be about to add it: wait for it
-                if cid not in self._where and time.monotonic() - self._refreshed > self.min_refresh:
+                if cid not in self._where:
                     await self._refresh_locked()
         return self._where.get(cid)
 
@@ -55,7 +57,7 @@ class HotIndex:
         self._where.pop(cid, None)
 
     async def _refresh_locked(self) -> None:
-        self._refreshed = time.monotonic()
+        now = time.monotonic()
         try:
             jobs = [e.name for e in os.scandir(self.hot_dir) if e.is_dir()]
         except FileNotFoundError:
@@ -66,10 +68,13 @@ class HotIndex:
             except FerryError:
                 continue
             for held in local_checkpoints(self.hot_dir, job, self.commit_marker):
-                if (job, held.step) not in self._known:
-                    await self._add(job, held.step, held.path)
+                key = (job, held.step)
+                if key in self._known or now - self._unpublished.get(key, -1e9) < self.min_refresh:
+                    continue
+                if not await self._add(job, held.step, held.path):
+                    self._unpublished[key] = now
 
-    async def _add(self, job: str, step: int, path: Path) -> None:
+    async def _add(self, job: str, step: int, path: Path) -> bool:
         for _, store in self.tiers:
             try:
                 parts = [c for c in await list_checkpoints(store, job) if c.step == step]
@@ -84,7 +89,9 @@ class HotIndex:
                         for offset, c in f.chunk_offsets():
                             self._where.setdefault(c.id, (path / f.path, offset, c.size))
             self._known.add((job, step))
-            return
+            self._unpublished.pop((job, step), None)
+            return True
+        return False
 
 
 def read_verified(where: Location, cid: str) -> bytes | None:
