@@ -144,9 +144,8 @@ async def run_demo(workdir: Path) -> bool:
                 est, done, seconds = await _scale_down(b, step)
                 same = done["state"] == "ready" and _same(saves[step], Path(done["dest"]))
                 ok = ok and same
-                moved = ", ".join(
-                    f"{k} {v / 1e6:.1f} MB" for k, v in done["bytes_by_source"].items()
-                )
+                sources = done["bytes_by_source"].items()
+                moved = ", ".join(f"{k.split(':')[0]} {v / 1e6:.1f} MB" for k, v in sources if v)
                 print(
                     f"  step {step}: {est['bytes_missing'] / 1e6:.1f} MB missing, predicted "
                     f"{est['seconds']:.2f}s (cost ${est['cost']:.4f}, cooldown "
