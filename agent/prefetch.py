@@ -20,7 +20,7 @@ from typing import Any
 from agent.holdings import local_checkpoints, step_dir_name
 from transfer.engine import TransferOptions, pull, resolve_manifests
 from transfer.engine.estimate import BandwidthMeter
-from transfer.engine.pull import ChunkSource
+from transfer.engine.pull import ChunkSource, sweep_stale_staging
 from transfer.errors import CheckpointNotFoundError, FerryError, IntegrityError, StoreError
 from transfer.store.base import Store
 
@@ -115,8 +115,17 @@ class Prefetcher:
         self.options = options
         self.meter = meter
         self.jobs: dict[str, PrefetchJob] = {}
+        self.swept = self._sweep()
         self._slots = asyncio.Semaphore(concurrency)
         self._dest_locks: dict[tuple[str, int], asyncio.Lock] = {}
+
+    def _sweep(self) -> list[Path]:
+        """Staging dirs of prefetches a killed agent left behind (none can be running yet)."""
+        try:
+            jobs = [d for d in self.hot_dir.iterdir() if d.is_dir() and not d.name.startswith(".")]
+        except FileNotFoundError:
+            return []
+        return [gone for d in jobs for gone in sweep_stale_staging(d)]
 
     def submit(self, job: str, step: int | None, deadline_s: float | None) -> PrefetchJob:
         record = PrefetchJob(secrets.token_hex(8), job, step, deadline_s)

@@ -420,3 +420,22 @@ def test_agent_pushes_what_training_writes_and_not_what_it_prefetched(
                 assert not [s for s in await pushes(b) if s.get("state") != "restored"]
 
     asyncio.run(go())
+
+
+def test_agent_start_sweeps_staging_left_by_a_killed_prefetch(
+    local_url: str, tmp_path: Path
+) -> None:
+    hot = tmp_path / "hot"
+    stale = hot / "llm" / ".step_000020.ferry-staging-deadbeef"
+    (stale / "sub").mkdir(parents=True)
+    (stale / "sub" / "__0_0.distcp").write_bytes(b"x" * 1000)
+    keep = hot / "llm" / "step_000010"
+    keep.mkdir()
+    (keep / ".metadata").write_bytes(b"m")
+
+    async def go() -> None:
+        async with agent(hot, [local_url]):
+            pass
+
+    asyncio.run(go())
+    assert sorted(p.name for p in (hot / "llm").iterdir()) == ["step_000010"]

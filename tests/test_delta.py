@@ -4,9 +4,11 @@ reuse a local base, and bad bases that never produce wrong bytes."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -206,3 +208,49 @@ def test_full_forces_a_keyframe(
     push_json(capsys, "push", str(k0), local_url, "--job", "d", "--node", "n", *SMALL)
     r = push_json(capsys, "push", str(k1), local_url, "--job", "d", "--node", "n", "--full")
     assert r["chunks_delta"] == 0 and r["base_step"] is None
+
+
+def test_a_pull_cancelled_at_any_moment_leaves_nothing_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import importlib
+
+    # (transfer.engine re-exports the pull() function under the module's name)
+    pull_module = importlib.import_module("transfer.engine.pull")
+
+    # Widen the window in which a cancel lands while a worker thread is still creating the
+    # staging directory (on a loaded machine it is real, just rarely hit).
+    make_staging = pull_module._make_staging
+
+    def slow_make_staging(dest: Path) -> Path:
+        made = make_staging(dest)
+        time.sleep(0.1)
+        return made
+
+    monkeypatch.setattr(pull_module, "_make_staging", slow_make_staging)
+    (k0,) = adamw_series(tmp_path / "hot", 1)
+    store_dir = tmp_path / "store"
+    store_dir.mkdir()
+    out = tmp_path / "out"
+    opts = TransferOptions(chunk_size=MiB, part_size=5 * MiB, pack_size=10 * MiB, window=1)
+
+    async def push_it() -> None:
+        await push(open_test_store(str(store_dir)), k0, job="c", step=1, node="n", options=opts)
+
+    async def pull_then_cancel(delay: float) -> None:
+        task = asyncio.create_task(
+            pull(open_test_store(str(store_dir)), out / "dest", job="c", step=1, options=opts)
+        )
+        await asyncio.sleep(delay)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    asyncio.run(push_it())
+    for delay in (0.0, 0.001, 0.05, 0.15, 0.2, 0.3):
+        asyncio.run(pull_then_cancel(delay))
+        leftovers = sorted(p.name for p in out.iterdir()) if out.exists() else []
+        assert leftovers in ([], ["dest"]), leftovers  # complete (the rename won) or nothing
+        if leftovers:
+            assert tree_bytes(out / "dest") == tree_bytes(k0)
+            shutil.rmtree(out / "dest")

@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
+from typing import TypeVar
 
 from transfer.codec import check_encoding, needs_base
 from transfer.codec.transforms import Buffer
@@ -33,6 +34,8 @@ from transfer.errors import DestinationError, FerryError, FormatError
 from transfer.format.chunkid import chunk_id
 from transfer.format.manifest import FileEntry, Manifest
 from transfer.store.base import Store
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -127,7 +130,7 @@ async def pull(
                 targets[c.id].append((fi, offset))
                 hints.setdefault(c.id, (f.path, offset))
 
-    staging = await asyncio.to_thread(_make_staging, dest)
+    staging = await _to_thread_to_the_end(_make_staging, dest)
     dest_abs = staging.parent / dest.name
     bytes_read = 0
 
@@ -136,7 +139,7 @@ async def pull(
         bytes_read += n
 
     try:
-        await asyncio.to_thread(_create_files, staging, files, targets)
+        await _to_thread_to_the_end(_create_files, staging, files, targets)
         progress.start(sum(f.size for f in files), "pull")
         out = _StagingFiles(staging, files)
 
@@ -167,7 +170,7 @@ async def pull(
                 sink=write,
                 hints=hints,
             )
-        await asyncio.to_thread(_seal, staging, files, dest)
+        await _to_thread_to_the_end(_seal, staging, files, dest)
     except BaseException:
         await asyncio.shield(asyncio.to_thread(shutil.rmtree, staging, True))
         raise
@@ -260,6 +263,38 @@ async def _reuse_local(
     return found
 
 
+async def _to_thread_to_the_end(fn: Callable[..., T], *args: object) -> T:
+    """Run ``fn`` in a thread; if we are cancelled meanwhile, let the thread finish before
+    the cancellation proceeds, so cleanup never races a thread still creating files."""
+    job = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    try:
+        return await asyncio.shield(job)
+    except asyncio.CancelledError:
+        await asyncio.wait([job])
+        made = None if job.cancelled() or job.exception() else job.result()
+        if fn is _make_staging and isinstance(made, Path):
+            shutil.rmtree(made, ignore_errors=True)  # created after we were cancelled
+        raise
+
+
+STAGING_MARK = ".ferry-staging-"
+
+
+def sweep_stale_staging(parent: Path) -> list[Path]:
+    """Remove staging directories a killed pull left under ``parent`` (call it only when no
+    pull into ``parent`` can be running, e.g. when an agent starts)."""
+    removed: list[Path] = []
+    try:
+        entries = list(parent.iterdir())
+    except FileNotFoundError:
+        return removed
+    for entry in entries:
+        if entry.name.startswith(".") and STAGING_MARK in entry.name and entry.is_dir():
+            shutil.rmtree(entry, ignore_errors=True)
+            removed.append(entry)
+    return removed
+
+
 def _make_staging(dest: Path) -> Path:
     dest = dest.absolute()
     if dest.is_symlink() or (dest.exists() and not dest.is_dir()):
@@ -268,7 +303,7 @@ def _make_staging(dest: Path) -> Path:
         raise DestinationError(f"{dest} is not empty; pull into a new or empty directory")
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
-        staging = dest.parent / f".{dest.name}.ferry-staging-{secrets.token_hex(4)}"
+        staging = dest.parent / f".{dest.name}{STAGING_MARK}{secrets.token_hex(4)}"
         staging.mkdir(mode=0o700)
     except OSError as exc:
         raise DestinationError(f"cannot create {dest}: {exc.strerror or exc}") from None
