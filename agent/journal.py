@@ -23,6 +23,7 @@ be local: SQLite's WAL needs shared memory, which NFS does not provide.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sqlite3
 import time
@@ -30,6 +31,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from transfer.engine.chunkindex import StoredChunk
 from transfer.format.names import check_name, check_step
 
 STAGED = "staged"
@@ -56,6 +58,13 @@ CREATE TABLE IF NOT EXISTS pushes (
 );
 -- Checkpoints this agent restored into the hot dir (prefetch): another node's data, never
 -- to be pushed as this node's part.
+CREATE TABLE IF NOT EXISTS durable_packs (
+    job TEXT NOT NULL,
+    step INTEGER NOT NULL,
+    node TEXT NOT NULL,
+    tier TEXT NOT NULL,
+    chunks TEXT NOT NULL
+);
 CREATE TABLE IF NOT EXISTS restored (
     job TEXT NOT NULL,
     step INTEGER NOT NULL,
@@ -102,6 +111,10 @@ class Journal:
     def record_durable(self, job: str, step: int, tier: str, result: dict[str, Any]) -> None:
         """The push to ``tier`` committed; ``result`` is ``PushResult.to_dict()``."""
         with self._db:
+            self._db.execute(  # its manifest now references those packs
+                "DELETE FROM durable_packs WHERE job = ? AND step = ? AND node = ? AND tier = ?",
+                (job, step, self.node, tier),
+            )
             self._update(
                 job,
                 step,
@@ -115,6 +128,23 @@ class Journal:
                     json.dumps(result, default=str),
                 ),
             )
+
+    def record_packs(self, job: str, step: int, tier: str, chunks: list[StoredChunk]) -> None:
+        """Packs of an unfinished push that are already durable: a restarted push reuses
+        them instead of uploading their chunks again (multipart-level resumption)."""
+        doc = json.dumps([dataclasses.astuple(c) for c in chunks])
+        with self._db:
+            self._db.execute(
+                "INSERT INTO durable_packs VALUES (?, ?, ?, ?, ?)",
+                (job, step, self.node, tier, doc),
+            )
+
+    def resumable_chunks(self, job: str, step: int, tier: str) -> list[StoredChunk]:
+        rows = self._db.execute(
+            "SELECT chunks FROM durable_packs WHERE job = ? AND step = ? AND node = ? AND tier = ?",
+            (job, step, self.node, tier),
+        )
+        return [StoredChunk(*fields) for (doc,) in rows for fields in json.loads(doc)]
 
     def record_failed(self, job: str, step: int, tier: str, error: str) -> None:
         with self._db:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 from collections.abc import Sequence
@@ -223,6 +224,10 @@ class PushQueue:
                     step=item.step,
                     node=self.node,
                     options=self.options,
+                    resume_chunks=self.journal.resumable_chunks(item.job, item.step, name),
+                    on_pack_durable=functools.partial(
+                        self.journal.record_packs, item.job, item.step, name
+                    ),
                 )
                 await self._complete_if_all_pushed(store, item.job, item.step)
             except Exception as exc:  # every failure must reach the journal, whatever its type

@@ -314,3 +314,41 @@ def test_truncated_pack_is_reported_by_verify(
     doc = json.loads(capsys.readouterr().out)
     assert code == 1 and not doc["ok"]
     assert any("truncated" in b["reason"] for b in doc["bad_chunks"])
+
+
+def test_an_interrupted_push_resumes_from_its_journaled_packs(
+    store_url: str, tmp_path: Path
+) -> None:
+    src = make_checkpoint(tmp_path / "ck", shard_bytes=30_000_000)
+    opts = TransferOptions(chunk_size=1 << 20, part_size=5 << 20, pack_size=5 << 20, window=2)
+    journal: list = []  # type: ignore[type-arg]
+
+    async def attempt(die_after: int | None) -> object:
+        store = WatchingStore(open_test_store(store_url), die_after_parts=die_after)
+        try:
+            return await push(
+                store, src, job="r", step=1, node="n", options=opts,
+                resume_chunks=list(journal), on_pack_durable=journal.extend,
+            )  # fmt: skip
+        finally:
+            await store.close()
+
+    with pytest.raises(ConnectionError):
+        asyncio.run(attempt(die_after=4))
+    assert journal, "some packs became durable before the failure"
+    assert not [k for k in store_objects(store_url) if k.startswith(MANIFESTS_PREFIX)]
+    reused = sum(c.size for c in {c.id: c for c in journal}.values())
+    raw = sum(len(b) for b in tree_bytes(src).values())
+    resumed = asyncio.run(attempt(die_after=None))
+    assert resumed.chunks_deduped > 0  # type: ignore[attr-defined]
+    assert resumed.bytes_transferred < raw - reused + (1 << 20)  # type: ignore[attr-defined]
+
+    async def restore() -> None:
+        store = open_test_store(store_url)
+        try:
+            await pull(store, tmp_path / "out", job="r", step=1, options=opts)
+        finally:
+            await store.close()
+
+    asyncio.run(restore())
+    assert tree_bytes(tmp_path / "out") == tree_bytes(src)

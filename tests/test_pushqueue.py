@@ -332,3 +332,21 @@ def test_completion_marker_is_written_once_when_every_expected_node_pushed(
             queues[n].close()
 
     asyncio.run(go())
+
+
+def test_journal_keeps_durable_packs_of_an_unfinished_push_until_it_commits(
+    tmp_path: Path,
+) -> None:
+    from agent.journal import Journal
+    from transfer.engine.chunkindex import StoredChunk
+
+    journal = Journal(tmp_path / "j.sqlite3", "n")
+    journal.record_staged("job", 5, tmp_path, ["t1"])
+    chunk = StoredChunk("a" * 64, 10, "zstd", "b" * 32, 0, 7, None)
+    journal.record_packs("job", 5, "t1", [chunk])
+    journal.close()
+    reopened = Journal(tmp_path / "j.sqlite3", "n")  # survives a restart
+    assert reopened.resumable_chunks("job", 5, "t1") == [chunk]
+    assert reopened.resumable_chunks("job", 5, "t2") == []
+    reopened.record_durable("job", 5, "t1", {"bytes_raw": 10})
+    assert reopened.resumable_chunks("job", 5, "t1") == []

@@ -37,6 +37,7 @@ class _OpenPack:
     buffer: bytearray = field(default_factory=bytearray)
     upload: asyncio.Task[Upload] | None = None
     parts: list[asyncio.Task[None]] = field(default_factory=list)
+    members: list[tuple[object, PackLocation]] = field(default_factory=list)
 
 
 class PackWriter:
@@ -49,7 +50,11 @@ class PackWriter:
         pack_size: int,
         window: int,
         on_bytes_stored: Callable[[int], None],
+        on_pack_durable: Callable[[str, list[tuple[object, PackLocation]]], None] | None = None,
     ) -> None:
+        # told (pack id, [(tag, location)]) as each pack becomes durable: a journal of these
+        # lets a restarted push reuse them instead of uploading everything again
+        self._on_pack_durable = on_pack_durable
         self._store = store
         self._tasks = tasks
         self._part_size = max(part_size, store.min_part_size)
@@ -64,12 +69,13 @@ class PackWriter:
         self._commits: dict[str, asyncio.Future[None]] = {}
         self.completed_packs: list[str] = []
 
-    async def add(self, payload: bytes) -> PackLocation:
+    async def add(self, payload: bytes, tag: object = None) -> PackLocation:
         """Append one encoded chunk; returns where it will live once the pack completes."""
         pack = self._current
         if pack is None:
             pack = self._current = _OpenPack(new_pack_id())
         location = PackLocation(pack.pack_id, pack.size, len(payload))
+        pack.members.append((tag, location))
         pack.buffer += payload
         pack.size += len(payload)
         if pack.size >= self._pack_size:
@@ -90,14 +96,18 @@ class PackWriter:
         return self.completed_packs
 
     async def abort(self) -> None:
-        """Best effort after a failure: drop pending uploads and packs nobody references."""
+        """Best effort after a failure: drop pending uploads, and packs nobody references
+        (durable packs were reported to ``on_pack_durable``, whose journal may resume them,
+        so those are kept; a commit that was still running when we failed is dropped)."""
         for task in self._uploads:
             if task.done() and not task.cancelled() and task.exception() is None:
                 await task.result().abort()
         await asyncio.gather(*self._commits.values(), return_exceptions=True)
+        reported = set(self.completed_packs) if self._on_pack_durable is not None else set()
         for pack_id in self._commits:
-            with contextlib.suppress(Exception):
-                await self._store.delete(pack_key(pack_id))
+            if pack_id not in reported:
+                with contextlib.suppress(Exception):
+                    await self._store.delete(pack_key(pack_id))
 
     async def _flush_part(self, pack: _OpenPack, nbytes: int | None = None) -> None:
         """Send the first ``nbytes`` of the buffer (all of it by default) as the next part."""
@@ -137,11 +147,16 @@ class PackWriter:
         self._commits[pack_id] = asyncio.ensure_future(write)
         return asyncio.shield(self._commits[pack_id])
 
+    def _durable(self, pack: _OpenPack) -> None:
+        self.completed_packs.append(pack.pack_id)
+        if self._on_pack_durable is not None:
+            self._on_pack_durable(pack.pack_id, pack.members)
+
     async def _put_whole(self, pack: _OpenPack, data: bytes) -> None:
         try:
             await self._commit(pack.pack_id, self._store.put(pack_key(pack.pack_id), data))
             self._on_bytes_stored(len(data))
-            self.completed_packs.append(pack.pack_id)
+            self._durable(pack)
         finally:
             self._slots.release()
 
@@ -151,4 +166,4 @@ class PackWriter:
         for part in pack.parts:
             await part
         await self._commit(pack.pack_id, upload.complete())
-        self.completed_packs.append(pack.pack_id)
+        self._durable(pack)

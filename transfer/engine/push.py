@@ -15,10 +15,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import NamedTuple, cast
 
 from transfer.codec import encode, needs_base
 from transfer.codec.transforms import Buffer
@@ -27,7 +29,7 @@ from transfer.engine.catalog import load_manifest, open_catalog
 from transfer.engine.chunkindex import ChunkIndex, StoredChunk, build_refs
 from transfer.engine.errors import first_error
 from transfer.engine.options import TransferOptions
-from transfer.engine.packer import PackWriter
+from transfer.engine.packer import PackLocation, PackWriter
 from transfer.engine.progress import NoProgress, Progress
 from transfer.engine.resolver import ChunkResolver
 from transfer.engine.scan import SourceFile, read_range, scan_checkpoint
@@ -77,10 +79,14 @@ async def push(
     base_step: int | None = None,
     base_dir: Path | None = None,
     full: bool = False,
+    resume_chunks: Iterable[StoredChunk] = (),
+    on_pack_durable: Callable[[list[StoredChunk]], None] | None = None,
 ) -> PushResult:
     """Push ``ckpt_dir`` as (job, step, node). ``full`` forces a keyframe (no delta base);
     ``base_dir`` is a local copy of the base checkpoint (default: a sibling directory named
-    for the base step)."""
+    for the base step). ``resume_chunks``: chunks an interrupted attempt of this same push
+    already made durable (from ``on_pack_durable``, journaled by the caller); those whose
+    pack still exists are reused instead of uploaded again."""
     options = options or TransferOptions()
     progress = progress or NoProgress()
     check_name("job", job)
@@ -97,7 +103,9 @@ async def push(
         )
         if base is not None:
             index.add_manifest(base.manifest)
-    run = _PushRun(store, options, index, progress, base)
+    for chunk in await _still_stored(store, resume_chunks):
+        index.add(chunk)
+    run = _PushRun(store, options, index, progress, base, on_pack_durable)
     with ThreadPoolExecutor(options.workers, thread_name_prefix="ferry-push") as pool:
         run.pool = pool
         run.resolver = ChunkResolver(store, index, pool, base.local_dir if base else None)
@@ -169,7 +177,9 @@ class _PushRun:
         index: ChunkIndex,
         progress: Progress,
         base: BasePlan | None,
+        on_pack_durable: Callable[[list[StoredChunk]], None] | None = None,
     ) -> None:
+        self.on_pack_durable = on_pack_durable
         self.store = store
         self.options = options
         self.index = index
@@ -189,6 +199,16 @@ class _PushRun:
 
     def _stored(self, nbytes: int) -> None:
         self.bytes_stored += nbytes
+
+    def _pack_durable(self, pack_id: str, members: list[tuple[object, PackLocation]]) -> None:
+        assert self.on_pack_durable is not None
+        chunks = []
+        for tag, where in members:
+            t = cast(_Tag, tag)
+            chunks.append(
+                StoredChunk(t.cid, t.size, t.enc, pack_id, where.offset, where.stored, t.base)
+            )
+        self.on_pack_durable(chunks)
 
     async def writer_abort(self) -> None:
         if self._writer is not None:
@@ -210,6 +230,7 @@ class _PushRun:
                     pack_size=self.options.pack_size,
                     window=self.options.window,
                     on_bytes_stored=self._stored,
+                    on_pack_durable=self._pack_durable if self.on_pack_durable else None,
                 )
                 # one more worker than threads, so a thread is never idle waiting on the loop
                 workers = [
@@ -293,8 +314,26 @@ class _PushRun:
         base_id = base[0] if base and needs_base(enc) else None
         self.chunks_delta += base_id is not None
         assert self._writer is not None
-        where = await self._writer.add(payload)
+        where = await self._writer.add(payload, _Tag(cid, len(data), enc, base_id))
         return StoredChunk(cid, len(data), enc, where.pack_id, where.offset, where.stored, base_id)
+
+
+class _Tag(NamedTuple):
+    """What the pack writer carries for each chunk, to report it when the pack is durable."""
+
+    cid: str
+    size: int
+    enc: str
+    base: str | None
+
+
+async def _still_stored(store: Store, chunks: Iterable[StoredChunk]) -> list[StoredChunk]:
+    """The resumable chunks whose pack is still in the store (GC may have taken it)."""
+    chunks = list(chunks)
+    present = {}
+    for pack_id in {c.pack_id for c in chunks}:
+        present[pack_id] = await store.exists(layout.pack_key(pack_id))
+    return [c for c in chunks if present[c.pack_id]]
 
 
 def _read_and_hash(src: SourceFile, offset: int, length: int) -> tuple[bytes, str]:
