@@ -83,6 +83,8 @@ class AgentConfig:
     max_body_bytes: int = 1 * MiB
     prefetch_concurrency: int = 2
     drain_seconds: float = 30.0
+    #: at start, abort pack uploads older than this (their writer died); 0 disables
+    orphan_upload_seconds: float = 3600.0
     #: left empty (``Path()``) it becomes ``<hot_dir>/.ferry``
     state_dir: Path = Path()
     transfer: TransferSettings = field(default_factory=TransferSettings)
@@ -129,6 +131,7 @@ _TOP_KEYS: dict[str, type] = {
     "max_body_bytes": int,
     "prefetch_concurrency": int,
     "drain_seconds": float,
+    "orphan_upload_seconds": float,
     "state_dir": str,
 }
 _TRANSFER_KEYS: dict[str, type] = {
@@ -188,6 +191,9 @@ def load_config(path: Path | None, env: Mapping[str, str] = os.environ) -> Agent
             "prefetch_concurrency", top.get("prefetch_concurrency", 2), 1
         ),
         drain_seconds=_seconds("drain_seconds", top.get("drain_seconds", 30.0)),
+        orphan_upload_seconds=_seconds(
+            "orphan_upload_seconds", top.get("orphan_upload_seconds", 3600.0)
+        ),
         state_dir=_path("state_dir", top["state_dir"]) if "state_dir" in top else Path(),
         transfer=transfer,
     )
@@ -362,6 +368,8 @@ max_body_bytes = 1048576
 prefetch_concurrency = 2
 # On SIGTERM, how long in-flight transfers may finish.
 drain_seconds = 30.0
+# At start, abort pack uploads begun longer ago than this (a killed push's); 0: never.
+orphan_upload_seconds = 3600.0
 # Agent state (default: <hot_dir>/.ferry).
 state_dir = "/nvme/ckpt/.ferry"
 

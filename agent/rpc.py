@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import math
 import time
 from collections.abc import Awaitable, Callable
@@ -27,6 +28,7 @@ from agent.watcher import watch_hot_dir
 from transfer.engine import list_checkpoints, resolve_manifests
 from transfer.engine.catalog import load_manifest, open_catalog
 from transfer.engine.estimate import BandwidthMeter, estimate_migration
+from transfer.engine.orphans import abort_orphaned_uploads
 from transfer.errors import (
     AccessDeniedError,
     CheckpointNotFoundError,
@@ -39,6 +41,8 @@ from transfer.format.chunkid import is_chunk_id
 from transfer.format.names import check_name, check_step
 from transfer.store import StoreOptions, open_store
 from transfer.store.base import Store
+
+log = logging.getLogger(__name__)
 
 CONFIG = web.AppKey("config", AgentConfig)
 TOKEN = web.AppKey("token", str)
@@ -353,6 +357,15 @@ async def _resources(app: web.Application):  # type: ignore[no-untyped-def]
         chunk_source=peers,
         on_restore=queue.exclude,
     )
+    if config.orphan_upload_seconds:
+        for name, store in tiers:
+            try:
+                aborted = await abort_orphaned_uploads(store, config.orphan_upload_seconds)
+            except FerryError as exc:  # a tier that is down now must not stop the agent
+                log.warning("could not check %s for orphaned uploads: %s", name, exc)
+                continue
+            if aborted:
+                log.info("aborted %d orphaned pack uploads in %s", aborted, name)
     await queue.start()
     stop = asyncio.Event()
     watcher = asyncio.create_task(

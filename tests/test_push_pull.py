@@ -213,6 +213,12 @@ class WatchingStore(Store):
     async def delete(self, key: str) -> None:
         await self.inner.delete(key)
 
+    async def list_uploads(self, prefix: str):  # type: ignore[no-untyped-def]
+        return await self.inner.list_uploads(prefix)
+
+    async def abort_upload(self, pending) -> None:  # type: ignore[no-untyped-def]
+        await self.inner.abort_upload(pending)
+
     async def begin_upload(self, key: str) -> Upload:
         inner, watcher = await self.inner.begin_upload(key), self
 

@@ -116,3 +116,19 @@ def test_keys_cannot_escape_the_store(store_url: str) -> None:
                 await store.put(bad, b"x")
 
     with_store(store_url, body)
+
+
+def test_unfinished_uploads_are_listed_and_orphans_aborted(store_url: str) -> None:
+    from transfer.engine.orphans import abort_orphaned_uploads
+
+    async def body(store: Store) -> None:
+        up = await store.begin_upload("packs/ab/abandoned.pack")
+        await up.write_part(1, 0, b"x" * 1000)
+        pending = await store.list_uploads("packs/")
+        assert [p.key for p in pending] == ["packs/ab/abandoned.pack"]
+        assert await abort_orphaned_uploads(store, older_than_s=3600) == 0  # too young
+        assert await abort_orphaned_uploads(store, older_than_s=-60) == 1
+        assert await store.list_uploads("packs/") == []
+        assert await store.list("") == []
+
+    with_store(store_url, body)

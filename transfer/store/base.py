@@ -20,6 +20,18 @@ class ObjectInfo:
     size: int
 
 
+@dataclass(frozen=True, slots=True)
+class PendingUpload:
+    """A multipart upload begun and never completed or aborted (its writer may be dead)."""
+
+    key: str
+    upload_id: str
+    initiated: float  # unix time
+
+
+PendingUploads = list[PendingUpload]  # (a name: inside Store, ``list`` is the method)
+
+
 def check_key(key: str) -> str:
     """Keys are relative POSIX paths without '..' (they become file paths on local stores)."""
     try:
@@ -77,6 +89,13 @@ class Store(ABC):
 
     @abstractmethod
     async def begin_upload(self, key: str) -> Upload: ...
+
+    @abstractmethod
+    async def list_uploads(self, prefix: str) -> PendingUploads:
+        """Uploads under ``prefix`` that were begun and are not finished."""
+
+    @abstractmethod
+    async def abort_upload(self, pending: PendingUpload) -> None: ...
 
     async def close(self) -> None:  # noqa: B027  # optional hook
         """Release connections; the store is unusable afterwards."""

@@ -17,7 +17,14 @@ import threading
 from pathlib import Path
 
 from transfer.errors import AccessDeniedError, AlreadyExistsError, NotFoundError, StoreError
-from transfer.store.base import ObjectInfo, Store, Upload, check_key
+from transfer.store.base import (
+    ObjectInfo,
+    PendingUpload,
+    PendingUploads,
+    Store,
+    Upload,
+    check_key,
+)
 
 _TMP_MARK = ".tmp-"
 
@@ -239,6 +246,30 @@ class LocalStore(Store):
             return
         except OSError as exc:
             raise _map_os_error(exc, f"delete {key}") from exc
+
+    async def list_uploads(self, prefix: str) -> PendingUploads:
+        """Temp files of unfinished writes (hidden ``.<name>.tmp-*`` beside their target)."""
+        base_dir = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
+        start = self.root / base_dir if base_dir else self.root
+
+        def walk() -> PendingUploads:
+            found = []
+            for dirpath, _, filenames in os.walk(start):
+                for name in filenames:
+                    if name.startswith(".") and _TMP_MARK in name:
+                        path = Path(dirpath, name)
+                        target = path.with_name(name[1:].split(_TMP_MARK, 1)[0])
+                        key = target.relative_to(self.root).as_posix()
+                        if key.startswith(prefix):
+                            with contextlib.suppress(FileNotFoundError):
+                                found.append(PendingUpload(key, name, path.stat().st_mtime))
+            return found
+
+        return await asyncio.to_thread(walk) if start.is_dir() else []
+
+    async def abort_upload(self, pending: PendingUpload) -> None:
+        tmp = self.path_of(pending.key).with_name(pending.upload_id)
+        await asyncio.to_thread(tmp.unlink, True)
 
     async def begin_upload(self, key: str) -> Upload:
         upload = LocalUpload(self, key)

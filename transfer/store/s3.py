@@ -26,7 +26,14 @@ from transfer.errors import (
     RangeNotSatisfiableError,
     StoreError,
 )
-from transfer.store.base import ObjectInfo, Store, Upload, check_key
+from transfer.store.base import (
+    ObjectInfo,
+    PendingUpload,
+    PendingUploads,
+    Store,
+    Upload,
+    check_key,
+)
 
 MIN_PART_SIZE = 5 << 20
 _SMALL_FOR_THREAD = 1 << 20  # checksum small bodies inline; big ones in a thread
@@ -258,6 +265,29 @@ class S3Store(Store):
             err = _map_error(exc, f"delete {key}")
             if not isinstance(err, NotFoundError):
                 raise err from exc
+
+    async def list_uploads(self, prefix: str) -> PendingUploads:
+        full = f"{self.prefix}/{prefix}" if self.prefix else prefix
+        strip = len(self.prefix) + 1 if self.prefix else 0
+        found: list[PendingUpload] = []
+        marker: dict[str, str] = {}
+        while True:
+            try:
+                resp = await self.call("list_multipart_uploads", Prefix=full, **marker)
+            except Exception as exc:
+                raise _map_error(exc, f"list uploads {prefix!r}") from exc
+            for up in resp.get("Uploads", []) or []:
+                initiated = up["Initiated"].timestamp()
+                found.append(PendingUpload(up["Key"][strip:], up["UploadId"], initiated))
+            if not resp.get("IsTruncated"):
+                return found
+            marker = {
+                "KeyMarker": resp["NextKeyMarker"],
+                "UploadIdMarker": resp["NextUploadIdMarker"],
+            }
+
+    async def abort_upload(self, pending: PendingUpload) -> None:
+        await S3Upload(self, pending.key, pending.upload_id).abort()
 
     async def begin_upload(self, key: str) -> Upload:
         full = self.full_key(key)
