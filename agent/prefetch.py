@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.holdings import local_checkpoints, step_dir_name
+from agent.pushqueue import latest_complete_step
 from transfer.engine import TransferOptions, pull, resolve_manifests
 from transfer.engine.estimate import BandwidthMeter
 from transfer.engine.pull import ChunkSource, sweep_stale_staging
@@ -104,7 +105,9 @@ class Prefetcher:
         concurrency: int = 2,
         chunk_source: ChunkSource | None = None,
         on_restore: Callable[[str, int], None] | None = None,
+        expected_nodes: tuple[str, ...] = (),
     ) -> None:
+        self.expected_nodes = expected_nodes
         self.chunk_source = chunk_source
         # a restored checkpoint lands in the hot dir like a training save; the push queue
         # must not push it back as this node's part
@@ -175,7 +178,10 @@ class Prefetcher:
         requested = record.step
         for name, store in self.tiers:
             try:
-                manifests = await resolve_manifests(store, record.job, requested)
+                step = requested
+                if step is None and self.expected_nodes:
+                    step = await latest_complete_step(store, record.job, self.expected_nodes)
+                manifests = await resolve_manifests(store, record.job, step)
                 record.step = manifests[0].step
                 lock = self._dest_locks.setdefault((record.job, record.step), asyncio.Lock())
                 async with lock:  # two prefetches of one checkpoint never race on its dir

@@ -34,7 +34,7 @@ from agent.config import AgentConfig
 from agent.journal import Journal
 from agent.metrics import Metrics
 from transfer.engine import TransferOptions, list_checkpoints, push
-from transfer.errors import AlreadyExistsError
+from transfer.errors import AlreadyExistsError, CheckpointNotFoundError
 from transfer.format.layout import completion_key
 from transfer.format.names import check_name
 from transfer.store.base import Store
@@ -50,6 +50,16 @@ async def is_complete(store: Store, job: str, step: int, expected_nodes: Sequenc
     if not expected_nodes:
         return True
     return await store.exists(completion_key(job, step))
+
+
+async def latest_complete_step(store: Store, job: str, expected_nodes: Sequence[str]) -> int:
+    """The newest step of ``job`` that is complete in ``store``: an incomplete multi-node
+    checkpoint (a node still uploading, or dead) is never "latest"."""
+    steps = sorted({c.step for c in await list_checkpoints(store, job)}, reverse=True)
+    for step in steps:
+        if await is_complete(store, job, step, expected_nodes):
+            return step
+    raise CheckpointNotFoundError(f"no complete checkpoint of job {job!r} in {store.url}")
 
 
 @dataclass

@@ -23,7 +23,7 @@ from agent.holdings import local_checkpoints
 from agent.metrics import Metrics
 from agent.peers import HotIndex, PeerSource, read_verified
 from agent.prefetch import FINAL, Prefetcher, State
-from agent.pushqueue import PushQueue, is_complete
+from agent.pushqueue import PushQueue, is_complete, latest_complete_step
 from agent.watcher import watch_hot_dir
 from transfer.engine import list_checkpoints, resolve_manifests
 from transfer.engine.catalog import load_manifest, open_catalog
@@ -136,6 +136,20 @@ async def metrics(request: web.Request) -> web.Response:
     m = request.app[METRICS]
     prefetcher = request.app[PREFETCHER]
     m.set("ferry_prefetch_queue_depth", prefetcher.active())
+    by_state: dict[str, int] = {}
+    seconds = 0.0
+    moved: dict[str, int] = {}
+    for job in prefetcher.jobs.values():
+        by_state[job.state.value] = by_state.get(job.state.value, 0) + 1
+        if job.started and job.finished:
+            seconds += job.finished - job.started
+        for source, nbytes in job.bytes_by_source.items():
+            moved[source] = moved.get(source, 0) + nbytes
+    for state, count in by_state.items():
+        m.set("ferry_prefetch_total", count, state=state)
+    m.set("ferry_prefetch_seconds_total", seconds)
+    for source, nbytes in moved.items():
+        m.set("ferry_prefetch_bytes_total", nbytes, source=source, direction="in")
     request.app[PUSHQUEUE].publish(m)
     for source, rate in request.app[METER].snapshot().items():
         m.set("ferry_bandwidth_bytes_per_second", float(rate), source=source)
@@ -232,7 +246,10 @@ async def get_estimate(request: web.Request) -> web.Response:
     config = request.app[CONFIG]
     for name, store in request.app[TIERS]:
         try:
-            manifests = await resolve_manifests(store, job, step)
+            wanted = step
+            if wanted is None and config.expected_nodes:
+                wanted = await latest_complete_step(store, job, config.expected_nodes)
+            manifests = await resolve_manifests(store, job, wanted)
         except CheckpointNotFoundError:
             continue
         held_ids = await _held_chunk_ids(request.app, store, job, manifests[0].step)
@@ -316,7 +333,10 @@ def create_app(config: AgentConfig, token: str) -> web.Application:
         ("ferry_prefetch_started_total", "counter", "prefetches requested"),
         ("ferry_prefetch_queue_depth", "gauge", "prefetches queued or running"),
         ("ferry_bandwidth_bytes_per_second", "gauge", "measured bandwidth per source"),
-        ("ferry_bytes_total", "counter", "bytes moved, by direction and source"),
+        ("ferry_bytes_total", "counter", "bytes served to peers"),
+        ("ferry_prefetch_total", "counter", "prefetches by final or current state"),
+        ("ferry_prefetch_seconds_total", "counter", "time spent in finished prefetches"),
+        ("ferry_prefetch_bytes_total", "counter", "bytes prefetched, by source"),
     ):
         metrics_registry.describe(name, kind, text)
     app[PINS] = {}
@@ -356,6 +376,7 @@ async def _resources(app: web.Application):  # type: ignore[no-untyped-def]
         concurrency=config.prefetch_concurrency,
         chunk_source=peers,
         on_restore=queue.exclude,
+        expected_nodes=config.expected_nodes,
     )
     if config.orphan_upload_seconds:
         for name, store in tiers:

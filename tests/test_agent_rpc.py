@@ -156,6 +156,8 @@ def test_prefetch_cold_and_onto_a_node_holding_the_previous_step(
                 text = await r.text()
             assert "ferry_prefetch_started_total 3" in text
             assert 'ferry_bandwidth_bytes_per_second{source="tier:' in text
+            assert 'ferry_prefetch_total{state="ready"} 3' in text
+            assert "# TYPE ferry_prefetch_bytes_total counter" in text
 
     asyncio.run(go())
 
@@ -439,3 +441,38 @@ def test_agent_start_sweeps_staging_left_by_a_killed_prefetch(
 
     asyncio.run(go())
     assert sorted(p.name for p in (hot / "llm").iterdir()) == ["step_000010"]
+
+
+def test_an_incomplete_multi_node_step_is_never_latest(local_url: str, tmp_path: Path) -> None:
+    from transfer.format.layout import completion_key
+
+    k20, k40 = adamw_series(tmp_path / "src", 2, seed=4)
+
+    async def go() -> None:
+        await push_series(local_url, [k20, k40], node="a")
+        await push_series(local_url, [k20], node="b")  # node b never finished step 40
+        store = open_store(local_url)
+        await store.put(completion_key("llm", 20), b'{"job": "llm", "step": 20}', create_only=True)
+        await store.close()
+        port = free_port()
+        env = {
+            "FERRY_NODE": "c",
+            "FERRY_HOT_DIR": str(tmp_path / "hot"),
+            "FERRY_TIERS": local_url,
+            "FERRY_LISTEN": f"127.0.0.1:{port}",
+            "FERRY_EXPECTED_NODES": "a,b",
+        }
+        runner = web.AppRunner(create_app(load_config(None, env), TOKEN))
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        try:
+            async with FerryClient(f"http://127.0.0.1:{port}", TOKEN) as client:
+                assert (await client.estimate("llm"))["step"] == 20
+                done = await client.wait_prefetch(await client.prefetch("llm"), within_s=60)
+                assert done["state"] == "ready" and done["step"] == 20
+                listing = (await client.checkpoints())["jobs"]["llm"]
+                assert [(e["step"], e["complete"]) for e in listing] == [(20, True), (40, False)]
+        finally:
+            await runner.cleanup()
+
+    asyncio.run(go())
