@@ -21,8 +21,16 @@ from agent.holdings import local_checkpoints, step_dir_name
 from agent.pushqueue import latest_complete_step
 from transfer.engine import TransferOptions, pull, resolve_manifests
 from transfer.engine.estimate import BandwidthMeter
+from transfer.engine.localcheck import local_copy_differences
 from transfer.engine.pull import ChunkSource, sweep_stale_staging
-from transfer.errors import CheckpointNotFoundError, FerryError, IntegrityError, StoreError
+from transfer.errors import (
+    CheckpointNotFoundError,
+    DestinationError,
+    FerryError,
+    IntegrityError,
+    StoreError,
+)
+from transfer.format.manifest import Manifest
 from transfer.store.base import Store
 
 
@@ -185,7 +193,7 @@ class Prefetcher:
                 record.step = manifests[0].step
                 lock = self._dest_locks.setdefault((record.job, record.step), asyncio.Lock())
                 async with lock:  # two prefetches of one checkpoint never race on its dir
-                    await self._pull_from(record, name, store)
+                    await self._pull_from(record, name, store, manifests)
                 return
             except (CheckpointNotFoundError, StoreError, IntegrityError) as exc:
                 errors.append(f"{name}: {' '.join(str(exc).split())}")
@@ -194,13 +202,25 @@ class Prefetcher:
             raise CheckpointNotFoundError("; ".join(errors) or "no tiers configured")
         raise FerryError("; ".join(errors))
 
-    async def _pull_from(self, record: PrefetchJob, name: str, store: Store) -> None:
+    async def _pull_from(
+        self, record: PrefetchJob, name: str, store: Store, manifests: list[Manifest]
+    ) -> None:
         assert record.step is not None
         dest = self.hot_dir / record.job / step_dir_name(record.step)
         record.dest = str(dest)
         held = local_checkpoints(self.hot_dir, record.job, self.commit_marker)
-        if any(c.step == record.step for c in held):
-            return  # already here (written by training on this node, or an earlier prefetch)
+        here = next((c for c in held if c.step == record.step), None)
+        if here is not None:
+            # already here (written by training on this node, or an earlier prefetch):
+            # ready only if it is an exact copy; it is never overwritten
+            record.dest = str(here.path)
+            problems = await local_copy_differences(here.path, manifests)
+            if problems:
+                raise DestinationError(
+                    f"{here.path} exists and is not the committed checkpoint "
+                    f"({'; '.join(problems[:3])}); it is never overwritten"
+                )
+            return
         base = next((c.path for c in held if c.step < record.step), None)
         if self.on_restore is not None:
             self.on_restore(record.job, record.step)

@@ -76,6 +76,8 @@ class TierStats:
     pushes_failed: int = 0
     bytes_transferred: int = 0
     last_push_seconds: float | None = None
+    #: bytes written / raw bytes of the last push: what dedupe + deltas + zstd achieved
+    last_written_ratio: float | None = None
 
 
 @dataclass
@@ -178,6 +180,9 @@ class PushQueue:
         metrics.describe("ferry_push_total", "counter", "Background pushes by tier and result")
         metrics.describe("ferry_push_bytes_total", "counter", "Bytes written by pushes")
         metrics.describe("ferry_push_last_seconds", "gauge", "Duration of the last push")
+        metrics.describe(
+            "ferry_push_written_ratio", "gauge", "Delta ratio: bytes written / raw, last push"
+        )
         metrics.set("ferry_push_queue_depth", len(self._queued))
         metrics.set("ferry_push_completions_written_total", self.stats.completions_written)
         for tier, s in self.stats.tiers.items():
@@ -186,6 +191,8 @@ class PushQueue:
             metrics.set("ferry_push_bytes_total", s.bytes_transferred, tier=tier)
             if s.last_push_seconds is not None:
                 metrics.set("ferry_push_last_seconds", s.last_push_seconds, tier=tier)
+            if s.last_written_ratio is not None:
+                metrics.set("ferry_push_written_ratio", s.last_written_ratio, tier=tier)
 
     async def drain(self, seconds: float) -> None:
         """Stop taking work, let the push in flight finish for up to ``seconds``, then cancel
@@ -254,6 +261,7 @@ class PushQueue:
             tier.pushes_ok += 1
             tier.bytes_transferred += result.bytes_transferred
             tier.last_push_seconds = result.seconds
+            tier.last_written_ratio = result.bytes_transferred / max(result.bytes_raw, 1)
         if failed and item.attempt < self.max_attempts and not self._closing:
             delay = self.retry_seconds * 2 ** (item.attempt - 1)
             retry = _Item(item.job, item.step, item.path, item.attempt + 1)

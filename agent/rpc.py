@@ -26,7 +26,7 @@ from agent.prefetch import FINAL, Prefetcher, State
 from agent.pushqueue import PushQueue, is_complete, latest_complete_step
 from agent.watcher import watch_hot_dir
 from transfer.engine import list_checkpoints, resolve_manifests
-from transfer.engine.catalog import load_manifest, open_catalog
+from transfer.engine.catalog import CheckpointInfo, load_manifest, open_catalog
 from transfer.engine.estimate import BandwidthMeter, estimate_migration
 from transfer.engine.orphans import abort_orphaned_uploads
 from transfer.errors import (
@@ -51,6 +51,7 @@ PREFETCHER = web.AppKey("prefetcher", Prefetcher)
 METER = web.AppKey("meter", BandwidthMeter)
 METRICS = web.AppKey("metrics", Metrics)
 PINS = web.AppKey("pins", dict)
+PART_SIZES = web.AppKey("part_sizes", dict)
 PUSHQUEUE = web.AppKey("pushqueue", PushQueue)
 HOT_INDEX = web.AppKey("hot_index", HotIndex)
 
@@ -213,12 +214,14 @@ async def get_checkpoints(request: web.Request) -> web.Response:
             continue
         for c in await list_checkpoints(store):
             entry = jobs.setdefault(c.job, {}).setdefault(
-                c.step, {"step": c.step, "tiers": [], "nodes": [], "local": False}
+                c.step,
+                {"step": c.step, "tiers": [], "nodes": [], "bytes": 0, "local": False},
             )
             if name not in entry["tiers"]:
                 entry["tiers"].append(name)
             if c.node not in entry["nodes"]:
                 entry["nodes"].append(c.node)
+                entry["bytes"] += await _part_size(request.app, name, store, c)
     for job, steps in jobs.items():
         for held in local_checkpoints(config.hot_dir, job, config.commit_marker):
             if held.step in steps:
@@ -231,8 +234,25 @@ async def get_checkpoints(request: web.Request) -> web.Response:
                  for name, store in request.app[TIERS] if name in entry["tiers"]]
             )  # fmt: skip
             entry["pinned"] = _pinned(request.app, job, entry["step"])
+            entry["pushes"] = {  # this node's background pushes: staged/durable/failed
+                row["tier"]: row["state"]
+                for row in request.app[PUSHQUEUE].states()
+                if row["job"] == job and row["step"] == entry["step"]
+            }
     listing = {job: sorted(steps.values(), key=lambda e: e["step"]) for job, steps in jobs.items()}
     return web.json_response({"jobs": listing})
+
+
+async def _part_size(app: web.Application, tier: str, store: Store, c: CheckpointInfo) -> int:
+    """Raw bytes of one committed part; manifests are immutable, so each is read once."""
+    key = (tier, c.job, c.step, c.node)
+    cache = app[PART_SIZES]
+    if key not in cache:
+        try:
+            cache[key] = (await load_manifest(store, c.job, c.step, c.node)).bytes_raw
+        except FerryError:
+            return 0  # unreadable: listed, size unknown
+    return int(cache[key])
 
 
 async def get_estimate(request: web.Request) -> web.Response:
@@ -340,6 +360,7 @@ def create_app(config: AgentConfig, token: str) -> web.Application:
     ):
         metrics_registry.describe(name, kind, text)
     app[PINS] = {}
+    app[PART_SIZES] = {}
     app.cleanup_ctx.append(_resources)
     app.add_routes(
         [

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -150,6 +151,8 @@ def test_prefetch_cold_and_onto_a_node_holding_the_previous_step(
             assert again["state"] == "ready" and not again["bytes_by_source"]  # already here
             listing = (await client.checkpoints())["jobs"]["llm"]
             assert [(e["step"], e["local"]) for e in listing] == [(20, True), (40, True)]
+            assert listing[1]["bytes"] == sum(len(b) for b in tree_bytes(k1).values())
+            assert listing[1]["pushes"] == {}  # restored here, so never pushed from here
 
             auth = {"Authorization": f"Bearer {TOKEN}"}
             async with aiohttp.ClientSession(headers=auth) as s, s.get(f"{url}/metrics") as r:
@@ -411,6 +414,10 @@ def test_agent_pushes_what_training_writes_and_not_what_it_prefetched(
                     break
                 await asyncio.sleep(0.2)
             assert [s["state"] for s in states] == ["durable"], states
+            auth = {"Authorization": f"Bearer {TOKEN}"}
+            async with aiohttp.ClientSession(headers=auth) as s, s.get(f"{url_a}/metrics") as r:
+                text = await r.text()
+            assert "ferry_push_written_ratio{" in text and "ferry_push_total{" in text
             async with (
                 peer_agent(hot_b, [local_url], [url_a], "b") as url_b,
                 FerryClient(url_b, TOKEN) as b,
@@ -474,5 +481,26 @@ def test_an_incomplete_multi_node_step_is_never_latest(local_url: str, tmp_path:
                 assert [(e["step"], e["complete"]) for e in listing] == [(20, True), (40, False)]
         finally:
             await runner.cleanup()
+
+    asyncio.run(go())
+
+
+def test_a_local_copy_is_verified_and_never_overwritten(local_url: str, tmp_path: Path) -> None:
+    hot = tmp_path / "hot"
+    (k0,) = adamw_series(tmp_path / "src", 1, seed=5)
+
+    async def go() -> None:
+        await push_series(local_url, [k0])
+        here = hot / "llm" / "step_000020"
+        shutil.copytree(k0, here)
+        async with agent(hot, [local_url]) as url, FerryClient(url, TOKEN) as client:
+            good = await client.wait_prefetch(await client.prefetch("llm", 20))
+            assert good["state"] == "ready" and good["dest"] == str(here)
+            damaged = bytearray((here / "__1_0.distcp").read_bytes())
+            damaged[12345] ^= 1
+            (here / "__1_0.distcp").write_bytes(bytes(damaged))
+            bad = await client.wait_prefetch(await client.prefetch("llm", 20))
+            assert bad["state"] == "failed" and "never overwritten" in bad["error"]
+            assert (here / "__1_0.distcp").read_bytes() == bytes(damaged)  # untouched
 
     asyncio.run(go())
