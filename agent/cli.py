@@ -141,18 +141,18 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _transfer_options(args: argparse.Namespace) -> TransferOptions:
-    options = TransferOptions(
-        chunk_size=args.chunk_size_mib * MiB,
-        part_size=args.part_size_mib * MiB,
-        pack_size=args.pack_size_mib * MiB,
+    from agent.config import TransferSettings  # one mapping from MiB knobs to options
+
+    return TransferSettings(
+        chunk_size_mib=args.chunk_size_mib,
+        part_size_mib=args.part_size_mib,
+        pack_size_mib=args.pack_size_mib,
         window=args.window,
         workers=args.workers,
-        zstd_level=args.zstd_level or None,
+        zstd_level=args.zstd_level,
         max_chain=args.max_chain,
-    )
-    if args.memory_mib is not None:
-        options = options.within_budget(args.memory_mib * MiB)
-    return options
+        memory_mib=args.memory_mib or 0,
+    ).to_options()
 
 
 def _progress(args: argparse.Namespace) -> Progress:

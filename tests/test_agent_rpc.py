@@ -40,22 +40,29 @@ def free_port() -> int:
 
 
 @asynccontextmanager
-async def agent(hot: Path, tiers: list[str], node: str = "b") -> AsyncIterator[str]:
+async def agent(
+    hot: Path,
+    tiers: list[str],
+    node: str = "b",
+    peers: tuple[str, ...] = (),
+    extra_env: dict[str, str] | None = None,
+) -> AsyncIterator[str]:
     """A real agent app on a loopback port; yields its base URL."""
     port = free_port()
     env = {
         "FERRY_NODE": node,
         "FERRY_HOT_DIR": str(hot),
         "FERRY_TIERS": ",".join(tiers),
+        "FERRY_PEERS": ",".join(peers),
         "FERRY_LISTEN": f"127.0.0.1:{port}",
         "FERRY_TRANSFER_CHUNK_SIZE_MIB": "1",
         "FERRY_TRANSFER_PART_SIZE_MIB": "5",
         "FERRY_TRANSFER_PACK_SIZE_MIB": "10",
+        **(extra_env or {}),
     }
     if "AWS_ENDPOINT_URL" in os.environ:
         env["FERRY_ENDPOINT_URL"] = os.environ["AWS_ENDPOINT_URL"]
-    config = load_config(None, env)
-    runner = web.AppRunner(create_app(config, TOKEN))
+    runner = web.AppRunner(create_app(load_config(None, env), TOKEN))
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", port).start()
     try:
@@ -268,29 +275,9 @@ def test_plan_finds_youngs_interval(capsys: pytest.CaptureFixture[str]) -> None:
     assert doc["optimal_badput"] < doc["current_badput"]
 
 
-@asynccontextmanager
-async def peer_agent(
-    hot: Path, tiers: list[str], peers: list[str], node: str
-) -> AsyncIterator[str]:
-    """Like agent(), with peers configured."""
-    port = free_port()
-    env = {
-        "FERRY_NODE": node,
-        "FERRY_HOT_DIR": str(hot),
-        "FERRY_TIERS": ",".join(tiers),
-        "FERRY_PEERS": ",".join(peers),
-        "FERRY_LISTEN": f"127.0.0.1:{port}",
-        "FERRY_TRANSFER_CHUNK_SIZE_MIB": "1",
-        "FERRY_TRANSFER_PART_SIZE_MIB": "5",
-        "FERRY_TRANSFER_PACK_SIZE_MIB": "10",
-    }
-    runner = web.AppRunner(create_app(load_config(None, env), TOKEN))
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()
+def peer_agent(hot: Path, tiers: list[str], peers: list[str], node: str):  # type: ignore[no-untyped-def]
+    """agent() with peers configured."""
+    return agent(hot, tiers, node, tuple(peers))
 
 
 class DyingProxy:
@@ -461,26 +448,14 @@ def test_an_incomplete_multi_node_step_is_never_latest(local_url: str, tmp_path:
         store = open_store(local_url)
         await store.put(completion_key("llm", 20), b'{"job": "llm", "step": 20}', create_only=True)
         await store.close()
-        port = free_port()
-        env = {
-            "FERRY_NODE": "c",
-            "FERRY_HOT_DIR": str(tmp_path / "hot"),
-            "FERRY_TIERS": local_url,
-            "FERRY_LISTEN": f"127.0.0.1:{port}",
-            "FERRY_EXPECTED_NODES": "a,b",
-        }
-        runner = web.AppRunner(create_app(load_config(None, env), TOKEN))
-        await runner.setup()
-        await web.TCPSite(runner, "127.0.0.1", port).start()
-        try:
-            async with FerryClient(f"http://127.0.0.1:{port}", TOKEN) as client:
-                assert (await client.estimate("llm"))["step"] == 20
-                done = await client.wait_prefetch(await client.prefetch("llm"), within_s=60)
-                assert done["state"] == "ready" and done["step"] == 20
-                listing = (await client.checkpoints())["jobs"]["llm"]
-                assert [(e["step"], e["complete"]) for e in listing] == [(20, True), (40, False)]
-        finally:
-            await runner.cleanup()
+        expected = {"FERRY_EXPECTED_NODES": "a,b"}
+        node_c = agent(tmp_path / "hot", [local_url], "c", extra_env=expected)
+        async with node_c as url, FerryClient(url, TOKEN) as client:
+            assert (await client.estimate("llm"))["step"] == 20
+            done = await client.wait_prefetch(await client.prefetch("llm"), within_s=60)
+            assert done["state"] == "ready" and done["step"] == 20
+            listing = (await client.checkpoints())["jobs"]["llm"]
+            assert [(e["step"], e["complete"]) for e in listing] == [(20, True), (40, False)]
 
     asyncio.run(go())
 
