@@ -115,6 +115,11 @@ def test_bad_requests_get_json_4xx(local_url: str, tmp_path: Path) -> None:
                 ("GET", "/v1/estimate?job=nojob", {}, 404),
                 ("GET", "/v1/estimate?job=j&gpus=many", {}, 400),
                 ("POST", "/v1/pins", {"json": {"job": "j", "step": 1, "ttl_s": 10**9}}, 400),
+                ("POST", "/v1/pins", {"json": {"job": "j", "step": 1, "ttl_s": True}}, 400),
+                ("POST", "/v1/prefetch", {"data": b'{"job": "ok", "deadline_s": NaN}'}, 400),
+                ("POST", "/v1/prefetch", {"json": {"job": "ok", "deadline_s": True}}, 400),
+                ("GET", "/v1/estimate?job=j&gpus=1" + "0" * 400, {}, 400),
+                ("GET", "/v1/estimate?job=j&gpu_hour_price=inf", {}, 400),
             ]
             for method, path, kwargs, status in cases:
                 async with s.request(method, url + path, **kwargs) as r:
