@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import os
 import secrets
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,7 +24,7 @@ from agent.pushqueue import latest_complete_step
 from transfer.engine import TransferOptions, pull, resolve_manifests
 from transfer.engine.estimate import BandwidthMeter
 from transfer.engine.localcheck import local_copy_differences
-from transfer.engine.pull import ChunkSource, sweep_stale_staging
+from transfer.engine.pull import STAGING_MARK, ChunkSource, merge_parts, sweep_stale_staging
 from transfer.errors import (
     CheckpointNotFoundError,
     DestinationError,
@@ -202,6 +204,35 @@ class Prefetcher:
             raise CheckpointNotFoundError("; ".join(errors) or "no tiers configured")
         raise FerryError("; ".join(errors))
 
+    async def _fill_in(
+        self, record: PrefetchJob, name: str, store: Store, here: Path, manifests: list[Manifest]
+    ) -> None:
+        """Complete a step directory that holds only some parts: pull the whole checkpoint
+        beside it (reusing its verified chunks), then move in only the files it lacks; files
+        it has are never touched."""
+        assert record.step is not None
+        scratch = here.parent / f".{here.name}{STAGING_MARK}fill-{secrets.token_hex(4)}"
+        if self.on_restore is not None:
+            self.on_restore(record.job, record.step)
+        try:
+            result = await pull(
+                store,
+                scratch,
+                job=record.job,
+                step=record.step,
+                options=self.options,
+                progress=_JobProgress(record),
+                base_dir=here,
+                chunk_source=self.chunk_source,
+            )
+            await asyncio.to_thread(_move_missing, scratch, here, manifests)
+        finally:
+            await asyncio.to_thread(shutil.rmtree, scratch, True)
+        record.bytes_by_source[f"tier:{name}"] = result.bytes_transferred
+        if result.bytes_from_source:
+            record.bytes_by_source["peer"] = result.bytes_from_source
+        record.chunks_local = result.chunks_local
+
     async def _pull_from(
         self, record: PrefetchJob, name: str, store: Store, manifests: list[Manifest]
     ) -> None:
@@ -215,11 +246,13 @@ class Prefetcher:
             # ready only if it is an exact copy; it is never overwritten
             record.dest = str(here.path)
             problems = await local_copy_differences(here.path, manifests)
-            if problems:
+            if any(not p.endswith(": missing") for p in problems):
                 raise DestinationError(
                     f"{here.path} exists and is not the committed checkpoint "
                     f"({'; '.join(problems[:3])}); it is never overwritten"
                 )
+            if problems:  # this node's own part of a multi-node step: add the other parts
+                await self._fill_in(record, name, store, here.path, manifests)
             return
         base = next((c.path for c in held if c.step < record.step), None)
         if self.on_restore is not None:
@@ -243,3 +276,17 @@ class Prefetcher:
         if result.bytes_from_source:
             record.bytes_by_source["peer"] = result.bytes_from_source
         record.chunks_local = result.chunks_local
+
+
+def _move_missing(source: Path, target: Path, manifests: list[Manifest]) -> None:
+    """Rename each file ``target`` lacks from ``source`` (same filesystem: atomic per file)."""
+    for entry, _ in merge_parts(manifests):
+        dest = target / entry.path  # validated relative path
+        if not dest.exists():
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            os.rename(source / entry.path, dest)
+            fd = os.open(dest.parent, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)

@@ -484,3 +484,33 @@ def test_a_local_copy_is_verified_and_never_overwritten(local_url: str, tmp_path
             assert (here / "__1_0.distcp").read_bytes() == bytes(damaged)  # untouched
 
     asyncio.run(go())
+
+
+def test_a_node_holding_its_own_part_gets_the_other_parts_added(
+    local_url: str, tmp_path: Path
+) -> None:
+    (full,) = adamw_series(tmp_path / "src", 1, seed=6)
+    part_a, part_b = tmp_path / "a" / "step_000020", tmp_path / "b" / "step_000020"
+    for part, names in (
+        (part_a, [".metadata", "__0_0.distcp"]),
+        (part_b, [".metadata", "__1_0.distcp"]),
+    ):
+        part.mkdir(parents=True)
+        for name in names:
+            shutil.copy(full / name, part / name)
+    hot = tmp_path / "hot"
+
+    async def go() -> None:
+        await push_series(local_url, [part_a], node="a")
+        await push_series(local_url, [part_b], node="b")
+        here = hot / "llm" / "step_000020"
+        shutil.copytree(part_b, here)  # node b survived with its own part
+        own = (here / "__1_0.distcp").stat().st_ino
+        async with agent(hot, [local_url], "b") as url, FerryClient(url, TOKEN) as client:
+            done = await client.wait_prefetch(await client.prefetch("llm", 20), within_s=60)
+        assert done["state"] == "ready", done
+        assert tree_bytes(here) == tree_bytes(full)
+        assert (here / "__1_0.distcp").stat().st_ino == own  # its own file was not touched
+        assert sorted(p.name for p in (hot / "llm").iterdir()) == ["step_000020"]
+
+    asyncio.run(go())
