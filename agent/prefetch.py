@@ -34,6 +34,7 @@ from transfer.errors import (
 )
 from transfer.format.manifest import Manifest
 from transfer.store.base import Store
+from transfer.store.local import fsync_dir
 
 
 class State(enum.StrEnum):
@@ -212,26 +213,11 @@ class Prefetcher:
         it has are never touched."""
         assert record.step is not None
         scratch = here.parent / f".{here.name}{STAGING_MARK}fill-{secrets.token_hex(4)}"
-        if self.on_restore is not None:
-            self.on_restore(record.job, record.step)
         try:
-            result = await pull(
-                store,
-                scratch,
-                job=record.job,
-                step=record.step,
-                options=self.options,
-                progress=_JobProgress(record),
-                base_dir=here,
-                chunk_source=self.chunk_source,
-            )
+            await self._restore(record, name, store, scratch, base=here)
             await asyncio.to_thread(_move_missing, scratch, here, manifests)
         finally:
             await asyncio.to_thread(shutil.rmtree, scratch, True)
-        record.bytes_by_source[f"tier:{name}"] = result.bytes_transferred
-        if result.bytes_from_source:
-            record.bytes_by_source["peer"] = result.bytes_from_source
-        record.chunks_local = result.chunks_local
 
     async def _pull_from(
         self, record: PrefetchJob, name: str, store: Store, manifests: list[Manifest]
@@ -255,6 +241,14 @@ class Prefetcher:
                 await self._fill_in(record, name, store, here.path, manifests)
             return
         base = next((c.path for c in held if c.step < record.step), None)
+        await self._restore(record, name, store, dest, base=base)
+
+    async def _restore(
+        self, record: PrefetchJob, name: str, store: Store, dest: Path, base: Path | None
+    ) -> None:
+        """Pull the checkpoint into ``dest`` (peers first, then this tier) and record what
+        moved from where; the tier's measured bandwidth feeds later estimates."""
+        assert record.step is not None
         if self.on_restore is not None:
             self.on_restore(record.job, record.step)
         source = f"tier:{name}"
@@ -270,8 +264,7 @@ class Prefetcher:
             base_dir=base,
             chunk_source=self.chunk_source,
         )
-        seconds = time.monotonic() - began
-        self.meter.record(source, result.bytes_transferred, seconds)
+        self.meter.record(source, result.bytes_transferred, time.monotonic() - began)
         record.bytes_by_source[source] = result.bytes_transferred
         if result.bytes_from_source:
             record.bytes_by_source["peer"] = result.bytes_from_source
@@ -285,8 +278,4 @@ def _move_missing(source: Path, target: Path, manifests: list[Manifest]) -> None
         if not dest.exists():
             dest.parent.mkdir(parents=True, exist_ok=True)
             os.rename(source / entry.path, dest)
-            fd = os.open(dest.parent, os.O_RDONLY | os.O_DIRECTORY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            fsync_dir(dest.parent)

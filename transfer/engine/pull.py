@@ -34,6 +34,7 @@ from transfer.errors import DestinationError, FerryError, FormatError
 from transfer.format.chunkid import chunk_id
 from transfer.format.manifest import FileEntry, Manifest
 from transfer.store.base import Store
+from transfer.store.local import fsync_dir
 
 T = TypeVar("T")
 
@@ -404,18 +405,10 @@ def _seal(staging: Path, files: list[FileEntry], dest: Path) -> None:
         os.chmod(path, f.mode)
         dirs.update(p for p in path.parents if p != staging and staging in p.parents)
     for d in sorted(dirs, key=lambda p: len(p.parts), reverse=True):
-        fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_dir(d)
     os.chmod(staging, 0o755)
     try:
         os.rename(staging, dest)  # replaces an empty dest directory atomically
     except OSError as exc:
         raise FerryError(f"cannot move the pulled checkpoint into {dest}: {exc.strerror}") from None
-    fd = os.open(dest.parent, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_dir(dest.parent)

@@ -29,7 +29,8 @@ from transfer.store.base import (
 _TMP_MARK = ".tmp-"
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
+    """Make a rename or create in ``path`` durable (and visible to NFS clients)."""
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
         os.fsync(fd)
@@ -55,7 +56,7 @@ def _publish(tmp: Path, final: Path, create_only: bool) -> None:
             os.replace(tmp, final)
     finally:
         tmp.unlink(missing_ok=True)
-    _fsync_dir(final.parent)
+    fsync_dir(final.parent)
 
 
 def _map_os_error(exc: OSError, what: str) -> StoreError:
@@ -238,7 +239,7 @@ class LocalStore(Store):
 
         def remove() -> None:
             path.unlink(missing_ok=True)
-            _fsync_dir(path.parent)
+            fsync_dir(path.parent)
 
         try:
             await asyncio.to_thread(remove)
