@@ -131,6 +131,30 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="run the whole flow on generated checkpoints")
     p.add_argument("--workdir", type=Path, help="keep everything here (default: a temp dir)")
 
+    p = sub.add_parser(
+        "retention", help="apply a retention policy to a store: expire, demote, collect garbage"
+    )
+    p.add_argument("store_url")
+    p.add_argument("--keep-last", type=_positive_int, help="keep the newest N complete steps")
+    p.add_argument("--keep-every", type=_positive_int, help="keep every step divisible by K")
+    p.add_argument("--max-age", type=_duration, help="expire steps older than this (e.g. 30d)")
+    p.add_argument("--budget", type=_size, help="drop the oldest steps above this (e.g. 2TiB)")
+    p.add_argument(
+        "--demote-to",
+        metavar="STORE_URL",
+        help="a colder store that keeps what this one drops (copied there first if missing)",
+    )
+    p.add_argument(
+        "--grace",
+        type=_grace,
+        default=3600.0,
+        help="unreferenced packs are deleted after this long (default 1h; must exceed a push)",
+    )
+    p.add_argument("--expected-nodes", default="", help="nodes whose parts make a step complete")
+    p.add_argument("--deep-verify", action="store_true", help="re-hash demoted steps first")
+    p.add_argument("--dry-run", action="store_true", help="print the plan; change nothing")
+    _add_store_args(p)
+
     p = sub.add_parser("verify", help="re-hash every stored chunk; exit 1 naming bad ones")
     p.add_argument("store_url")
     p.add_argument("--job")
@@ -259,6 +283,75 @@ async def _cmd_verify(store: Store, args: argparse.Namespace) -> tuple[dict[str,
     return r.to_dict(), "\n".join(lines)
 
 
+async def _cmd_retention(store: Store, args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    import time
+
+    from transfer.retention import Tier, TierPolicy, apply_plan, make_plan
+
+    policy = TierPolicy(args.keep_last, args.keep_every, args.max_age, args.budget)
+    tiers = [Tier(store, policy)]
+    colder = None
+    if args.demote_to:
+        colder = open_store(args.demote_to, StoreOptions(endpoint_url=args.endpoint_url))
+        tiers.append(Tier(colder, TierPolicy()))
+    nodes = tuple(check_name("node", n) for n in args.expected_nodes.split(",") if n)
+    try:
+        if not await open_catalog(store, create=False):
+            raise FerryError(f"{store.url} is not a ckpt-ferry store (no ferry-store.json)")
+        plan = await make_plan(tiers, now=time.time(), expected_nodes=nodes)
+        await apply_plan(
+            plan,
+            tiers,
+            grace_s=args.grace,
+            holder=f"cli-{_default_node()}",
+            expected_nodes=nodes,
+            deep_verify=args.deep_verify,
+            dry_run=args.dry_run,
+        )
+    finally:
+        if colder is not None:
+            await colder.close()
+    doc = plan.to_dict() | {"dry_run": args.dry_run}
+    errors = [e for t in plan.tiers for e in t.errors]
+    if errors:
+        raise _VerifyFailed(doc, plan.table())
+    return doc, plan.table()
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _duration(text: str) -> float:
+    from transfer.retention import parse_duration
+
+    try:
+        return parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _grace(text: str) -> float:
+    from transfer.retention import parse_duration
+
+    try:
+        return parse_duration(text, allow_zero=True)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _size(text: str) -> int:
+    from transfer.retention import parse_size
+
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 class _UsageError(Exception):
     pass
 
@@ -277,7 +370,13 @@ def _parse_step(value: str) -> int:
 
 
 _COMMANDS: dict[str, Callable[[Store, argparse.Namespace], Awaitable[tuple[dict[str, Any], str]]]]
-_COMMANDS = {"push": _cmd_push, "pull": _cmd_pull, "ls": _cmd_ls, "verify": _cmd_verify}
+_COMMANDS = {
+    "push": _cmd_push,
+    "pull": _cmd_pull,
+    "ls": _cmd_ls,
+    "verify": _cmd_verify,
+    "retention": _cmd_retention,
+}
 
 
 async def _run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:

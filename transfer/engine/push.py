@@ -129,6 +129,7 @@ async def push(
         bases=base_refs,
     )
     blob = manifest.to_json()
+    await _check_reused_packs(store, set(pack_ids) - set(run.new_packs), run)
     already = False
     try:
         await store.put(layout.manifest_key(job, step, node), blob, create_only=True)
@@ -325,6 +326,27 @@ class _Tag(NamedTuple):
     size: int
     enc: str
     base: str | None
+
+
+async def _check_reused_packs(store: Store, pack_ids: set[str], run: _PushRun) -> None:
+    """Right before committing: every pack this push reuses but did not write must still
+    exist. Retention's grace period already covers a push, and this narrows what is left
+    of the race to the time between these HEADs and the manifest PUT."""
+    limit = asyncio.Semaphore(16)
+
+    async def exists(pack_id: str) -> bool:
+        async with limit:
+            return await store.exists(layout.pack_key(pack_id))
+
+    ordered = sorted(pack_ids)
+    present = await asyncio.gather(*(exists(p) for p in ordered))
+    for pack_id, there in zip(ordered, present, strict=True):
+        if not there:
+            await run.writer_abort()
+            raise FerryError(
+                f"pack {pack_id}, which this push deduplicated against, was deleted while it "
+                "ran (retention's grace period is shorter than the push); push again"
+            )
 
 
 async def _still_stored(store: Store, chunks: Iterable[StoredChunk]) -> list[StoredChunk]:

@@ -5,6 +5,8 @@
     manifests/<job>/<step:018d>/<node>.json   one committed checkpoint part per node
     complete/<job>/<step:018d>.json           written once (create-only) when every expected
                                               node's part of a step is committed
+    pins/<job>/<step:018d>/<holder>.json      "do not delete this step" until its expiry
+    gc/lock.json, gc/state.json               retention's lease and its mark-and-sweep state
 
 Steps are zero-padded so that a lexical listing is in step order.
 """
@@ -23,6 +25,13 @@ STORE_VERSION = 1
 
 PACKS_PREFIX = "packs/"
 MANIFESTS_PREFIX = "manifests/"
+COMPLETE_PREFIX = "complete/"
+PINS_PREFIX = "pins/"
+GC_LOCK_KEY = "gc/lock.json"
+GC_STATE_KEY = "gc/state.json"
+_PACK_KEY_RE = re.compile(r"^packs/[0-9a-f]{2}/(?P<id>[0-9a-f]{32})\.pack\Z")
+_COMPLETE_KEY_RE = re.compile(r"^complete/(?P<job>[^/]+)/(?P<step>\d{18})\.json\Z")
+_PIN_KEY_RE = re.compile(r"^pins/(?P<job>[^/]+)/(?P<step>\d{18})/(?P<holder>[^/]+)\.json\Z")
 _PACK_ID_RE = re.compile(r"^[0-9a-f]{32}\Z")
 _MANIFEST_KEY_RE = re.compile(r"^manifests/(?P<job>[^/]+)/(?P<step>\d{18})/(?P<node>[^/]+)\.json\Z")
 
@@ -53,6 +62,43 @@ def manifest_key(job: str, step: int, node: str) -> str:
 def completion_key(job: str, step: int) -> str:
     check_name("job", job)
     return f"complete/{job}/{check_step(step):018d}.json"
+
+
+def pin_key(job: str, step: int, holder: str) -> str:
+    check_name("job", job)
+    check_name("pin holder", holder)
+    return f"{PINS_PREFIX}{job}/{check_step(step):018d}/{holder}.json"
+
+
+def parse_pack_key(key: str) -> str | None:
+    """The pack id of a pack key whose id matches its directory; None for anything else."""
+    match = _PACK_KEY_RE.match(key)
+    if not match or not key.startswith(f"{PACKS_PREFIX}{match['id'][:2]}/"):
+        return None
+    return match["id"]
+
+
+def parse_completion_key(key: str) -> tuple[str, int] | None:
+    match = _COMPLETE_KEY_RE.match(key)
+    return _job_step(match["job"], match["step"]) if match else None
+
+
+def parse_pin_key(key: str) -> tuple[str, int, str] | None:
+    match = _PIN_KEY_RE.match(key)
+    parsed = _job_step(match["job"], match["step"]) if match else None
+    if match is None or parsed is None:
+        return None
+    try:
+        return (*parsed, check_name("pin holder", match["holder"]))
+    except FormatError:
+        return None
+
+
+def _job_step(job: str, step: str) -> tuple[str, int] | None:
+    try:
+        return check_name("job", job), int(step)
+    except FormatError:
+        return None
 
 
 def manifest_prefix(job: str | None = None, step: int | None = None) -> str:

@@ -1,0 +1,183 @@
+"""Garbage collection of packs: mark, then sweep in a later run, under a lease.
+
+A pack no retained manifest references is garbage, but not at once: a push that started
+before its last manifest was removed may still commit a new reference to it (dedupe or a
+delta base), and packs of pushes in flight are unreferenced until their manifest lands.
+So a run only *marks* unreferenced packs (``gc/state.json``: pack -> when first seen
+unreferenced); a later run deletes a marked pack once it has stayed unreferenced for the
+grace period. With ``grace_s=0`` a garbage pack is deleted by the second run after it
+became garbage, never by the first. The grace period must exceed the longest push plus one
+GC run (pushes also re-check, right before committing, that every pack they reuse still
+exists). A lease (``gc/lock.json``, written create-only) keeps two runs from interleaving.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import asdict, dataclass, field
+
+from transfer.errors import AlreadyExistsError, FerryError, NotFoundError
+from transfer.format import layout
+from transfer.retention.inventory import Inventory, RetentionError, take_inventory
+from transfer.store.base import Store
+
+log = logging.getLogger(__name__)
+
+GC_STATE_VERSION = 1
+#: a lease older than this belongs to a dead run and may be broken
+LEASE_SECONDS = 3600.0
+
+
+class GcBusyError(RetentionError):
+    """Another retention run holds the store's lease."""
+
+
+@dataclass
+class GcResult:
+    url: str
+    referenced_packs: int = 0
+    #: unreferenced packs still inside their grace period (deleted by a later run)
+    marked_packs: int = 0
+    marked_bytes: int = 0
+    deleted_packs: list[str] = field(default_factory=list)
+    freed_bytes: int = 0
+    dry_run: bool = False
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+@asynccontextmanager
+async def gc_lease(store: Store, holder: str, now: float | None = None) -> AsyncIterator[None]:
+    """Hold the store's retention lease for the body; raise GcBusyError if a live run has it."""
+    token = f"{holder}-{secrets.token_hex(4)}"
+    started = time.time() if now is None else now
+    doc = json.dumps({"holder": token, "expires_at": started + LEASE_SECONDS}).encode()
+    for _ in range(2):
+        try:
+            await store.put(layout.GC_LOCK_KEY, doc, create_only=True)
+            break
+        except AlreadyExistsError:
+            other = await _read_json(store, layout.GC_LOCK_KEY)
+            expires = other.get("expires_at")
+            if isinstance(expires, (int, float)) and expires > started:  # garbled: break it
+                raise GcBusyError(
+                    f"{store.url}: retention is already running ({other.get('holder')!r} "
+                    f"holds {layout.GC_LOCK_KEY}); try again later"
+                ) from None
+            log.warning("breaking the expired retention lease of %r", other.get("holder"))
+            await store.delete(layout.GC_LOCK_KEY)
+    else:
+        raise GcBusyError(f"{store.url}: lost the race for {layout.GC_LOCK_KEY}; try again")
+    try:
+        yield
+    finally:
+        try:
+            if (await _read_json(store, layout.GC_LOCK_KEY)).get("holder") == token:
+                await store.delete(layout.GC_LOCK_KEY)
+        except FerryError as exc:  # it expires on its own
+            log.warning("could not release %s: %s", layout.GC_LOCK_KEY, exc)
+
+
+async def collect_garbage(
+    store: Store,
+    inventory: Inventory,
+    *,
+    grace_s: float,
+    now: float,
+    dry_run: bool = False,
+    expected_nodes: tuple[str, ...] = (),
+) -> GcResult:
+    """Mark and sweep the packs of ``store``; call it under ``gc_lease``.
+
+    ``inventory`` is the state after retention removed manifests; the store is listed again
+    here, so a manifest committed since then is seen (only new manifests are read).
+    """
+    known = {
+        (job, step, node): packs
+        for (job, step), entry in inventory.steps.items()
+        for node, packs in entry.parts.items()
+    }
+    fresh = (
+        inventory
+        if dry_run  # nothing is deleted: the plan's view is what to report
+        else await take_inventory(store, now=now, expected_nodes=expected_nodes, known=known)
+    )
+    referenced = fresh.referenced()
+    state = await load_gc_state(store)
+    marks: dict[str, float] = {}
+    doomed: list[str] = []
+    for pack_id in sorted(set(fresh.pack_sizes) - referenced):
+        first_seen = state.get(pack_id)
+        if first_seen is not None and now - first_seen >= grace_s:
+            doomed.append(pack_id)
+        else:
+            marks[pack_id] = first_seen if first_seen is not None else now
+    result = GcResult(
+        store.url,
+        referenced_packs=len(referenced),
+        marked_packs=len(marks),
+        marked_bytes=sum(fresh.pack_sizes[p] for p in marks),
+        deleted_packs=doomed,
+        freed_bytes=sum(fresh.pack_sizes[p] for p in doomed),
+        dry_run=dry_run,
+    )
+    if dry_run:
+        return result
+    # The state is written before deleting: a crash mid-sweep leaves doomed packs unmarked,
+    # which only restarts their grace period (the safe direction).
+    await save_gc_state(store, marks, now)
+    for pack_id in doomed:
+        await store.delete(layout.pack_key(pack_id))
+    if doomed:
+        log.info("gc %s: deleted %d packs, %d bytes", store.url, len(doomed), result.freed_bytes)
+    return result
+
+
+async def load_gc_state(store: Store) -> dict[str, float]:
+    """Pack id -> when a run first saw it unreferenced. A missing state means no marks; an
+    unreadable one is an error (ignoring it could not delete too early, but hides a bug)."""
+    try:
+        doc = await _read_json(store, layout.GC_STATE_KEY)
+    except NotFoundError:
+        return {}
+    saved = doc.get("marks")
+    if doc.get("version") != GC_STATE_VERSION or not isinstance(saved, dict):
+        raise RetentionError(f"{store.url}: {layout.GC_STATE_KEY} has an unknown version")
+    marks: dict[str, float] = {}
+    for pack_id, first_seen in saved.items():
+        if _is_pack_id(pack_id) and _is_number(first_seen):
+            marks[pack_id] = float(first_seen)
+    return marks
+
+
+async def save_gc_state(store: Store, marks: dict[str, float], now: float) -> None:
+    doc = {"version": GC_STATE_VERSION, "updated_at": now, "marks": marks}
+    await store.put(layout.GC_STATE_KEY, json.dumps(doc, sort_keys=True).encode())
+
+
+async def _read_json(store: Store, key: str) -> dict[str, object]:
+    try:
+        doc = json.loads(await store.get(key))
+    except ValueError:
+        raise RetentionError(f"{store.url}: {key} is not JSON") from None
+    if not isinstance(doc, dict):
+        raise RetentionError(f"{store.url}: {key} is not a JSON object")
+    return doc
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_pack_id(value: str) -> bool:
+    try:
+        layout.check_pack_id(value)
+    except FerryError:
+        return False
+    return True

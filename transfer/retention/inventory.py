@@ -1,0 +1,171 @@
+"""What one store tier holds, as retention sees it: steps (with their parts, completeness,
+age and packs), pack sizes, and pins. One listing per prefix plus one GET per manifest."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+from transfer.engine.catalog import list_checkpoints, load_manifest
+from transfer.errors import FerryError, FormatError
+from transfer.format import layout
+from transfer.store.base import Store
+
+Key = tuple[str, int]  # (job, step)
+
+#: manifests read at once while taking inventory
+_CONCURRENT_GETS = 16
+
+
+class RetentionError(FerryError):
+    """Retention refused to run: deleting anything could lose data (the message says why)."""
+
+
+@dataclass
+class StepEntry:
+    job: str
+    step: int
+    #: node -> the packs its manifest references (files and bases)
+    parts: dict[str, frozenset[str]] = field(default_factory=dict)
+    #: node -> manifest size in bytes
+    manifest_bytes: dict[str, int] = field(default_factory=dict)
+    has_marker: bool = False
+    complete: bool = False
+    created: float = 0.0  # unix time of the newest part's manifest
+
+    @property
+    def key(self) -> Key:
+        return (self.job, self.step)
+
+    @property
+    def packs(self) -> frozenset[str]:
+        return frozenset().union(*self.parts.values())
+
+
+@dataclass
+class Inventory:
+    url: str
+    steps: dict[Key, StepEntry]
+    #: every committed pack in the store, referenced or not
+    pack_sizes: dict[str, int]
+    #: (job, step) -> latest pin expiry (unix time), expired pins left out
+    pins: dict[Key, float]
+
+    def jobs(self) -> list[str]:
+        return sorted({job for job, _ in self.steps})
+
+    def referenced(self, keys: Iterable[Key] | None = None) -> set[str]:
+        chosen = self.steps if keys is None else keys
+        out: set[str] = set()
+        for key in chosen:
+            out |= self.steps[key].packs
+        return out
+
+    def bytes_of(self, keys: Iterable[Key]) -> int:
+        """Bytes the tier would hold with only ``keys`` retained (each pack counted once)."""
+        keys = list(keys)
+        packs = sum(self.pack_sizes.get(p, 0) for p in self.referenced(keys))
+        return packs + sum(sum(self.steps[k].manifest_bytes.values()) for k in keys)
+
+    def total_bytes(self) -> int:
+        manifests = sum(sum(s.manifest_bytes.values()) for s in self.steps.values())
+        return sum(self.pack_sizes.values()) + manifests
+
+
+async def take_inventory(
+    store: Store,
+    *,
+    now: float,
+    expected_nodes: Sequence[str] = (),
+    known: dict[tuple[str, int, str], frozenset[str]] | None = None,
+) -> Inventory:
+    """Read the whole store. Raises RetentionError if any manifest cannot be read or parsed:
+    nobody can tell which packs it needs, so nothing may be deleted (FORMAT.md's GC rules).
+
+    ``known`` maps (job, step, node) to packs for manifests already read (they are
+    immutable), so a second look right before a sweep reads only the new ones.
+    """
+    entries = await list_checkpoints(store)
+    steps: dict[Key, StepEntry] = {}
+    for c in entries:
+        entry = steps.setdefault((c.job, c.step), StepEntry(c.job, c.step))
+        entry.manifest_bytes[c.node] = c.manifest_bytes
+
+    limit = asyncio.Semaphore(_CONCURRENT_GETS)
+
+    async def read(job: str, step: int, node: str) -> None:
+        async with limit:
+            try:
+                manifest = await load_manifest(store, job, step, node)
+                created = _unix_time(manifest.created_at)
+            except FerryError as exc:
+                raise RetentionError(
+                    f"cannot read manifest {layout.manifest_key(job, step, node)} in "
+                    f"{store.url}: {exc}; retention deletes nothing while a manifest is "
+                    "unreadable (it cannot tell which packs that manifest needs)"
+                ) from exc
+        entry = steps[(job, step)]
+        entry.parts[node] = frozenset(manifest.packs)
+        entry.created = max(entry.created, created)
+
+    todo = []
+    for c in entries:
+        cached = known.get((c.job, c.step, c.node)) if known else None
+        if cached is not None:
+            steps[(c.job, c.step)].parts[c.node] = cached
+        else:
+            todo.append(read(c.job, c.step, c.node))
+    await asyncio.gather(*todo)
+
+    markers = {
+        parsed
+        for obj in await store.list(layout.COMPLETE_PREFIX)
+        if (parsed := layout.parse_completion_key(obj.key)) is not None
+    }
+    jobs_with_markers = {job for job, _ in markers}
+    for entry in steps.values():
+        entry.has_marker = entry.key in markers
+        if expected_nodes:
+            entry.complete = entry.has_marker or set(expected_nodes) <= set(entry.parts)
+        else:  # a job that never wrote markers is single-node: any part is the whole step
+            entry.complete = entry.has_marker or entry.job not in jobs_with_markers
+
+    pack_sizes = {
+        pack_id: obj.size
+        for obj in await store.list(layout.PACKS_PREFIX)
+        if (pack_id := layout.parse_pack_key(obj.key)) is not None
+    }
+    pins = await read_pins(store, now=now)
+    return Inventory(store.url, steps, pack_sizes, pins)
+
+
+async def read_pins(store: Store, *, now: float) -> dict[Key, float]:
+    """Unexpired pins by (job, step). An unreadable pin counts as pinned for an hour from
+    now: a garbled pin must not make its step deletable."""
+    pins: dict[Key, float] = {}
+    for obj in await store.list(layout.PINS_PREFIX):
+        parsed = layout.parse_pin_key(obj.key)
+        if parsed is None:
+            continue
+        job, step, _holder = parsed
+        try:
+            doc = json.loads(await store.get(obj.key))
+            expires = float(doc["expires_at"])
+        except (FerryError, ValueError, KeyError, TypeError):
+            expires = now + 3600.0
+        if expires > now:
+            pins[(job, step)] = max(expires, pins.get((job, step), 0.0))
+    return pins
+
+
+def _unix_time(created_at: str) -> float:
+    try:
+        when = datetime.fromisoformat(created_at)
+    except ValueError:
+        raise FormatError(f"manifest created_at {created_at!r} is not an ISO 8601 time") from None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    return when.timestamp()

@@ -1,0 +1,269 @@
+"""Retention across store tiers: decide (a plan), then act (demote, expire, collect).
+
+For each tier, hottest first, every step is either kept (with the rule that keeps it),
+demoted (this tier's policy drops it but the next tier's keeps it: it leaves this tier only
+once the next tier holds it, checked, and copied there first if missing) or expired (no
+tier wants it). Expiring a step deletes its completion marker, then its manifests; its
+packs go later, through mark-and-sweep GC (``gc.py``), once nothing references them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection, Sequence
+from dataclasses import asdict, dataclass, field
+
+from transfer.engine.verify import verify
+from transfer.errors import FerryError
+from transfer.format import layout
+from transfer.retention.copy import copy_step, step_problems
+from transfer.retention.gc import GcBusyError, GcResult, collect_garbage, gc_lease
+from transfer.retention.inventory import Inventory, Key, StepEntry, take_inventory
+from transfer.retention.pins import drop_expired_pins
+from transfer.retention.policy import (
+    StepFacts,
+    TierPolicy,
+    fit_budget,
+    format_size,
+    select,
+)
+from transfer.store.base import Store
+
+log = logging.getLogger(__name__)
+
+KEEP, DEMOTE, EXPIRE = "keep", "demote", "expire"
+
+
+@dataclass(frozen=True)
+class Tier:
+    store: Store
+    policy: TierPolicy
+
+    @property
+    def url(self) -> str:
+        return self.store.url
+
+
+@dataclass
+class StepAction:
+    job: str
+    step: int
+    action: str
+    reason: str
+    nodes: list[str]
+    complete: bool
+    created: float
+
+
+@dataclass
+class TierPlan:
+    url: str
+    policy: str
+    bytes_before: int
+    bytes_after: int
+    actions: list[StepAction]
+    #: over budget even after dropping everything the rules allow
+    over_budget: bool = False
+    #: filled in by apply_plan
+    errors: list[str] = field(default_factory=list)
+    gc: GcResult | None = None
+    done: list[StepAction] = field(default_factory=list)
+
+    def count(self, action: str) -> int:
+        return sum(a.action == action for a in self.actions)
+
+    def to_dict(self) -> dict[str, object]:
+        doc = asdict(self)
+        doc["gc"] = self.gc.to_dict() if self.gc else None
+        return doc
+
+
+@dataclass
+class RetentionPlan:
+    tiers: list[TierPlan]
+    now: float
+    inventories: list[Inventory] = field(repr=False, default_factory=list)
+
+    def to_dict(self) -> dict[str, object]:
+        return {"now": self.now, "tiers": [t.to_dict() for t in self.tiers]}
+
+    def table(self) -> str:
+        lines = []
+        for t in self.tiers:
+            lines.append(
+                f"{t.url}  [{t.policy}]  {len(t.actions)} steps: keep {t.count(KEEP)}, "
+                f"demote {t.count(DEMOTE)}, expire {t.count(EXPIRE)}; "
+                f"{format_size(t.bytes_before)} -> {format_size(t.bytes_after)}"
+                + ("  (OVER BUDGET: only protected steps left)" if t.over_budget else "")
+            )
+            for a in t.actions:
+                lines.append(f"  {a.job:<20} {a.step:>10}  {a.action:<7} {a.reason}")
+            if t.gc is not None:
+                g = t.gc
+                verb = "would delete" if g.dry_run else "deleted"
+                lines.append(
+                    f"  gc: {verb} {len(g.deleted_packs)} packs ({format_size(g.freed_bytes)}); "
+                    f"{g.marked_packs} unreferenced packs ({format_size(g.marked_bytes)}) "
+                    "wait out the grace period"
+                )
+            lines.extend(f"  error: {e}" for e in t.errors)
+        return "\n".join(lines)
+
+
+def kept_steps(
+    inventory: Inventory,
+    policy: TierPolicy,
+    now: float,
+    pins: Collection[Key],
+    extra: dict[Key, StepEntry] | None = None,
+) -> tuple[dict[Key, str], bool]:
+    """Steps the policy keeps in this tier (with reasons), and whether the tier stays over
+    budget. ``extra`` adds steps that are not there yet (to ask "would it keep them?")."""
+    steps = dict(extra or {})
+    steps.update(inventory.steps)
+    kept: dict[Key, str] = {}
+    for job in sorted({job for job, _ in steps}):
+        facts = [
+            StepFacts(e.step, e.complete, e.created, pinned=e.key in pins)
+            for e in steps.values()
+            if e.job == job
+        ]
+        kept.update({(job, step): why for step, why in select(facts, policy, now).items()})
+    over = False
+    if policy.budget_bytes is not None and not extra:
+        created = {k: e.created for k, e in steps.items()}
+        kept = fit_budget(kept, policy.budget_bytes, inventory.bytes_of, created)
+        over = inventory.bytes_of(kept) > policy.budget_bytes
+    return kept, over
+
+
+async def make_plan(
+    tiers: Sequence[Tier],
+    *,
+    now: float,
+    expected_nodes: Sequence[str] = (),
+    pins: Collection[Key] = (),
+) -> RetentionPlan:
+    """Read every tier and decide. ``pins`` adds the caller's own pins (an agent's); pins in
+    any tier's store protect the step in every tier."""
+    inventories = [
+        await take_inventory(t.store, now=now, expected_nodes=expected_nodes) for t in tiers
+    ]
+    all_pins = set(pins).union(*(inv.pins for inv in inventories))
+    plans = []
+    for i, (tier, inv) in enumerate(zip(tiers, inventories, strict=True)):
+        kept, over = kept_steps(inv, tier.policy, now, all_pins)
+        wanted_next: dict[Key, str] = {}
+        if i + 1 < len(tiers):
+            wanted_next, _ = kept_steps(
+                inventories[i + 1], tiers[i + 1].policy, now, all_pins, extra=inv.steps
+            )
+        actions = []
+        for key, entry in sorted(inv.steps.items()):
+            if key in kept:
+                action, reason = KEEP, kept[key]
+            elif key in wanted_next:
+                action, reason = DEMOTE, f"the next tier keeps it ({wanted_next[key]})"
+            else:
+                action, reason = EXPIRE, "no tier's policy keeps it"
+            actions.append(
+                StepAction(*key, action, reason, sorted(entry.parts), entry.complete, entry.created)
+            )
+        plans.append(
+            TierPlan(
+                tier.url,
+                tier.policy.describe(),
+                inv.total_bytes(),
+                inv.bytes_of(kept),
+                actions,
+                over_budget=over,
+            )
+        )
+    return RetentionPlan(plans, now, inventories)
+
+
+async def apply_plan(
+    plan: RetentionPlan,
+    tiers: Sequence[Tier],
+    *,
+    grace_s: float,
+    holder: str,
+    expected_nodes: Sequence[str] = (),
+    deep_verify: bool = False,
+    dry_run: bool = False,
+) -> RetentionPlan:
+    """Carry the plan out, tier by tier under each store's lease; errors are collected per
+    tier (a failed demotion keeps its step) rather than stopping the other tiers."""
+    for i, (tier, tplan, inv) in enumerate(zip(tiers, plan.tiers, plan.inventories, strict=True)):
+        if dry_run:
+            tplan.gc = await collect_garbage(
+                tier.store, _without(inv, tplan), grace_s=grace_s, now=plan.now, dry_run=True
+            )
+            continue
+        try:
+            async with gc_lease(tier.store, holder, now=plan.now):
+                for action in tplan.actions:
+                    if action.action == KEEP:
+                        continue
+                    if action.action == DEMOTE:
+                        problem = await _demote_ready(tier, tiers[i + 1], inv, action, deep_verify)
+                        if problem:
+                            tplan.errors.append(problem)
+                            continue
+                    await delete_step(tier.store, inv, action.job, action.step)
+                    tplan.done.append(action)
+                await drop_expired_pins(tier.store, plan.now)
+                tplan.gc = await collect_garbage(
+                    tier.store,
+                    inv,
+                    grace_s=grace_s,
+                    now=plan.now,
+                    expected_nodes=tuple(expected_nodes),
+                )
+        except GcBusyError as exc:
+            tplan.errors.append(str(exc))
+        except FerryError as exc:
+            tplan.errors.append(f"{tier.url}: {exc}")
+    return plan
+
+
+async def _demote_ready(
+    tier: Tier, nxt: Tier, inv: Inventory, action: StepAction, deep_verify: bool
+) -> str | None:
+    """None when the step is safely in the next tier (copied there first if it was not);
+    otherwise why it must stay here."""
+    entry = inv.steps[(action.job, action.step)]
+    nodes = sorted(entry.parts)
+    try:
+        problems = await step_problems(nxt.store, action.job, action.step, nodes, entry.has_marker)
+        if problems:
+            log.info("demoting %s step %d: copying to %s", action.job, action.step, nxt.url)
+            await copy_step(tier.store, nxt.store, action.job, action.step)
+            problems = await step_problems(
+                nxt.store, action.job, action.step, nodes, entry.has_marker
+            )
+        if not problems and deep_verify:
+            result = await verify(nxt.store, job=action.job, step=action.step)
+            problems = [f"chunk {b.chunk}: {b.reason}" for b in result.bad]
+    except FerryError as exc:
+        problems = [str(exc)]
+    if problems:
+        return (
+            f"kept {action.job} step {action.step}: not safely in {nxt.url} yet "
+            f"({'; '.join(problems[:3])})"
+        )
+    return None
+
+
+async def delete_step(store: Store, inv: Inventory, job: str, step: int) -> None:
+    """Marker first (an incomplete step is never anyone's "latest"), then the manifests."""
+    await store.delete(layout.completion_key(job, step))
+    entry = inv.steps.pop((job, step))
+    for node in sorted(entry.parts):
+        await store.delete(layout.manifest_key(job, step, node))
+
+
+def _without(inv: Inventory, tplan: TierPlan) -> Inventory:
+    gone = {(a.job, a.step) for a in tplan.actions if a.action != KEEP}
+    steps = {k: e for k, e in inv.steps.items() if k not in gone}
+    return Inventory(inv.url, steps, inv.pack_sizes, inv.pins)
