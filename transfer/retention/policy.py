@@ -171,7 +171,7 @@ def _parse(
     if unit not in units:
         raise ValueError(f"invalid {what} {value!r}: unknown unit {unit!r}")
     result = number * units[unit]
-    if not (0 <= result if allow_zero else 0 < result) or result == float("inf"):
+    if not (result >= 0 if allow_zero else result > 0) or result == float("inf"):
         raise ValueError(f"{what} must be {'finite' if allow_zero else 'positive'}, got {value!r}")
     return result
 

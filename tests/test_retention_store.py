@@ -1,0 +1,343 @@
+"""Retention against real stores (local and the test S3 server): expiry, demotion, pins,
+the lease, and mark-and-sweep GC that never deletes what a retained step or a running push
+still needs."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import (
+    make_checkpoint,
+    open_test_store,
+    random_bytes,
+    run,
+    tree_bytes,
+    write_file,
+)
+from tests.test_push_pull import WatchingStore
+from transfer.engine import pull, push, verify
+from transfer.engine.catalog import list_checkpoints
+from transfer.errors import FerryError
+from transfer.format import layout
+from transfer.retention import (
+    DEMOTE,
+    EXPIRE,
+    KEEP,
+    GcBusyError,
+    RetentionError,
+    Tier,
+    TierPolicy,
+    apply_plan,
+    gc_lease,
+    make_plan,
+    pin,
+    unpin,
+)
+from transfer.store.base import ObjectInfo, Store
+
+JOB, NODE = "train", "n0"
+
+
+def _ckpt(root: Path, seed: int) -> Path:
+    """Two shards and a .metadata, all unique to ``seed`` (no chunk shared across seeds)."""
+    write_file(root / "__0_0.distcp", random_bytes(600_000, seed))
+    write_file(root / "__1_0.distcp", random_bytes(300_017, seed + 1000))
+    write_file(root / ".metadata", b"metadata-" + str(seed).encode())
+    return root
+
+
+async def _push_steps(store: Store, tmp: Path, seeds: dict[int, int]) -> dict[int, Path]:
+    dirs = {}
+    for step, seed in seeds.items():
+        d = _ckpt(tmp / f"step_{step}", seed)
+        await push(store, d, job=JOB, step=step, node=NODE)
+        dirs[step] = d
+    return dirs
+
+
+async def _retention(
+    tiers: list[Tier], *, grace: float = 0.0, now: float | None = None, dry_run: bool = False
+):  # type: ignore[no-untyped-def]
+    plan = await make_plan(tiers, now=time.time() if now is None else now)
+    return await apply_plan(plan, tiers, grace_s=grace, holder="test", dry_run=dry_run)
+
+
+async def _packs(store: Store) -> set[str]:
+    return {k for o in await store.list(layout.PACKS_PREFIX) if (k := layout.parse_pack_key(o.key))}
+
+
+async def _steps(store: Store) -> list[int]:
+    return sorted({c.step for c in await list_checkpoints(store, JOB)})
+
+
+async def _assert_pulls(store: Store, dirs: dict[int, Path], tmp: Path) -> None:
+    for step in await _steps(store):
+        dest = tmp / f"pulled-{step}-{time.monotonic_ns()}"
+        await pull(store, dest, job=JOB, step=step)
+        assert tree_bytes(dest) == tree_bytes(dirs[step]), step
+
+
+def test_expire_then_sweep_two_cycles_later(store_url: str, tmp_path: Path) -> None:
+    async def go() -> None:
+        store = open_test_store(store_url)
+        try:
+            dirs = await _push_steps(store, tmp_path, {1: 1, 2: 2, 3: 3, 4: 4})
+            before = await _packs(store)
+            tiers = [Tier(store, TierPolicy(keep_last=2))]
+
+            dry = await _retention(tiers, dry_run=True)
+            assert [a.action for a in dry.tiers[0].actions] == [EXPIRE, EXPIRE, KEEP, KEEP]
+            assert await _steps(store) == [1, 2, 3, 4] and await _packs(store) == before
+
+            first = await _retention(tiers)
+            assert await _steps(store) == [3, 4]
+            assert first.tiers[0].gc is not None and first.tiers[0].gc.deleted_packs == []
+            marked = first.tiers[0].gc.marked_packs
+            assert marked >= 1 and await _packs(store) == before  # marked, not deleted yet
+
+            second = await _retention(tiers)
+            assert second.tiers[0].gc is not None
+            assert len(second.tiers[0].gc.deleted_packs) == marked
+            assert len(await _packs(store)) == len(before) - marked
+            await _assert_pulls(store, dirs, tmp_path)
+            assert (await verify(store)).ok
+        finally:
+            await store.close()
+
+    run(go())
+
+
+def test_grace_period_delays_deletion(local_url: str, tmp_path: Path) -> None:
+    async def go() -> None:
+        store = open_test_store(local_url)
+        await _push_steps(store, tmp_path, {1: 1, 2: 2})
+        tiers = [Tier(store, TierPolicy(keep_last=1))]
+        t0 = time.time()
+        await _retention(tiers, grace=600, now=t0)
+        before = await _packs(store)
+        later = await _retention(tiers, grace=600, now=t0 + 599)
+        assert later.tiers[0].gc is not None and later.tiers[0].gc.deleted_packs == []
+        assert await _packs(store) == before
+        done = await _retention(tiers, grace=600, now=t0 + 601)
+        assert done.tiers[0].gc is not None and done.tiers[0].gc.deleted_packs
+        assert await _packs(store) < before
+
+    run(go())
+
+
+def test_delta_chain_survives_expiry_of_its_bases(store_url: str, tmp_path: Path) -> None:
+    """Step k+1 is stored as deltas against k: expiring every older step must keep the
+    packs its chain decodes from (through the manifest's bases table)."""
+
+    async def go() -> None:
+        store = open_test_store(store_url)
+        try:
+            src = make_checkpoint(tmp_path / "step_1", seed=7, shard_bytes=900_000)
+            dirs = {1: src}
+            await push(store, src, job=JOB, step=1, node=NODE)
+            for step in (2, 3, 4):
+                d = tmp_path / f"step_{step}"
+                d.mkdir()
+                for f in dirs[step - 1].rglob("*"):
+                    if f.is_file():
+                        target = d / f.relative_to(dirs[step - 1])
+                        target.parent.mkdir(parents=True, exist_ok=True)
+                        data = bytearray(f.read_bytes())
+                        for i in range(0, len(data), 4096):  # a small change everywhere
+                            data[i] ^= step
+                        target.write_bytes(bytes(data))
+                dirs[step] = d
+                result = await push(store, d, job=JOB, step=step, node=NODE)
+                assert result.chunks_delta > 0
+            tiers = [Tier(store, TierPolicy(keep_last=1))]
+            for _ in range(3):
+                await _retention(tiers)
+            assert await _steps(store) == [4]
+            await _assert_pulls(store, dirs, tmp_path)
+        finally:
+            await store.close()
+
+    run(go())
+
+
+def test_pins_in_the_store_protect_until_they_expire(local_url: str, tmp_path: Path) -> None:
+    async def go() -> None:
+        store = open_test_store(local_url)
+        await _push_steps(store, tmp_path, {1: 1, 2: 2, 3: 3})
+        tiers = [Tier(store, TierPolicy(keep_last=1))]
+        await pin(store, JOB, 1, "scheduler", ttl_s=60)
+        plan = await _retention(tiers)
+        assert await _steps(store) == [1, 3]
+        assert [a.reason for a in plan.tiers[0].actions if a.step == 1] == ["pinned"]
+        await unpin(store, JOB, 1, "scheduler")
+        await _retention(tiers)
+        assert await _steps(store) == [3]
+        # an expired pin protects nothing and is cleaned up
+        await pin(store, JOB, 3, "dead-client", ttl_s=1)
+        await _retention(tiers, now=time.time() + 5)
+        assert not [o for o in await store.list(layout.PINS_PREFIX)]
+
+    run(go())
+
+
+def test_unreadable_manifest_stops_retention_before_any_delete(
+    local_url: str, tmp_path: Path
+) -> None:
+    async def go() -> None:
+        store = open_test_store(local_url)
+        await _push_steps(store, tmp_path, {1: 1, 2: 2, 3: 3})
+        before = sorted(o.key for o in await store.list(""))
+        await store.put(layout.manifest_key(JOB, 9, "other"), b'{"format": "ckpt-ferry-manif')
+        with pytest.raises(RetentionError, match="deletes nothing"):
+            await _retention([Tier(store, TierPolicy(keep_last=1))])
+        after = sorted(o.key for o in await store.list(""))
+        assert [k for k in after if "other" not in k] == before
+
+    run(go())
+
+
+def test_lease_keeps_two_runs_apart_and_expires(local_url: str, tmp_path: Path) -> None:
+    async def go() -> None:
+        store = open_test_store(local_url)
+        await _push_steps(store, tmp_path, {1: 1, 2: 2})
+        tiers = [Tier(store, TierPolicy(keep_last=1))]
+        async with gc_lease(store, "other-node"):
+            plan = await _retention(tiers)
+            assert "already running" in plan.tiers[0].errors[0]
+            assert await _steps(store) == [1, 2]
+            with pytest.raises(GcBusyError):
+                async with gc_lease(store, "third"):
+                    pass
+        # a lease left by a dead run (expired) is broken
+        dead = {"holder": "dead", "expires_at": time.time() - 1}
+        await store.put(layout.GC_LOCK_KEY, json.dumps(dead).encode())
+        plan = await _retention(tiers)
+        assert plan.tiers[0].errors == [] and await _steps(store) == [2]
+        assert not await store.exists(layout.GC_LOCK_KEY)
+
+    run(go())
+
+
+def test_demotion_copies_first_and_never_loses_the_only_copy(
+    local_url: str, s3_url: str, tmp_path: Path
+) -> None:
+    async def go() -> None:
+        hot, cold = open_test_store(local_url), open_test_store(s3_url)
+        try:
+            dirs = await _push_steps(hot, tmp_path, {1: 1, 2: 2, 3: 3})
+            await push(cold, dirs[1], job=JOB, step=1, node=NODE)  # 2 never reached cold
+            tiers = [Tier(hot, TierPolicy(keep_last=1)), Tier(cold, TierPolicy(keep_last=5))]
+            plan = await _retention(tiers)
+            assert [a.action for a in plan.tiers[0].actions] == [DEMOTE, DEMOTE, KEEP]
+            assert plan.tiers[0].errors == []
+            assert await _steps(hot) == [3]
+            assert await _steps(cold) == [1, 2]  # 2 was copied before it left hot
+            await _assert_pulls(cold, dirs, tmp_path)
+            await _assert_pulls(hot, dirs, tmp_path)
+        finally:
+            await cold.close()
+
+    run(go())
+
+
+def test_demotion_to_an_unreachable_tier_keeps_the_step(local_url: str, tmp_path: Path) -> None:
+    async def go() -> None:
+        hot = open_test_store(local_url)
+        gone = tmp_path / "cold"
+        gone.mkdir()
+        cold = open_test_store(str(gone))
+        dirs = await _push_steps(hot, tmp_path, {1: 1, 2: 2})
+        gone.rmdir()  # the NFS mount went away
+        tiers = [Tier(hot, TierPolicy(keep_last=1)), Tier(cold, TierPolicy())]
+        plan = await _retention(tiers)
+        assert "not safely in" in plan.tiers[0].errors[0]
+        assert await _steps(hot) == [1, 2]
+        await _assert_pulls(hot, dirs, tmp_path)
+
+    run(go())
+
+
+def test_budget_expires_oldest_until_the_tier_fits(local_url: str, tmp_path: Path) -> None:
+    async def go() -> None:
+        store = open_test_store(local_url)
+        await _push_steps(store, tmp_path, {1: 1, 2: 2, 3: 3, 4: 4})
+        one_step = (await make_plan([Tier(store, TierPolicy())], now=time.time())).tiers[0]
+        per_step = one_step.bytes_before // 4
+        plan = await _retention([Tier(store, TierPolicy(budget_bytes=int(per_step * 2.5)))])
+        assert await _steps(store) == [3, 4]
+        assert plan.tiers[0].bytes_after <= per_step * 2.5 and not plan.tiers[0].over_budget
+        tiny = await _retention([Tier(store, TierPolicy(budget_bytes=1))])
+        assert await _steps(store) == [4] and tiny.tiers[0].over_budget
+
+    run(go())
+
+
+class _GatedStore(WatchingStore):
+    """The real store, with one call held until the test opens the gate: the push has read
+    its dedupe index and uploaded its packs, and is about to check its reused packs
+    ("head") or to commit its manifest ("manifest")."""
+
+    def __init__(self, inner: Store, gate_on: str) -> None:
+        super().__init__(inner)
+        self.gate_on = gate_on
+        self.at_gate = asyncio.Event()
+        self.gate = asyncio.Event()
+
+    async def _wait(self, what: str) -> None:
+        if what == self.gate_on and not self.gate.is_set():
+            self.at_gate.set()
+            await self.gate.wait()
+
+    async def head(self, key: str) -> ObjectInfo:
+        if key.startswith(layout.PACKS_PREFIX):
+            await self._wait("head")
+        return await super().head(key)
+
+    async def put(self, key: str, data: bytes, *, create_only: bool = False) -> None:
+        if key.startswith(layout.MANIFESTS_PREFIX):
+            await self._wait("manifest")
+        await super().put(key, data, create_only=create_only)
+
+
+@pytest.mark.parametrize(("grace", "gate_on"), [(3600.0, "manifest"), (0.0, "head")])
+def test_push_racing_gc_loses_nothing(
+    store_url: str, tmp_path: Path, grace: float, gate_on: str
+) -> None:
+    """Step 3 is step 1's content again, so the push reuses step 1's packs; retention
+    expires step 1 and sweeps twice while the push waits. With a grace period longer than
+    the push, nothing is deleted and the push commits; with none (only safe when no push
+    runs), the push's last check before committing finds its packs gone and fails cleanly.
+    Either way every committed step verifies and pulls byte-exact."""
+
+    async def go() -> None:
+        store = open_test_store(store_url)
+        try:
+            dirs = await _push_steps(store, tmp_path, {1: 1, 2: 2})
+            dirs[3] = _ckpt(tmp_path / "step_3", seed=1)
+            gated = _GatedStore(store, gate_on)
+            pushing = asyncio.create_task(push(gated, dirs[3], job=JOB, step=3, node=NODE))
+            await asyncio.wait_for(gated.at_gate.wait(), 30)
+            tiers = [Tier(store, TierPolicy(keep_last=1))]
+            await _retention(tiers, grace=grace)
+            await _retention(tiers, grace=grace)
+            assert await _steps(store) == [2]
+            gated.gate.set()
+            if grace:
+                result = await pushing
+                assert result.chunks_new == 0  # really reused step 1's packs
+                assert await _steps(store) == [2, 3]
+            else:
+                with pytest.raises(FerryError, match="was deleted while it ran"):
+                    await pushing
+                assert await _steps(store) == [2]
+            assert (await verify(store)).ok
+            await _assert_pulls(store, dirs, tmp_path)
+        finally:
+            await store.close()
+
+    run(go())
