@@ -96,3 +96,13 @@ class FerryClient:
     async def unpin(self, job: str, step: int) -> dict[str, Any]:
         params = {"job": job, "step": str(step)}
         return await self._call("DELETE", "/v1/pins", params=params)  # type: ignore[no-any-return]
+
+    async def retention(self, *, dry_run: bool = False) -> dict[str, Any]:
+        """The last retention report (``dry_run``: a fresh plan that changes nothing)."""
+        query = "?dry_run=1" if dry_run else ""
+        doc: dict[str, Any] = await self._call("GET", f"/v1/retention{query}")
+        return doc
+
+    async def run_retention(self) -> dict[str, Any]:
+        doc: dict[str, Any] = await self._call("POST", "/v1/retention/run")
+        return doc

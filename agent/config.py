@@ -15,16 +15,19 @@ import os
 import socket
 import stat
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 from urllib.parse import urlsplit
 
 from transfer.engine import TransferOptions
 from transfer.errors import FerryError, FormatError
 from transfer.format.names import check_name
+from transfer.retention import TierPolicy, parse_duration, parse_size
 
 MiB = 1 << 20
+_Q = TypeVar("_Q", int, float)
 ENV_PREFIX = "FERRY_"
 
 log = logging.getLogger(__name__)
@@ -67,6 +70,25 @@ class TransferSettings:
 
 
 @dataclass(frozen=True)
+class RetentionSettings:
+    """The ``[retention]`` table. Without it the agent deletes nothing, anywhere."""
+
+    interval_seconds: float = 600.0
+    #: unreferenced packs live this long before GC deletes them; must exceed the longest push
+    grace_seconds: float = 3600.0
+    deep_verify: bool = False
+    #: the hot dir keeps at least this many committed steps per job (at least 2: the newest
+    #: may still be in use by training or be the base of the next push)
+    hot_keep_last: int = 2
+    hot_budget_bytes: int | None = None
+    #: one policy per entry of ``tiers``, in order; tiers beyond the list keep everything
+    tiers: tuple[TierPolicy, ...] = ()
+
+    def tier_policy(self, index: int) -> TierPolicy:
+        return self.tiers[index] if index < len(self.tiers) else TierPolicy()
+
+
+@dataclass(frozen=True)
 class AgentConfig:
     node: str
     hot_dir: Path
@@ -88,6 +110,7 @@ class AgentConfig:
     #: left empty (``Path()``) it becomes ``<hot_dir>/.ferry``
     state_dir: Path = Path()
     transfer: TransferSettings = field(default_factory=TransferSettings)
+    retention: RetentionSettings | None = None
 
     def __post_init__(self) -> None:
         if self.state_dir == Path():
@@ -144,6 +167,14 @@ _TRANSFER_KEYS: dict[str, type] = {
     "max_chain": int,
     "memory_mib": int,
 }
+_RETENTION_KEYS: dict[str, type] = {
+    "interval_seconds": float,
+    "grace_seconds": float,
+    "deep_verify": bool,
+    "hot_keep_last": int,
+    "hot_budget": object,  # a size: bytes, or a string like "800GB"
+}
+_TIER_POLICY_KEYS = {"keep_last", "keep_every", "max_age", "budget"}
 _TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", list: "a list of strings"}
 
 
@@ -160,6 +191,7 @@ def load_config(path: Path | None, env: Mapping[str, str] = os.environ) -> Agent
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(f"{path}: invalid TOML: {exc}") from exc
 
+    retention_raw = raw.pop("retention", None)
     transfer_raw = raw.pop("transfer", {})
     if not isinstance(transfer_raw, dict):
         raise ConfigError("transfer: expected a table ([transfer])")
@@ -196,6 +228,7 @@ def load_config(path: Path | None, env: Mapping[str, str] = os.environ) -> Agent
         ),
         state_dir=_path("state_dir", top["state_dir"]) if "state_dir" in top else Path(),
         transfer=transfer,
+        retention=_retention(retention_raw, env, len(top.get("tiers") or [])),  # type: ignore[arg-type]
     )
     _parse_listen(config.listen)
     if config.token_file is not None:
@@ -226,7 +259,72 @@ def _typed(
     return out
 
 
+def _retention(raw: object, env: Mapping[str, str], n_tiers: int) -> RetentionSettings | None:
+    """The ``[retention]`` table (plus ``FERRY_RETENTION_*``); None when neither is set."""
+    prefix = ENV_PREFIX + "RETENTION_"
+    if raw is None and not any(k.startswith(prefix) and v for k, v in env.items()):
+        return None
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError("retention: expected a table ([retention])")
+    tiers_raw = raw.pop("tiers", [])
+    values = _typed(raw, _RETENTION_KEYS, env, "retention.", prefix)
+    if not isinstance(tiers_raw, list) or not all(isinstance(t, dict) for t in tiers_raw):
+        raise ConfigError("retention.tiers: expected [[retention.tiers]] tables")
+    if len(tiers_raw) > n_tiers:
+        raise ConfigError(
+            f"retention.tiers: {len(tiers_raw)} policies for {n_tiers} tiers "
+            "(one per tier, in order)"
+        )
+    policies = tuple(_tier_policy(i, t) for i, t in enumerate(tiers_raw))
+    hot_keep_last = _int_at_least("retention.hot_keep_last", values.get("hot_keep_last", 2), 2)
+    budget = values.get("hot_budget")
+    return RetentionSettings(
+        interval_seconds=_seconds(
+            "retention.interval_seconds", values.get("interval_seconds", 600.0)
+        ),
+        grace_seconds=_seconds("retention.grace_seconds", values.get("grace_seconds", 3600.0)),
+        deep_verify=bool(values.get("deep_verify", False)),
+        hot_keep_last=hot_keep_last,
+        hot_budget_bytes=_quantity("retention.hot_budget", budget, parse_size) if budget else None,
+        tiers=policies,
+    )
+
+
+def _tier_policy(index: int, raw: dict[str, object]) -> TierPolicy:
+    where = f"retention.tiers[{index}]"
+    unknown = set(raw) - _TIER_POLICY_KEYS
+    if unknown:
+        raise ConfigError(f"unknown config key {where}.{sorted(unknown)[0]!r}")
+    ints = {}
+    for key in ("keep_last", "keep_every"):
+        if key in raw:
+            ints[key] = _int_at_least(f"{where}.{key}", _check(f"{where}.{key}", raw[key], int), 1)
+    max_age = raw.get("max_age")
+    budget = raw.get("budget")
+    return TierPolicy(
+        keep_last=ints.get("keep_last"),
+        keep_every=ints.get("keep_every"),
+        max_age_s=_quantity(f"{where}.max_age", max_age, parse_duration) if max_age else None,
+        budget_bytes=_quantity(f"{where}.budget", budget, parse_size) if budget else None,
+    )
+
+
+def _quantity(key: str, value: object, parse: Callable[[object], _Q]) -> _Q:
+    try:
+        return parse(value)
+    except ValueError as exc:
+        raise ConfigError(f"{key}: {exc}") from None
+
+
 def _check(key: str, value: object, kind: type) -> object:
+    if kind is object:
+        return value
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true or false, got {value!r}")
+        return value
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)  # `drain_seconds = 30` in TOML is an int, and fine
     if kind is list:
@@ -244,6 +342,12 @@ def _is_int(value: object) -> bool:
 
 
 def _from_env(name: str, text: str, kind: type) -> object:
+    if kind is bool:
+        if text.lower() not in ("1", "0", "true", "false"):
+            raise ConfigError(f"{name}: expected true or false, got {text!r}")
+        return text.lower() in ("1", "true")
+    if kind is object:
+        return text
     if kind is list:
         return [part.strip() for part in text.split(",") if part.strip()]
     if kind is str:
@@ -382,4 +486,22 @@ workers = 8
 zstd_level = 1   # 0 stores raw
 max_chain = 4
 memory_mib = 0   # cap on transfer buffers (shrinks window); 0: none
+
+# Without this table the agent never deletes anything. With it: every interval_seconds and
+# after each push, the hot dir and each tier are trimmed to their policy (docs/RETENTION.md).
+[retention]
+interval_seconds = 600
+grace_seconds = 3600        # unreferenced packs wait this long; must exceed a push
+deep_verify = false         # re-hash a step in the next tier before it leaves this one
+hot_keep_last = 2           # committed steps kept per job in hot_dir (at least 2)
+hot_budget = "800GB"        # evict older steps (already in a colder tier) beyond this
+
+[[retention.tiers]]         # policy of tiers[0]
+keep_last = 3
+
+[[retention.tiers]]         # policy of tiers[1]
+keep_last = 20
+keep_every = 1000           # milestones: every step divisible by 1000
+max_age = "90d"
+budget = "20TiB"
 """

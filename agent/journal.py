@@ -210,6 +210,29 @@ class Journal:
             <= durable.get((job, step), set())
         ]
 
+    def forget(self, job: str, step: int) -> None:
+        """Drop every row of (job, step): its directory left the hot dir (retention evicted
+        it), so there is nothing left to push, resume or exclude. Keeps the file small."""
+        with self._db:
+            for table in ("pushes", "durable_packs", "restored"):
+                self._db.execute(f"DELETE FROM {table} WHERE job = ? AND step = ?", (job, step))
+
+    def was_durable(self, job: str, step: int) -> bool:
+        """Whether this node ever pushed (job, step) to a tier, or restored it from one."""
+        row = self._db.execute(
+            "SELECT 1 FROM pushes WHERE job = ? AND step = ? AND state = 'durable' "
+            "UNION SELECT 1 FROM restored WHERE job = ? AND step = ?",
+            (job, step, job, step),
+        ).fetchone()
+        return row is not None
+
+    def row_count(self) -> int:
+        (n,) = self._db.execute(
+            "SELECT (SELECT COUNT(*) FROM pushes) + (SELECT COUNT(*) FROM durable_packs)"
+            " + (SELECT COUNT(*) FROM restored)"
+        ).fetchone()
+        return int(n)
+
     def states(self) -> list[dict[str, Any]]:
         """Every row of this node, for the RPC: newest step first, tiers in staging order."""
         rows = self._db.execute(

@@ -9,17 +9,20 @@ is renamed into place only when every chunk is verified. It never overwrites a c
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import enum
+import logging
 import os
 import secrets
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from agent.holdings import local_checkpoints, step_dir_name
+from agent.holds import StepHolds
 from agent.pushqueue import latest_complete_step
 from transfer.engine import TransferOptions, pull, resolve_manifests
 from transfer.engine.estimate import BandwidthMeter
@@ -33,8 +36,14 @@ from transfer.errors import (
     StoreError,
 )
 from transfer.format.manifest import Manifest
+from transfer.retention import pin, unpin
 from transfer.store.base import Store
 from transfer.store.local import fsync_dir
+
+log = logging.getLogger(__name__)
+
+#: the longest a prefetch pins its step in a store (a dead agent's pin expires by then)
+PREFETCH_PIN_SECONDS = 3600.0
 
 
 class State(enum.StrEnum):
@@ -117,8 +126,15 @@ class Prefetcher:
         chunk_source: ChunkSource | None = None,
         on_restore: Callable[[str, int], None] | None = None,
         expected_nodes: tuple[str, ...] = (),
+        holds: StepHolds | None = None,
+        pin_holder: str | None = None,
     ) -> None:
         self.expected_nodes = expected_nodes
+        #: steps this prefetch writes or reads as a base: hot retention leaves them alone
+        self.holds = holds or StepHolds()
+        #: when set, the step is pinned in the tier's store while it is pulled from there,
+        #: so no node's retention deletes it mid-restore
+        self.pin_holder = pin_holder
         self.chunk_source = chunk_source
         # a restored checkpoint lands in the hot dir like a training save; the push queue
         # must not push it back as this node's part
@@ -195,7 +211,8 @@ class Prefetcher:
                 manifests = await resolve_manifests(store, record.job, step)
                 record.step = manifests[0].step
                 lock = self._dest_locks.setdefault((record.job, record.step), asyncio.Lock())
-                async with lock:  # two prefetches of one checkpoint never race on its dir
+                async with lock, self._store_pin(store, record):
+                    # (the lock: two prefetches of one checkpoint never race on its dir)
                     await self._pull_from(record, name, store, manifests)
                 return
             except (CheckpointNotFoundError, StoreError, IntegrityError) as exc:
@@ -204,6 +221,29 @@ class Prefetcher:
         if all("no committed checkpoint" in e or "holds no checkpoints" in e for e in errors):
             raise CheckpointNotFoundError("; ".join(errors) or "no tiers configured")
         raise FerryError("; ".join(errors))
+
+    @contextlib.asynccontextmanager
+    async def _store_pin(self, store: Store, record: PrefetchJob) -> AsyncIterator[None]:
+        """Pin the step in ``store`` for the restore (best effort: a store that refuses the
+        pin will most likely refuse the reads too, and say so more usefully)."""
+        assert record.step is not None
+        if self.pin_holder is None:
+            yield
+            return
+        ttl = min(record.deadline_s or PREFETCH_PIN_SECONDS, PREFETCH_PIN_SECONDS)
+        try:
+            await pin(store, record.job, record.step, self.pin_holder, ttl)
+        except FerryError as exc:
+            log.warning(
+                "could not pin %s step %s in %s: %s", record.job, record.step, store.url, exc
+            )
+        try:
+            yield
+        finally:
+            try:
+                await unpin(store, record.job, record.step, self.pin_holder)
+            except FerryError as exc:  # it expires on its own
+                log.warning("could not unpin %s step %s: %s", record.job, record.step, exc)
 
     async def _fill_in(
         self, record: PrefetchJob, name: str, store: Store, here: Path, manifests: list[Manifest]
@@ -238,10 +278,12 @@ class Prefetcher:
                     f"({'; '.join(problems[:3])}); it is never overwritten"
                 )
             if problems:  # this node's own part of a multi-node step: add the other parts
-                await self._fill_in(record, name, store, here.path, manifests)
+                with self.holds.hold((record.job, record.step)):
+                    await self._fill_in(record, name, store, here.path, manifests)
             return
-        base = next((c.path for c in held if c.step < record.step), None)
-        await self._restore(record, name, store, dest, base=base)
+        base = next((c for c in held if c.step < record.step), None)
+        with self.holds.hold((record.job, record.step), (record.job, base.step) if base else None):
+            await self._restore(record, name, store, dest, base=base.path if base else None)
 
     async def _restore(
         self, record: PrefetchJob, name: str, store: Store, dest: Path, base: Path | None

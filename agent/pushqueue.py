@@ -24,7 +24,7 @@ import contextlib
 import functools
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -116,6 +116,8 @@ class PushQueue:
         self._current: tuple[str, int, str] | None = None  # (job, step, tier) being pushed
         self._worker: asyncio.Task[None] | None = None
         self._closing = False
+        #: called after each checkpoint's pushes (retention runs then)
+        self.on_pushed: Callable[[], None] | None = None
 
     @classmethod
     def from_config(cls, config: AgentConfig, tiers: Sequence[tuple[str, Store]]) -> PushQueue:
@@ -162,6 +164,10 @@ class PushQueue:
     def on_committed(self, job: str, step: int, path: Path) -> None:
         """The watcher's callback."""
         self.enqueue(job, step, path)
+
+    def busy_steps(self) -> set[tuple[str, int]]:
+        """Steps queued, being pushed or waiting to retry: none may leave the hot dir."""
+        return set(self._queued)
 
     def exclude(self, job: str, step: int) -> None:
         """Never push (job, step) from this node: it is being restored here from a store (a
@@ -269,6 +275,8 @@ class PushQueue:
             self._timers[key] = loop.call_later(delay, self._retry, retry)
             return
         self._queued.discard(key)
+        if self.on_pushed is not None:
+            self.on_pushed()
 
     def _retry(self, item: _Item) -> None:
         self._timers.pop((item.job, item.step), None)

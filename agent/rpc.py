@@ -8,6 +8,7 @@ to JSON 4xx in one middleware; auth is another. docs/openapi.yaml documents the 
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import logging
@@ -20,10 +21,12 @@ from aiohttp import web
 
 from agent.config import AgentConfig
 from agent.holdings import local_checkpoints
+from agent.holds import StepHolds
 from agent.metrics import Metrics
 from agent.peers import HotIndex, PeerSource, read_verified
 from agent.prefetch import FINAL, Prefetcher, State
 from agent.pushqueue import PushQueue, is_complete, latest_complete_step
+from agent.retention import RetentionRunner
 from agent.watcher import watch_hot_dir
 from transfer.engine import list_checkpoints, resolve_manifests
 from transfer.engine.catalog import CheckpointInfo, load_manifest, open_catalog
@@ -39,6 +42,7 @@ from transfer.errors import (
 )
 from transfer.format.chunkid import is_chunk_id
 from transfer.format.names import check_name, check_step
+from transfer.retention import pin, unpin
 from transfer.store import StoreOptions, open_store
 from transfer.store.base import Store
 
@@ -53,6 +57,8 @@ METRICS = web.AppKey("metrics", Metrics)
 PINS = web.AppKey("pins", dict)
 PART_SIZES = web.AppKey("part_sizes", dict)
 PUSHQUEUE = web.AppKey("pushqueue", PushQueue)
+HOLDS = web.AppKey("holds", StepHolds)
+RETENTION = web.AppKey("retention", RetentionRunner)
 HOT_INDEX = web.AppKey("hot_index", HotIndex)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
@@ -327,7 +333,21 @@ async def post_pin(request: web.Request) -> web.Response:
         raise ValueError(f"ttl_s must be within 0..{MAX_PIN_SECONDS} (pins expire)")
     expiry = time.time() + ttl
     request.app[PINS][(job, step)] = expiry
+    # In every tier's store too, so that no node's retention deletes it there. A pin that
+    # did not reach a tier is an error: the caller must not rely on it.
+    failed = []
+    for name, store in request.app[TIERS]:
+        try:
+            await pin(store, job, step, _pin_holder(request.app), ttl)
+        except FerryError as exc:
+            failed.append(f"{name}: {exc}")
+    if failed:
+        raise StoreError("pinned on this node, but not in every tier: " + "; ".join(failed))
     return web.json_response({"job": job, "step": step, "expires_at": expiry}, status=201)
+
+
+def _pin_holder(app: web.Application) -> str:
+    return f"rpc-{app[CONFIG].node}"
 
 
 async def delete_pin(request: web.Request) -> web.Response:
@@ -336,7 +356,35 @@ async def delete_pin(request: web.Request) -> web.Response:
     if step is None:
         raise ValueError("step is required")
     request.app[PINS].pop((job, step), None)
+    for name, store in request.app[TIERS]:
+        try:
+            await unpin(store, job, step, _pin_holder(request.app))
+        except FerryError as exc:  # the store pin expires on its own
+            log.warning("could not unpin %s step %s in %s: %s", job, step, name, exc)
     return web.json_response({"job": job, "step": step, "pinned": False})
+
+
+def _active_pins(app: web.Application) -> set[tuple[str, int]]:
+    now = time.time()
+    return {key for key, expiry in app[PINS].items() if expiry > now}
+
+
+async def get_retention(request: web.Request) -> web.Response:
+    """The last retention run's report; ``?dry_run=1`` plans one now and changes nothing."""
+    runner = request.app.get(RETENTION)
+    if runner is None:
+        return web.json_response({"enabled": False})
+    if request.query.get("dry_run") in ("1", "true"):
+        return web.json_response({"enabled": True, **await runner.run_once(dry_run=True)})
+    return web.json_response({"enabled": True, "last": runner.last})
+
+
+async def post_retention_run(request: web.Request) -> web.Response:
+    """Run retention now (as the schedule would) and return its report."""
+    runner = request.app.get(RETENTION)
+    if runner is None:
+        raise CheckpointNotFoundError("retention is not configured ([retention] in the config)")
+    return web.json_response(await runner.run_once())
 
 
 def create_app(config: AgentConfig, token: str) -> web.Application:
@@ -375,6 +423,8 @@ def create_app(config: AgentConfig, token: str) -> web.Application:
             web.get("/v1/estimate", get_estimate),
             web.post("/v1/pins", post_pin),
             web.delete("/v1/pins", delete_pin),
+            web.get("/v1/retention", get_retention),
+            web.post("/v1/retention/run", post_retention_run),
         ]
     )
     return app
@@ -388,6 +438,7 @@ async def _resources(app: web.Application):  # type: ignore[no-untyped-def]
     app[HOT_INDEX] = HotIndex(config.hot_dir, config.commit_marker, tiers)
     peers = PeerSource(config.peers, app[TOKEN]) if config.peers else None
     queue = app[PUSHQUEUE] = PushQueue.from_config(config, tiers)
+    holds = app[HOLDS] = StepHolds()
     app[PREFETCHER] = Prefetcher(
         config.hot_dir,
         config.commit_marker,
@@ -398,6 +449,8 @@ async def _resources(app: web.Application):  # type: ignore[no-untyped-def]
         chunk_source=peers,
         on_restore=queue.exclude,
         expected_nodes=config.expected_nodes,
+        holds=holds,
+        pin_holder=f"prefetch-{config.node}",
     )
     if config.orphan_upload_seconds:
         for name, store in tiers:
@@ -410,15 +463,32 @@ async def _resources(app: web.Application):  # type: ignore[no-untyped-def]
                 log.info("aborted %d orphaned pack uploads in %s", aborted, name)
     await queue.start()
     stop = asyncio.Event()
-    watcher = asyncio.create_task(
-        watch_hot_dir(config.hot_dir, config.commit_marker, queue.on_committed, stop=stop),
-        name="hot-dir-watcher",
-    )
+    background = [
+        asyncio.create_task(
+            watch_hot_dir(config.hot_dir, config.commit_marker, queue.on_committed, stop=stop),
+            name="hot-dir-watcher",
+        )
+    ]
+    if config.retention is not None:
+        runner = app[RETENTION] = RetentionRunner(
+            config.retention,
+            node=config.node,
+            hot_dir=config.hot_dir,
+            commit_marker=config.commit_marker,
+            tiers=tiers,
+            journal=queue.journal,
+            holds=holds,
+            pins=functools.partial(_active_pins, app),
+            busy=queue.busy_steps,
+            metrics=app[METRICS],
+        )
+        queue.on_pushed = runner.poke
+        background.append(asyncio.create_task(runner.loop(stop), name="retention"))
     try:
         yield
     finally:
         stop.set()
-        await asyncio.gather(watcher, return_exceptions=True)  # returns within one poll
+        await asyncio.gather(*background, return_exceptions=True)  # returns within one poll
         await asyncio.gather(  # one shared deadline for both drains
             app[PREFETCHER].drain(config.drain_seconds), queue.drain(config.drain_seconds)
         )

@@ -46,8 +46,10 @@ async def agent(
     node: str = "b",
     peers: tuple[str, ...] = (),
     extra_env: dict[str, str] | None = None,
+    config_text: str | None = None,
 ) -> AsyncIterator[str]:
-    """A real agent app on a loopback port; yields its base URL."""
+    """A real agent app on a loopback port; yields its base URL. ``config_text``: a TOML
+    config file (for what the environment cannot say, like retention tiers)."""
     port = free_port()
     env = {
         "FERRY_NODE": node,
@@ -62,7 +64,11 @@ async def agent(
     }
     if "AWS_ENDPOINT_URL" in os.environ:
         env["FERRY_ENDPOINT_URL"] = os.environ["AWS_ENDPOINT_URL"]
-    runner = web.AppRunner(create_app(load_config(None, env), TOKEN))
+    config_file = None
+    if config_text is not None:
+        config_file = hot.parent / f"ferry-{node}.toml"
+        config_file.write_text(config_text)
+    runner = web.AppRunner(create_app(load_config(config_file, env), TOKEN))
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", port).start()
     try:

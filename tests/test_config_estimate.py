@@ -9,7 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from agent.config import AgentConfig, ConfigError, TransferSettings, example_toml, load_config
+from agent.config import (
+    AgentConfig,
+    ConfigError,
+    RetentionSettings,
+    TransferSettings,
+    example_toml,
+    load_config,
+)
 from transfer.engine import TransferOptions
 from transfer.engine.estimate import (
     DEFAULT_RATES,
@@ -49,8 +56,41 @@ def test_example_toml_loads_with_its_values(tmp_path: Path) -> None:
 def test_example_toml_documents_every_key() -> None:
     text = example_toml()
     for f in [*fields(AgentConfig), *fields(TransferSettings)]:
-        if f.name != "transfer":
+        if f.name not in ("transfer", "retention"):  # tables
             assert f"\n{f.name} =" in text or f"\n# {f.name} =" in text, f.name
+    assert "\n[retention]\n" in text and "\n[[retention.tiers]]" in text
+    for f in fields(RetentionSettings):
+        key = {"hot_budget_bytes": "hot_budget", "tiers": "[[retention.tiers]]"}.get(f.name, f.name)
+        assert f"\n{key}" in text, key
+
+
+def test_retention_table_is_validated(tmp_path: Path) -> None:
+    def load(text: str, env: dict[str, str] | None = None) -> RetentionSettings | None:
+        path = tmp_path / "f.toml"
+        path.write_text('hot_dir = "/h"\ntiers = ["/a", "/b"]\n' + text)
+        return load_config(path, env=env or {}).retention
+
+    assert load("") is None  # no table: the agent deletes nothing
+    r = load(
+        '[retention]\nhot_budget = "1GiB"\n[[retention.tiers]]\nkeep_last = 3\nmax_age = "2d"\n'
+    )
+    assert r is not None and r.hot_budget_bytes == 1 << 30 and r.hot_keep_last == 2
+    assert r.tier_policy(0).keep_last == 3 and r.tier_policy(0).max_age_s == 2 * 86400
+    assert r.tier_policy(1).keeps_everything
+    env_only = load("", {"FERRY_RETENTION_GRACE_SECONDS": "60"})
+    assert env_only is not None and env_only.grace_seconds == 60
+    for bad, message in [
+        ("[retention]\nhot_keep_last = 1\n", "at least 2"),
+        ('[retention]\nhot_budget = "lots"\n', "retention.hot_budget"),
+        ("[retention]\nbogus = 1\n", "retention.bogus"),
+        ("[[retention.tiers]]\nkeep_last = 0\n", "keep_last: must be at least 1"),
+        ('[[retention.tiers]]\nmax_age = "soon"\n', "tiers\\[0\\].max_age"),
+        ("[[retention.tiers]]\nkeep_lats = 3\n", "keep_lats"),
+        ("[[retention.tiers]]\n[[retention.tiers]]\n[[retention.tiers]]\n", "3 policies for 2"),
+        ("[retention]\ndeep_verify = 1\n", "true or false"),
+    ]:
+        with pytest.raises(ConfigError, match=message):
+            load(bad)
 
 
 def test_env_overrides_file(tmp_path: Path) -> None:

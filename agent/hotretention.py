@@ -1,0 +1,232 @@
+"""Retention of the hot dir (node-local NVMe): keep the newest ``keep_last`` committed steps
+of each job, evict older ones only once a colder tier holds them, and evict further (down
+to the newest two) while the directory is over its byte budget.
+
+A step is evictable when a colder tier holds it (this node's part, or every part of a
+checkpoint restored here, checked structurally), or when it expired there: this node pushed
+or restored it once and no tier has it any more, so the tiers' policies let it go. Steps
+in use (a prefetch writes or reads them, a push is pending or reads one as its delta base),
+pinned steps and uncommitted directories are never touched. Eviction renames the directory
+to a hidden name first (atomic: training and prefetch never see half a directory), then
+deletes it; a crash in between leaves a hidden ``*.evicting-*`` directory, swept at start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import secrets
+import shutil
+from collections.abc import Collection, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from agent.holdings import LocalCheckpoint, local_checkpoints
+from agent.journal import Journal
+from transfer.engine import list_checkpoints
+from transfer.errors import FerryError
+from transfer.retention.copy import step_problems
+from transfer.store.base import Store
+
+log = logging.getLogger(__name__)
+
+EVICTING_MARK = ".evicting-"
+MIN_KEEP_LAST = 2
+Key = tuple[str, int]
+
+
+@dataclass
+class HotStep:
+    job: str
+    step: int
+    path: str
+    bytes: int
+    action: str  # "keep" or "evict"
+    reason: str
+
+
+@dataclass
+class HotPlan:
+    bytes_before: int = 0
+    bytes_after: int = 0
+    budget_bytes: int | None = None
+    over_budget: bool = False
+    steps: list[HotStep] = field(default_factory=list)
+    evicted: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+
+async def plan_hot(
+    hot_dir: Path,
+    commit_marker: str,
+    *,
+    node: str,
+    keep_last: int,
+    budget_bytes: int | None,
+    tiers: Sequence[tuple[str, Store]],
+    journal: Journal,
+    protected: Collection[Key],
+) -> HotPlan:
+    keep_last = max(keep_last, MIN_KEEP_LAST)
+    plan = HotPlan(budget_bytes=budget_bytes)
+    held: list[LocalCheckpoint] = []
+    for job in _jobs(hot_dir):
+        held += local_checkpoints(hot_dir, job, commit_marker)
+    sizes = {(c.job, c.step): await asyncio.to_thread(_tree_bytes, c.path) for c in held}
+    plan.bytes_before = sum(sizes.values())
+    durable = _DurabilityCheck(tiers, journal, node)
+
+    # rank within its job: 0 is the newest (local_checkpoints lists newest first)
+    rank = {}
+    for job in {c.job for c in held}:
+        for i, c in enumerate(c for c in held if c.job == job):
+            rank[(c.job, c.step)] = i
+    # a step in use protects the newest step below it too: a push or prefetch of a step
+    # reads that one as its delta base
+    protected = set(protected)
+    for job, step in list(protected):
+        below = [c.step for c in held if c.job == job and c.step < step]
+        if below:
+            protected.add((job, max(below)))
+    decisions: dict[Key, tuple[str, str]] = {}
+    evictable: list[LocalCheckpoint] = []
+    for c in held:
+        key = (c.job, c.step)
+        if rank[key] < MIN_KEEP_LAST:
+            decisions[key] = ("keep", "newest two")
+        elif key in protected:
+            decisions[key] = ("keep", "in use or pinned")
+        else:
+            why_not = await durable.why_not_evictable(c)
+            if why_not:
+                decisions[key] = ("keep", why_not)
+            elif rank[key] < keep_last:
+                decisions[key] = ("keep", "keep_last")
+                evictable.append(c)
+            else:
+                decisions[key] = ("evict", "beyond keep_last; " + durable.where[key])
+    remaining = sum(sizes[k] for k, (a, _) in decisions.items() if a == "keep")
+    if budget_bytes is not None:
+        for c in sorted(evictable, key=lambda c: c.step):  # oldest first
+            if remaining <= budget_bytes:
+                break
+            key = (c.job, c.step)
+            decisions[key] = ("evict", "over budget; " + durable.where[key])
+            remaining -= sizes[key]
+        plan.over_budget = remaining > budget_bytes
+    plan.bytes_after = remaining
+    plan.steps = [
+        HotStep(c.job, c.step, str(c.path), sizes[(c.job, c.step)], *decisions[(c.job, c.step)])
+        for c in held
+    ]
+    return plan
+
+
+async def apply_hot(plan: HotPlan, journal: Journal, protected: Collection[Key]) -> HotPlan:
+    """Evict what the plan says (re-checking that nothing took a hold meanwhile)."""
+    for s in plan.steps:
+        if s.action != "evict":
+            continue
+        if (s.job, s.step) in protected:
+            plan.errors.append(f"{s.job} step {s.step} came into use; kept")
+            continue
+        try:
+            await asyncio.to_thread(_evict, Path(s.path))
+        except OSError as exc:
+            plan.errors.append(f"could not evict {s.path}: {exc}")
+            continue
+        journal.forget(s.job, s.step)
+        plan.evicted.append(s.path)
+        log.info("evicted %s (%d bytes): %s", s.path, s.bytes, s.reason)
+    return plan
+
+
+def sweep_evictions(hot_dir: Path) -> list[Path]:
+    """Delete directories an eviction renamed but did not finish deleting (a crash)."""
+    swept = []
+    for job in _jobs(hot_dir):
+        for entry in (hot_dir / job).iterdir():
+            if entry.name.startswith(".") and EVICTING_MARK in entry.name and entry.is_dir():
+                shutil.rmtree(entry, ignore_errors=True)
+                swept.append(entry)
+    return swept
+
+
+class _DurabilityCheck:
+    """Is a hot step safe to evict? Caches each tier's listing per job for one run."""
+
+    def __init__(
+        self,
+        tiers: Sequence[tuple[str, Store]],
+        journal: Journal,
+        node: str,
+    ) -> None:
+        self.tiers, self.journal, self.node = tiers, journal, node
+        self.pending = {(job, step) for job, step, _ in journal.pending()}
+        self._nodes: dict[tuple[str, str], dict[int, set[str]]] = {}
+        self.where: dict[Key, str] = {}
+
+    async def _parts(self, name: str, store: Store, job: str) -> dict[int, set[str]]:
+        if (name, job) not in self._nodes:
+            parts: dict[int, set[str]] = {}
+            for c in await list_checkpoints(store, job):
+                parts.setdefault(c.step, set()).add(c.node)
+            self._nodes[(name, job)] = parts
+        return self._nodes[(name, job)]
+
+    async def why_not_evictable(self, c: LocalCheckpoint) -> str | None:
+        restored = self.journal.is_restored(c.job, c.step)
+        if not restored and (c.job, c.step) in self.pending:
+            return "push pending"
+        unreachable = False
+        for name, store in self.tiers:
+            try:
+                nodes = (await self._parts(name, store, c.job)).get(c.step, set())
+                if not nodes or (not restored and self.node not in nodes):
+                    continue
+                wanted = sorted(nodes) if restored else [self.node]
+                problems = await step_problems(store, c.job, c.step, wanted, need_marker=False)
+            except FerryError as exc:
+                log.warning("hot retention: %s unreadable: %s", name, exc)
+                unreachable = True
+                continue
+            if not problems:
+                self.where[(c.job, c.step)] = f"held by {name}"
+                return None
+        if unreachable:
+            return "a colder tier could not be checked"
+        if self.journal.was_durable(c.job, c.step):
+            self.where[(c.job, c.step)] = "expired from every tier"
+            return None
+        return "not in any colder tier yet"
+
+
+def _jobs(hot_dir: Path) -> list[str]:
+    try:
+        return sorted(
+            e.name
+            for e in os.scandir(hot_dir)
+            if e.is_dir(follow_symlinks=False) and not e.name.startswith(".")
+        )
+    except FileNotFoundError:
+        return []
+
+
+def _tree_bytes(root: Path) -> int:
+    total = 0
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            with contextlib.suppress(FileNotFoundError):
+                total += os.lstat(os.path.join(dirpath, name)).st_size
+    return total
+
+
+def _evict(path: Path) -> None:
+    hidden = path.with_name(f".{path.name}{EVICTING_MARK}{secrets.token_hex(4)}")
+    os.rename(path, hidden)
+    shutil.rmtree(hidden)

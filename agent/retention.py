@@ -1,0 +1,168 @@
+"""The agent's retention loop: every ``interval_seconds`` and after each push, trim the hot
+dir and every store tier to their policies, then collect garbage; results go to /metrics
+and ``GET /v1/retention``.
+
+Every agent of a fleet runs this against the shared tiers; a store's lease lets one run at
+a time, and the others skip it that round. Pins come from three places: the store (any
+node's RPC pins and prefetches), this agent's RPC pins, and steps in use on this node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Collection, Sequence
+from typing import Any
+
+from agent.config import RetentionSettings
+from agent.holds import Key, StepHolds
+from agent.hotretention import apply_hot, plan_hot, sweep_evictions
+from agent.journal import Journal
+from agent.metrics import Metrics
+from transfer.errors import FerryError
+from transfer.retention import Tier, apply_plan, make_plan
+from transfer.store.base import Store
+
+log = logging.getLogger(__name__)
+
+METRICS_HELP = (
+    ("ferry_tier_bytes", "gauge", "bytes held per tier (hot: the hot dir)"),
+    ("ferry_retention_runs_total", "counter", "retention runs by result"),
+    ("ferry_retention_last_run_timestamp", "gauge", "unix time the last run finished"),
+    ("ferry_retention_last_seconds", "gauge", "how long the last run took"),
+    ("ferry_retention_expired_total", "counter", "steps expired or demoted out of a tier"),
+    ("ferry_hot_evicted_total", "counter", "step directories evicted from the hot dir"),
+    ("ferry_gc_deleted_packs_total", "counter", "packs deleted by GC"),
+    ("ferry_gc_freed_bytes_total", "counter", "bytes freed by GC"),
+    ("ferry_gc_marked_packs", "gauge", "unreferenced packs waiting out the grace period"),
+    ("ferry_retention_errors", "gauge", "errors in the last run (see GET /v1/retention)"),
+    ("ferry_journal_rows", "gauge", "rows in the push journal"),
+)
+
+
+class RetentionRunner:
+    def __init__(
+        self,
+        settings: RetentionSettings,
+        *,
+        node: str,
+        hot_dir: Any,
+        commit_marker: str,
+        tiers: Sequence[tuple[str, Store]],
+        journal: Journal,
+        holds: StepHolds,
+        pins: Callable[[], Collection[Key]],
+        busy: Callable[[], Collection[Key]],
+        metrics: Metrics,
+    ) -> None:
+        self.settings = settings
+        self.node = node
+        self.hot_dir = hot_dir
+        self.commit_marker = commit_marker
+        self.tiers = list(tiers)
+        self.journal = journal
+        self.holds = holds
+        self.pins = pins
+        self.busy = busy
+        self.metrics = metrics
+        self.last: dict[str, Any] | None = None
+        self._wake = asyncio.Event()
+        self._lock = asyncio.Lock()
+        for name, kind, text in METRICS_HELP:
+            metrics.describe(name, kind, text)
+        swept = sweep_evictions(hot_dir)
+        if swept:
+            log.info("removed %d half-evicted directories", len(swept))
+
+    def poke(self) -> None:
+        """Run soon (after a push: the new step may let an older one go)."""
+        self._wake.set()
+
+    async def loop(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.settings.interval_seconds):
+                    waits = [asyncio.ensure_future(e.wait()) for e in (self._wake, stop)]
+                    try:
+                        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                    finally:
+                        for w in waits:
+                            w.cancel()
+            if stop.is_set():
+                return
+            self._wake.clear()
+            try:
+                await self.run_once()
+            except Exception:  # a bug must not end retention for good
+                log.exception("retention run failed")
+
+    def _protected(self) -> set[Key]:
+        return set(self.pins()) | self.holds.held() | set(self.busy())
+
+    async def run_once(self, *, dry_run: bool = False) -> dict[str, Any]:
+        async with self._lock:  # one run at a time on this node
+            began = time.monotonic()
+            now = time.time()
+            report: dict[str, Any] = {"started_at": now, "dry_run": dry_run, "node": self.node}
+            hot = await plan_hot(
+                self.hot_dir,
+                self.commit_marker,
+                node=self.node,
+                keep_last=self.settings.hot_keep_last,
+                budget_bytes=self.settings.hot_budget_bytes,
+                tiers=self.tiers,
+                journal=self.journal,
+                protected=self._protected(),
+            )
+            if not dry_run:
+                hot = await apply_hot(hot, self.journal, self._protected())
+            report["hot"] = hot.to_dict()
+            tiers = [
+                Tier(store, self.settings.tier_policy(i)) for i, (_, store) in enumerate(self.tiers)
+            ]
+            try:
+                plan = await make_plan(tiers, now=now, pins=self._protected())
+                await apply_plan(
+                    plan,
+                    tiers,
+                    grace_s=self.settings.grace_seconds,
+                    holder=f"agent-{self.node}",
+                    deep_verify=self.settings.deep_verify,
+                    dry_run=dry_run,
+                )
+                report["tiers"] = plan.to_dict()["tiers"]
+                errors = [e for t in plan.tiers for e in t.errors]
+            except FerryError as exc:
+                plan = None
+                report["tiers"] = []
+                errors = [str(exc)]
+            report["errors"] = hot.errors + errors
+            report["seconds"] = time.monotonic() - began
+            if not dry_run:
+                self._record(report, hot, plan)
+                self.last = report
+            return report
+
+    def _record(self, report: dict[str, Any], hot: Any, plan: Any) -> None:
+        m = self.metrics
+        m.inc("ferry_retention_runs_total", result="error" if report["errors"] else "ok")
+        m.set("ferry_retention_last_run_timestamp", time.time())
+        m.set("ferry_retention_last_seconds", report["seconds"])
+        m.set("ferry_retention_errors", len(report["errors"]))
+        m.set(
+            "ferry_tier_bytes",
+            hot.bytes_before - sum(s.bytes for s in hot.steps if s.path in hot.evicted),
+            tier="hot",
+        )
+        m.inc("ferry_hot_evicted_total", len(hot.evicted))
+        m.set("ferry_journal_rows", self.journal.row_count())
+        for t in plan.tiers if plan else []:
+            freed = t.gc.freed_bytes if t.gc else 0  # manifests are noise next to packs
+            m.set("ferry_tier_bytes", t.bytes_before - freed, tier=t.url)
+            m.inc("ferry_retention_expired_total", len(t.done), tier=t.url)
+            if t.gc is not None:
+                m.inc("ferry_gc_deleted_packs_total", len(t.gc.deleted_packs), tier=t.url)
+                m.inc("ferry_gc_freed_bytes_total", t.gc.freed_bytes, tier=t.url)
+                m.set("ferry_gc_marked_packs", t.gc.marked_packs, tier=t.url)

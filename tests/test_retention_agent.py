@@ -1,0 +1,221 @@
+"""The agent's retention: the hot dir keeps its newest steps and evicts older ones only once
+a colder tier holds them; tiers follow their policies after each push; pins hold; the
+journal shrinks; /metrics reports it."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import time
+from pathlib import Path
+
+import aiohttp
+
+from agent.client import FerryClient
+from agent.holds import StepHolds
+from agent.hotretention import EVICTING_MARK, plan_hot, sweep_evictions
+from agent.journal import Journal
+from tests.conftest import open_test_store
+from tests.test_agent_rpc import TOKEN, agent
+from tests.test_delta import adamw_series
+from transfer.engine import list_checkpoints
+
+JOB = "llm"
+RETAIN = {
+    "FERRY_RETENTION_INTERVAL_SECONDS": "3600",  # runs come from pushes and the RPC here
+    "FERRY_RETENTION_GRACE_SECONDS": "0",
+}
+
+
+async def _wait_pushed(client: FerryClient, step: int, tiers: int = 1) -> None:
+    """Until ``step`` is durable in ``tiers`` tiers (or already evicted from the hot dir,
+    which only happens after that: its journal rows are gone then)."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        rows = [r for r in (await client._call("GET", "/v1/pushes"))["pushes"]]
+        mine = [r for r in rows if r["step"] == step]
+        if sum(r["state"] == "durable" for r in mine) >= tiers:
+            return
+        if not mine and any(r["step"] > step for r in rows):
+            return  # evicted
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"step {step} not durable: {rows}")
+
+
+def _hot_steps(hot: Path) -> list[str]:
+    return sorted(p.name for p in (hot / JOB).iterdir())
+
+
+async def _store_steps(url: str) -> list[int]:
+    store = open_test_store(url)
+    try:
+        return sorted({c.step for c in await list_checkpoints(store, JOB)})
+    finally:
+        await store.close()
+
+
+async def _metrics(url: str) -> str:
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    async with aiohttp.ClientSession(headers=auth) as s, s.get(f"{url}/metrics") as r:
+        return await r.text()
+
+
+def test_hot_dir_keeps_newest_and_evicts_only_what_a_tier_holds(
+    local_url: str, tmp_path: Path
+) -> None:
+    hot = tmp_path / "hot"
+
+    async def go() -> None:
+        env = {**RETAIN, "FERRY_RETENTION_HOT_KEEP_LAST": "2"}
+        async with (
+            agent(hot, [local_url], "a", extra_env=env) as url,
+            FerryClient(url, TOKEN) as client,
+        ):
+            adamw_series(hot / JOB, 4, seed=3)  # steps 20, 40, 60, 80
+            await _wait_pushed(client, 80)
+            # pushes poke retention; run once more to be independent of timing
+            report = await client.run_retention()
+            assert report["errors"] == []
+            assert _hot_steps(hot) == ["step_000060", "step_000080"]
+            assert await _store_steps(local_url) == [20, 40, 60, 80]  # tier keeps all
+            rows = (await client._call("GET", "/v1/pushes"))["pushes"]
+            assert sorted(r["step"] for r in rows) == [60, 80]  # journal pruned
+            text = await _metrics(url)
+            assert "ferry_hot_evicted_total 2" in text
+            assert 'ferry_tier_bytes{tier="hot"}' in text
+            assert "ferry_retention_runs_total{" in text
+
+    asyncio.run(go())
+
+
+def test_steps_not_yet_in_a_colder_tier_are_never_evicted(tmp_path: Path) -> None:
+    hot = tmp_path / "hot"
+    tier = tmp_path / "nfs"  # never created: every push fails
+
+    async def go() -> None:
+        env = {**RETAIN, "FERRY_RETENTION_HOT_KEEP_LAST": "2", "FERRY_RETENTION_HOT_BUDGET": "1"}
+        async with (
+            agent(hot, [str(tier)], "a", extra_env=env) as url,
+            FerryClient(url, TOKEN) as client,
+        ):
+            adamw_series(hot / JOB, 4, seed=4)
+            await asyncio.sleep(1.5)  # the watcher sees them; the pushes fail
+            report = await client.run_retention()
+            assert _hot_steps(hot) == ["step_000020", "step_000040", "step_000060", "step_000080"]
+            reasons = {s["step"]: s["reason"] for s in report["hot"]["steps"]}
+            # queued for a retry (in use), or failed for good: either way not in a tier
+            assert reasons[20] in ("in use or pinned", "push pending", "not in any colder tier yet")
+            assert report["hot"]["over_budget"] is True
+
+    asyncio.run(go())
+
+
+def test_hot_budget_evicts_down_to_the_newest_two(local_url: str, tmp_path: Path) -> None:
+    """A size-limited hot dir: keep_last would keep 5, the byte budget allows about 2.5
+    steps, so the oldest durable steps go first, and never the newest two."""
+    hot = tmp_path / "hot"
+
+    async def go() -> None:
+        one_step = 9 * (1 << 20) + 3  # adamw_series writes three 3 MiB tensors per step
+        env = {
+            **RETAIN,
+            "FERRY_RETENTION_HOT_KEEP_LAST": "5",
+            "FERRY_RETENTION_HOT_BUDGET": str(int(one_step * 2.5)),
+        }
+        async with (
+            agent(hot, [local_url], "a", extra_env=env) as url,
+            FerryClient(url, TOKEN) as client,
+        ):
+            adamw_series(hot / JOB, 4, seed=5)
+            await _wait_pushed(client, 80)
+            report = await client.run_retention()
+            assert _hot_steps(hot) == ["step_000060", "step_000080"], report["hot"]
+            assert report["hot"]["bytes_after"] <= int(one_step * 2.5)
+            assert not report["hot"]["over_budget"]
+
+    asyncio.run(go())
+
+
+def test_tier_policy_runs_after_each_push_and_respects_pins(
+    local_url: str, s3_url: str, tmp_path: Path
+) -> None:
+    """Hot tier NFS-like (local store) keeps 1; S3 keeps 2. After each push the agent trims
+    both, on its own; a step pinned over the RPC stays in every tier until unpinned."""
+    hot = tmp_path / "hot"
+    config = "[[retention.tiers]]\nkeep_last = 1\n[[retention.tiers]]\nkeep_last = 2\n"
+
+    async def go() -> None:
+        env = {**RETAIN, "FERRY_RETENTION_HOT_KEEP_LAST": "4"}
+        async with (
+            agent(hot, [local_url, s3_url], "a", extra_env=env, config_text=config) as url,
+            FerryClient(url, TOKEN) as client,
+        ):
+            adamw_series(hot / JOB, 1, seed=6)
+            await _wait_pushed(client, 20, tiers=2)
+            await client.pin(JOB, 20, ttl_s=600)
+            for k, d in enumerate(adamw_series(tmp_path / "later", 4, seed=6)[1:], start=2):
+                shutil.copytree(d, hot / JOB / d.name)
+                await _wait_pushed(client, 20 * k, tiers=2)
+            deadline = time.monotonic() + 30  # the post-push run is asynchronous
+            while time.monotonic() < deadline:
+                if await _store_steps(local_url) == [20, 80] and await _store_steps(s3_url) == [
+                    20,
+                    60,
+                    80,
+                ]:
+                    break
+                await asyncio.sleep(0.3)
+            assert await _store_steps(local_url) == [20, 80]  # 20 pinned, 80 newest
+            assert await _store_steps(s3_url) == [20, 60, 80]
+            await client.unpin(JOB, 20)
+            report = await client.run_retention()
+            assert report["errors"] == []
+            assert await _store_steps(local_url) == [80]
+            assert await _store_steps(s3_url) == [60, 80]
+            text = await _metrics(url)
+            assert "ferry_gc_marked_packs{" in text and "ferry_retention_expired_total{" in text
+            dry = await client.retention(dry_run=True)
+            assert dry["dry_run"] is True and dry["tiers"][0]["actions"]
+
+    asyncio.run(go())
+
+
+def test_steps_in_use_and_their_bases_are_protected(local_url: str, tmp_path: Path) -> None:
+    hot = tmp_path / "hot"
+    dirs = adamw_series(hot / JOB, 5, seed=7)
+
+    async def go() -> None:
+        store = open_test_store(local_url)
+        journal = Journal(tmp_path / "j.sqlite3", "a")
+        from transfer.engine import push
+
+        for d in dirs:
+            step = int(d.name.split("_")[1])
+            journal.record_staged(JOB, step, d, [local_url])
+            result = await push(store, d, job=JOB, step=step, node="a")
+            journal.record_durable(JOB, step, local_url, result.to_dict())
+        holds = StepHolds()
+        with holds.hold((JOB, 60)):  # e.g. a prefetch reading step 60: 40 is its base
+            plan = await plan_hot(
+                hot,
+                ".metadata",
+                node="a",
+                keep_last=2,
+                budget_bytes=None,
+                tiers=[(local_url, store)],
+                journal=journal,
+                protected=holds.held(),
+            )
+        actions = {s.step: s.action for s in plan.steps}
+        assert actions == {20: "evict", 40: "keep", 60: "keep", 80: "keep", 100: "keep"}
+        assert holds.held() == set()
+
+    asyncio.run(go())
+
+
+def test_a_crash_mid_eviction_is_swept(tmp_path: Path) -> None:
+    hot = tmp_path / "hot"
+    (d,) = adamw_series(hot / JOB, 1)
+    half = d.with_name(f".{d.name}{EVICTING_MARK}dead")
+    d.rename(half)
+    assert sweep_evictions(hot) == [half] and not half.exists()
