@@ -341,3 +341,22 @@ def test_push_racing_gc_loses_nothing(
             await store.close()
 
     run(go())
+
+
+def test_dead_bytes_in_kept_packs_are_reported(local_url: str, tmp_path: Path) -> None:
+    """A pack stays whole while any chunk in it is referenced: step 2 reuses step 1's small
+    shared file, so step 1's pack (and its big shard) stays after step 1 expires; the plan
+    says how many of its bytes nothing uses."""
+
+    async def go() -> None:
+        store = open_test_store(local_url)
+        for step in (1, 2):
+            d = tmp_path / f"s{step}"
+            write_file(d / "big.bin", random_bytes(500_000, step))
+            write_file(d / "shared.txt", b"the same in every step\n" * 10)
+            await push(store, d, job=JOB, step=step, node=NODE)
+        plan = await make_plan([Tier(store, TierPolicy(keep_last=1))], now=time.time())
+        assert plan.tiers[0].dead_bytes_after == 500_000  # step 1's big.bin, stored raw
+        assert "500000" not in plan.table() and "488.3 KiB of it in packs" in plan.table()
+
+    run(go())

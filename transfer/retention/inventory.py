@@ -32,6 +32,8 @@ class StepEntry:
     parts: dict[str, frozenset[str]] = field(default_factory=dict)
     #: node -> manifest size in bytes
     manifest_bytes: dict[str, int] = field(default_factory=dict)
+    #: pack -> {offset: stored length} of the chunks the step's parts use in it
+    extents: dict[str, dict[int, int]] = field(default_factory=dict)
     has_marker: bool = False
     complete: bool = False
     created: float = 0.0  # unix time of the newest part's manifest
@@ -69,6 +71,19 @@ class Inventory:
         keys = list(keys)
         packs = sum(self.pack_sizes.get(p, 0) for p in self.referenced(keys))
         return packs + sum(sum(self.steps[k].manifest_bytes.values()) for k in keys)
+
+    def dead_bytes(self, keys: Iterable[Key]) -> int:
+        """Bytes inside the packs ``keys`` keep that none of their chunks use: space that
+        comes back only when the whole pack goes (there is no repacking)."""
+        used: dict[str, dict[int, int]] = {}
+        keys = list(keys)
+        for key in keys:
+            for pack_id, extents in self.steps[key].extents.items():
+                used.setdefault(pack_id, {}).update(extents)
+        return sum(
+            max(self.pack_sizes.get(p, 0) - sum(used.get(p, {}).values()), 0)
+            for p in self.referenced(keys)
+        )
 
     def total_bytes(self) -> int:
         manifests = sum(sum(s.manifest_bytes.values()) for s in self.steps.values())
@@ -109,6 +124,8 @@ async def take_inventory(
                 ) from exc
         entry = steps[(job, step)]
         entry.parts[node] = frozenset(manifest.packs)
+        for chunk in manifest.all_chunks():
+            entry.extents.setdefault(manifest.packs[chunk.pack], {})[chunk.offset] = chunk.stored
         entry.created = max(entry.created, created)
 
     todo = []

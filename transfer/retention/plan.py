@@ -62,6 +62,8 @@ class TierPlan:
     bytes_before: int
     bytes_after: int
     actions: list[StepAction]
+    #: bytes in retained packs that no retained chunk uses (freed only with the whole pack)
+    dead_bytes_after: int = 0
     #: over budget even after dropping everything the rules allow
     over_budget: bool = False
     #: filled in by apply_plan
@@ -93,7 +95,8 @@ class RetentionPlan:
             lines.append(
                 f"{t.url}  [{t.policy}]  {len(t.actions)} steps: keep {t.count(KEEP)}, "
                 f"demote {t.count(DEMOTE)}, expire {t.count(EXPIRE)}; "
-                f"{format_size(t.bytes_before)} -> {format_size(t.bytes_after)}"
+                f"{format_size(t.bytes_before)} -> {format_size(t.bytes_after)} "
+                f"({format_size(t.dead_bytes_after)} of it in packs kept for other chunks)"
                 + ("  (OVER BUDGET: only protected steps left)" if t.over_budget else "")
             )
             for a in t.actions:
@@ -176,6 +179,7 @@ async def make_plan(
                 inv.total_bytes(),
                 inv.bytes_of(kept),
                 actions,
+                dead_bytes_after=inv.dead_bytes(kept),
                 over_budget=over,
             )
         )
