@@ -360,3 +360,32 @@ def test_dead_bytes_in_kept_packs_are_reported(local_url: str, tmp_path: Path) -
         assert "500000" not in plan.table() and "488.3 KiB of it in packs" in plan.table()
 
     run(go())
+
+
+def test_cli_plans_applies_and_reports_errors(
+    local_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from agent.cli import main as ferry
+
+    store = open_test_store(local_url)
+    run(_push_steps(store, tmp_path, {1: 1, 2: 2, 3: 3}))
+    assert ferry(["retention", local_url, "--keep-last", "1", "--dry-run", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["dry_run"] and [a["action"] for a in doc["tiers"][0]["actions"]] == [
+        EXPIRE,
+        EXPIRE,
+        KEEP,
+    ]
+    assert run(_steps(store)) == [1, 2, 3]
+    assert ferry(["retention", local_url, "--keep-last", "1", "--grace", "0"]) == 0
+    assert "expire" in capsys.readouterr().out and run(_steps(store)) == [3]
+    assert ferry(["retention", local_url, "--keep-last", "1", "--grace", "0"]) == 0
+    assert "gc: deleted 2 packs" in capsys.readouterr().out
+
+    lease = {"holder": "someone", "expires_at": time.time() + 600}
+    run(store.put(layout.GC_LOCK_KEY, json.dumps(lease).encode(), create_only=True))
+    assert ferry(["retention", local_url, "--keep-last", "1"]) == 1
+    assert "already running" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as usage:
+        ferry(["retention", local_url, "--max-age", "soon"])
+    assert usage.value.code == 2
