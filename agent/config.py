@@ -81,6 +81,8 @@ class RetentionSettings:
     #: may still be in use by training or be the base of the next push)
     hot_keep_last: int = 2
     hot_budget_bytes: int | None = None
+    #: evict (as for the budget) while the hot dir's filesystem has less free space
+    hot_min_free_bytes: int | None = None
     #: one policy per entry of ``tiers``, in order; tiers beyond the list keep everything
     tiers: tuple[TierPolicy, ...] = ()
 
@@ -173,6 +175,7 @@ _RETENTION_KEYS: dict[str, type] = {
     "deep_verify": bool,
     "hot_keep_last": int,
     "hot_budget": object,  # a size: bytes, or a string like "800GB"
+    "hot_min_free": object,
 }
 _TIER_POLICY_KEYS = {"keep_last", "keep_every", "max_age", "budget"}
 _TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", list: "a list of strings"}
@@ -280,6 +283,7 @@ def _retention(raw: object, env: Mapping[str, str], n_tiers: int) -> RetentionSe
     policies = tuple(_tier_policy(i, t) for i, t in enumerate(tiers_raw))
     hot_keep_last = _int_at_least("retention.hot_keep_last", values.get("hot_keep_last", 2), 2)
     budget = values.get("hot_budget")
+    min_free = values.get("hot_min_free")
     return RetentionSettings(
         interval_seconds=_seconds(
             "retention.interval_seconds", values.get("interval_seconds", 600.0)
@@ -288,6 +292,9 @@ def _retention(raw: object, env: Mapping[str, str], n_tiers: int) -> RetentionSe
         deep_verify=bool(values.get("deep_verify", False)),
         hot_keep_last=hot_keep_last,
         hot_budget_bytes=_quantity("retention.hot_budget", budget, parse_size) if budget else None,
+        hot_min_free_bytes=(
+            _quantity("retention.hot_min_free", min_free, parse_size) if min_free else None
+        ),
         tiers=policies,
     )
 
@@ -495,6 +502,7 @@ grace_seconds = 3600        # unreferenced packs wait this long; must exceed a p
 deep_verify = false         # re-hash a step in the next tier before it leaves this one
 hot_keep_last = 2           # committed steps kept per job in hot_dir (at least 2)
 hot_budget = "800GB"        # evict older steps (already in a colder tier) beyond this
+hot_min_free = "100GB"      # ... and while the hot filesystem has less free than this
 
 [[retention.tiers]]         # policy of tiers[0]
 keep_last = 3

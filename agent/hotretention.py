@@ -1,6 +1,7 @@
 """Retention of the hot dir (node-local NVMe): keep the newest ``keep_last`` committed steps
 of each job, evict older ones only once a colder tier holds them, and evict further (down
-to the newest two) while the directory is over its byte budget.
+to the newest two) while the directory is over its byte budget or its filesystem has less
+than ``min_free`` bytes free.
 
 A step is evictable when a colder tier holds it (this node's part, or every part of a
 checkpoint restored here, checked structurally), or when it expired there: this node pushed
@@ -52,6 +53,8 @@ class HotPlan:
     bytes_before: int = 0
     bytes_after: int = 0
     budget_bytes: int | None = None
+    min_free_bytes: int | None = None
+    #: over the budget, or short of min_free, even after evicting all it may
     over_budget: bool = False
     steps: list[HotStep] = field(default_factory=list)
     evicted: list[str] = field(default_factory=list)
@@ -71,6 +74,7 @@ async def plan_hot(
     tiers: Sequence[tuple[str, Store]],
     journal: Journal,
     protected: Collection[Key],
+    min_free_bytes: int | None = None,
 ) -> HotPlan:
     keep_last = max(keep_last, MIN_KEEP_LAST)
     plan = HotPlan(budget_bytes=budget_bytes)
@@ -111,14 +115,25 @@ async def plan_hot(
             else:
                 decisions[key] = ("evict", "beyond keep_last; " + durable.where[key])
     remaining = sum(sizes[k] for k, (a, _) in decisions.items() if a == "keep")
-    if budget_bytes is not None:
-        for c in sorted(evictable, key=lambda c: c.step):  # oldest first
-            if remaining <= budget_bytes:
-                break
-            key = (c.job, c.step)
-            decisions[key] = ("evict", "over budget; " + durable.where[key])
-            remaining -= sizes[key]
-        plan.over_budget = remaining > budget_bytes
+    # bytes to free on the filesystem, counting what keep_last already evicts
+    shortfall = 0
+    if min_free_bytes is not None:
+        evicting = sum(sizes[k] for k, (a, _) in decisions.items() if a == "evict")
+        shortfall = min_free_bytes - _free_bytes(hot_dir) - evicting
+    plan.min_free_bytes = min_free_bytes
+
+    def short() -> bool:
+        return (budget_bytes is not None and remaining > budget_bytes) or shortfall > 0
+
+    for c in sorted(evictable, key=lambda c: c.step):  # oldest first
+        if not short():
+            break
+        key = (c.job, c.step)
+        why = "over budget" if shortfall <= 0 else "disk short of min_free"
+        decisions[key] = ("evict", f"{why}; " + durable.where[key])
+        remaining -= sizes[key]
+        shortfall -= sizes[key]
+    plan.over_budget = short()
     plan.bytes_after = remaining
     plan.steps = [
         HotStep(c.job, c.step, str(c.path), sizes[(c.job, c.step)], *decisions[(c.job, c.step)])
@@ -215,6 +230,11 @@ def _jobs(hot_dir: Path) -> list[str]:
         )
     except FileNotFoundError:
         return []
+
+
+def _free_bytes(path: Path) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
 
 
 def _tree_bytes(root: Path) -> int:

@@ -112,6 +112,7 @@ class RetentionRunner:
                 node=self.node,
                 keep_last=self.settings.hot_keep_last,
                 budget_bytes=self.settings.hot_budget_bytes,
+                min_free_bytes=self.settings.hot_min_free_bytes,
                 tiers=self.tiers,
                 journal=self.journal,
                 protected=self._protected(),

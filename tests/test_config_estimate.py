@@ -60,7 +60,11 @@ def test_example_toml_documents_every_key() -> None:
             assert f"\n{f.name} =" in text or f"\n# {f.name} =" in text, f.name
     assert "\n[retention]\n" in text and "\n[[retention.tiers]]" in text
     for f in fields(RetentionSettings):
-        key = {"hot_budget_bytes": "hot_budget", "tiers": "[[retention.tiers]]"}.get(f.name, f.name)
+        key = {
+            "hot_budget_bytes": "hot_budget",
+            "hot_min_free_bytes": "hot_min_free",
+            "tiers": "[[retention.tiers]]",
+        }.get(f.name, f.name)
         assert f"\n{key}" in text, key
 
 

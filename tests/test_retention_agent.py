@@ -5,11 +5,14 @@ journal shrinks; /metrics reports it."""
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
+import subprocess
 import time
 from pathlib import Path
 
 import aiohttp
+import pytest
 
 from agent.client import FerryClient
 from agent.holds import StepHolds
@@ -219,3 +222,38 @@ def test_a_crash_mid_eviction_is_swept(tmp_path: Path) -> None:
     half = d.with_name(f".{d.name}{EVICTING_MARK}dead")
     d.rename(half)
     assert sweep_evictions(hot) == [half] and not half.exists()
+
+
+def test_hot_dir_on_a_small_tmpfs_keeps_min_free(local_url: str, tmp_path: Path) -> None:
+    """The hot dir on a real 48 MiB tmpfs: four ~9 MiB saves leave less than the 20 MiB
+    min_free, so the oldest durable steps are evicted until the filesystem has it."""
+    hot = tmp_path / "hot"
+    hot.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=48m", "tmpfs", str(hot)], capture_output=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+
+        async def go() -> None:
+            env = {
+                **RETAIN,
+                "FERRY_RETENTION_HOT_KEEP_LAST": "10",
+                "FERRY_RETENTION_HOT_MIN_FREE": str(20 << 20),
+            }
+            async with (
+                agent(hot, [local_url], "a", extra_env=env) as url,
+                FerryClient(url, TOKEN) as client,
+            ):
+                adamw_series(hot / JOB, 4, seed=8)
+                await _wait_pushed(client, 80)
+                report = await client.run_retention()
+                st = os.statvfs(hot)
+                assert st.f_bavail * st.f_frsize >= 20 << 20, report["hot"]
+                assert _hot_steps(hot) == ["step_000040", "step_000060", "step_000080"]
+                assert not report["hot"]["over_budget"]
+
+        asyncio.run(go())
+    finally:
+        subprocess.run(["umount", "-l", str(hot)], check=False)
