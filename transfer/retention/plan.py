@@ -149,7 +149,7 @@ async def make_plan(
 ) -> RetentionPlan:
     """Read every tier and decide. ``pins`` adds the caller's own pins (an agent's); pins in
     any tier's store protect the step in every tier, which is why one unreadable tier stops
-    the whole plan (RetentionError): a pin only it holds must still protect the others."""
+    the whole plan (its error propagates): a pin only it holds must still protect the others."""
     inventories = [
         await take_inventory(t.store, now=now, expected_nodes=expected_nodes) for t in tiers
     ]
