@@ -132,3 +132,28 @@ def test_unfinished_uploads_are_listed_and_orphans_aborted(store_url: str) -> No
         assert await store.list("") == []
 
     with_store(store_url, body)
+
+
+def test_range_reader_reads_into_buffers(store_url: str) -> None:
+    """The bulk read path of pulls: bytes land in the caller's buffer, a read past the end
+    of the object is short (not an error), a missing key is NotFoundError."""
+
+    async def body(store: Store) -> None:
+        data = random_bytes(3 << 20)
+        await store.put("packs/blob", data)
+        reader = await asyncio.to_thread(store.range_reader)
+        assert reader is not None  # every shipped backend has one
+        buf = memoryview(bytearray(1 << 20))
+
+        def read(start: int, size: int) -> bytes:
+            got = reader.read_into("packs/blob", start, buf[:size])
+            return bytes(buf[:got])
+
+        assert await asyncio.to_thread(read, 0, 1 << 20) == data[: 1 << 20]
+        assert await asyncio.to_thread(read, 12345, 1000) == data[12345:13345]
+        assert await asyncio.to_thread(read, len(data) - 10, 1 << 20) == data[-10:]
+        assert await asyncio.to_thread(read, 5, 0) == b""
+        with pytest.raises(NotFoundError):
+            await asyncio.to_thread(reader.read_into, "packs/missing", 0, buf[:10])
+
+    with_store(store_url, body)

@@ -2,16 +2,27 @@
 
 Shared by pull (sink writes into staging files) and verify (sink does nothing). Adjacent
 chunks of one pack are fetched in one ranged GET of up to ``part_size`` bytes; up to
-``window`` GETs are in flight; decode + hash + sink run in worker threads. A delta chunk's
-base bytes come from the resolver (a verified local copy, or the store).
+``window`` GETs are in flight. A delta chunk's base bytes come from the resolver (a verified
+local copy, or the store).
+
+Two ways to run, by what the store offers:
+- threaded (the store has a ``range_reader``: S3 and local stores): each reader thread
+  receives a range into its own reused buffer, then decodes, verifies and sinks the chunks
+  that need no base right there. On 2 cores the event loop used to be the bottleneck of a
+  pull: one thread receiving every byte into fresh ``bytes`` (py-spy: the busiest thread);
+  now no payload byte passes through it. Delta chunks (small, compressed) are copied out
+  and finished on the loop side, which resolves their bases asynchronously.
+- async (any other store): ``store.get`` on the loop, decode + verify + sink in the pool.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from transfer.codec.transforms import Buffer
 from transfer.engine.chunkindex import StoredChunk
@@ -19,6 +30,7 @@ from transfer.engine.errors import first_error
 from transfer.engine.resolver import ChunkResolver, Hint
 from transfer.errors import IntegrityError, NotFoundError, RangeNotSatisfiableError
 from transfer.format.layout import pack_key
+from transfer.store.base import RangeReader
 
 _MAX_GAP = 256 << 10  # read through gaps this small rather than issue another request
 
@@ -67,53 +79,130 @@ async def fetch_chunks(
     hints: dict[str, Hint] | None = None,
     on_bad: BadChunk | None = None,
 ) -> None:
-    """Fetch, decode and verify every chunk; ``sink(chunk, data)`` runs in a worker thread.
+    """Fetch, decode and verify every chunk; ``sink(chunk, data)`` runs in a worker thread
+    (``data`` may be a view of a reused buffer: consume it before returning).
 
     Without ``on_bad`` the first bad chunk raises IntegrityError; with it, bad chunks are
     reported and the rest are still checked.
     """
-    store, pool = resolver.store, resolver.pool
     ranges = plan_ranges(chunks, part_size)
-    pending = iter(ranges)
-    loop = asyncio.get_running_loop()
-    hints = hints or {}
+    if not ranges:
+        return
+    reader = await asyncio.to_thread(resolver.store.range_reader)
+    fetch = _Fetch(resolver, sink, hints or {}, on_bad)
+    if reader is None:
+        await fetch.run_async(ranges, window)
+    else:
+        await fetch.run_threaded(reader, ranges, min(window, len(ranges)))
 
-    def finish(c: StoredChunk, payload: Buffer, base: Buffer | None) -> None:
+
+class _Fetch:
+    def __init__(
+        self, resolver: ChunkResolver, sink: Sink, hints: dict[str, Hint], on_bad: BadChunk | None
+    ) -> None:
+        self.resolver = resolver
+        self.sink = sink
+        self.hints = hints
+        self.on_bad = on_bad
+
+    def finish(self, c: StoredChunk, payload: Buffer, base: Buffer | None) -> None:
+        """Decode, verify, sink (in a thread)."""
         if len(payload) != c.stored:
             raise IntegrityError(f"chunk {c.id}: pack {c.pack_id} is truncated", [c.id])
-        sink(c, resolver.decode(c, payload, base))
+        self.sink(c, self.resolver.decode(c, payload, base))
 
-    async def one(c: StoredChunk, payload: Buffer) -> None:
+    async def one(self, c: StoredChunk, payload: Buffer) -> None:
+        """Finish one chunk from the loop side, resolving its base first."""
         try:
-            base = await resolver.raw(c.base, hints.get(c.id)) if c.base else None
-            await loop.run_in_executor(pool, finish, c, payload, base)
+            base = await self.resolver.raw(c.base, self.hints.get(c.id)) if c.base else None
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(self.resolver.pool, self.finish, c, payload, base)
         except IntegrityError as exc:
-            if on_bad is None:
+            if self.on_bad is None:
                 raise
-            on_bad(c, str(exc))
+            self.on_bad(c, str(exc))
 
-    async def worker() -> None:
-        for r in pending:  # a shared iterator: each range goes to exactly one worker
-            try:
-                blob = await store.get(pack_key(r.pack_id), r.start, r.end)
-            except (NotFoundError, RangeNotSatisfiableError) as exc:
-                what = "missing from the store" if isinstance(exc, NotFoundError) else "truncated"
-                reason = f"pack {r.pack_id} is {what}"
-                if on_bad is None:
-                    ids = [c.id for c in r.chunks]
-                    raise IntegrityError(f"{reason} (needed by chunk {ids[0]})", ids) from None
+    def unreadable(self, r: _Range, exc: NotFoundError | RangeNotSatisfiableError) -> None:
+        what = "missing from the store" if isinstance(exc, NotFoundError) else "truncated"
+        reason = f"pack {r.pack_id} is {what}"
+        if self.on_bad is None:
+            ids = [c.id for c in r.chunks]
+            raise IntegrityError(f"{reason} (needed by chunk {ids[0]})", ids) from None
+        for c in r.chunks:
+            self.on_bad(c, reason)
+
+    async def run_async(self, ranges: list[_Range], window: int) -> None:
+        pending = iter(ranges)
+
+        async def worker() -> None:
+            for r in pending:  # a shared iterator: each range goes to exactly one worker
+                try:
+                    blob = await self.resolver.store.get(pack_key(r.pack_id), r.start, r.end)
+                except (NotFoundError, RangeNotSatisfiableError) as exc:
+                    self.unreadable(r, exc)
+                    continue
+                self.resolver.on_bytes_read(len(blob))
+                view = memoryview(blob)
                 for c in r.chunks:
-                    on_bad(c, reason)
-                continue
-            resolver.on_bytes_read(len(blob))
-            view = memoryview(blob)
-            for c in r.chunks:
-                lo = c.offset - r.start
-                await one(c, view[lo : lo + c.stored])  # no copy: decode reads the view
+                    lo = c.offset - r.start
+                    await self.one(c, view[lo : lo + c.stored])  # no copy: decode reads the view
 
+        await _run_workers(worker, min(window, len(ranges)))
+
+    async def run_threaded(self, reader: RangeReader, ranges: list[_Range], window: int) -> None:
+        pending = iter(ranges)
+        running: set[concurrent.futures.Future[int]] = set()
+        pool = concurrent.futures.ThreadPoolExecutor(window, thread_name_prefix="ferry-get")
+
+        async def worker() -> None:
+            buf = memoryview(b"")  # this worker's receive buffer, reused for every range
+            for r in pending:
+                need = r.end - r.start
+                if len(buf) < need:
+                    buf = memoryview(bytearray(need))
+                job = pool.submit(reader.read_into, pack_key(r.pack_id), r.start, buf[:need])
+                running.add(job)
+                job.add_done_callback(running.discard)
+                try:
+                    got = await asyncio.wrap_future(job)
+                except (NotFoundError, RangeNotSatisfiableError) as exc:
+                    self.unreadable(r, exc)
+                    continue
+                self.resolver.on_bytes_read(got)
+                view = buf[:got]
+                for c in r.chunks:
+                    lo = c.offset - r.start
+                    await self.one(c, view[lo : lo + c.stored])  # decode reads the buffer
+
+        try:
+            await _run_workers(worker, window)
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
+            await _drain(running)
+
+
+async def _run_workers(worker: Callable[[], Awaitable[None]], count: int) -> None:
     try:
         async with asyncio.TaskGroup() as tasks:
-            for _ in range(min(window, len(ranges))):
-                tasks.create_task(worker())
+            for _ in range(count):
+                tasks.create_task(worker())  # type: ignore[arg-type]
     except BaseExceptionGroup as group:
         raise first_error(group) from None
+
+
+async def _drain(jobs: set[concurrent.futures.Future[Any]]) -> None:
+    """Wait, without blocking the loop, until no reader thread runs: a sink must never be
+    called after fetch_chunks returns (the caller closes its files then). Even when we are
+    cancelled meanwhile: the cancellation is re-raised once they are done."""
+    waiting = [j for j in jobs if not j.done()]
+    if not waiting:
+        return
+    done = asyncio.ensure_future(asyncio.to_thread(concurrent.futures.wait, waiting))
+    cancelled = False
+    while not done.done():
+        try:
+            await asyncio.shield(done)
+        except asyncio.CancelledError:
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError

@@ -30,6 +30,7 @@ from transfer.engine.fetch import fetch_chunks
 from transfer.engine.options import TransferOptions
 from transfer.engine.progress import NoProgress, Progress
 from transfer.engine.resolver import ChunkResolver
+from transfer.engine.writeback import start_writeback
 from transfer.errors import DestinationError, FerryError, FormatError
 from transfer.format.chunkid import chunk_id
 from transfer.format.manifest import FileEntry, Manifest
@@ -382,6 +383,7 @@ class _StagingFiles:
             done = 0
             while done < len(view):
                 done += os.pwrite(fd, view[done:], offset + done)
+            start_writeback(fd, offset, done)
         except OSError as exc:
             if exc.errno == errno.ENOSPC:
                 msg = f"no space left writing {self._paths[index]}"

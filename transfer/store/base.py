@@ -59,6 +59,22 @@ class Upload(ABC):
     async def abort(self) -> None: ...
 
 
+class RangeReader(ABC):
+    """Blocking ranged reads straight into a caller's buffer, callable from many threads at
+    once. Why beside the async ``get``: on a 2-core node a pull is bound by the one event-loop
+    thread that receives every byte into fresh ``bytes`` objects; worker threads that receive
+    into reused buffers (the GIL is released while they wait on the socket) move the same
+    bytes with less CPU and on every core. Same error semantics as ``Store.get``."""
+
+    @abstractmethod
+    def read_into(self, key: str, start: int, buf: memoryview) -> int:
+        """Fill ``buf`` with the object's bytes from ``start``; returns how many it had
+        there (fewer than ``len(buf)`` only at the object's end)."""
+
+    def close(self) -> None:  # noqa: B027  # optional hook
+        """Release connections."""
+
+
 class Store(ABC):
     """A backend. Every write is durable when the awaited call returns."""
 
@@ -99,6 +115,11 @@ class Store(ABC):
 
     async def close(self) -> None:  # noqa: B027  # optional hook
         """Release connections; the store is unusable afterwards."""
+
+    def range_reader(self) -> RangeReader | None:
+        """A blocking reader for bulk ranged reads, or None (use ``get``). May block while
+        it sets up (call it from a thread); the store owns it and closes it in ``close``."""
+        return None
 
     async def exists(self, key: str) -> bool:
         """True/False only when the store says so; other errors propagate (never 'absent')."""

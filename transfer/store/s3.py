@@ -13,7 +13,9 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import functools
 import hashlib
+import threading
 import zlib
 from typing import Any
 
@@ -30,10 +32,12 @@ from transfer.store.base import (
     ObjectInfo,
     PendingUpload,
     PendingUploads,
+    RangeReader,
     Store,
     Upload,
     check_key,
 )
+from transfer.store.s3reader import S3RangeReader
 
 MIN_PART_SIZE = 5 << 20
 _SMALL_FOR_THREAD = 1 << 20  # checksum small bodies inline; big ones in a thread
@@ -156,6 +160,20 @@ class S3Store(Store):
         )
         self._session_lock = asyncio.Lock()
         self._ready = False
+        self._make_reader = functools.partial(
+            S3RangeReader,
+            bucket,
+            self.full_key,
+            _map_error,
+            endpoint_url=endpoint_url,
+            key=key,
+            secret=secret,
+            pool_size=pool_size,
+            connect_timeout=connect_timeout,
+            read_timeout=read_timeout,
+        )
+        self._reader: S3RangeReader | None = None
+        self._reader_lock = threading.Lock()
 
     def full_key(self, key: str) -> str:
         check_key(key)
@@ -298,7 +316,17 @@ class S3Store(Store):
             raise _map_error(exc, f"start upload of {key}") from exc
         return S3Upload(self, key, resp["UploadId"])
 
+    def range_reader(self) -> RangeReader:
+        with self._reader_lock:  # one client per store, made on first use
+            if self._reader is None:
+                self._reader = self._make_reader()
+            return self._reader
+
     async def close(self) -> None:
+        with self._reader_lock:
+            reader, self._reader = self._reader, None
+        if reader is not None:
+            reader.close()
         client = getattr(self._fs, "_s3", None)
         if client is not None:
             await client.close()
