@@ -1,0 +1,155 @@
+"""Measuring one command: wall clock, its own CPU and peak RSS, the S3 server's CPU, noise.
+
+Shared by the benchmark scripts. Also: dropping the page cache, and checking a restored
+tree byte for byte against its source.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+import blake3
+
+
+def tree_digest(root: Path) -> dict[str, tuple[int, str]]:
+    """relative path -> (size, BLAKE3) of every regular file under ``root``."""
+    out: dict[str, tuple[int, str]] = {}
+    for path in sorted(root.rglob("*")):
+        if path.is_file():
+            h = blake3.blake3(max_threads=blake3.blake3.AUTO)
+            h.update_mmap(path)
+            out[path.relative_to(root).as_posix()] = (path.stat().st_size, h.hexdigest())
+    return out
+
+
+def check_same(expected: dict[str, tuple[int, str]], got_root: Path, what: str) -> None:
+    got = tree_digest(got_root)
+    if got != expected:
+        missing = sorted(set(expected) - set(got))
+        extra = sorted(set(got) - set(expected))
+        differ = sorted(k for k in set(got) & set(expected) if got[k] != expected[k])
+        raise SystemExit(
+            f"WRONG RESULT from {what}: missing {missing}, extra {extra}, differing {differ}"
+        )
+
+
+def drop_caches() -> bool:
+    """Write back and drop the page cache (needs root); False when not allowed."""
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    except OSError:
+        return False
+    return True
+
+
+def proc_cpu_seconds(pid: int | None) -> float | None:
+    """utime + stime of a running process from /proc (Linux), None if unavailable."""
+    if pid is None:
+        return None
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rsplit(")", 1)[1].split()
+    ticks = os.sysconf("SC_CLK_TCK")
+    return (int(fields[11]) + int(fields[12])) / ticks  # fields 14 and 15 of stat(5)
+
+
+def system_busy_seconds() -> float | None:
+    """CPU seconds every core has spent busy since boot (/proc/stat), None if unavailable."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    # user nice system idle iowait irq softirq steal: everything but idle and iowait
+    busy = sum(int(x) for i, x in enumerate(fields[1:9]) if i not in (3, 4))
+    return busy / os.sysconf("SC_CLK_TCK")
+
+
+@dataclasses.dataclass
+class Ran:
+    returncode: int
+    stdout: str
+    stderr: str
+    seconds: float
+    cpu_user: float
+    cpu_sys: float
+    peak_rss_mb: float
+    server_cpu: float | None
+    other_cpu: float | None  # busy CPU seconds of everything else on the machine meanwhile
+
+
+# Measuring a child's peak RSS needs care: Linux keeps ``maxrss`` across exec, and Python
+# spawns through vfork, so a child's ru_maxrss starts at *this* process's high-water mark
+# (hundreds of MB after generating and hashing the checkpoint). A tiny launcher (python -S,
+# ~10 MB) forks the real command, waits for it and reports its rusage and wall clock, so
+# the numbers belong to the command alone (floor: the launcher's ~10 MB).
+_LAUNCHER = """
+import json, os, sys, time
+t0 = time.perf_counter()
+pid = os.fork()
+if pid == 0:
+    try:
+        os.execvp(sys.argv[2], sys.argv[2:])
+    finally:
+        os._exit(127)
+_, status, ru = os.wait4(pid, 0)
+seconds = time.perf_counter() - t0
+with open(sys.argv[1], "w") as f:
+    json.dump({"seconds": seconds, "utime": ru.ru_utime, "stime": ru.ru_stime,
+               "maxrss_kib": ru.ru_maxrss}, f)
+sys.exit(os.waitstatus_to_exitcode(status))
+"""
+
+
+def run_timed(argv: Sequence[str], env: dict[str, str], server_pid: int | None) -> Ran:
+    """Run ``argv`` to completion: wall clock and the command's own rusage (via wait4)."""
+    with (
+        tempfile.TemporaryFile() as out,
+        tempfile.TemporaryFile() as err,
+        tempfile.NamedTemporaryFile("r", suffix=".json") as usage_file,
+    ):
+        launcher = [sys.executable, "-S", "-c", _LAUNCHER, usage_file.name, *argv]
+        srv0 = proc_cpu_seconds(server_pid)
+        busy0 = system_busy_seconds()
+        proc = subprocess.run(
+            launcher, stdin=subprocess.DEVNULL, stdout=out, stderr=err, env=env, check=False
+        )
+        srv1 = proc_cpu_seconds(server_pid)
+        busy1 = system_busy_seconds()
+        usage = json.loads(Path(usage_file.name).read_text() or "{}")
+        out.seek(0)
+        err.seek(0)
+        stderr = err.read().decode(errors="replace")
+        if not usage:
+            raise SystemExit(f"launcher failed for {shlex.join(argv)}: {stderr[-2000:]}")
+        return Ran(
+            returncode=proc.returncode,
+            stdout=out.read().decode(errors="replace"),
+            stderr=stderr,
+            seconds=usage["seconds"],
+            cpu_user=usage["utime"],
+            cpu_sys=usage["stime"],
+            peak_rss_mb=usage["maxrss_kib"] / 1024,  # KiB on Linux
+            server_cpu=None if srv0 is None or srv1 is None else srv1 - srv0,
+            other_cpu=None
+            if busy0 is None or busy1 is None
+            else max(
+                0.0,
+                busy1
+                - busy0
+                - usage["utime"]
+                - usage["stime"]
+                - (0.0 if srv0 is None or srv1 is None else srv1 - srv0),
+            ),
+        )
