@@ -467,6 +467,9 @@ def main(argv: list[str] | None = None) -> int:
     work = args.workdir or Path(tempfile.mkdtemp(prefix="ferry-compare-"))
     work.mkdir(parents=True, exist_ok=True)
     tools = [t for t in args.tools.split(",") if t]
+    for tool in [t for t in tools if shutil.which(t) is None]:
+        print(f"note: {tool} is not on PATH: skipped", flush=True)
+        tools.remove(tool)
     scaled_root = work / "scaled"
     server: S3Server | None = None
     run: Run | None = None
@@ -540,7 +543,7 @@ def main(argv: list[str] | None = None) -> int:
         table, scale_table = markdown(rows), scaling_markdown(scale_rows)
         lim_table = limits_markdown(lim, eff)
         args.out_dir.mkdir(parents=True, exist_ok=True)
-        pngs = plots.scenario_plots(main_rows, args.out_dir, main_label)
+        pngs = plots.scenario_plots(main_rows, args.out_dir, main_label, BASELINE)
         pngs.append(plots.scaling_plot(scale_rows, args.out_dir / "compare_scaling.png"))
         pngs.append(plots.limits_plot(lim, eff, args.out_dir / "compare_limits.png"))
         md = (

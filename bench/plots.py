@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +29,7 @@ def _bars(rows: list[dict[str, Any]], key: str, ylabel: str, title: str, out: Pa
                 ys.append(hit[0][key])
         ax.bar(xs, ys, width, label=tool, color=COLORS.get(tool))
     ax.set_xticks(range(len(scenarios)))
-    ax.set_xticklabels([s.replace(" (", "\n(") for s in scenarios], fontsize=8)
+    ax.set_xticklabels([textwrap.fill(s, 16) for s in scenarios], fontsize=8)
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=10)
     ax.legend(fontsize=8)
@@ -38,8 +39,19 @@ def _bars(rows: list[dict[str, Any]], key: str, ylabel: str, title: str, out: Pa
     plt.close(fig)
 
 
-def scenario_plots(rows: list[dict[str, Any]], out_dir: Path, label: str) -> list[Path]:
+def scenario_plots(
+    rows: list[dict[str, Any]], out_dir: Path, label: str, baseline: dict[str, str]
+) -> list[Path]:
+    """``baseline``: scenario -> the scenario whose peer rows it is judged against (drawn
+    beside ferry's bar, e.g. the peers' full download next to ferry's prefetch)."""
     time_png, bytes_png = out_dir / "compare_time.png", out_dir / "compare_bytes.png"
+    shown = list(rows)
+    for scenario, base in baseline.items():
+        if scenario != base:
+            peers = [r for r in rows if r["scenario"] == base and r["tool"] != "ferry"]
+            shown += [{**r, "scenario": scenario} for r in peers]
+    order = list(dict.fromkeys(r["scenario"] for r in rows))
+    rows = sorted(shown, key=lambda r: order.index(r["scenario"]))
     _bars(rows, "median_s", "seconds (median)", f"Wall time per scenario ({label})", time_png)
     mb = [{**r, "mb": r["bytes_moved"] / 1e6} for r in rows]
     _bars(mb, "mb", "MB over the network", f"Bytes moved per scenario ({label})", bytes_png)
