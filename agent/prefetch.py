@@ -282,11 +282,24 @@ class Prefetcher:
                     await self._fill_in(record, name, store, here.path, manifests)
             return
         base = next((c for c in held if c.step < record.step), None)
+        base_manifests = None
+        if base is not None:  # where its chunks are, so unchanged ones are all we read
+            try:
+                base_manifests = await resolve_manifests(store, record.job, base.step)
+            except FerryError:
+                base_manifests = None  # not in this tier: look everywhere, as without it
+        base_dir = base.path if base is not None else None
         with self.holds.hold((record.job, record.step), (record.job, base.step) if base else None):
-            await self._restore(record, name, store, dest, base=base.path if base else None)
+            await self._restore(record, name, store, dest, base_dir, base_manifests)
 
     async def _restore(
-        self, record: PrefetchJob, name: str, store: Store, dest: Path, base: Path | None
+        self,
+        record: PrefetchJob,
+        name: str,
+        store: Store,
+        dest: Path,
+        base: Path | None,
+        base_manifests: list[Manifest] | None = None,
     ) -> None:
         """Pull the checkpoint into ``dest`` (peers first, then this tier) and record what
         moved from where; the tier's measured bandwidth feeds later estimates."""
@@ -304,6 +317,7 @@ class Prefetcher:
             options=self.options,
             progress=_JobProgress(record),
             base_dir=base,
+            base_manifests=base_manifests,
             chunk_source=self.chunk_source,
         )
         self.meter.record(source, result.bytes_transferred, time.monotonic() - began)

@@ -101,13 +101,19 @@ async def pull(
     options: TransferOptions | None = None,
     progress: Progress | None = None,
     base_dir: Path | None = None,
+    base_manifests: list[Manifest] | None = None,
     chunk_source: ChunkSource | None = None,
 ) -> PullResult:
     """Restore a checkpoint into ``dest``. ``base_dir``: a local checkpoint of the job (e.g.
     the previous step) whose chunks are reused, after hash verification, instead of being
-    downloaded, and which supplies delta chunks' bases. ``chunk_source``: asked for every
-    chunk neither base_dir nor a repeat supplies, before the store (e.g. peer agents); what it
-    returns is used only when it hashes to the chunk id."""
+    downloaded, and which supplies delta chunks' bases. ``base_manifests``: base_dir's
+    committed manifests, when known: then only the chunks they place at the same position
+    are looked for there (without them every chunk's position is read and hashed, and on a
+    fully fine-tuned model, where every chunk changed, that is a whole cold read of the old
+    checkpoint, for nothing, before the first byte is downloaded; the delta path reads each
+    base again anyway). ``chunk_source``: asked for every chunk neither base_dir nor a
+    repeat supplies, before the store (e.g. peer agents); what it returns is used only when
+    it hashes to the chunk id."""
     options = options or TransferOptions()
     progress = progress or NoProgress()
     started = time.monotonic()
@@ -152,7 +158,8 @@ async def pull(
 
         with out, ThreadPoolExecutor(options.workers, thread_name_prefix="ferry-pull") as pool:
             resolver = ChunkResolver(store, index, pool, base_dir, on_bytes_read=count)
-            local = await _reuse_local(resolver, index, targets, hints, write, options.window)
+            candidates = _same_position(targets, hints, base_manifests)
+            local = await _reuse_local(resolver, index, candidates, hints, write, options.window)
             sourced: dict[str, int] = {}
             if chunk_source is not None:
                 todo = [cid for cid in targets if cid not in local]
@@ -235,20 +242,37 @@ async def _from_source(
     return supplied
 
 
+def _same_position(
+    targets: dict[str, list[tuple[int, int]]],
+    hints: dict[str, tuple[str, int]],
+    base_manifests: list[Manifest] | None,
+) -> list[str]:
+    """The target chunks worth looking for in base_dir: all of them, or with its manifests
+    known, those it holds at the position where we would look."""
+    if base_manifests is None:
+        return list(targets)
+    held = {
+        (f.path, offset): c.id
+        for f, _ in merge_parts(base_manifests)
+        for offset, c in f.chunk_offsets()
+    }
+    return [cid for cid in targets if held.get(hints[cid]) == cid]
+
+
 async def _reuse_local(
     resolver: ChunkResolver,
     index: ChunkIndex,
-    targets: dict[str, list[tuple[int, int]]],
+    candidates: list[str],
     hints: dict[str, tuple[str, int]],
     write: Callable[[StoredChunk, Buffer], None],
     window: int,
 ) -> set[str]:
-    """Write every target chunk that base_dir holds (verified) at the same position."""
+    """Write every candidate chunk that base_dir holds (verified) at the same position."""
     found: set[str] = set()
     if resolver.local_root is None:
         return found
     loop = asyncio.get_running_loop()
-    todo = iter(list(targets))
+    todo = iter(candidates)
 
     async def worker() -> None:
         for cid in todo:
@@ -260,7 +284,7 @@ async def _reuse_local(
                 found.add(cid)
 
     async with asyncio.TaskGroup() as tasks:
-        for _ in range(min(window, len(targets))):
+        for _ in range(min(window, len(candidates))):
             tasks.create_task(worker())
     return found
 
