@@ -1,4 +1,5 @@
-"""Blocking ranged GETs into a caller's buffer: the bulk read path of S3Store (RangeReader).
+"""Blocking ranged GETs into a caller's buffer: the bulk read path of S3Store (RangeReader);
+the same client also sends multipart parts from threads (``call``).
 
 A plain (synchronous) botocore client, with the same endpoint, credentials, timeouts and
 checksum settings as the store's async client. It is thread-safe and its urllib3 pool keeps
@@ -105,6 +106,10 @@ class S3RangeReader(RangeReader):
                 raw.release_conn()  # the body was read to its end: keep the connection
             else:
                 raw.close()  # unknown state mid-body: never reuse this connection
+
+    def call(self, method: str, **kwargs: Any) -> Any:
+        """Any other blocking request on the bucket (S3Upload sends its parts this way)."""
+        return getattr(self._client, method)(Bucket=self._bucket, **kwargs)
 
     def close(self) -> None:
         self._client.close()
