@@ -102,5 +102,29 @@ class Commands:
             return ["sh", "-c", script]
         raise ValueError(tool)
 
+    def warm_code(self, tools: list[str]) -> list[list[str]]:
+        """Commands that load each tool's code (and botocore's data files) without moving
+        any checkpoint data: run after dropping the page cache, so that a scenario measures
+        cold *data* and not the loading of the tools themselves from disk (that cost is
+        measured on its own, see ``startup``)."""
+        return [self.startup(t) for t in ("ferry", *tools)]
+
+    def startup(self, tool: str) -> list[str]:
+        """The smallest command that loads all of ``tool``'s code."""
+        if tool == "ferry":
+            code = (
+                "import agent.cli, transfer.engine.pull, transfer.engine.push, "
+                "transfer.store.s3, botocore.session; "
+                "botocore.session.get_session().create_client('s3', region_name='us-east-1')"
+            )
+            return [*self.ferry[:1], "-c", code]
+        if tool == "s5cmd":
+            return ["s5cmd", "version"]
+        if tool == "rclone":
+            return ["rclone", "version"]
+        if tool == "zstd":
+            return ["sh", "-c", "zstd --version && s5cmd version"]
+        raise ValueError(tool)
+
     def remove(self, prefix: str) -> list[str]:
         return self.s5cmd("rm", f"{self.s3(prefix)}/*")
