@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from bench._measure import proc_cpu_seconds
+from tests.s3server import _pdeathsig_hook
 
 REPO = Path(__file__).resolve().parent.parent
 TOKEN = "bench-token"
@@ -82,6 +83,8 @@ class Agent:
                 cwd=REPO,
                 stdout=fh,
                 stderr=subprocess.STDOUT,
+                # dies with the benchmark even when that is SIGKILLed (a CI timeout)
+                preexec_fn=_pdeathsig_hook(),
             )
         deadline = time.monotonic() + within
         while True:
