@@ -74,6 +74,10 @@ class Agent:
             return json.loads(resp.read())
 
     def start(self, log: Path, within: float = 60.0) -> None:
+        self.launch(log)
+        self.wait_healthy(log, within)
+
+    def launch(self, log: Path) -> None:
         self.hot.mkdir(parents=True, exist_ok=True)
         env = {**self.env, "FERRY_LISTEN": f"127.0.0.1:{self.port}"}
         with log.open("ab") as fh:
@@ -86,6 +90,9 @@ class Agent:
                 # dies with the benchmark even when that is SIGKILLed (a CI timeout)
                 preexec_fn=_pdeathsig_hook(),
             )
+
+    def wait_healthy(self, log: Path, within: float = 60.0) -> None:
+        assert self.proc is not None
         deadline = time.monotonic() + within
         while True:
             if self.proc.poll() is not None:

@@ -209,8 +209,10 @@ class Run:
 
         a = make("node-a", [])
         self.agents = {"a": a, "b": make("node-b", []), "c": make("node-c", [a.url])}
+        for agent in self.agents.values():  # started side by side: start-up is slow here
+            agent.launch(self.work / f"agent-{agent.name}.log")
         for agent in self.agents.values():
-            agent.start(self.work / f"agent-{agent.name}.log")
+            agent.wait_healthy(self.work / f"agent-{agent.name}.log")
 
     def stop_agents(self) -> None:
         for agent in self.agents.values():

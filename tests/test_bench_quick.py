@@ -1,4 +1,5 @@
-"""The benchmark harness must not rot: its quick mode runs in CI on tiny data (~30 s)."""
+"""The benchmark harness must not rot: its quick mode runs in CI on tiny data (~30 s on 2
+quiet cores). The timeout only catches a hang; no time is asserted (shared machines)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ REPO = Path(__file__).resolve().parents[1]
 NEEDS = ("s5cmd", "rclone", "zstd", "dd")
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(240)
 @pytest.mark.skipif(
     any(shutil.which(t) is None for t in NEEDS), reason=f"needs {', '.join(NEEDS)} on PATH"
 )
@@ -24,7 +25,7 @@ def test_quick_compare_produces_sane_results(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("FERRY_")}
     argv = [sys.executable, "-m", "bench.compare", "--quick", "--out-dir", str(out)]
     argv += ["--cache", str(tmp_path / "cache"), "--workdir", str(tmp_path / "work")]
-    done = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    done = subprocess.run(argv, cwd=REPO, env=env, capture_output=True, text=True, timeout=200)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 
     doc = json.loads((out / "compare.json").read_text())
