@@ -239,23 +239,22 @@ class Run:
             return data.tree_bytes(z) if tool == "zstd" else raw
 
         cmd = self.cmd
-        for tool in order:  # cold full push of save k
-            if tool == "ferry":
-                argv = cmd.ferry_push(k, "ferry", job, BASE_STEP)
-            else:
-                argv = cmd.push(tool, k, prefix[tool], scratch, sync=False)
-            s = self.command(label, PUSH, tool, rnd, argv, raw_k)
-            if tool != "ferry":
-                s.bytes_moved = peer_bytes(tool, raw_k)
-        stored_k1: dict[str, int] = {}
-        for tool in order:  # save k+1 with k in the store (peers: their sync)
-            if tool == "ferry":
-                argv = cmd.ferry_push(k1, "ferry", job, NEXT_STEP)
-            else:
-                argv = cmd.push(tool, k1, prefix[tool], scratch, sync=True)
-            s = self.command(label, INCR, tool, rnd, argv, raw_k1)
-            if tool != "ferry":
-                s.bytes_moved = stored_k1[tool] = peer_bytes(tool, raw_k1)
+
+        def push_all(scenario: str, ckpt: Path, step: int, raw: int) -> dict[str, int]:
+            """Every tool uploads ``ckpt``; returns the bytes each peer stored."""
+            stored: dict[str, int] = {}
+            for tool in order:
+                if tool == "ferry":
+                    argv = cmd.ferry_push(ckpt, "ferry", job, step)
+                else:  # for save k+1 the prefix holds save k: peers may sync
+                    argv = cmd.push(tool, ckpt, prefix[tool], scratch, sync=step == NEXT_STEP)
+                s = self.command(label, scenario, tool, rnd, argv, raw)
+                if tool != "ferry":
+                    s.bytes_moved = stored[tool] = peer_bytes(tool, raw)
+            return stored
+
+        push_all(PUSH, k, BASE_STEP, raw_k)  # cold full push of save k
+        stored_k1 = push_all(INCR, k1, NEXT_STEP, raw_k1)  # save k+1 with k in the store
         shutil.rmtree(scratch / "zst-out", ignore_errors=True)
         # cold full pull: ferry restores save k (a keyframe: every chunk coded on its own),
         # the peers download save k+1 (the same size; what they hold last). Then ferry's
