@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import os
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
@@ -65,6 +66,11 @@ def plan_ranges(chunks: Iterable[StoredChunk], max_bytes: int) -> list[_Range]:
     return ranges
 
 
+#: GETs in flight on the threaded path, per core (at most ``window``): more reader threads
+#: only contend for the GIL with the decoders. Measured on 2 cores, 1 GB cold pull, median
+#: of 3 alternating: 16 readers 3.53 s and 440 MB peak RSS, 4 readers 3.16 s and 320 MB.
+READERS_PER_CORE = 2
+
 Sink = Callable[[StoredChunk, Buffer], None]
 BadChunk = Callable[[StoredChunk, str], None]
 
@@ -93,7 +99,8 @@ async def fetch_chunks(
     if reader is None:
         await fetch.run_async(ranges, window)
     else:
-        await fetch.run_threaded(reader, ranges, min(window, len(ranges)))
+        readers = min(window, READERS_PER_CORE * (os.cpu_count() or 1))
+        await fetch.run_threaded(reader, ranges, min(readers, len(ranges)))
 
 
 class _Fetch:
