@@ -3,7 +3,7 @@
 Run from the repository root after ``pip install -e '.[bench]'`` (and, for the real DCP
 series, ``pip install torch==2.13.0``)::
 
-    python -m bench.compare            # full: ~15-25 min on 2 cores
+    python -m bench.compare            # full: ~12-20 min on 2 cores (4 GB scaling included)
     python -m bench.compare --quick    # tiny data, one round, < 60 s (CI runs this)
 
 What it does (details in bench/README.md):
