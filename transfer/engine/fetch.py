@@ -6,12 +6,12 @@ chunks of one pack are fetched in one ranged GET of up to ``part_size`` bytes; u
 local copy, or the store).
 
 Two ways to run, by what the store offers:
-- threaded (the store has a ``range_reader``: S3 and local stores): each reader thread
-  receives a range into its own reused buffer, then decodes, verifies and sinks the chunks
-  that need no base right there. On 2 cores the event loop used to be the bottleneck of a
-  pull: one thread receiving every byte into fresh ``bytes`` (py-spy: the busiest thread);
-  now no payload byte passes through it. Delta chunks (small, compressed) are copied out
-  and finished on the loop side, which resolves their bases asynchronously.
+- threaded (the store has a ``range_reader``: S3 and local stores): a few reader threads
+  (READERS_PER_CORE) receive ranges straight into per-worker buffers that are reused from
+  range to range; decode + verify + sink then run in the pool on views of that buffer. On
+  2 cores the event loop used to be the bottleneck of a pull: one thread receiving every
+  byte into fresh ``bytes`` (py-spy: the busiest thread); now no payload byte passes
+  through it.
 - async (any other store): ``store.get`` on the loop, decode + verify + sink in the pool.
 """
 
@@ -156,10 +156,10 @@ class _Fetch:
 
         await _run_workers(worker, min(window, len(ranges)))
 
-    async def run_threaded(self, reader: RangeReader, ranges: list[_Range], window: int) -> None:
+    async def run_threaded(self, reader: RangeReader, ranges: list[_Range], readers: int) -> None:
         pending = iter(ranges)
         running: set[concurrent.futures.Future[int]] = set()
-        pool = concurrent.futures.ThreadPoolExecutor(window, thread_name_prefix="ferry-get")
+        pool = concurrent.futures.ThreadPoolExecutor(readers, thread_name_prefix="ferry-get")
 
         async def worker() -> None:
             buf = memoryview(b"")  # this worker's receive buffer, reused for every range
@@ -182,7 +182,7 @@ class _Fetch:
                     await self.one(c, view[lo : lo + c.stored])  # decode reads the buffer
 
         try:
-            await _run_workers(worker, window)
+            await _run_workers(worker, readers)
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
             await _drain(running)
