@@ -66,9 +66,13 @@ class CountingS3Store(S3Store):
         super().__init__(*args, **kwargs)
         self.requests: Counter[str] = Counter()
 
-    async def call(self, method: str, **kwargs: Any) -> Any:
+    async def call(self, method: str, what: str, **kwargs: Any) -> Any:
         self.requests[method] += 1
-        return await super().call(method, **kwargs)
+        return await super().call(method, what, **kwargs)
+
+    async def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+        self.requests["get_object"] += 1  # get() reads the body inside its own retry loop
+        return await super().get(key, start, end)
 
 
 @dataclass

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.faultproxy import FaultProxy
 from tests.s3server import S3Endpoint, start_s3_server
 from transfer.store import StoreOptions, open_store
 from transfer.store.base import Store
@@ -41,6 +42,18 @@ def s3_env(s3_endpoint: S3Endpoint, monkeypatch: pytest.MonkeyPatch) -> S3Endpoi
 def s3_url(s3_env: S3Endpoint) -> str:
     """A fresh, empty store URL in the test bucket."""
     return f"s3://{s3_env.bucket}/t-{secrets.token_hex(6)}"
+
+
+@pytest.fixture
+def s3_proxy(s3_env: S3Endpoint) -> Iterator[FaultProxy]:
+    """A fault-injecting proxy in front of the test S3 server (no faults until told), seeded
+    per test; pass ``s3_proxy.url`` as the endpoint."""
+    proxy = FaultProxy(s3_env.url, seed=1234, stall_seconds=0.5)
+    proxy.start()
+    try:
+        yield proxy
+    finally:
+        proxy.stop()
 
 
 @pytest.fixture

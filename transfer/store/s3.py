@@ -5,7 +5,10 @@ event loop). Settings that matter, from shared notes checked against botocore >=
 - the connection pool is sized to the caller's concurrency (aiobotocore defaults to 10);
 - botocore's automatic checksums and payload signing are off (they break or slow MinIO and
   SeaweedFS); instead each PUT carries an explicit CRC32 (or Content-MD5) that the server checks;
-- a failed create-only write comes back as a bare OSError: the HTTP 412 is on ``__cause__``.
+- one retry layer, ours (botocore's and s3fs's are off: stacked, they multiplied into a
+  minute of retries per request against a store that is down): transient failures (5xx,
+  SlowDown, resets, timeouts, bodies shorter than announced) are retried with jittered
+  exponential backoff, ``attempts`` tries in all; anything else fails at once.
 """
 
 from __future__ import annotations
@@ -15,10 +18,14 @@ import base64
 import contextlib
 import functools
 import hashlib
-import threading
+import random
+import re
 import zlib
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
+import aiohttp
+import botocore.exceptions
 import s3fs
 
 from transfer.errors import (
@@ -40,7 +47,50 @@ from transfer.store.s3reader import S3RangeReader
 
 MIN_PART_SIZE = 5 << 20
 _SMALL_FOR_THREAD = 1 << 20  # checksum small bodies inline; big ones in a thread
-_GET_ATTEMPTS = 3
+ATTEMPTS = 6  # tries per request; at a 10% fault rate all six fail once in a million
+BACKOFF_SECONDS = 0.1  # first retry waits up to this; doubles per retry, capped below
+BACKOFF_CAP_SECONDS = 5.0
+_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
+_TRANSIENT_CODES = {
+    "SlowDown",
+    "Throttling",
+    "ThrottlingException",
+    "RequestTimeout",
+    "RequestLimitExceeded",
+    "InternalError",
+    "ServiceUnavailable",
+}
+_TRANSIENT_TYPES = (
+    botocore.exceptions.HTTPClientError,  # connection closed, read timeout, torn stream
+    botocore.exceptions.ConnectionError,  # refused, connect timeout
+    botocore.exceptions.IncompleteReadError,
+    aiohttp.ClientError,  # payload errors while reading a body
+    TimeoutError,
+    ConnectionError,
+)
+T = TypeVar("T")
+
+
+class ShortBodyError(Exception):
+    """A reply body shorter than the range it claims to hold (a torn or tampered read)."""
+
+
+def _error_code(exc: BaseException) -> str | None:
+    response = getattr(exc, "response", None)
+    if isinstance(response, dict):
+        code = response.get("Error", {}).get("Code")
+        return code if isinstance(code, str) else None
+    return None
+
+
+def is_transient(exc: BaseException) -> bool:
+    """Worth another try: the server or the network failed, not the request."""
+    if isinstance(exc, (ShortBodyError, *_TRANSIENT_TYPES)):
+        return True
+    status = _http_status(exc)
+    if status is None:
+        return False
+    return status >= 500 or status == 429 or _error_code(exc) in _TRANSIENT_CODES
 
 
 def _http_status(exc: BaseException) -> int | None:
@@ -53,7 +103,7 @@ def _http_status(exc: BaseException) -> int | None:
     return None
 
 
-def _map_error(exc: BaseException, what: str) -> StoreError:
+def _map_error(exc: BaseException, what: str, attempts: int = 1) -> StoreError:
     status = _http_status(exc)
     if status == 412 or isinstance(exc, FileExistsError):
         return AlreadyExistsError(f"{what}: already exists")
@@ -63,7 +113,19 @@ def _map_error(exc: BaseException, what: str) -> StoreError:
         return NotFoundError(f"{what}: {exc}")
     if isinstance(exc, PermissionError) or status in (401, 403):
         return AccessDeniedError(f"{what}: access denied ({exc}); check the AWS credentials")
-    return StoreError(f"{what}: {type(exc).__name__}: {exc}")
+    detail = f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+    if attempts > 1:
+        return StoreError(f"{what}: failed {attempts} times, the store may be down ({detail})")
+    return StoreError(f"{what}: {detail}")
+
+
+def _check_length(resp: dict[str, Any], body: bytes) -> None:
+    """A ranged reply must hold exactly the range its Content-Range names."""
+    match = _CONTENT_RANGE.fullmatch(str(resp.get("ContentRange", "")))
+    if match is not None:
+        expected = int(match.group(2)) - int(match.group(1)) + 1
+        if len(body) != expected:
+            raise ShortBodyError(f"got {len(body)} of the {expected} bytes of {match.group(0)}")
 
 
 class S3Upload(Upload):
@@ -72,29 +134,25 @@ class S3Upload(Upload):
         self._store = store
         self._upload_id = upload_id
         self._parts: dict[int, dict[str, Any]] = {}
+        self._sizes: dict[int, int] = {}
 
     async def write_part(self, number: int, offset: int, data: bytes) -> None:
         store = self._store
         checksum = await store.checksum_args(data)
-        args = {
-            "Key": store.full_key(self.key),
-            "UploadId": self._upload_id,
-            "PartNumber": number,
-            "Body": data,
+        resp = await store.call(
+            "upload_part",
+            f"upload part {number} of {self.key}",
+            Key=store.full_key(self.key),
+            UploadId=self._upload_id,
+            PartNumber=number,
+            Body=data,
             **checksum,
-        }
-        try:
-            # Sent from a thread by the blocking client: through aiohttp every part existed
-            # twice while in flight (its payload wrapper copies the body), ~130 MB more
-            # peak RSS per push at the default window; as fast either way (measured).
-            client = await asyncio.to_thread(store.range_reader)
-            resp = await asyncio.to_thread(client.call, "upload_part", **args)
-        except Exception as exc:
-            raise _map_error(exc, f"upload part {number} of {self.key}") from exc
+        )
         part = {"PartNumber": number, "ETag": resp["ETag"]}
         if "ChecksumCRC32" in checksum:
             part["ChecksumCRC32"] = checksum["ChecksumCRC32"]
         self._parts[number] = part
+        self._sizes[number] = len(data)
 
     async def complete(self, *, create_only: bool = False) -> None:
         parts = [self._parts[n] for n in sorted(self._parts)]
@@ -102,21 +160,36 @@ class S3Upload(Upload):
         try:
             await self._store.call(
                 "complete_multipart_upload",
+                f"complete {self.key}",
                 Key=self._store.full_key(self.key),
                 UploadId=self._upload_id,
                 MultipartUpload={"Parts": parts},
                 **extra,
             )
-        except Exception as exc:
+        except NotFoundError:
+            # A retry after a reply lost on the way back finds the upload gone because it
+            # completed: the object is there, at its full size.
+            if not await self._landed():
+                await self.abort()
+                raise
+        except StoreError:
             # A rejected complete leaves the upload pending (and billed): abort it.
             await self.abort()
-            raise _map_error(exc, f"complete {self.key}") from exc
+            raise
+
+    async def _landed(self) -> bool:
+        try:
+            info = await self._store.head(self.key)
+        except StoreError:
+            return False
+        return info.size == sum(self._sizes.values())
 
     async def abort(self) -> None:
-        # best effort: a bucket lifecycle rule for stale uploads catches the rest
-        with contextlib.suppress(Exception):
+        # best effort: the agent's start-up sweep and a bucket lifecycle rule catch the rest
+        with contextlib.suppress(StoreError):
             await self._store.call(
                 "abort_multipart_upload",
+                f"abort upload of {self.key}",
                 Key=self._store.full_key(self.key),
                 UploadId=self._upload_id,
             )
@@ -137,13 +210,17 @@ class S3Store(Store):
         secret: str | None = None,
         connect_timeout: float = 10.0,
         read_timeout: float = 120.0,
+        attempts: int = ATTEMPTS,
     ) -> None:
         if checksum not in ("crc32", "md5", "none"):
             raise ValueError(f"unknown checksum {checksum!r} (crc32, md5, none)")
+        if attempts < 1:
+            raise ValueError("attempts must be at least 1")
         self.bucket = bucket
         self.prefix = prefix.strip("/")
         self.url = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
         self.endpoint_url = endpoint_url
+        self.attempts = attempts
         self._checksum = checksum
         self._fs = s3fs.S3FileSystem(
             endpoint_url=endpoint_url,
@@ -158,7 +235,7 @@ class S3Store(Store):
                 "s3": {"payload_signing_enabled": False},
                 "connect_timeout": connect_timeout,
                 "read_timeout": read_timeout,
-                "retries": {"max_attempts": 3, "mode": "standard"},
+                "retries": {"total_max_attempts": 1},  # ours: see retrying()
             },
         )
         self._session_lock = asyncio.Lock()
@@ -182,7 +259,7 @@ class S3Store(Store):
         check_key(key)
         return f"{self.prefix}/{key}" if self.prefix else key
 
-    async def call(self, method: str, **kwargs: Any) -> Any:
+    async def _client(self) -> Any:
         if not self._ready:
             async with self._session_lock:
                 if not self._ready:
@@ -191,7 +268,29 @@ class S3Store(Store):
                     except Exception as exc:
                         raise _map_error(exc, f"connect to {self.endpoint_url or 'S3'}") from exc
                     self._ready = True
-        return await self._fs._call_s3(method, Bucket=self.bucket, **kwargs)
+        return await self._fs.get_s3(self.bucket)
+
+    async def retrying(self, what: str, attempt: Callable[[], Awaitable[T]]) -> T:
+        """Run ``attempt`` until it succeeds, fails for good, or ``attempts`` are used up;
+        failures come out mapped to the store's error classes."""
+        for tried in range(1, self.attempts + 1):
+            try:
+                return await attempt()
+            except Exception as exc:
+                if not is_transient(exc) or tried == self.attempts:
+                    raise _map_error(exc, what, tried) from exc
+            cap = min(BACKOFF_CAP_SECONDS, BACKOFF_SECONDS * 2 ** (tried - 1))
+            await asyncio.sleep(random.uniform(cap / 2, cap))  # jitter: retries do not align
+        raise AssertionError("unreachable")
+
+    async def call(self, method: str, what: str, **kwargs: Any) -> Any:
+        """One S3 API call, retried when transient; raises mapped StoreErrors."""
+
+        async def once() -> Any:
+            client = await self._client()
+            return await getattr(client, method)(Bucket=self.bucket, **kwargs)
+
+        return await self.retrying(what, once)
 
     async def checksum_args(self, data: bytes) -> dict[str, str]:
         if self._checksum == "none":
@@ -210,12 +309,9 @@ class S3Store(Store):
 
     async def check(self) -> None:
         try:
-            await self.call("head_bucket")
-        except Exception as exc:
-            err = _map_error(exc, f"bucket {self.bucket!r}")
-            if isinstance(err, NotFoundError):
-                raise NotFoundError(f"bucket {self.bucket!r} does not exist") from exc
-            raise err from exc
+            await self.call("head_bucket", f"bucket {self.bucket!r}")
+        except NotFoundError as exc:
+            raise NotFoundError(f"bucket {self.bucket!r} does not exist") from exc
 
     async def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
         full = self.full_key(key)
@@ -225,37 +321,29 @@ class S3Store(Store):
             if end is not None and end <= lo:
                 return b""
             extra["Range"] = f"bytes={lo}-{'' if end is None else end - 1}"
-        for attempt in range(_GET_ATTEMPTS):
+
+        async def once() -> bytes:
+            # the body is read inside the attempt: a torn or short body is retried too
+            client = await self._client()
+            resp = await client.get_object(Bucket=self.bucket, Key=full, **extra)
             try:
-                resp = await self.call("get_object", Key=full, **extra)
-                try:
-                    body: bytes = await resp["Body"].read()
-                finally:
-                    resp["Body"].close()
-                return body
-            except Exception as exc:
-                err = _map_error(exc, f"get {key}")
-                if type(err) is not StoreError or attempt == _GET_ATTEMPTS - 1:
-                    raise err from exc
-                await asyncio.sleep(0.2 * 2**attempt)  # torn body read: retry
-        raise AssertionError("unreachable")
+                body: bytes = await resp["Body"].read()
+            finally:
+                resp["Body"].close()
+            _check_length(resp, body)
+            return body
+
+        return await self.retrying(f"get {key}", once)
 
     async def put(self, key: str, data: bytes, *, create_only: bool = False) -> None:
         full = self.full_key(key)
         extra: dict[str, str] = dict(await self.checksum_args(data))
         if create_only:
             extra["IfNoneMatch"] = "*"
-        try:
-            await self.call("put_object", Key=full, Body=data, **extra)
-        except Exception as exc:
-            raise _map_error(exc, f"put {key}") from exc
+        await self.call("put_object", f"put {key}", Key=full, Body=data, **extra)
 
     async def head(self, key: str) -> ObjectInfo:
-        full = self.full_key(key)
-        try:
-            resp = await self.call("head_object", Key=full)
-        except Exception as exc:
-            raise _map_error(exc, f"head {key}") from exc
+        resp = await self.call("head_object", f"head {key}", Key=self.full_key(key))
         return ObjectInfo(key, int(resp["ContentLength"]))
 
     async def list(self, prefix: str) -> list[ObjectInfo]:
@@ -266,10 +354,7 @@ class S3Store(Store):
         found: list[ObjectInfo] = []
         token: dict[str, str] = {}
         while True:
-            try:
-                resp = await self.call("list_objects_v2", Prefix=full, **token)
-            except Exception as exc:
-                raise _map_error(exc, f"list {prefix!r}") from exc
+            resp = await self.call("list_objects_v2", f"list {prefix!r}", Prefix=full, **token)
             for obj in resp.get("Contents", []):
                 found.append(ObjectInfo(obj["Key"][strip:], int(obj["Size"])))
             if not resp.get("IsTruncated"):
@@ -279,13 +364,8 @@ class S3Store(Store):
         return found
 
     async def delete(self, key: str) -> None:
-        full = self.full_key(key)
-        try:
-            await self.call("delete_object", Key=full)
-        except Exception as exc:
-            err = _map_error(exc, f"delete {key}")
-            if not isinstance(err, NotFoundError):
-                raise err from exc
+        with contextlib.suppress(NotFoundError):
+            await self.call("delete_object", f"delete {key}", Key=self.full_key(key))
 
     async def list_uploads(self, prefix: str) -> PendingUploads:
         full = f"{self.prefix}/{prefix}" if self.prefix else prefix
@@ -293,10 +373,9 @@ class S3Store(Store):
         found: list[PendingUpload] = []
         marker: dict[str, str] = {}
         while True:
-            try:
-                resp = await self.call("list_multipart_uploads", Prefix=full, **marker)
-            except Exception as exc:
-                raise _map_error(exc, f"list uploads {prefix!r}") from exc
+            resp = await self.call(
+                "list_multipart_uploads", f"list uploads {prefix!r}", Prefix=full, **marker
+            )
             for up in resp.get("Uploads", []) or []:
                 initiated = up["Initiated"].timestamp()
                 found.append(PendingUpload(up["Key"][strip:], up["UploadId"], initiated))
@@ -313,11 +392,24 @@ class S3Store(Store):
     async def begin_upload(self, key: str) -> Upload:
         full = self.full_key(key)
         extra = {"ChecksumAlgorithm": "CRC32"} if self._checksum == "crc32" else {}
-        try:
-            resp = await self.call("create_multipart_upload", Key=full, **extra)
-        except Exception as exc:
-            raise _map_error(exc, f"start upload of {key}") from exc
-        return S3Upload(self, key, resp["UploadId"])
+        tries = 0
+
+        async def once() -> Any:
+            nonlocal tries
+            tries += 1
+            client = await self._client()
+            return await client.create_multipart_upload(Bucket=self.bucket, Key=full, **extra)
+
+        resp = await self.retrying(f"start upload of {key}", once)
+        upload_id = resp["UploadId"]
+        if tries > 1:
+            # an earlier try may have started an upload whose reply was lost: nobody will
+            # ever complete it, so abort it now rather than leave it billed until the sweep
+            with contextlib.suppress(StoreError):
+                for pending in await self.list_uploads(key):
+                    if pending.key == key and pending.upload_id != upload_id:
+                        await self.abort_upload(pending)
+        return S3Upload(self, key, upload_id)
 
     def range_reader(self) -> S3RangeReader:
         with self._reader_lock:  # one client per store, made on first use

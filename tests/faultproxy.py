@@ -1,0 +1,231 @@
+"""A fault-injecting HTTP proxy for S3 (aiohttp, loopback) that tests put in front of the
+real test server.
+
+It forwards every request unchanged (the Host header too, so SigV4 signatures still match)
+and, on a seeded fraction of requests, injects one fault instead:
+
+- ``500``: InternalError; ``503``: SlowDown (the server never sees the request)
+- ``reset``: the connection is dropped before the request is forwarded
+- ``lost_reply``: the request is forwarded (the server acted on it), then the connection is
+  dropped, so the client never learns it succeeded
+- ``stall``: nothing happens for ``stall_seconds``, then the connection is dropped
+- ``truncate``: the response announces its full Content-Length but the connection closes
+  half way through the body
+- ``short``: a ranged GET's reply is cut in half and its Content-Length made to match (a
+  misbehaving middlebox: only Content-Range still tells the truth)
+
+``down()`` takes the store away (the port refuses connections and open connections are
+dropped) until ``up()``. The proxy runs its own event loop in a daemon thread so that sync
+tests, ``asyncio.run`` tests and agent subprocesses can all use it. Decisions come from one
+``random.Random(seed)`` in request arrival order.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+import socket
+import threading
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import aiohttp
+from aiohttp import web
+
+KINDS = ("500", "503", "reset", "lost_reply", "stall", "truncate", "short")
+_HOP_BY_HOP = {
+    "connection",
+    "keep-alive",
+    "transfer-encoding",
+    "content-length",
+    "expect",
+    "te",
+    "upgrade",
+    "proxy-connection",
+}
+_ERRORS = {
+    "500": (500, "InternalError", "We encountered an internal error. Please try again."),
+    "503": (503, "SlowDown", "Please reduce your request rate."),
+}
+
+
+@dataclass
+class ProxyStats:
+    requests: int = 0
+    faults: Counter[str] = field(default_factory=Counter)
+    refused: int = 0  # requests dropped while the store was down
+    bytes_up: int = 0  # request bodies received (what clients sent towards the store)
+    by_method: Counter[str] = field(default_factory=Counter)
+
+
+class FaultProxy:
+    def __init__(
+        self,
+        upstream: str,
+        *,
+        rate: float = 0.0,
+        kinds: tuple[str, ...] = KINDS,
+        seed: int = 0,
+        stall_seconds: float = 3.0,
+    ) -> None:
+        unknown = set(kinds) - set(KINDS)
+        if unknown:
+            raise ValueError(f"unknown fault kinds {sorted(unknown)}")
+        self.upstream = upstream.rstrip("/")
+        self.rate = rate
+        self.kinds = kinds
+        self.stall_seconds = stall_seconds
+        self.stats = ProxyStats()
+        self._rng = random.Random(seed)
+        self._down = False
+        self._lock = threading.Lock()
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = int(s.getsockname()[1])
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._runner: web.AppRunner | None = None
+        self._site: web.TCPSite | None = None
+        self._session: aiohttp.ClientSession | None = None
+
+    # -- control (from any thread) -------------------------------------------------------
+
+    def start(self) -> str:
+        self._thread.start()
+        self._call(self._start())
+        return self.url
+
+    def stop(self) -> None:
+        if self._thread.is_alive():
+            self._call(self._stop())
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(10)
+
+    def down(self) -> None:
+        """The store goes away: connections are refused, open ones dropped."""
+        self._down = True
+        self._call(self._close_site())
+
+    def up(self) -> None:
+        self._down = False
+        self._call(self._open_site())
+
+    def set_faults(self, rate: float, kinds: tuple[str, ...] | None = None) -> None:
+        with self._lock:
+            self.rate = rate
+            if kinds is not None:
+                self.kinds = kinds
+
+    def _call(self, coro):  # type: ignore[no-untyped-def]
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(30)
+
+    # -- the server ------------------------------------------------------------------------
+
+    async def _start(self) -> None:
+        app = web.Application(client_max_size=1 << 30)
+        app.router.add_route("*", "/{tail:.*}", self._handle)
+        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+        await self._runner.setup()
+        self._session = aiohttp.ClientSession(
+            auto_decompress=False,
+            timeout=aiohttp.ClientTimeout(total=120),
+            connector=aiohttp.TCPConnector(limit=64),
+        )
+        await self._open_site()
+
+    async def _open_site(self) -> None:
+        if self._site is None and self._runner is not None:
+            self._site = web.TCPSite(self._runner, "127.0.0.1", self.port, reuse_address=True)
+            await self._site.start()
+
+    async def _close_site(self) -> None:
+        site, self._site = self._site, None
+        if site is not None:
+            await site.stop()
+
+    async def _stop(self) -> None:
+        await self._close_site()
+        if self._runner is not None:
+            await self._runner.cleanup()
+        if self._session is not None:
+            await self._session.close()
+
+    def _draw(self) -> str | None:
+        with self._lock:
+            if self.rate and self._rng.random() < self.rate:
+                return self._rng.choice(self.kinds)
+            return None
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        self.stats.requests += 1
+        self.stats.bytes_up += len(body)
+        self.stats.by_method[request.method] += 1
+        if self._down:
+            self.stats.refused += 1
+            return _drop(request)
+        fault = self._draw()
+        if fault is not None:
+            self.stats.faults[fault] += 1
+        if fault in _ERRORS:
+            status, code, message = _ERRORS[fault]
+            xml = (
+                '<?xml version="1.0" encoding="UTF-8"?>'
+                f"<Error><Code>{code}</Code><Message>{message}</Message></Error>"
+            )
+            return web.Response(status=status, text=xml, content_type="application/xml")
+        if fault == "reset":
+            return _drop(request)
+        if fault == "stall":
+            await asyncio.sleep(self.stall_seconds)
+            return _drop(request)
+        assert self._session is not None
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP}
+        async with self._session.request(
+            request.method,
+            self.upstream + request.path_qs,
+            headers=headers,
+            data=body if body or request.method in ("PUT", "POST") else None,
+            allow_redirects=False,
+            skip_auto_headers=("Content-Type", "Accept-Encoding", "User-Agent"),
+        ) as upstream:
+            payload = await upstream.read()
+            reply_headers = {
+                k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_BY_HOP
+            }
+            status = upstream.status
+        if fault == "lost_reply":
+            return _drop(request)
+        if fault == "short" and status == 206 and len(payload) > 1:
+            payload = payload[: len(payload) // 2]
+        if fault == "truncate" and len(payload) > 1:
+            reply = web.StreamResponse(status=status, headers=reply_headers)
+            reply.content_length = len(payload)
+            await reply.prepare(request)
+            await reply.write(payload[: len(payload) // 2])
+            return _drop(request, flush=True)
+        return web.Response(status=status, headers=reply_headers, body=payload)
+
+
+def _drop(request: web.Request, *, flush: bool = False) -> web.StreamResponse:
+    """Close the client's connection with no (further) reply: a reset, as far as it knows."""
+    transport = request.transport
+    if transport is not None:
+        if flush:
+            transport.close()  # send what was written, then FIN mid-body
+        else:
+            transport.abort()
+    raise asyncio.CancelledError  # nothing more to send; aiohttp drops the handler quietly
+
+
+@contextlib.contextmanager
+def fault_proxy(upstream: str, **kwargs: object) -> Iterator[FaultProxy]:
+    proxy = FaultProxy(upstream, **kwargs)  # type: ignore[arg-type]
+    proxy.start()
+    try:
+        yield proxy
+    finally:
+        proxy.stop()
