@@ -57,6 +57,7 @@ class ProxyStats:
     faults: Counter[str] = field(default_factory=Counter)
     refused: int = 0  # requests dropped while the store was down
     bytes_up: int = 0  # request bodies received (what clients sent towards the store)
+    bytes_down: int = 0  # reply bodies sent back
     by_method: Counter[str] = field(default_factory=Counter)
 
 
@@ -199,6 +200,7 @@ class FaultProxy:
             status = upstream.status
         if fault == "lost_reply":
             return _drop(request)
+        self.stats.bytes_down += len(payload)
         if fault == "short" and status == 206 and len(payload) > 1:
             payload = payload[: len(payload) // 2]
         if fault == "truncate" and len(payload) > 1:
@@ -207,6 +209,11 @@ class FaultProxy:
             await reply.prepare(request)
             await reply.write(payload[: len(payload) // 2])
             return _drop(request, flush=True)
+        if request.method == "HEAD":  # no body, but the object's length must get through
+            reply = web.StreamResponse(status=status, headers=reply_headers)
+            reply.content_length = int(upstream.headers.get("Content-Length", 0))
+            await reply.prepare(request)
+            return reply
         return web.Response(status=status, headers=reply_headers, body=payload)
 
 

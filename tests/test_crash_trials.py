@@ -1,0 +1,255 @@
+"""Crash trials: SIGKILL a ``ferry agent`` in the middle of a background push or a prefetch,
+and a ``ferry push`` CLI process, at seeded random moments; then restart / re-run and check:
+no torn checkpoint is ever visible, every committed checkpoint verifies, the interrupted work
+resumes, orphaned multipart uploads get aborted, and how many bytes were sent twice.
+
+The moment is a random fraction of the bytes the operation moves, observed at the real S3
+proxy in front of the store (tests/faultproxy.py, no faults here), so trials do not depend on
+machine speed. CI runs FERRY_CRASH_TRIALS (default 3) per operation; the full count is
+``FERRY_CRASH_TRIALS=20 python -m pytest -s tests/test_crash_trials.py`` (see
+docs/RELIABILITY.md), which prints the figures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.conftest import tree_bytes
+from tests.faultproxy import FaultProxy
+from tests.test_agent_e2e import REPO, Node, assert_same_tree, make_node, rpc, running
+from tests.test_pushqueue import save
+from transfer.engine import list_checkpoints, push, verify
+from transfer.engine.options import TransferOptions
+from transfer.format.layout import PACKS_PREFIX
+from transfer.store import StoreOptions, open_store
+
+TRIALS = int(os.environ.get("FERRY_CRASH_TRIALS", "3"))
+SEED = int(os.environ.get("FERRY_CRASH_SEED", "2026"))
+JOB = "llm"
+MiB = 1 << 20
+SHARDS = (36 * MiB, 30 * MiB, 24 * MiB)  # 90 MiB a checkpoint, far more than is in flight
+WINDOW = 4  # parts in flight: the most a kill can waste is about this many parts + one pack
+SIZES = {
+    "FERRY_TRANSFER_CHUNK_SIZE_MIB": "1",
+    "FERRY_TRANSFER_PART_SIZE_MIB": "5",
+    "FERRY_TRANSFER_PACK_SIZE_MIB": "10",
+    "FERRY_TRANSFER_WINDOW": str(WINDOW),
+}
+CLI_SIZES = ["--chunk-size-mib", "1", "--part-size-mib", "5", "--pack-size-mib", "10"]
+# a kill can waste what is in flight (window parts) plus the parts of packs not yet complete
+WASTE_BOUND = (WINDOW + 2) * 5 * MiB + 10 * MiB
+
+
+@dataclass
+class Figures:
+    operation: str
+    sent_before: list[int] = field(default_factory=list)
+    resent: list[int] = field(default_factory=list)
+    finished_before_kill: int = 0
+
+    def add(self, before: int, after: int, needed: int) -> None:
+        self.sent_before.append(before)
+        self.resent.append(max(0, before + after - needed))
+
+    def report(self) -> str:
+        done, again = sum(self.sent_before), sum(self.resent)
+        ratio = again / done if done else 0.0
+        worst = max(self.resent, default=0)
+        return (
+            f"crash trials [{self.operation}]: {len(self.sent_before)} killed mid-way "
+            f"(+{self.finished_before_kill} finished first), {done / MiB:.0f} MiB sent before "
+            f"the kills, {again / MiB:.1f} MiB of it sent again after resuming = "
+            f"{100 * ratio:.1f}% (worst trial {worst / MiB:.1f} MiB)"
+        )
+
+
+def write_checkpoint(root: Path, seed: int) -> Path:
+    """Incompressible shards (so bytes stored = bytes raw), ``.metadata`` last."""
+    rng = np.random.default_rng(seed)
+    return save(root, {f"__{r}_0.distcp": rng.bytes(n) for r, n in enumerate(SHARDS)})
+
+
+def wait_for(predicate: Callable[[], bool], within: float, what: str) -> None:
+    deadline = time.monotonic() + within
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.005)
+
+
+def store_call(url: str, fn):  # type: ignore[no-untyped-def]
+    """Run ``fn(store)`` against the store directly (not through the proxy)."""
+
+    async def go():  # type: ignore[no-untyped-def]
+        store = open_store(url, StoreOptions())
+        try:
+            return await fn(store)
+        finally:
+            await store.close()
+
+    return asyncio.run(go())
+
+
+def committed(url: str) -> set[int]:
+    return {c.step for c in store_call(url, lambda s: list_checkpoints(s, JOB))}
+
+
+def pending_uploads(url: str) -> list[str]:
+    return [u.key for u in store_call(url, lambda s: s.list_uploads(PACKS_PREFIX))]
+
+
+def assert_all_verify(url: str, steps: set[int]) -> None:
+    """Exactly ``steps`` are committed, and every byte of them verifies."""
+    assert committed(url) == steps
+    if steps:
+        result = store_call(url, lambda s: verify(s, job=JOB))
+        assert result.ok, result.bad
+
+
+def kill_at(
+    proxy: FaultProxy, rng: random.Random, done: Callable[[], bool], kill: Callable[[], None]
+) -> tuple[bool, int]:
+    """SIGKILL once a random fraction of the operation's bytes has passed the proxy, or not at
+    all if it finishes first. Returns (killed, bytes sent towards the store before)."""
+    stats = proxy.stats
+    up, moved = stats.bytes_up, stats.bytes_up + stats.bytes_down
+    target = rng.uniform(0.05, 0.95) * sum(SHARDS)
+    wait_for(
+        lambda: done() or stats.bytes_up + stats.bytes_down - moved >= target,
+        120,
+        "the operation to make progress",
+    )
+    if done():
+        return False, stats.bytes_up - up
+    kill()
+    time.sleep(0.2)  # the proxy finishes reading what was already on the wire
+    return True, stats.bytes_up - up
+
+
+def sigkill(node: Node) -> None:
+    assert node.proc is not None
+    node.proc.send_signal(signal.SIGKILL)
+    assert node.proc.wait(10) == -signal.SIGKILL
+
+
+def test_agent_sigkilled_mid_push(s3_url: str, s3_proxy: FaultProxy, tmp_path: Path) -> None:
+    rng = random.Random(SEED)
+    node = make_node(
+        tmp_path, "a", [s3_url], FERRY_ENDPOINT_URL=s3_proxy.url,
+        FERRY_ORPHAN_UPLOAD_SECONDS="0.001", **SIZES,
+    )  # fmt: skip
+    figures = Figures("agent push")
+    steps: set[int] = set()
+    with running(node):
+        for trial in range(TRIALS):
+            step = 10 * (trial + 1)
+            start = s3_proxy.stats.bytes_up
+            src = write_checkpoint(node.hot / JOB / f"step_{step:06d}", SEED + trial)
+            killed, before = kill_at(
+                s3_proxy, rng, lambda s=step: s in committed(s3_url), lambda: sigkill(node)
+            )
+            if killed:
+                # nothing torn: the step is either fully committed or not visible at all
+                assert_all_verify(s3_url, steps | ({step} & committed(s3_url)))
+                node.start()  # same state dir: the journal resumes the push
+            else:
+                figures.finished_before_kill += 1
+            node.wait_durable(JOB, step, within=120)
+            steps.add(step)
+            if killed:
+                figures.add(before, s3_proxy.stats.bytes_up - start - before, sum(SHARDS))
+                assert figures.resent[-1] <= WASTE_BOUND, figures.report()
+            assert pending_uploads(s3_url) == [], "the restart aborts what the kill orphaned"
+            for f in src.iterdir():  # keep the disk small; the store has it now
+                f.unlink()
+    assert_all_verify(s3_url, steps)
+    print("\n" + figures.report())
+
+
+def test_cli_push_sigkilled_then_rerun(
+    s3_url: str, s3_proxy: FaultProxy, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rng = random.Random(SEED + 1)
+    figures = Figures("cli push")
+    steps: set[int] = set()
+    for trial in range(TRIALS):
+        step = 10 * (trial + 1)
+        src = write_checkpoint(tmp_path / f"step_{step:06d}", SEED + 100 + trial)
+        cmd = [sys.executable, "-m", "agent", "push", str(src), s3_url, "--job", JOB,
+               "--node", "n", "--endpoint-url", s3_proxy.url, "--window", str(WINDOW),
+               *CLI_SIZES]  # fmt: skip
+        start = s3_proxy.stats.bytes_up
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        try:
+            killed, before = kill_at(s3_proxy, rng, lambda p=proc: p.poll() is not None, proc.kill)
+        finally:
+            proc.wait(30)
+        if killed:
+            assert proc.returncode == -signal.SIGKILL
+            assert step not in committed(s3_url), "killed before its commit: nothing visible"
+            assert_all_verify(s3_url, steps)
+            rerun = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+            assert rerun.returncode == 0, rerun.stderr
+            figures.add(before, s3_proxy.stats.bytes_up - start - before, sum(SHARDS))
+        else:
+            assert proc.returncode == 0
+            figures.finished_before_kill += 1
+        steps.add(step)
+        for f in src.iterdir():
+            f.unlink()
+    assert_all_verify(s3_url, steps)
+    # a killed CLI leaves its pack uploads pending; the agent's start-up sweep aborts them
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_proxy.url)
+    node = make_node(tmp_path, "sweeper", [s3_url], FERRY_ORPHAN_UPLOAD_SECONDS="0.001")
+    with running(node):
+        wait_for(lambda: pending_uploads(s3_url) == [], 30, "the orphaned uploads to go")
+    print("\n" + figures.report())
+
+
+def test_agent_sigkilled_mid_prefetch(s3_url: str, s3_proxy: FaultProxy, tmp_path: Path) -> None:
+    rng = random.Random(SEED + 2)
+    src = write_checkpoint(tmp_path / "src" / f"step_{10:06d}", SEED + 200)
+    options = TransferOptions(chunk_size=MiB, part_size=5 * MiB, pack_size=10 * MiB)
+    store_call(s3_url, lambda s: push(s, src, job=JOB, step=10, node="a", options=options))
+    node = make_node(tmp_path, "b", [s3_url], FERRY_ENDPOINT_URL=s3_proxy.url, **SIZES)
+    dest = node.hot / JOB / "step_000010"
+    interrupted = 0
+    with running(node):
+        for _ in range(TRIALS):
+            pid = rpc(node.url, "prefetch", JOB, 10)
+            killed, _ = kill_at(
+                s3_proxy,
+                rng,
+                lambda p=pid: (
+                    rpc(node.url, "prefetch_status", p)["state"] != "running"
+                    and rpc(node.url, "prefetch_status", p)["state"] != "queued"
+                ),
+                lambda: sigkill(node),
+            )
+            interrupted += killed
+            if killed:
+                assert not dest.exists(), "a killed prefetch never leaves a partial checkpoint"
+                node.start()  # sweeps the staging directory the kill left
+            else:
+                assert rpc(node.url, "prefetch_status", pid)["state"] == "ready"
+            assert not [p for p in dest.parent.iterdir() if p != dest]
+            if dest.exists():
+                assert tree_bytes(dest) == tree_bytes(src)
+                import shutil
+
+                shutil.rmtree(dest)  # next trial starts cold again
+        status = rpc(node.url, "prefetch_and_wait", JOB, 10, within_s=120)
+        assert status["state"] == "ready", status
+        assert_same_tree(dest, src)
+    print(f"\ncrash trials [agent prefetch]: {interrupted} of {TRIALS} killed mid-way")
