@@ -328,6 +328,19 @@ class DyingProxy:
             await runner.cleanup()
 
 
+async def prefetch_through(proxy: DyingProxy, hot: Path, tiers: list[str], node: str) -> dict:  # type: ignore[type-arg]
+    """Prefetch the latest "llm" onto a new agent whose only peer is ``proxy``."""
+    url_proxy = await proxy.start()
+    try:
+        async with (
+            peer_agent(hot, tiers, [url_proxy], node) as url,
+            FerryClient(url, TOKEN) as client,
+        ):
+            return await client.wait_prefetch(await client.prefetch("llm"), within_s=60)
+    finally:
+        await proxy.stop()
+
+
 def test_prefetch_prefers_peers_and_survives_a_peer_dying(local_url: str, tmp_path: Path) -> None:
     hot_a = tmp_path / "node-a"
     (k0,) = adamw_series(hot_a / "llm", 1, seed=7)  # node A wrote it: <hot>/llm/step_000020
@@ -346,13 +359,7 @@ def test_prefetch_prefers_peers_and_survives_a_peer_dying(local_url: str, tmp_pa
 
             # C: peer A dies after 3 chunks; C completes from the tier
             proxy = DyingProxy(url_a, budget=3)
-            url_proxy = await proxy.start()
-            try:
-                node_c = peer_agent(tmp_path / "c", [local_url], [url_proxy], "c")
-                async with node_c as url_c, FerryClient(url_c, TOKEN) as client:
-                    done = await client.wait_prefetch(await client.prefetch("llm"), within_s=60)
-            finally:
-                await proxy.stop()
+            done = await prefetch_through(proxy, tmp_path / "c", [local_url], "c")
             assert done["state"] == "ready", done
             assert tree_bytes(Path(done["dest"])) == tree_bytes(k0)
             assert proxy.served == 3

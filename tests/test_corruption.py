@@ -1,0 +1,165 @@
+"""Corruption on every read path: a flipped byte in a stored chunk, a truncated pack, a
+manifest naming a chunk whose pack is gone. ``ferry verify`` reports every one of them; pull
+fails naming a chunk and leaves nothing; a prefetch takes the chunk from another source when
+one exists (the next tier; the tier when a peer serves bad bytes), else fails naming it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from agent.cli import main as ferry
+from agent.client import FerryClient
+from tests.conftest import make_checkpoint, open_test_store, tree_bytes
+from tests.test_agent_rpc import TOKEN, DyingProxy, agent, prefetch_through, push_series
+from tests.test_delta import adamw_series
+from transfer.engine.catalog import load_manifest
+from transfer.format.layout import pack_key
+
+# one 1 MiB chunk per pack: each injury below hits a different, known chunk
+ONE_PER_PACK = ["--chunk-size-mib", "1", "--part-size-mib", "1", "--pack-size-mib", "1"]
+
+
+async def _injure(store_url: str, job: str, step: int, node: str) -> dict[str, str]:
+    """Flip a byte in one chunk's pack, truncate another's, delete a third's.
+    Returns {chunk id: what was done}."""
+    store = open_test_store(store_url)
+    try:
+        m = await load_manifest(store, job, step, node)
+        picked: dict[str, str] = {}
+        packs: set[str] = set()
+        for c in (c for f in m.files for c in f.chunks):
+            pack = m.packs[c.pack]
+            if pack in packs or c.size < 4096:
+                continue
+            packs.add(pack)
+            picked[c.id] = pack
+            if len(picked) == 3:
+                break
+        assert len(picked) == 3, "the checkpoint needs three packs"
+        done = {}
+        injuries = ("flipped", "truncated", "missing")
+        for (cid, pack), what in zip(picked.items(), injuries, strict=True):
+            key = pack_key(pack)
+            if what == "missing":
+                await store.delete(key)
+            else:
+                data = bytearray(await store.get(key))
+                if what == "flipped":
+                    data[len(data) // 2] ^= 0x01
+                else:
+                    del data[len(data) // 2 :]
+                await store.put(key, bytes(data))
+            done[cid] = what
+        return done
+    finally:
+        await store.close()
+
+
+def test_verify_reports_every_injury_and_pull_names_one(
+    store_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    src = make_checkpoint(tmp_path / "step_000007", shard_bytes=4_000_000)
+    assert ferry(["push", str(src), store_url, "--job", "j", "--node", "n", *ONE_PER_PACK]) == 0
+    injured = asyncio.run(_injure(store_url, "j", 7, "n"))
+    capsys.readouterr()
+
+    assert ferry(["verify", store_url, "--json"]) == 1
+    out, err = capsys.readouterr()
+    bad = {b["chunk"]: b for b in json.loads(out)["bad_chunks"]}
+    assert set(bad) == set(injured), (bad, injured)  # all three, and nothing else
+    words = {"flipped": "corrupt", "truncated": "truncated", "missing": "missing"}
+    for cid, what in injured.items():
+        assert words[what] in bad[cid]["reason"], bad[cid]
+        assert bad[cid]["used_by"][0].startswith("j/7/n:__"), bad[cid]
+        assert cid in err  # the human-readable report names each chunk too
+
+    dest = tmp_path / "restored"
+    assert ferry(["pull", store_url, str(dest), "--job", "j"]) == 1
+    err = capsys.readouterr().err
+    assert any(cid in err for cid in injured), err
+    assert not dest.exists() and not [p for p in tmp_path.iterdir() if "staging" in p.name]
+
+
+def test_prefetch_falls_back_to_the_next_tier_and_names_the_chunk_when_none_is_good(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    tiers = []
+    for name in ("warm", "cold"):
+        (tmp_path / name).mkdir()
+        tiers.append(str(tmp_path / name))
+    src = make_checkpoint(tmp_path / "src" / "step_000007", shard_bytes=4_000_000)
+    for tier in tiers:
+        assert ferry(["push", str(src), tier, "--job", "j", "--node", "n", *ONE_PER_PACK]) == 0
+    capsys.readouterr()
+    injured = asyncio.run(_injure(tiers[0], "j", 7, "n"))
+
+    async def prefetch(hot: Path) -> dict:  # type: ignore[type-arg]
+        async with agent(hot, tiers) as url, FerryClient(url, TOKEN) as client:
+            return await client.wait_prefetch(await client.prefetch("j", 7), within_s=60)
+
+    done = asyncio.run(prefetch(tmp_path / "hot-1"))
+    assert done["state"] == "ready", done
+    assert tree_bytes(Path(done["dest"])) == tree_bytes(src)
+    assert done["bytes_by_source"][f"tier:{tiers[1]}"] > 0
+
+    asyncio.run(_injure(tiers[1], "j", 7, "n"))  # now no tier has good copies
+    done = asyncio.run(prefetch(tmp_path / "hot-2"))
+    assert done["state"] == "failed", done
+    assert "chunk " in done["error"] and any(cid in done["error"] for cid in injured), done
+    assert not list((tmp_path / "hot-2" / "j").iterdir())  # nothing partial, no staging
+
+
+class TamperingPeer(DyingProxy):
+    """A real HTTP proxy in front of a peer agent that damages every chunk it relays:
+    ``flip`` one byte, ``truncate`` to half, or ``pad`` with extra bytes."""
+
+    def __init__(self, target: str, how: str) -> None:
+        super().__init__(target, budget=1 << 30)
+        self.how, self.relayed = how, 0
+
+    async def handle(self, request: web.Request) -> web.Response:
+        async with (
+            aiohttp.ClientSession() as s,
+            s.get(
+                self.target + request.path,
+                headers={"Authorization": request.headers.get("Authorization", "")},
+            ) as r,
+        ):
+            body = bytearray(await r.read())
+            status = r.status
+        if status == 200 and body:
+            self.relayed += 1
+            if self.how == "flip":
+                body[len(body) // 2] ^= 0x80
+            elif self.how == "truncate":
+                del body[len(body) // 2 :]
+            else:
+                body += b"\0" * 4096
+        return web.Response(status=status, body=bytes(body))
+
+
+@pytest.mark.parametrize("how", ["flip", "truncate", "pad"])
+def test_a_peer_serving_bad_bytes_is_ignored_and_the_tier_used(
+    local_url: str, tmp_path: Path, how: str
+) -> None:
+    hot_a = tmp_path / "node-a"
+    (k0,) = adamw_series(hot_a / "llm", 1, seed=21)
+
+    async def go() -> None:
+        await push_series(local_url, [k0])
+        async with agent(hot_a, [local_url], "a") as url_a:
+            tamper = TamperingPeer(url_a, how)
+            done = await prefetch_through(tamper, tmp_path / "b", [local_url], "b")
+        assert done["state"] == "ready", done
+        assert tree_bytes(Path(done["dest"])) == tree_bytes(k0)
+        assert tamper.relayed > 0  # the peer was asked, and lied
+        assert done["bytes_by_source"].get("peer", 0) == 0  # none of its bytes were used
+        assert done["bytes_by_source"][f"tier:{local_url}"] > 0
+
+    asyncio.run(go())
