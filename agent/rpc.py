@@ -126,13 +126,20 @@ def _finite_number(value: object, low: float, high: float) -> bool:
     )
 
 
+def _step(value: object) -> int:
+    """A step number; 120.0 is one too (JSON Schema's integers include integral floats)."""
+    if isinstance(value, float) and value.is_integer() and 0 <= value < 1e18:
+        value = int(value)
+    return check_step(value)
+
+
 def _step_arg(value: object) -> int | None:
     """A step number, or None for 'latest'."""
     if value in (None, "latest"):
         return None
     if isinstance(value, str) and value.isdigit():
         value = int(value)
-    return check_step(value)
+    return _step(value)
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -327,7 +334,7 @@ def _pinned(app: web.Application, job: str, step: int) -> bool:
 async def post_pin(request: web.Request) -> web.Response:
     body = await _json_body(request)
     job = check_name("job", body.get("job"))
-    step = check_step(body.get("step"))
+    step = _step(body.get("step"))
     ttl = body.get("ttl_s", 3600)
     if not _finite_number(ttl, 0, MAX_PIN_SECONDS):
         raise ValueError(f"ttl_s must be within 0..{MAX_PIN_SECONDS} (pins expire)")

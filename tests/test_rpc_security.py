@@ -1,0 +1,136 @@
+"""The RPC against hostile clients, on a real ``ferry agent`` process on loopback: every route
+but /healthz refuses a missing or wrong token (routes taken from docs/openapi.yaml, which must
+list exactly the routes the app serves), oversized bodies get 413, and schemathesis fuzzes the
+spec: no 500, no crash, no file written outside the hot dir."""
+
+from __future__ import annotations
+
+import os
+import re
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import schemathesis
+import yaml
+from hypothesis import HealthCheck, settings
+
+from agent.config import load_config
+from agent.rpc import create_app
+from tests.test_agent_e2e import TOKEN, Node, get_json, make_node
+
+REPO = Path(__file__).resolve().parents[1]
+SPEC = REPO / "docs" / "openapi.yaml"
+# per operation (11 of them): ~20 s in CI; more with FERRY_FUZZ_EXAMPLES=1000
+FUZZ_EXAMPLES = int(os.environ.get("FERRY_FUZZ_EXAMPLES", "50"))
+_METHODS = ("get", "post", "put", "delete", "patch")
+
+
+def spec_routes() -> list[tuple[str, str]]:
+    doc = yaml.safe_load(SPEC.read_text())
+    return [
+        (method.upper(), path)
+        for path, item in doc["paths"].items()
+        for method in item
+        if method in _METHODS
+    ]
+
+
+def concrete(path: str) -> str:
+    return re.sub(r"\{[^}]+\}", "a" * 64, path)
+
+
+def request(
+    url: str, method: str, token: str | None, scheme: str = "Bearer", body: bytes | None = None
+) -> int:
+    req = urllib.request.Request(url, method=method, data=body)
+    if token is not None:
+        req.add_header("Authorization", f"{scheme} {token}")
+    if body is not None:
+        req.add_header("Content-Type", "application/json")
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return int(resp.status)
+    except urllib.error.HTTPError as exc:
+        return int(exc.code)
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Node]:
+    root = tmp_path_factory.mktemp("rpc")
+    (root / "store").mkdir()
+    n = make_node(root, "sec", [str(root / "store")])
+    n.start()
+    try:
+        yield n
+    finally:
+        n.close()
+
+
+def test_the_spec_lists_exactly_the_routes_the_agent_serves(tmp_path: Path) -> None:
+    env = {"FERRY_NODE": "x", "FERRY_HOT_DIR": str(tmp_path), "FERRY_TIERS": str(tmp_path)}
+    app = create_app(load_config(None, env), "t")
+    served = {
+        (r.method, r.resource.canonical)
+        for r in app.router.routes()
+        if r.method != "HEAD" and r.resource is not None
+    }
+    assert served == set(spec_routes())
+
+
+@pytest.mark.parametrize(("method", "path"), [r for r in spec_routes() if r[1] != "/healthz"])
+def test_every_route_but_health_needs_the_token(node: Node, method: str, path: str) -> None:
+    url = node.url + concrete(path)
+    body = b"{}" if method == "POST" else None
+    assert request(url, method, None, body=body) == 401
+    assert request(url, method, "wrong-token", body=body) == 401
+    assert request(url, method, TOKEN + "x", body=body) == 401  # a longer token is wrong too
+    assert request(url, method, TOKEN, scheme="Basic", body=body) == 401
+    assert request(url, method, TOKEN, body=body) != 401
+
+
+def test_health_needs_no_token_and_unknown_routes_still_need_one(node: Node) -> None:
+    assert request(node.url + "/healthz", "GET", None) == 200
+    assert request(node.url + "/v1/nothing-here", "GET", None) == 401
+    assert request(node.url + "/v1/nothing-here", "GET", TOKEN) == 404
+
+
+@pytest.mark.parametrize("path", ["/v1/prefetch", "/v1/pins"])
+def test_oversized_bodies_get_413(node: Node, path: str) -> None:
+    huge = b'{"job": "' + b"x" * (2 << 20) + b'"}'  # over the 1 MiB default limit
+    assert request(node.url + path, "POST", TOKEN, body=huge) == 413
+    assert request(node.url + path, "POST", None, body=huge) == 401  # never read unauthenticated
+    assert get_json(node.url + "/healthz", token=None)["ok"]
+
+
+schema = schemathesis.openapi.from_path(str(SPEC))
+
+
+@schema.parametrize()
+@settings(
+    max_examples=FUZZ_EXAMPLES,
+    deadline=None,
+    suppress_health_check=list(HealthCheck),
+    derandomize=True,  # the same requests on every run: a failure reproduces
+)
+def test_fuzz_the_spec(case: schemathesis.Case, node: Node) -> None:
+    # every schemathesis check: no 5xx, and requests and replies conform to the spec
+    response = case.call_and_validate(
+        base_url=node.url, headers={"Authorization": f"Bearer {TOKEN}"}
+    )
+    assert response.status_code < 500, response.text
+    assert node.proc is not None and node.proc.poll() is None, node.logs()
+
+
+def test_after_fuzzing_the_agent_is_alive_and_wrote_nothing_outside_its_dirs(node: Node) -> None:
+    assert get_json(node.url + "/healthz", token=None)["ok"]
+    root = node.hot.parent
+    allowed = {node.hot, root / "store", root / "token", node.log}
+    strays = [p for p in root.iterdir() if p not in allowed]
+    assert not strays, strays
+    # in the hot dir: only prefetched checkpoints' job dirs and the agent's state
+    for p in node.hot.rglob("*"):
+        assert not p.is_symlink(), p
+        assert p.resolve().is_relative_to(node.hot.resolve()), p
