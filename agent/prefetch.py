@@ -252,6 +252,8 @@ class Prefetcher:
         beside it (reusing its verified chunks), then move in only the files it lacks; files
         it has are never touched."""
         assert record.step is not None
+        for entry, _ in merge_parts(manifests):  # fail before downloading anything
+            _through_real_dirs(here, entry.path)
         scratch = here.parent / f".{here.name}{STAGING_MARK}fill-{secrets.token_hex(4)}"
         try:
             await self._restore(record, name, store, scratch, base=here)
@@ -330,8 +332,21 @@ class Prefetcher:
 def _move_missing(source: Path, target: Path, manifests: list[Manifest]) -> None:
     """Rename each file ``target`` lacks from ``source`` (same filesystem: atomic per file)."""
     for entry, _ in merge_parts(manifests):
-        dest = target / entry.path  # validated relative path
+        dest = _through_real_dirs(target, entry.path)  # validated relative path
         if not dest.exists():
             dest.parent.mkdir(parents=True, exist_ok=True)
             os.rename(source / entry.path, dest)
             fsync_dir(dest.parent)
+
+
+def _through_real_dirs(target: Path, rel: str) -> Path:
+    """``target / rel``, refusing a symlink (or a file) where a parent directory should be:
+    a link planted in a step dir must not carry restored files out of the hot dir."""
+    here = target
+    for part in rel.split("/")[:-1]:
+        here = here / part
+        if here.is_symlink() or (here.exists() and not here.is_dir()):
+            raise DestinationError(
+                f"{here} is a symlink or not a directory; refusing to write through it"
+            )
+    return target / rel

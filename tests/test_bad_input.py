@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 
 from agent.cli import main as ferry
-from tests.conftest import make_checkpoint, open_test_store, store_objects, tree_bytes
+from agent.client import FerryClient
+from tests.conftest import make_checkpoint, open_test_store, store_objects, tree_bytes, write_file
+from tests.test_agent_rpc import TOKEN, agent, push_series
 from transfer.format.layout import PACKS_PREFIX, manifest_key
 
 SMALL = ["--chunk-size-mib", "1", "--part-size-mib", "5", "--pack-size-mib", "10"]
@@ -172,6 +175,21 @@ def test_manifest_paths_escaping_the_destination_are_refused(
         (lambda d: d["files"][0]["chunks"][0].update(size=1 << 40), "size"),
         (lambda d: d["files"][0]["chunks"][0].update(pack=99), "pack"),
         (lambda d: d.update(job="other"), "describes"),
+        (lambda d: d.update(version="2"), "version '2' is not supported"),
+        (lambda d: d.update(format="something-else"), "not a ckpt-ferry manifest"),
+        (lambda d: d.update(hash="sha256"), "hash 'sha256' is not supported"),
+        (lambda d: d["files"].append(dict(d["files"][0])), "twice"),
+        (lambda d: d["files"][0].update(size=1 << 60), "size"),
+        (lambda d: d["files"][0].update(mode="0644"), "mode"),
+        (lambda d: d["files"][0].update(chunks={"0": 1}), "'chunks' must be a list"),
+        (lambda d: d["files"][0]["chunks"][0].update(offset=-1), "offset"),
+        (lambda d: d["files"][0]["chunks"][0].update(stored=1 << 40), "stored"),
+        (lambda d: d["files"][0]["chunks"][0].update(id="../" + "0" * 61), "chunk id"),
+        (lambda d: d["files"][0]["chunks"][0].update(enc="xor+zstd", base="e" * 64), "base"),
+        (lambda d: d["files"][0]["chunks"][0].update(enc="zstd", base="e" * 64), "disagree"),
+        (lambda d: d.update(packs=["../../etc/passwd"]), "pack"),
+        (lambda d: d.update(chunk_size=1 << 40), "chunk_size"),
+        (lambda d: d.update(files=[{}] * 3), "path"),
     ],
 )
 def test_malformed_manifests_are_refused_clearly(
@@ -193,9 +211,10 @@ def test_malformed_manifests_are_refused_clearly(
             await store.close()
 
     asyncio.run(put_raw())
+    before = sorted(p.name for p in tmp_path.iterdir())
     err = ferry_fails(capsys, "pull", store_url, str(tmp_path / "d"), "--job", "j")
     assert message in err
-    assert not (tmp_path / "d").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing, not even staging
 
 
 def test_unknown_store_version_is_refused(
@@ -227,6 +246,10 @@ def test_destination_must_be_new_or_empty(
     err = ferry_fails(capsys, "pull", local_url, str(dest), "--job", "j")
     assert "not empty" in err
     assert tree_bytes(dest) == {"keep.txt": b"precious"}
+    (tmp_path / "link").symlink_to(tmp_path / "elsewhere", target_is_directory=True)
+    (tmp_path / "elsewhere").mkdir()  # an empty directory, but behind a symlink
+    err = ferry_fails(capsys, "pull", local_url, str(tmp_path / "link"), "--job", "j")
+    assert "not a directory" in err and list((tmp_path / "elsewhere").iterdir()) == []
     empty = tmp_path / "empty"
     empty.mkdir()
     assert ferry(["pull", local_url, str(empty), "--job", "j"]) == 0
@@ -258,3 +281,32 @@ def test_usage_errors_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     capsys.readouterr()
     assert ferry(["push", str(d), str(tmp_path), "--job", "bad/name", "--step", "1"]) == 1
     assert "invalid job name" in capsys.readouterr().err
+
+
+def test_a_symlink_in_a_partly_held_step_dir_is_never_followed(
+    local_url: str, tmp_path: Path
+) -> None:
+    """A node holding its own part gets the other parts moved in beside it; a symlinked
+    directory in its step dir must not carry them out of the hot dir."""
+    part_a, part_b = tmp_path / "a" / "step_000020", tmp_path / "b" / "step_000020"
+    write_file(part_a / "sub" / "__0_0.distcp", b"a" * 5000)
+    write_file(part_a / ".metadata", b"meta")
+    write_file(part_b / "__1_0.distcp", b"b" * 5000)
+    write_file(part_b / ".metadata", b"meta")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    hot = tmp_path / "hot"
+
+    async def go() -> dict:  # type: ignore[type-arg]
+        await push_series(local_url, [part_a], node="a")
+        await push_series(local_url, [part_b], node="b")
+        here = hot / "llm" / "step_000020"
+        shutil.copytree(part_b, here)
+        (here / "sub").symlink_to(outside)  # planted, or left by a confused job
+        async with agent(hot, [local_url], "b") as url, FerryClient(url, TOKEN) as client:
+            return await client.wait_prefetch(await client.prefetch("llm", 20), within_s=60)
+
+    done = asyncio.run(go())
+    assert list(outside.iterdir()) == []
+    assert done["state"] == "failed" and "symlink" in done["error"], done
+    assert sorted(p.name for p in (hot / "llm").iterdir()) == ["step_000020"]  # no staging
