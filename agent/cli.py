@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.progress import TerminalProgress
+from agent.pushlog import PushLog, default_state_dir
 from transfer.engine import TransferOptions, list_checkpoints, pull, push, verify
 from transfer.engine.catalog import load_manifest, open_catalog
 from transfer.engine.progress import NoProgress, Progress
@@ -195,18 +196,24 @@ async def _cmd_push(store: Store, args: argparse.Namespace) -> tuple[dict[str, A
     step = args.step if args.step is not None else step_from_dirname(args.ckpt_dir.name)
     if step is None:
         raise _UsageError(f"cannot tell the step from {args.ckpt_dir.name!r}: pass --step")
+    node = args.node or _default_node()
+    # a push killed half way and run again reuses the packs it had made durable
+    log = PushLog.for_push(default_state_dir(), store.url, args.job, step, node, args.ckpt_dir)
     r = await push(
         store,
         args.ckpt_dir,
         job=args.job,
         step=step,
-        node=args.node or _default_node(),
+        node=node,
         options=_transfer_options(args),
         progress=_progress(args),
         base_step=args.base_step,
         base_dir=args.base_dir,
         full=args.full,
+        resume_chunks=log.chunks(),
+        on_pack_durable=log.append,
     )
+    log.remove()
     rate = r.bytes_raw / r.seconds / 1e6 if r.seconds else 0.0
     note = " (already committed, identical)" if r.already_committed else ""
     line = (

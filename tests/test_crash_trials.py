@@ -177,7 +177,7 @@ def test_agent_sigkilled_mid_push(s3_url: str, s3_proxy: FaultProxy, tmp_path: P
     print("\n" + figures.report())
 
 
-def test_cli_push_sigkilled_then_rerun(
+def test_cli_push_sigkilled_then_rerun_resumes(
     s3_url: str, s3_proxy: FaultProxy, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     rng = random.Random(SEED + 1)
@@ -199,9 +199,11 @@ def test_cli_push_sigkilled_then_rerun(
             assert proc.returncode == -signal.SIGKILL
             assert step not in committed(s3_url), "killed before its commit: nothing visible"
             assert_all_verify(s3_url, steps)
+            # run again: it resumes from its log (agent/pushlog.py) of the packs made durable
             rerun = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
             assert rerun.returncode == 0, rerun.stderr
             figures.add(before, s3_proxy.stats.bytes_up - start - before, sum(SHARDS))
+            assert figures.resent[-1] <= WASTE_BOUND, figures.report()
         else:
             assert proc.returncode == 0
             figures.finished_before_kill += 1
@@ -209,6 +211,7 @@ def test_cli_push_sigkilled_then_rerun(
         for f in src.iterdir():
             f.unlink()
     assert_all_verify(s3_url, steps)
+    assert not list((tmp_path / "xdg-state").rglob("*.jsonl")), "logs go once committed"
     # a killed CLI leaves its pack uploads pending; the agent's start-up sweep aborts them
     monkeypatch.setenv("AWS_ENDPOINT_URL", s3_proxy.url)
     node = make_node(tmp_path, "sweeper", [s3_url], FERRY_ORPHAN_UPLOAD_SECONDS="0.001")
@@ -253,3 +256,17 @@ def test_agent_sigkilled_mid_prefetch(s3_url: str, s3_proxy: FaultProxy, tmp_pat
         assert status["state"] == "ready", status
         assert_same_tree(dest, src)
     print(f"\ncrash trials [agent prefetch]: {interrupted} of {TRIALS} killed mid-way")
+
+
+def test_push_log_survives_a_torn_line(tmp_path: Path) -> None:
+    from agent.pushlog import PushLog
+    from transfer.engine.chunkindex import StoredChunk
+
+    log = PushLog.for_push(tmp_path, "s3://b/p", JOB, 10, "n", tmp_path / "step_000010")
+    chunk = StoredChunk("a" * 64, 5, "raw", "b" * 32, 0, 5)
+    log.append([chunk])
+    with open(log.path, "a") as fh:
+        fh.write('[["cc')  # killed while appending the next record
+    assert log.chunks() == [chunk]
+    log.remove()
+    assert log.chunks() == [] and not log.path.exists()

@@ -52,6 +52,8 @@ def pending_uploads(url: str, endpoint: str) -> list[str]:
 
 def assert_faults_injected(proxy: FaultProxy, at_least: int) -> None:
     injected = sum(proxy.stats.faults.values())
+    kinds = ", ".join(f"{k} {n}" for k, n in sorted(proxy.stats.faults.items()))
+    print(f"\nfaults: {injected} of {proxy.stats.requests} requests ({kinds})")
     assert injected >= at_least, proxy.stats
     assert len(proxy.stats.faults) >= 3, proxy.stats  # several kinds, not one
 
@@ -96,6 +98,7 @@ def test_each_fault_kind_at_30pct_is_survived(
     assert ferry(["pull", s3_url, str(dest), "--job", "j", *via]) == 0
     assert tree_bytes(dest) == tree_bytes(src)
     assert s3_proxy.stats.faults[kind] >= 3, s3_proxy.stats
+    print(f"\nfaults: {kind} x{s3_proxy.stats.faults[kind]} of {s3_proxy.stats.requests} requests")
 
 
 def test_agent_push_and_prefetch_with_10pct_faulty_requests(

@@ -95,15 +95,17 @@ class PackWriter:
             await task
         return self.completed_packs
 
-    async def abort(self) -> None:
+    async def abort(self, *, keep_reported: bool = True) -> None:
         """Best effort after a failure: drop pending uploads, and packs nobody references
         (durable packs were reported to ``on_pack_durable``, whose journal may resume them,
-        so those are kept; a commit that was still running when we failed is dropped)."""
+        so those are kept unless ``keep_reported`` is false; a commit that was still running
+        when we failed is dropped)."""
         for task in self._uploads:
             if task.done() and not task.cancelled() and task.exception() is None:
                 await task.result().abort()
         await asyncio.gather(*self._commits.values(), return_exceptions=True)
-        reported = set(self.completed_packs) if self._on_pack_durable is not None else set()
+        keep = keep_reported and self._on_pack_durable is not None
+        reported = set(self.completed_packs) if keep else set()
         for pack_id in self._commits:
             if pack_id not in reported:
                 with contextlib.suppress(Exception):

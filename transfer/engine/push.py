@@ -212,8 +212,10 @@ class _PushRun:
         self.on_pack_durable(chunks)
 
     async def writer_abort(self) -> None:
+        """Delete every pack this push wrote: none can ever be referenced (not even by a
+        resumed attempt: the step is committed with other content)."""
         if self._writer is not None:
-            await self._writer.abort()
+            await self._writer.abort(keep_reported=False)
 
     async def encode_all(self, sources: list[SourceFile]) -> list[list[StoredChunk]]:
         size = self.options.chunk_size
