@@ -118,18 +118,24 @@ def assert_all_verify(url: str, steps: set[int]) -> None:
 
 
 def kill_at(
-    proxy: FaultProxy, rng: random.Random, done: Callable[[], bool], kill: Callable[[], None]
+    proxy: FaultProxy,
+    rng: random.Random,
+    done: Callable[[], bool],
+    kill: Callable[[], None],
+    *,
+    upload: bool = True,
 ) -> tuple[bool, int]:
-    """SIGKILL once a random fraction of the operation's bytes has passed the proxy, or not at
-    all if it finishes first. Returns (killed, bytes sent towards the store before)."""
+    """SIGKILL once a random fraction of the checkpoint's bytes has passed the proxy (sent
+    towards the store for an upload, else received from it), or not at all if the operation
+    finishes first. Returns (killed, bytes sent towards the store before the kill)."""
     stats = proxy.stats
-    up, moved = stats.bytes_up, stats.bytes_up + stats.bytes_down
+
+    def moved() -> int:
+        return stats.bytes_up if upload else stats.bytes_down
+
+    up, start = stats.bytes_up, moved()
     target = rng.uniform(0.05, 0.95) * sum(SHARDS)
-    wait_for(
-        lambda: done() or stats.bytes_up + stats.bytes_down - moved >= target,
-        120,
-        "the operation to make progress",
-    )
+    wait_for(lambda: done() or moved() - start >= target, 120, "the operation to progress")
     if done():
         return False, stats.bytes_up - up
     kill()
@@ -239,6 +245,7 @@ def test_agent_sigkilled_mid_prefetch(s3_url: str, s3_proxy: FaultProxy, tmp_pat
                     and rpc(node.url, "prefetch_status", p)["state"] != "queued"
                 ),
                 lambda: sigkill(node),
+                upload=False,
             )
             interrupted += killed
             if killed:
