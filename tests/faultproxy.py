@@ -23,12 +23,10 @@ tests, ``asyncio.run`` tests and agent subprocesses can all use it. Decisions co
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import random
 import socket
 import threading
 from collections import Counter
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -98,6 +96,13 @@ class FaultProxy:
         self._thread.start()
         self._call(self._start())
         return self.url
+
+    def __enter__(self) -> FaultProxy:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
 
     def stop(self) -> None:
         if self._thread.is_alive():
@@ -226,13 +231,3 @@ def _drop(request: web.Request, *, flush: bool = False) -> web.StreamResponse:
         else:
             transport.abort()
     raise asyncio.CancelledError  # nothing more to send; aiohttp drops the handler quietly
-
-
-@contextlib.contextmanager
-def fault_proxy(upstream: str, **kwargs: object) -> Iterator[FaultProxy]:
-    proxy = FaultProxy(upstream, **kwargs)  # type: ignore[arg-type]
-    proxy.start()
-    try:
-        yield proxy
-    finally:
-        proxy.stop()

@@ -151,10 +151,9 @@ def sigkill(node: Node) -> None:
 
 def test_agent_sigkilled_mid_push(s3_url: str, s3_proxy: FaultProxy, tmp_path: Path) -> None:
     rng = random.Random(SEED)
-    node = make_node(
-        tmp_path, "a", [s3_url], FERRY_ENDPOINT_URL=s3_proxy.url,
-        FERRY_ORPHAN_UPLOAD_SECONDS="0.001", **SIZES,
-    )  # fmt: skip
+    # the start-up sweep of orphaned uploads keeps its default age guard (1 h): the resumed
+    # push must itself salvage or abort every upload the killed one had begun
+    node = make_node(tmp_path, "a", [s3_url], FERRY_ENDPOINT_URL=s3_proxy.url, **SIZES)
     figures = Figures("agent push")
     steps: set[int] = set()
     with running(node):
@@ -176,7 +175,7 @@ def test_agent_sigkilled_mid_push(s3_url: str, s3_proxy: FaultProxy, tmp_path: P
             if killed:
                 figures.add(before, s3_proxy.stats.bytes_up - start - before, sum(SHARDS))
                 assert figures.resent[-1] <= WASTE_BOUND, figures.report()
-            assert pending_uploads(s3_url) == [], "the restart aborts what the kill orphaned"
+            assert pending_uploads(s3_url) == [], "the resumed push left no upload pending"
             for f in src.iterdir():  # keep the disk small; the store has it now
                 f.unlink()
     assert_all_verify(s3_url, steps)
@@ -213,17 +212,30 @@ def test_cli_push_sigkilled_then_rerun_resumes(
         else:
             assert proc.returncode == 0
             figures.finished_before_kill += 1
+        assert pending_uploads(s3_url) == [], "the rerun salvaged or aborted every upload"
         steps.add(step)
         for f in src.iterdir():
             f.unlink()
     assert_all_verify(s3_url, steps)
     assert not list((tmp_path / "xdg-state").rglob("*.jsonl")), "logs go once committed"
-    # a killed CLI leaves its pack uploads pending; the agent's start-up sweep aborts them
+    print("\n" + figures.report())
+
+    # a push killed and never run again leaves uploads pending: the agent's start-up sweep
+    # aborts them
+    src = write_checkpoint(tmp_path / "step_000999", SEED)
+    cmd = [sys.executable, "-m", "agent", "push", str(src), s3_url, "--job", JOB,
+           "--endpoint-url", s3_proxy.url, *CLI_SIZES]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_for(lambda: proc.poll() is not None or pending_uploads(s3_url) != [], 60, "uploads")
+        proc.kill()
+    finally:
+        proc.wait(30)
+    assert pending_uploads(s3_url), "the abandoned push left uploads pending"
     monkeypatch.setenv("AWS_ENDPOINT_URL", s3_proxy.url)
     node = make_node(tmp_path, "sweeper", [s3_url], FERRY_ORPHAN_UPLOAD_SECONDS="0.001")
     with running(node):
         wait_for(lambda: pending_uploads(s3_url) == [], 30, "the orphaned uploads to go")
-    print("\n" + figures.report())
 
 
 def test_agent_sigkilled_mid_prefetch(s3_url: str, s3_proxy: FaultProxy, tmp_path: Path) -> None:
@@ -277,3 +289,35 @@ def test_push_log_survives_a_torn_line(tmp_path: Path) -> None:
     assert log.chunks() == [chunk]
     log.remove()
     assert log.chunks() == [] and not log.path.exists()
+
+
+@pytest.mark.parametrize("checksum", ["md5", "crc32"])
+def test_salvage_keeps_the_leading_parts_of_an_abandoned_upload(s3_url: str, checksum: str) -> None:
+    """Parts 1 and 3 landed (2 was in flight at the kill): the object becomes part 1. With
+    CRC32 part checksums that needs a server whose ListParts returns them (AWS does;
+    SeaweedFS 4 does not): otherwise the upload is aborted, never left pending."""
+    from transfer.store.s3 import S3Store
+
+    part = 5 * MiB
+    data = np.random.default_rng(1).bytes(3 * part)
+    bucket, prefix = s3_url.removeprefix("s3://").split("/", 1)
+
+    async def go() -> None:
+        store = S3Store(bucket, prefix, endpoint_url=os.environ["AWS_ENDPOINT_URL"],
+                        checksum=checksum)  # fmt: skip
+        upload = await store.begin_upload("packs/ab/abandoned.pack")
+        await upload.write_part(1, 0, data[:part])
+        await upload.write_part(3, 2 * part, data[2 * part :])
+        kept = await store.salvage_upload("packs/ab/abandoned.pack")
+        if checksum == "md5" or kept is not None:
+            assert kept == part
+            assert await store.get("packs/ab/abandoned.pack") == data[:part]
+        assert await store.list_uploads("packs/") == []
+        upload = await store.begin_upload("packs/cd/nothing.pack")  # no leading part
+        await upload.write_part(2, part, data[part : 2 * part])
+        assert await store.salvage_upload("packs/cd/nothing.pack") is None
+        assert await store.list_uploads("packs/") == []
+        assert not await store.exists("packs/cd/nothing.pack")
+        await store.close()
+
+    asyncio.run(go())

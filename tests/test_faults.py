@@ -15,9 +15,11 @@ from agent.cli import main as ferry
 from agent.client import FerryClient
 from tests.conftest import random_bytes, tree_bytes
 from tests.faultproxy import KINDS, FaultProxy
+from tests.s3server import S3Endpoint
 from tests.test_agent_rpc import TOKEN, agent
 from tests.test_pushqueue import agent as queue_agent
 from tests.test_pushqueue import make_queue, save, tier_states
+from transfer.errors import StoreError
 from transfer.format.layout import PACKS_PREFIX
 from transfer.store import StoreOptions, open_store
 
@@ -205,3 +207,28 @@ def test_background_push_fails_while_the_store_is_down_and_resumes_when_back(
             await store.close()
 
     asyncio.run(go())
+
+
+def test_a_server_that_hangs_is_cut_off_by_the_read_timeout_and_retried(
+    s3_url: str, s3_env: S3Endpoint
+) -> None:
+    """A stall longer than the client's read timeout (a black-holed connection): each try
+    ends at the timeout, the next try goes through once the server answers again."""
+    from transfer.store.s3 import S3Store
+
+    bucket, prefix = s3_url.removeprefix("s3://").split("/", 1)
+    with FaultProxy(s3_env.url, stall_seconds=60) as proxy:
+        store = S3Store(bucket, prefix, endpoint_url=proxy.url, read_timeout=1, attempts=2)
+
+        async def go() -> None:
+            await store.put("k", b"data")
+            proxy.set_faults(1.0, ("stall",))
+            began = time.monotonic()
+            with pytest.raises(StoreError, match="the store may be down"):
+                await store.get("k")
+            assert time.monotonic() - began < 20  # 2 tries of 1 s, not 2 x 60 s
+            proxy.set_faults(0.0)
+            assert await store.get("k") == b"data"
+            await store.close()
+
+        asyncio.run(go())

@@ -38,6 +38,7 @@ class _OpenPack:
     upload: asyncio.Task[Upload] | None = None
     parts: list[asyncio.Task[None]] = field(default_factory=list)
     members: list[tuple[object, PackLocation]] = field(default_factory=list)
+    reported: int = 0  # members already told to on_pack_durable
 
 
 class PackWriter:
@@ -52,8 +53,10 @@ class PackWriter:
         on_bytes_stored: Callable[[int], None],
         on_pack_durable: Callable[[str, list[tuple[object, PackLocation]]], None] | None = None,
     ) -> None:
-        # told (pack id, [(tag, location)]) as each pack becomes durable: a journal of these
-        # lets a restarted push reuse them instead of uploading everything again
+        # told (pack id, [(tag, location)]) as each pack becomes durable, and already as the
+        # parts of a multipart pack are sent: a journal of these lets a restarted push reuse
+        # durable packs, and salvage the landed parts of a pack its kill left unfinished
+        # (Store.salvage_upload), instead of uploading everything again
         self._on_pack_durable = on_pack_durable
         self._store = store
         self._tasks = tasks
@@ -122,6 +125,7 @@ class PackWriter:
         if pack.upload is None:
             pack.upload = self._tasks.create_task(self._store.begin_upload(pack_key(pack.pack_id)))
             self._uploads.append(pack.upload)
+        self._report(pack)  # before the upload can begin: a kill never hides one from us
         await self._slots.acquire()
         pack.parts.append(self._tasks.create_task(self._send_part(pack, number, offset, data)))
 
@@ -151,8 +155,12 @@ class PackWriter:
 
     def _durable(self, pack: _OpenPack) -> None:
         self.completed_packs.append(pack.pack_id)
-        if self._on_pack_durable is not None:
-            self._on_pack_durable(pack.pack_id, pack.members)
+        self._report(pack)
+
+    def _report(self, pack: _OpenPack) -> None:
+        if self._on_pack_durable is not None and pack.reported < len(pack.members):
+            self._on_pack_durable(pack.pack_id, pack.members[pack.reported :])
+            pack.reported = len(pack.members)
 
     async def _put_whole(self, pack: _OpenPack, data: bytes) -> None:
         try:

@@ -33,7 +33,7 @@ from transfer.engine.packer import PackLocation, PackWriter
 from transfer.engine.progress import NoProgress, Progress
 from transfer.engine.resolver import ChunkResolver
 from transfer.engine.scan import SourceFile, read_range, scan_checkpoint
-from transfer.errors import AlreadyExistsError, FerryError
+from transfer.errors import AlreadyExistsError, FerryError, NotFoundError
 from transfer.format import layout
 from transfer.format.chunkid import chunk_id
 from transfer.format.manifest import FileEntry, Manifest
@@ -352,12 +352,18 @@ async def _check_reused_packs(store: Store, pack_ids: set[str], run: _PushRun) -
 
 
 async def _still_stored(store: Store, chunks: Iterable[StoredChunk]) -> list[StoredChunk]:
-    """The resumable chunks whose pack is still in the store (GC may have taken it)."""
+    """The resumable chunks that are in the store: in a pack that is there (GC may have
+    taken it), or in the landed part of a pack the interrupted attempt left unfinished,
+    which is completed with what landed (its writer is dead: this push resumes it)."""
     chunks = list(chunks)
-    present = {}
+    length: dict[str, int] = {}
     for pack_id in {c.pack_id for c in chunks}:
-        present[pack_id] = await store.exists(layout.pack_key(pack_id))
-    return [c for c in chunks if present[c.pack_id]]
+        key = layout.pack_key(pack_id)
+        try:
+            length[pack_id] = (await store.head(key)).size
+        except NotFoundError:
+            length[pack_id] = await store.salvage_upload(key) or 0
+    return [c for c in chunks if c.offset + c.stored <= length[c.pack_id]]
 
 
 def _read_and_hash(src: SourceFile, offset: int, length: int) -> tuple[bytes, str]:

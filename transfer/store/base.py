@@ -113,6 +113,14 @@ class Store(ABC):
     @abstractmethod
     async def abort_upload(self, pending: PendingUpload) -> None: ...
 
+    async def salvage_upload(self, key: str) -> int | None:
+        """Complete an upload of ``key`` that a dead writer left pending with what landed:
+        its parts from the first on, up to the first gap. Returns the length of the object
+        now at ``key``, or None when nothing was kept (such an upload is aborted). Call it
+        only for keys whose writer is known to be dead. Backends that cannot tell which
+        parts landed keep nothing."""
+        return None
+
     async def close(self) -> None:  # noqa: B027  # optional hook
         """Release connections; the store is unusable afterwards."""
 

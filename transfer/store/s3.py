@@ -119,6 +119,19 @@ def _map_error(exc: BaseException, what: str, attempts: int = 1) -> StoreError:
     return StoreError(f"{what}: {detail}")
 
 
+Parts = list[dict[str, Any]]  # (a name: inside S3Store, ``list`` is the method)
+
+
+def _leading_run(parts: Parts) -> Parts:
+    """Parts 1, 2, ... up to the first one missing."""
+    run: Parts = []
+    for p in sorted(parts, key=lambda p: int(p["PartNumber"])):
+        if int(p["PartNumber"]) != len(run) + 1:
+            break
+        run.append(p)
+    return run
+
+
 def _check_length(resp: dict[str, Any], body: bytes) -> None:
     """A ranged reply must hold exactly the range its Content-Range names."""
     match = _CONTENT_RANGE.fullmatch(str(resp.get("ContentRange", "")))
@@ -153,6 +166,11 @@ class S3Upload(Upload):
             part["ChecksumCRC32"] = checksum["ChecksumCRC32"]
         self._parts[number] = part
         self._sizes[number] = len(data)
+
+    def add_landed_part(self, part: dict[str, Any], size: int) -> None:
+        """A part an earlier writer uploaded (from ListParts), to complete it with."""
+        self._parts[int(part["PartNumber"])] = part
+        self._sizes[int(part["PartNumber"])] = size
 
     async def complete(self, *, create_only: bool = False) -> None:
         parts = [self._parts[n] for n in sorted(self._parts)]
@@ -388,6 +406,50 @@ class S3Store(Store):
 
     async def abort_upload(self, pending: PendingUpload) -> None:
         await S3Upload(self, pending.key, pending.upload_id).abort()
+
+    async def salvage_upload(self, key: str) -> int | None:
+        full = self.full_key(key)
+        best: tuple[int, PendingUpload, Parts] | None = None
+        for pending in await self.list_uploads(key):
+            if pending.key != key:
+                continue
+            run = _leading_run(await self._list_parts(full, pending.upload_id))
+            size = sum(int(p["Size"]) for p in run)
+            if best is None or size > best[0]:
+                if best is not None:
+                    await self.abort_upload(best[1])
+                best = (size, pending, run)
+            else:
+                await self.abort_upload(pending)
+        if best is None:
+            return None
+        size, pending, run = best
+        if not size:
+            await self.abort_upload(pending)
+            return None
+        upload = S3Upload(self, key, pending.upload_id)
+        for p in run:
+            part: dict[str, Any] = {
+                k: p[k] for k in ("PartNumber", "ETag", "ChecksumCRC32") if k in p
+            }
+            upload.add_landed_part(part, int(p["Size"]))
+        try:
+            await upload.complete()
+        except StoreError:
+            return None  # complete() aborted it
+        return size
+
+    async def _list_parts(self, full: str, upload_id: str) -> Parts:
+        parts: Parts = []
+        marker: dict[str, Any] = {}
+        while True:
+            resp = await self.call(
+                "list_parts", f"list parts of {full}", Key=full, UploadId=upload_id, **marker
+            )
+            parts.extend(resp.get("Parts", []) or [])
+            if not resp.get("IsTruncated"):
+                return parts
+            marker = {"PartNumberMarker": resp["NextPartNumberMarker"]}
 
     async def begin_upload(self, key: str) -> Upload:
         full = self.full_key(key)
