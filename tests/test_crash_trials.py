@@ -48,6 +48,8 @@ SIZES = {
     "FERRY_TRANSFER_WINDOW": str(WINDOW),
 }
 CLI_SIZES = ["--chunk-size-mib", "1", "--part-size-mib", "5", "--pack-size-mib", "10"]
+# md5: part checksums SeaweedFS's ListParts returns (ETags), so resumes salvage unfinished packs
+CLI_CHECKSUM = os.environ.get("FERRY_CRASH_CHECKSUM", "crc32")
 # a kill can waste what is in flight (window parts) plus the parts of packs not yet complete
 WASTE_BOUND = (WINDOW + 2) * 5 * MiB + 10 * MiB
 
@@ -186,14 +188,14 @@ def test_cli_push_sigkilled_then_rerun_resumes(
     s3_url: str, s3_proxy: FaultProxy, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     rng = random.Random(SEED + 1)
-    figures = Figures("cli push")
+    figures = Figures(f"cli push, --checksum {CLI_CHECKSUM}")
     steps: set[int] = set()
     for trial in range(TRIALS):
         step = 10 * (trial + 1)
         src = write_checkpoint(tmp_path / f"step_{step:06d}", SEED + 100 + trial)
         cmd = [sys.executable, "-m", "agent", "push", str(src), s3_url, "--job", JOB,
                "--node", "n", "--endpoint-url", s3_proxy.url, "--window", str(WINDOW),
-               *CLI_SIZES]  # fmt: skip
+               "--checksum", CLI_CHECKSUM, *CLI_SIZES]  # fmt: skip
         start = s3_proxy.stats.bytes_up
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         try:
