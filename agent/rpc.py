@@ -378,10 +378,13 @@ def _active_pins(app: web.Application) -> set[tuple[str, int]]:
 
 async def get_retention(request: web.Request) -> web.Response:
     """The last retention run's report; ``?dry_run=1`` plans one now and changes nothing."""
+    dry_run = request.query.get("dry_run", "0")
+    if dry_run not in ("0", "1", "true", "false"):  # as the spec says, enabled or not
+        raise ValueError("dry_run must be one of 0, 1, true, false")
     runner = request.app.get(RETENTION)
     if runner is None:
         return web.json_response({"enabled": False})
-    if request.query.get("dry_run") in ("1", "true"):
+    if dry_run in ("1", "true"):
         return web.json_response({"enabled": True, **await runner.run_once(dry_run=True)})
     return web.json_response({"enabled": True, "last": runner.last})
 

@@ -116,9 +116,13 @@ schema = schemathesis.openapi.from_path(str(SPEC))
     derandomize=True,  # the same requests on every run: a failure reproduces
 )
 def test_fuzz_the_spec(case: schemathesis.Case, node: Node) -> None:
-    # every schemathesis check: no 5xx, and requests and replies conform to the spec
+    # schemathesis's checks: no 5xx, replies conform to the spec (status codes, schemas,
+    # content types), valid requests are accepted. Not "every invalid request is refused": the
+    # agent ignores query parameters it does not know, as HTTP APIs do.
     response = case.call_and_validate(
-        base_url=node.url, headers={"Authorization": f"Bearer {TOKEN}"}
+        base_url=node.url,
+        headers={"Authorization": f"Bearer {TOKEN}"},
+        excluded_checks=[schemathesis.checks.negative_data_rejection],
     )
     assert response.status_code < 500, response.text
     assert node.proc is not None and node.proc.poll() is None, node.logs()
