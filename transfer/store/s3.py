@@ -105,15 +105,17 @@ def _http_status(exc: BaseException) -> int | None:
 
 def _map_error(exc: BaseException, what: str, attempts: int = 1) -> StoreError:
     status = _http_status(exc)
+    # botocore's own retries are off; its "(reached max retries: 0)" would only mislead
+    text = " ".join(str(exc).replace(" (reached max retries: 0)", "").split())
     if status == 412 or isinstance(exc, FileExistsError):
         return AlreadyExistsError(f"{what}: already exists")
     if status == 416:
         return RangeNotSatisfiableError(f"{what}: range past the end of the object")
     if isinstance(exc, FileNotFoundError) or status == 404:
-        return NotFoundError(f"{what}: {exc}")
+        return NotFoundError(f"{what}: {text}")
     if isinstance(exc, PermissionError) or status in (401, 403):
-        return AccessDeniedError(f"{what}: access denied ({exc}); check the AWS credentials")
-    detail = f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+        return AccessDeniedError(f"{what}: access denied ({text}); check the AWS credentials")
+    detail = f"{type(exc).__name__}: {text}"
     if attempts > 1:
         return StoreError(f"{what}: failed {attempts} times, the store may be down ({detail})")
     return StoreError(f"{what}: {detail}")
