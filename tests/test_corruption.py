@@ -26,37 +26,34 @@ ONE_PER_PACK = ["--chunk-size-mib", "1", "--part-size-mib", "1", "--pack-size-mi
 
 
 async def _injure(store_url: str, job: str, step: int, node: str) -> dict[str, str]:
-    """Flip a byte in one chunk's pack, truncate another's, delete a third's.
-    Returns {chunk id: what was done}."""
+    """Flip the middle byte of one pack, cut another to half, delete a third.
+    Returns {chunk id: what happened to it} for every chunk that these injuries break."""
     store = open_test_store(store_url)
     try:
         m = await load_manifest(store, job, step, node)
-        picked: dict[str, str] = {}
-        packs: set[str] = set()
-        for c in (c for f in m.files for c in f.chunks):
-            pack = m.packs[c.pack]
-            if pack in packs or c.size < 4096:
-                continue
-            packs.add(pack)
-            picked[c.id] = pack
-            if len(picked) == 3:
-                break
-        assert len(picked) == 3, "the checkpoint needs three packs"
-        done = {}
-        injuries = ("flipped", "truncated", "missing")
-        for (cid, pack), what in zip(picked.items(), injuries, strict=True):
+        chunks: dict[str, list[tuple[str, int, int]]] = {}  # pack -> (id, offset, stored)
+        for c in {c.id: c for f in m.files for c in f.chunks}.values():
+            chunks.setdefault(m.packs[c.pack], []).append((c.id, c.offset, c.stored))
+        packs = sorted(chunks, key=lambda p: -max(o + n for _, o, n in chunks[p]))[:3]
+        assert len(packs) == 3, "the checkpoint needs three packs"
+        broken: dict[str, str] = {}
+        for pack, what in zip(packs, ("flipped", "truncated", "missing"), strict=True):
             key = pack_key(pack)
             if what == "missing":
                 await store.delete(key)
+                broken.update((cid, what) for cid, _, _ in chunks[pack])
+                continue
+            data = bytearray(await store.get(key))
+            middle = len(data) // 2
+            if what == "flipped":
+                data[middle] ^= 0x01
+                hit = [cid for cid, o, n in chunks[pack] if o <= middle < o + n]
             else:
-                data = bytearray(await store.get(key))
-                if what == "flipped":
-                    data[len(data) // 2] ^= 0x01
-                else:
-                    del data[len(data) // 2 :]
-                await store.put(key, bytes(data))
-            done[cid] = what
-        return done
+                del data[middle:]
+                hit = [cid for cid, o, n in chunks[pack] if o + n > middle]
+            broken.update((cid, what) for cid in hit)
+            await store.put(key, bytes(data))
+        return broken
     finally:
         await store.close()
 
