@@ -69,11 +69,11 @@ def test_verify_reports_every_injury_and_pull_names_one(
     assert ferry(["verify", store_url, "--json"]) == 1
     out, err = capsys.readouterr()
     bad = {b["chunk"]: b for b in json.loads(out)["bad_chunks"]}
-    assert set(bad) == set(injured), (bad, injured)  # all three, and nothing else
+    assert set(bad) == set(injured), (bad, injured)  # every one, and nothing else
     words = {"flipped": "corrupt", "truncated": "truncated", "missing": "missing"}
     for cid, what in injured.items():
         assert words[what] in bad[cid]["reason"], bad[cid]
-        assert bad[cid]["used_by"][0].startswith("j/7/n:__"), bad[cid]
+        assert bad[cid]["used_by"][0].startswith("j/7/n:"), bad[cid]  # names the file
         assert cid in err  # the human-readable report names each chunk too
 
     dest = tmp_path / "restored"
