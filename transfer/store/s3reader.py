@@ -18,10 +18,15 @@ from typing import Any
 
 from transfer.errors import StoreError
 from transfer.store.base import RangeReader
+from transfer.store.retry import (
+    ATTEMPTS,
+    ShortBodyError,
+    backoff_seconds,
+    is_transient,
+    range_length,
+)
 
-_ATTEMPTS = 3  # a body torn mid-read is retried, like S3Store.get
-
-MapError = Callable[[BaseException, str], StoreError]
+MapError = Callable[[BaseException, str, int], StoreError]
 
 
 class TornBodyError(StoreError):
@@ -61,7 +66,7 @@ class S3RangeReader(RangeReader):
                 s3={"payload_signing_enabled": False},
                 connect_timeout=connect_timeout,
                 read_timeout=read_timeout,
-                retries={"max_attempts": 3, "mode": "standard"},
+                retries={"total_max_attempts": 1},  # ours: transfer/store/retry.py
             ),
         )
 
@@ -69,15 +74,16 @@ class S3RangeReader(RangeReader):
         if not len(buf):
             return 0
         full = self._full_key(key)
-        for attempt in range(_ATTEMPTS):
+        for tried in range(1, ATTEMPTS + 1):
             try:
                 return self._read_once(full, start, buf)
             except Exception as exc:
-                err = exc if isinstance(exc, StoreError) else self._map_error(exc, f"get {key}")
-                retry = type(err) in (StoreError, TornBodyError)
-                if not retry or attempt == _ATTEMPTS - 1:
-                    raise err from exc
-                time.sleep(0.2 * 2**attempt)
+                retry = isinstance(exc, TornBodyError) or is_transient(exc)
+                if not retry or tried == ATTEMPTS:
+                    if isinstance(exc, StoreError) and not retry:
+                        raise
+                    raise self._map_error(exc, f"get {key}", tried) from exc
+            time.sleep(backoff_seconds(tried))
         raise AssertionError("unreachable")
 
     def _read_once(self, full: str, start: int, buf: memoryview) -> int:
@@ -93,6 +99,10 @@ class S3RangeReader(RangeReader):
                 # a server that ignored the Range header: these are not the bytes asked for
                 got_range = content_range or "the whole object"
                 raise StoreError(f"get {full}: asked for bytes {start}-{end}, got {got_range}")
+            expected = range_length(content_range)
+            if expected is not None and length != min(expected, len(buf)):
+                # shorter than the range it claims to hold: a tampered or torn reply
+                raise ShortBodyError(f"get {full}: {length} bytes for {content_range}")
             got = 0
             while got < length:
                 n = raw.readinto(buf[got:length])
