@@ -186,7 +186,9 @@ class S3Store(Store):
         key: str | None = None,
         secret: str | None = None,
         connect_timeout: float = 10.0,
-        read_timeout: float = 120.0,
+        # no byte for this long on a connection: give up on it and retry (with 6 tries a
+        # silently hung server fails a request within about 6 minutes)
+        read_timeout: float = 60.0,
         attempts: int = ATTEMPTS,
     ) -> None:
         if checksum not in ("crc32", "md5", "none"):
