@@ -9,6 +9,8 @@ import os
 import shutil
 import subprocess
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import aiohttp
@@ -28,6 +30,18 @@ RETAIN = {
     "FERRY_RETENTION_INTERVAL_SECONDS": "3600",  # runs come from pushes and the RPC here
     "FERRY_RETENTION_GRACE_SECONDS": "0",
 }
+
+
+@asynccontextmanager
+async def retaining_agent(
+    hot: Path, tiers: list[str], env: dict[str, str], config_text: str | None = None
+) -> AsyncIterator[tuple[str, FerryClient]]:
+    """Agent "a" with retention settings, and a client for it."""
+    async with (
+        agent(hot, tiers, "a", extra_env=env, config_text=config_text) as url,
+        FerryClient(url, TOKEN) as client,
+    ):
+        yield url, client
 
 
 async def _wait_pushed(client: FerryClient, step: int, tiers: int = 1) -> None:
@@ -70,10 +84,7 @@ def test_hot_dir_keeps_newest_and_evicts_only_what_a_tier_holds(
 
     async def go() -> None:
         env = {**RETAIN, "FERRY_RETENTION_HOT_KEEP_LAST": "2"}
-        async with (
-            agent(hot, [local_url], "a", extra_env=env) as url,
-            FerryClient(url, TOKEN) as client,
-        ):
+        async with retaining_agent(hot, [local_url], env) as (url, client):
             adamw_series(hot / JOB, 4, seed=3)  # steps 20, 40, 60, 80
             await _wait_pushed(client, 80)
             # pushes poke retention; run once more to be independent of timing
@@ -97,10 +108,7 @@ def test_steps_not_yet_in_a_colder_tier_are_never_evicted(tmp_path: Path) -> Non
 
     async def go() -> None:
         env = {**RETAIN, "FERRY_RETENTION_HOT_KEEP_LAST": "2", "FERRY_RETENTION_HOT_BUDGET": "1"}
-        async with (
-            agent(hot, [str(tier)], "a", extra_env=env) as url,
-            FerryClient(url, TOKEN) as client,
-        ):
+        async with retaining_agent(hot, [str(tier)], env) as (_url, client):
             adamw_series(hot / JOB, 4, seed=4)
             await asyncio.sleep(1.5)  # the watcher sees them; the pushes fail
             report = await client.run_retention()
@@ -125,10 +133,7 @@ def test_hot_budget_evicts_down_to_the_newest_two(local_url: str, tmp_path: Path
             "FERRY_RETENTION_HOT_KEEP_LAST": "5",
             "FERRY_RETENTION_HOT_BUDGET": str(int(one_step * 2.5)),
         }
-        async with (
-            agent(hot, [local_url], "a", extra_env=env) as url,
-            FerryClient(url, TOKEN) as client,
-        ):
+        async with retaining_agent(hot, [local_url], env) as (_url, client):
             adamw_series(hot / JOB, 4, seed=5)
             await _wait_pushed(client, 80)
             report = await client.run_retention()
@@ -149,9 +154,9 @@ def test_tier_policy_runs_after_each_push_and_respects_pins(
 
     async def go() -> None:
         env = {**RETAIN, "FERRY_RETENTION_HOT_KEEP_LAST": "4"}
-        async with (
-            agent(hot, [local_url, s3_url], "a", extra_env=env, config_text=config) as url,
-            FerryClient(url, TOKEN) as client,
+        async with retaining_agent(hot, [local_url, s3_url], env, config_text=config) as (
+            url,
+            client,
         ):
             adamw_series(hot / JOB, 1, seed=6)
             await _wait_pushed(client, 20, tiers=2)
@@ -242,10 +247,7 @@ def test_hot_dir_on_a_small_tmpfs_keeps_min_free(local_url: str, tmp_path: Path)
                 "FERRY_RETENTION_HOT_KEEP_LAST": "10",
                 "FERRY_RETENTION_HOT_MIN_FREE": str(20 << 20),
             }
-            async with (
-                agent(hot, [local_url], "a", extra_env=env) as url,
-                FerryClient(url, TOKEN) as client,
-            ):
+            async with retaining_agent(hot, [local_url], env) as (_url, client):
                 adamw_series(hot / JOB, 4, seed=8)
                 await _wait_pushed(client, 80)
                 report = await client.run_retention()
