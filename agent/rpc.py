@@ -440,6 +440,18 @@ def create_app(config: AgentConfig, token: str) -> web.Application:
     return app
 
 
+async def _drain_tasks(tasks: list[asyncio.Task[None]], seconds: float) -> None:
+    """The watcher returns within one poll of ``stop``; a retention run in progress (which
+    may be copying a step to a colder tier) gets ``seconds`` to finish, then is cancelled:
+    every retention step leaves the stores consistent when interrupted."""
+    if not tasks:
+        return
+    _, pending = await asyncio.wait(tasks, timeout=seconds)
+    for task in pending:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
 async def _resources(app: web.Application):  # type: ignore[no-untyped-def]
     config = app[CONFIG]
     options = StoreOptions(endpoint_url=config.endpoint_url)
@@ -498,9 +510,10 @@ async def _resources(app: web.Application):  # type: ignore[no-untyped-def]
         yield
     finally:
         stop.set()
-        await asyncio.gather(*background, return_exceptions=True)  # returns within one poll
-        await asyncio.gather(  # one shared deadline for both drains
-            app[PREFETCHER].drain(config.drain_seconds), queue.drain(config.drain_seconds)
+        await asyncio.gather(  # one shared deadline for every drain
+            _drain_tasks(background, config.drain_seconds),
+            app[PREFETCHER].drain(config.drain_seconds),
+            queue.drain(config.drain_seconds),
         )
         queue.close()
         if peers is not None:
