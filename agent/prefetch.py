@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from agent.drain import drain_tasks
 from agent.holdings import local_checkpoints, step_dir_name
 from agent.holds import StepHolds
 from agent.pushqueue import latest_complete_step
@@ -174,13 +175,7 @@ class Prefetcher:
 
     async def drain(self, seconds: float) -> None:
         """Let running jobs finish for up to ``seconds``, then cancel the rest."""
-        tasks = [j.task for j in self.jobs.values() if j.task and not j.task.done()]
-        if not tasks:
-            return
-        _, pending = await asyncio.wait(tasks, timeout=seconds)
-        for task in pending:
-            task.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
+        await drain_tasks([j.task for j in self.jobs.values() if j.task], seconds)
 
     async def _run(self, record: PrefetchJob) -> None:
         try:

@@ -20,6 +20,7 @@ from typing import Any
 from aiohttp import web
 
 from agent.config import AgentConfig
+from agent.drain import drain_tasks
 from agent.holdings import local_checkpoints
 from agent.holds import StepHolds
 from agent.metrics import Metrics
@@ -440,18 +441,6 @@ def create_app(config: AgentConfig, token: str) -> web.Application:
     return app
 
 
-async def _drain_tasks(tasks: list[asyncio.Task[None]], seconds: float) -> None:
-    """The watcher returns within one poll of ``stop``; a retention run in progress (which
-    may be copying a step to a colder tier) gets ``seconds`` to finish, then is cancelled:
-    every retention step leaves the stores consistent when interrupted."""
-    if not tasks:
-        return
-    _, pending = await asyncio.wait(tasks, timeout=seconds)
-    for task in pending:
-        task.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
-
-
 async def _resources(app: web.Application):  # type: ignore[no-untyped-def]
     config = app[CONFIG]
     options = StoreOptions(endpoint_url=config.endpoint_url)
@@ -511,7 +500,10 @@ async def _resources(app: web.Application):  # type: ignore[no-untyped-def]
     finally:
         stop.set()
         await asyncio.gather(  # one shared deadline for every drain
-            _drain_tasks(background, config.drain_seconds),
+            # the watcher returns within one poll; a retention run in progress (perhaps
+            # copying a step to a colder tier) is cancelled at the deadline, which leaves
+            # every store consistent
+            drain_tasks(background, config.drain_seconds),
             app[PREFETCHER].drain(config.drain_seconds),
             queue.drain(config.drain_seconds),
         )

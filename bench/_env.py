@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 import platform
+import shlex
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -63,3 +64,10 @@ def describe_source(before: dict[str, Any], after: dict[str, Any]) -> str:
     if after["library_sha256"] != before["library_sha256"]:
         text += " -- WARNING: the library changed while this ran; results mix two versions"
     return text
+
+
+def reproduce_command(argv: list[str]) -> str:
+    """The shell command that reruns a benchmark, with the external S3 endpoint if one was
+    used (the default is a server the benchmark starts itself)."""
+    ext = os.environ.get("FERRY_TEST_S3_ENDPOINT")
+    return (f"FERRY_TEST_S3_ENDPOINT={shlex.quote(ext)} " if ext else "") + shlex.join(argv)

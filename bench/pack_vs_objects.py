@@ -26,7 +26,6 @@ import datetime
 import json
 import os
 import secrets
-import shlex
 import shutil
 import statistics
 import sys
@@ -45,6 +44,7 @@ if str(REPO) not in sys.path:  # also runnable as `python bench/pack_vs_objects.
 import numpy as np  # noqa: E402
 
 from bench._env import describe_source, machine_info, source_info  # noqa: E402
+from bench._env import reproduce_command as env_reproduce_command  # noqa: E402
 from tests.s3server import S3Endpoint, S3Server, start_s3_server  # noqa: E402
 from transfer.engine.packer import PackWriter  # noqa: E402
 from transfer.format.layout import pack_key  # noqa: E402
@@ -338,8 +338,7 @@ def reproduce_command(args: argparse.Namespace) -> str:
     argv = ["python", "-m", "bench.pack_vs_objects", "--mb", str(args.mb)]
     argv += ["--small-mb", str(args.small_mb), "--runs", str(args.runs)]
     argv += ["--big-window", str(args.big_window)]
-    ext = os.environ.get("FERRY_TEST_S3_ENDPOINT")
-    return (f"FERRY_TEST_S3_ENDPOINT={shlex.quote(ext)} " if ext else "") + shlex.join(argv)
+    return env_reproduce_command(argv)
 
 
 async def run_all(ep: S3Endpoint, args: argparse.Namespace) -> list[Measurement]:

@@ -38,6 +38,7 @@ if str(REPO) not in sys.path:  # also runnable as `python bench/s3_throughput.py
 import numpy as np  # noqa: E402
 
 from bench._env import describe_source, machine_info, source_info  # noqa: E402
+from bench._env import reproduce_command as env_reproduce_command  # noqa: E402
 from bench._measure import check_same, drop_caches, run_timed, tree_digest  # noqa: E402
 from tests.s3server import S3Endpoint, S3Server, start_s3_server  # noqa: E402
 
@@ -373,9 +374,7 @@ def reproduce_command(args: argparse.Namespace) -> str:
         argv.append("--no-drop-caches")
     if args.skip_zstd0:
         argv.append("--skip-zstd0")
-    ext = os.environ.get("FERRY_TEST_S3_ENDPOINT")
-    prefix = f"FERRY_TEST_S3_ENDPOINT={shlex.quote(ext)} " if ext else ""
-    return prefix + shlex.join(argv)
+    return env_reproduce_command(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
