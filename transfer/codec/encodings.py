@@ -17,7 +17,8 @@ import threading
 
 import zstandard
 
-from transfer.codec.transforms import Buffer, from_planes, to_planes, xor_with_base
+from transfer.codec._planes import join, split
+from transfer.codec.transforms import Buffer
 from transfer.errors import FormatError, UnknownEncodingError
 
 RAW = "raw"
@@ -57,15 +58,34 @@ def needs_base(enc: str) -> bool:
     return enc.split("+", 1)[0] == "xor"
 
 
+def _steps(enc: str) -> tuple[bool, int]:
+    """(XOR with the base?, plane width: 1 for none) of an encoding's steps before zstd."""
+    steps = enc.split("+")[:-1]
+    width = 1
+    for step in steps:
+        if step in ("bp2", "bp4"):
+            width = int(step[2])
+    return "xor" in steps, width
+
+
+def _scratch(size: int) -> memoryview:
+    """This thread's reusable buffer of ``size`` bytes (contents undefined)."""
+    buf: bytearray | None = getattr(_local, "scratch", None)
+    if buf is None or len(buf) < size:
+        buf = _local.scratch = bytearray(size)
+    return memoryview(buf)[:size]
+
+
 def _transform(enc: str, data: Buffer, base: Buffer | None) -> Buffer:
-    """Apply every step of ``enc`` except the final zstd."""
-    for step in enc.split("+"):
-        if step == "xor":
-            assert base is not None
-            data = xor_with_base(data, base)
-        elif step in ("bp2", "bp4"):
-            data = to_planes(data, int(step[2]))
-    return data
+    """Apply every step of ``enc`` except the final zstd, in one fused pass (XOR with the
+    base and byte planes: transfer/codec/_planes.c). The result is this thread's scratch
+    buffer when there is a step to apply: consume it before the next call."""
+    xor, width = _steps(enc)
+    if not xor and width == 1:
+        return data
+    out = _scratch(len(data))
+    split(data, base if xor else None, out, width)
+    return out
 
 
 def _sample_spans(size: int) -> list[tuple[int, int]]:
@@ -115,28 +135,52 @@ def encode_as(enc: str, data: Buffer, zstd_level: int, base: Buffer | None = Non
     return _compressor(zstd_level).compress(_transform(enc, bytes(data), base))
 
 
-def decode(enc: str, payload: Buffer, size: int, base: Buffer | None = None) -> Buffer:
-    """Decode one chunk to exactly ``size`` bytes, or raise (never return a short buffer)."""
+def decode(
+    enc: str,
+    payload: Buffer,
+    size: int,
+    base: Buffer | None = None,
+    out: memoryview | None = None,
+) -> Buffer:
+    """Decode one chunk to exactly ``size`` bytes, or raise (never return a short buffer).
+
+    ``out``: a writable buffer of ``size`` bytes to decode into (a restore reuses one per
+    thread: no allocation, no page faults per chunk); the result is then a view of it.
+    Without it a new buffer is returned. A ``raw`` chunk is returned as ``payload`` itself.
+    """
     check_encoding(enc)
     if needs_base(enc) and base is None:
         raise FormatError(f"encoding {enc!r} needs the base chunk's bytes")
-    out: Buffer
     if enc == RAW:
-        out = payload
-    else:
-        try:
-            declared = zstandard.frame_content_size(payload)
-            if declared not in (size, -1):  # refuse before allocating what a header claims
-                raise FormatError(f"zstd frame declares {declared} bytes, expected {size}")
-            out = _decompressor().decompress(payload, max_output_size=size)
-        except zstandard.ZstdError as exc:
-            raise FormatError(f"zstd payload does not decode: {exc}") from None
-        for step in reversed(enc.split("+")[:-1]):
-            if step == "xor":
-                assert base is not None
-                out = xor_with_base(out, base)
-            else:
-                out = from_planes(out, int(step[2]))
-    if len(out) != size:
-        raise FormatError(f"chunk decodes to {len(out)} bytes, expected {size}")
+        if len(payload) != size:
+            raise FormatError(f"chunk decodes to {len(payload)} bytes, expected {size}")
+        return payload
+    if out is None:
+        out = memoryview(bytearray(size))
+    elif len(out) != size:
+        raise ValueError(f"out holds {len(out)} bytes, the chunk {size}")
+    xor, width = _steps(enc)
+    if not xor and width == 1:
+        _decompress_into(payload, out)
+        return out
+    planes = _scratch(size)  # decompressed planes, then joined (and XORed) into out
+    _decompress_into(payload, planes)
+    join(planes, base if xor else None, out, width)
     return out
+
+
+def _decompress_into(payload: Buffer, out: memoryview) -> None:
+    """Decompress one zstd frame of exactly ``len(out)`` bytes into ``out``."""
+    size = len(out)
+    try:
+        declared = zstandard.frame_content_size(payload)
+        if declared not in (size, -1):  # refuse before writing what a header claims
+            raise FormatError(f"zstd frame declares {declared} bytes, expected {size}")
+        with _decompressor().stream_reader(payload) as reader:
+            got = 0
+            while got < size and (n := reader.readinto(out[got:])):
+                got += n
+            if got != size or reader.read(1):
+                raise FormatError(f"chunk decodes to {got}+ bytes, expected {size}")
+    except zstandard.ZstdError as exc:
+        raise FormatError(f"zstd payload does not decode: {exc}") from None
