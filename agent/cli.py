@@ -14,17 +14,15 @@ import socket
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from agent.progress import TerminalProgress
-from agent.pushlog import PushLog, default_state_dir
-from transfer.engine import TransferOptions, list_checkpoints, pull, push, verify
-from transfer.engine.catalog import load_manifest, open_catalog
-from transfer.engine.progress import NoProgress, Progress
+from transfer.engine.options import TransferOptions
 from transfer.errors import FerryError
 from transfer.format.names import check_name, step_from_dirname
-from transfer.store import StoreOptions, open_store
-from transfer.store.base import Store
+
+if TYPE_CHECKING:  # the commands import what they need when they run: `ferry --help` is fast
+    from transfer.engine.progress import Progress
+    from transfer.store.base import Store
 
 MiB = 1 << 20
 
@@ -181,6 +179,9 @@ def _transfer_options(args: argparse.Namespace) -> TransferOptions:
 
 
 def _progress(args: argparse.Namespace) -> Progress:
+    from agent.progress import TerminalProgress
+    from transfer.engine.progress import NoProgress
+
     return TerminalProgress() if not args.json and sys.stderr.isatty() else NoProgress()
 
 
@@ -193,6 +194,9 @@ def _human(n: float) -> str:
 
 
 async def _cmd_push(store: Store, args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    from agent.pushlog import PushLog, default_state_dir
+    from transfer.engine import push
+
     step = args.step if args.step is not None else step_from_dirname(args.ckpt_dir.name)
     if step is None:
         raise _UsageError(f"cannot tell the step from {args.ckpt_dir.name!r}: pass --step")
@@ -227,6 +231,8 @@ async def _cmd_push(store: Store, args: argparse.Namespace) -> tuple[dict[str, A
 
 
 async def _cmd_pull(store: Store, args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    from transfer.engine import pull
+
     step = None if args.step == "latest" else _parse_step(args.step)
     r = await pull(
         store,
@@ -250,6 +256,8 @@ async def _cmd_pull(store: Store, args: argparse.Namespace) -> tuple[dict[str, A
 
 
 async def _cmd_ls(store: Store, args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    from transfer.engine.catalog import list_checkpoints, load_manifest, open_catalog
+
     if args.job:
         check_name("job", args.job)
     rows: list[dict[str, Any]] = []
@@ -276,6 +284,8 @@ async def _cmd_ls(store: Store, args: argparse.Namespace) -> tuple[dict[str, Any
 
 
 async def _cmd_verify(store: Store, args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    from transfer.engine import verify
+
     if args.job:
         check_name("job", args.job)
     r = await verify(store, job=args.job, step=args.step, options=_transfer_options(args))
@@ -293,7 +303,9 @@ async def _cmd_verify(store: Store, args: argparse.Namespace) -> tuple[dict[str,
 async def _cmd_retention(store: Store, args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     import time
 
+    from transfer.engine.catalog import open_catalog
     from transfer.retention import Tier, TierPolicy, apply_plan, make_plan
+    from transfer.store import StoreOptions, open_store
 
     policy = TierPolicy(args.keep_last, args.keep_every, args.max_age, args.budget)
     tiers = [Tier(store, policy)]
@@ -387,6 +399,8 @@ _COMMANDS = {
 
 
 async def _run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    from transfer.store import StoreOptions, open_store
+
     store = open_store(
         args.store_url,
         StoreOptions(

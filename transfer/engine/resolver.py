@@ -45,10 +45,28 @@ def read_local_chunk(root: Path, rel: str, offset: int, size: int, expected: str
     return data
 
 
-def decode_verified(chunk: StoredChunk, payload: Buffer, base: Buffer | None) -> Buffer:
-    """Decode and check the hash; any mismatch is an IntegrityError naming the chunk."""
+def read_local_into(root: Path, rel: str, offset: int, buf: memoryview) -> bool:
+    """Fill ``buf`` from ``root/rel`` at ``offset``, unverified: True if every byte was there.
+    For a delta chunk's base: the decoded chunk's own hash check covers the base too."""
     try:
-        data = decode(chunk.enc, payload, chunk.size, base)
+        fd = os.open(root / rel, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        return os.preadv(fd, [buf], offset) == len(buf)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+def decode_verified(
+    chunk: StoredChunk, payload: Buffer, base: Buffer | None, out: memoryview | None = None
+) -> Buffer:
+    """Decode (into ``out`` when given) and check the hash; any mismatch is an
+    IntegrityError naming the chunk."""
+    try:
+        data = decode(chunk.enc, payload, chunk.size, base, out)
     except FormatError as exc:
         msg = f"chunk {chunk.id} in pack {chunk.pack_id} is corrupt: {exc}"
         raise IntegrityError(msg, [chunk.id]) from None
@@ -78,11 +96,17 @@ class ChunkResolver:
         self.local_hits = 0
         self.decode_seconds = 0.0  # thread time in decode + verify, summed over threads
 
-    def decode(self, chunk: StoredChunk, payload: Buffer, base: Buffer | None) -> Buffer:
+    def decode(
+        self,
+        chunk: StoredChunk,
+        payload: Buffer,
+        base: Buffer | None,
+        out: memoryview | None = None,
+    ) -> Buffer:
         """decode_verified, timed (runs in a worker thread)."""
         began = time.perf_counter()
         try:
-            return decode_verified(chunk, payload, base)
+            return decode_verified(chunk, payload, base, out)
         finally:
             self.decode_seconds += time.perf_counter() - began
 

@@ -9,7 +9,6 @@ from urllib.parse import unquote, urlparse
 
 from transfer.store.base import Store
 from transfer.store.local import LocalStore
-from transfer.store.s3 import S3Store
 
 
 @dataclass(frozen=True)
@@ -32,6 +31,10 @@ def open_store(url: str, options: StoreOptions | None = None) -> Store:
             or os.environ.get("AWS_ENDPOINT_URL_S3")
             or os.environ.get("AWS_ENDPOINT_URL")
         )
+        # imported only for an s3:// URL: s3fs and aiobotocore take ~0.4 s to import, more
+        # than a whole pull of a small local checkpoint
+        from transfer.store.s3 import S3Store
+
         return S3Store(
             parsed.netloc,
             parsed.path,
