@@ -248,7 +248,12 @@ async def _cmd_pull(store: Store, args: argparse.Namespace) -> tuple[dict[str, A
     line = (
         f"pulled {r.job} step {r.step} ({len(r.nodes)} part(s)) into {r.dest}: {r.files} files, "
         f"{_human(r.bytes_raw)}, read {_human(r.bytes_transferred)}"
-        + (f" ({r.chunks_local} chunks reused locally)" if r.chunks_local else "")
+        + (
+            f" (with {r.base_dir}: {r.chunks_local} chunks reused, {r.bases_local} decoded"
+            " against its bytes)"
+            if r.base_dir
+            else ""
+        )
         + f" in {r.seconds:.2f}s, "
         f"{rate:,.0f} MB/s, every chunk verified"
     )

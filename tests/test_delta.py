@@ -261,12 +261,15 @@ def test_base_manifests_limit_local_reads_to_unchanged_chunks(
 ) -> None:
     """Knowing the held checkpoint's manifests, a pull reads from it only the chunks that sit
     there unchanged (plus delta bases), not every position; a wrong claim costs nothing but a
-    miss (bytes are still verified)."""
+    miss (bytes are still verified). A held checkpoint named by its step (step_000020) has
+    its manifests found in the store by the pull itself."""
     import transfer.engine.resolver as resolver_mod
     from transfer.engine.catalog import resolve_manifests
 
     opts = TransferOptions(chunk_size=MiB, part_size=5 * MiB, pack_size=10 * MiB)
     k0, k1 = adamw_series(tmp_path / "hot", 2, frozen=0.5)
+    unnamed = tmp_path / "held-copy"  # a name that gives no step: nothing to look up
+    shutil.copytree(k0, unnamed)
     reads: list[int] = []
     real = resolver_mod.read_local_chunk
 
@@ -283,11 +286,17 @@ def test_base_manifests_limit_local_reads_to_unchanged_chunks(
         base_m = await resolve_manifests(store, "d", 20)
         wrong_m = await resolve_manifests(store, "d", 40)  # claims k1's chunks are in k0
         got = {}
-        for name, manifests in (("none", None), ("base", base_m), ("wrong", wrong_m)):
+        cases = (
+            ("none", None, unnamed),
+            ("base", base_m, k0),
+            ("wrong", wrong_m, k0),
+            ("named", None, k0),
+        )
+        for name, manifests, held in cases:
             reads.clear()
             dest = tmp_path / f"out-{name}"
             r = await pull(
-                store, dest, job="d", step=40, options=opts, base_dir=k0,
+                store, dest, job="d", step=40, options=opts, base_dir=held,
                 base_manifests=manifests,
             )  # fmt: skip
             assert tree_bytes(dest) == tree_bytes(k1)
@@ -298,3 +307,4 @@ def test_base_manifests_limit_local_reads_to_unchanged_chunks(
     assert got["base"][1] == got["none"][1] == got["wrong"][1] > 0  # same chunks reused
     assert got["base"][0] < got["none"][0]  # changed chunks' positions are not read twice
     assert got["wrong"][0] == got["none"][0]
+    assert got["named"] == got["base"]

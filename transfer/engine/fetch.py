@@ -156,6 +156,8 @@ class _Fetch:
             if base is None:
                 raise
             return False  # maybe the node's copy changed: the resolver re-checks the base
+        if base is not None:
+            self.resolver.count_local_hit()
         self.sink(c, data)
         return True
 

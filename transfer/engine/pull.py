@@ -34,6 +34,7 @@ from transfer.engine.writeback import start_writeback
 from transfer.errors import DestinationError, FerryError, FormatError
 from transfer.format.chunkid import chunk_id
 from transfer.format.manifest import FileEntry, Manifest
+from transfer.format.names import step_from_dirname
 from transfer.store.base import Store
 from transfer.store.local import fsync_dir
 
@@ -51,6 +52,8 @@ class PullResult:
     chunks_total: int
     chunks_deduped: int  # not downloaded: repeats, holes, or reused from --base-dir
     chunks_local: int  # of those, distinct chunks reused from --base-dir
+    base_dir: str | None  # the node's earlier checkpoint used, if any
+    bases_local: int  # delta chunks decoded against their base read from base_dir
     bytes_from_source: int  # raw bytes the chunk_source (peer agents) supplied
     chunks_delta: int  # downloaded and decoded against a base
     chunks_raw: int  # downloaded and decoded on their own
@@ -118,6 +121,8 @@ async def pull(
     progress = progress or NoProgress()
     started = time.monotonic()
     manifests = await resolve_manifests(store, job, step, node)
+    if base_dir is not None and base_manifests is None:
+        base_manifests = await _manifests_named_by(store, job, base_dir)
     parts = merge_parts(manifests)
     files = [f for f, _ in parts]
     index = ChunkIndex()
@@ -194,6 +199,8 @@ async def pull(
         chunks_total=sum(len(f.chunks) for f in files),
         chunks_deduped=sum(len(f.chunks) for f in files) - len(fetched),
         chunks_local=len(local),
+        base_dir=str(base_dir) if base_dir is not None else None,
+        bases_local=resolver.local_hits - len(local),
         bytes_from_source=sum(sourced.values()),
         chunks_delta=sum(1 for c in fetched if c.base),
         chunks_raw=sum(1 for c in fetched if not c.base),
@@ -204,6 +211,20 @@ async def pull(
 
 
 ChunkSource = Callable[[StoredChunk], Awaitable[bytes | None]]
+
+
+async def _manifests_named_by(store: Store, job: str, base_dir: Path) -> list[Manifest] | None:
+    """The committed manifests of the step base_dir's name gives (``step_000120``), if the
+    store has them: then only the chunks they place unchanged at the same position are
+    read from base_dir (without them every position is read and hashed: a whole cold read
+    of the old checkpoint before the first download, for nothing on a full fine-tune)."""
+    step = step_from_dirname(base_dir.name)
+    if step is None:
+        return None
+    try:
+        return await resolve_manifests(store, job, step)
+    except FerryError:
+        return None  # not committed here: look at every position, as without a name
 
 
 async def _from_source(

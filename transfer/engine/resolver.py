@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -93,7 +94,8 @@ class ChunkResolver:
         self.pool = pool
         self.local_root = local_root
         self.on_bytes_read = on_bytes_read
-        self.local_hits = 0
+        self.local_hits = 0  # chunks (and bases) read from local_root and used
+        self._hits_lock = threading.Lock()
         self.decode_seconds = 0.0  # thread time in decode + verify, summed over threads
 
     def decode(
@@ -118,8 +120,12 @@ class ChunkResolver:
             self.pool, read_local_chunk, self.local_root, hint[0], hint[1], size, cid
         )
         if data is not None:
-            self.local_hits += 1
+            self.count_local_hit()
         return data
+
+    def count_local_hit(self) -> None:
+        with self._hits_lock:  # called from reader threads too
+            self.local_hits += 1
 
     async def raw(self, cid: str, hint: Hint | None = None, _depth: int = 0) -> Buffer:
         if _depth > MAX_CHAIN:  # manifests are validated; this guards hand-built indexes
