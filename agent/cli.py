@@ -96,6 +96,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         help="a local checkpoint of the job: chunks it holds are not downloaded",
     )
+    p.add_argument(
+        "--fsync",
+        action="store_true",
+        help="flush every file to disk before returning (default: return once renamed into "
+        "place; a marker beside it lets a later pull or agent remove it if the machine went "
+        "down before the kernel wrote it back)",
+    )
     _add_store_args(p)
     _add_transfer_args(p)
 
@@ -232,8 +239,11 @@ async def _cmd_push(store: Store, args: argparse.Namespace) -> tuple[dict[str, A
 
 async def _cmd_pull(store: Store, args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     from transfer.engine import pull
+    from transfer.engine.settle import settle
 
     step = None if args.step == "latest" else _parse_step(args.step)
+    # restores an earlier run left unconfirmed: confirm them, or drop them after a reboot
+    await asyncio.to_thread(settle, args.dest_dir.absolute().parent)
     r = await pull(
         store,
         args.dest_dir,
@@ -243,6 +253,7 @@ async def _cmd_pull(store: Store, args: argparse.Namespace) -> tuple[dict[str, A
         options=_transfer_options(args),
         progress=_progress(args),
         base_dir=args.base_dir,
+        fsync=args.fsync,
     )
     rate = r.bytes_raw / r.seconds / 1e6 if r.seconds else 0.0
     line = (

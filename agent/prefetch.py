@@ -28,7 +28,8 @@ from agent.pushqueue import latest_complete_step
 from transfer.engine import TransferOptions, pull, resolve_manifests
 from transfer.engine.estimate import BandwidthMeter
 from transfer.engine.localcheck import local_copy_differences
-from transfer.engine.pull import STAGING_MARK, ChunkSource, merge_parts, sweep_stale_staging
+from transfer.engine.pull import ChunkSource, merge_parts, sweep_stale_staging
+from transfer.engine.settle import STAGING_MARK, settle
 from transfer.errors import (
     CheckpointNotFoundError,
     DestinationError,
@@ -151,11 +152,15 @@ class Prefetcher:
         self._dest_locks: dict[tuple[str, int], asyncio.Lock] = {}
 
     def _sweep(self) -> list[Path]:
-        """Staging dirs of prefetches a killed agent left behind (none can be running yet)."""
+        """Staging dirs of prefetches a killed agent left behind (none can be running yet),
+        and restores made before a reboot that never reached the disk (settle.py)."""
         try:
             jobs = [d for d in self.hot_dir.iterdir() if d.is_dir() and not d.name.startswith(".")]
         except FileNotFoundError:
             return []
+        for d in jobs:
+            for torn in settle(d):
+                log.warning("removed %s: restored before the last reboot, never flushed", torn)
         return [gone for d in jobs for gone in sweep_stale_staging(d)]
 
     def submit(self, job: str, step: int | None, deadline_s: float | None) -> PrefetchJob:
@@ -192,6 +197,14 @@ class Prefetcher:
             record.state, record.error = State.FAILED, " ".join(str(exc).split())
         finally:
             record.finished = time.time()
+        if record.state is State.READY:  # flush it once the scheduler has its answer
+            await asyncio.to_thread(self._settle, record)
+
+    def _settle(self, record: PrefetchJob) -> None:
+        try:
+            settle(self.hot_dir / record.job)
+        except OSError as exc:  # retried at the next prefetch or start
+            log.warning("could not flush the restore of %s: %s", record.job, exc)
 
     async def _fetch(self, record: PrefetchJob) -> None:
         """Tiers in order: one that lacks the checkpoint, or fails while serving it (store

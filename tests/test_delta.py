@@ -21,6 +21,7 @@ from tests.conftest import open_test_store, tree_bytes, write_file
 from transfer.codec import KNOWN_ENCODINGS, decode, encode, encode_as, needs_base
 from transfer.engine import TransferOptions, pull, push
 from transfer.engine.catalog import list_checkpoints, load_manifest
+from transfer.engine.settle import settle
 from transfer.format.manifest import chain_depths
 
 MiB = 1 << 20
@@ -250,9 +251,12 @@ def test_a_pull_cancelled_at_any_moment_leaves_nothing_behind(
     for delay in (0.0, 0.001, 0.05, 0.15, 0.2, 0.3):
         asyncio.run(pull_then_cancel(delay))
         leftovers = sorted(p.name for p in out.iterdir()) if out.exists() else []
-        assert leftovers in ([], ["dest"]), leftovers  # complete (the rename won) or nothing
+        # complete (the rename won: with its unsynced marker, settle.py) or nothing
+        assert leftovers in ([], [".dest.ferry-unsynced", "dest"]), leftovers
         if leftovers:
             assert tree_bytes(out / "dest") == tree_bytes(k0)
+            assert settle(out) == []  # same boot: flushed and confirmed
+            assert sorted(p.name for p in out.iterdir()) == ["dest"]
             shutil.rmtree(out / "dest")
 
 

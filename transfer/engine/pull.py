@@ -30,6 +30,13 @@ from transfer.engine.fetch import fetch_chunks
 from transfer.engine.options import TransferOptions
 from transfer.engine.progress import NoProgress, Progress
 from transfer.engine.resolver import ChunkResolver
+from transfer.engine.settle import (
+    STAGING_MARK,
+    boot_id,
+    fsync_tree,
+    mark_unsynced,
+    marker_path,
+)
 from transfer.engine.writeback import start_writeback
 from transfer.errors import DestinationError, FerryError, FormatError
 from transfer.format.chunkid import chunk_id
@@ -106,6 +113,7 @@ async def pull(
     base_dir: Path | None = None,
     base_manifests: list[Manifest] | None = None,
     chunk_source: ChunkSource | None = None,
+    fsync: bool = False,
 ) -> PullResult:
     """Restore a checkpoint into ``dest``. ``base_dir``: a local checkpoint of the job (e.g.
     the previous step) whose chunks are reused, after hash verification, instead of being
@@ -116,7 +124,9 @@ async def pull(
     checkpoint, for nothing, before the first byte is downloaded; the delta path reads each
     base again anyway). ``chunk_source``: asked for every chunk neither base_dir nor a
     repeat supplies, before the store (e.g. peer agents); what it returns is used only when
-    it hashes to the chunk id."""
+    it hashes to the chunk id. ``fsync``: flush every file before the rename (else the
+    restore is renamed into place with a durable marker and settled later:
+    transfer/engine/settle.py)."""
     options = options or TransferOptions()
     progress = progress or NoProgress()
     started = time.monotonic()
@@ -184,7 +194,7 @@ async def pull(
                 sink=write,
                 hints=hints,
             )
-        await _to_thread_to_the_end(_seal, staging, files, dest)
+        await _to_thread_to_the_end(_seal, staging, files, dest, fsync)
     except BaseException:
         await asyncio.shield(asyncio.to_thread(shutil.rmtree, staging, True))
         raise
@@ -324,9 +334,6 @@ async def _to_thread_to_the_end(fn: Callable[..., T], *args: object) -> T:
         raise
 
 
-STAGING_MARK = ".ferry-staging-"
-
-
 def sweep_stale_staging(parent: Path) -> list[Path]:
     """Remove staging directories a killed pull left under ``parent`` (call it only when no
     pull into ``parent`` can be running, e.g. when an agent starts)."""
@@ -439,23 +446,22 @@ class _StagingFiles:
                 os.close(fd)
 
 
-def _seal(staging: Path, files: list[FileEntry], dest: Path) -> None:
-    """fsync every file and directory, set modes, then rename the staging dir into place."""
-    dirs = {staging}
+def _seal(staging: Path, files: list[FileEntry], dest: Path, fsync: bool) -> None:
+    """Set modes, make the restore safe against a crash (fsync it all, or a durable
+    unsynced marker: transfer/engine/settle.py), then rename the staging dir into place."""
     for f in files:
-        path = staging / f.path
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.chmod(path, f.mode)
-        dirs.update(p for p in path.parents if p != staging and staging in p.parents)
-    for d in sorted(dirs, key=lambda p: len(p.parts), reverse=True):
-        fsync_dir(d)
+        os.chmod(staging / f.path, f.mode)
+    boot = None if fsync else boot_id()
+    if boot is None:
+        fsync_tree(staging)
+    else:
+        mark_unsynced(dest.absolute(), boot)
     os.chmod(staging, 0o755)
     try:
         os.rename(staging, dest)  # replaces an empty dest directory atomically
     except OSError as exc:
+        if boot is not None:
+            marker_path(dest.absolute()).unlink(missing_ok=True)
         raise FerryError(f"cannot move the pulled checkpoint into {dest}: {exc.strerror}") from None
-    fsync_dir(dest.parent)
+    if boot is None:
+        fsync_dir(dest.parent)
