@@ -3,15 +3,19 @@
 Run from the repository root after ``pip install -e '.[bench]'`` (and, for the real DCP
 series, ``pip install torch==2.13.0``)::
 
-    python -m bench.compare            # full: ~12-20 min on 2 cores (4 GB scaling included)
+    python -m bench.corpus /work/corpus                         # once: ~30 min, 14 GB
+    python -m bench.compare --corpus /work/corpus --scale-mb ''   # the decisive run
+    python -m bench.compare            # synthetic: ~12-20 min on 2 cores (4 GB scaling)
     python -m bench.compare --quick    # tiny data, one round, < 60 s (CI runs this)
 
 What it does (details in bench/README.md):
 
-1. Data: a synthetic series (bench.gen_checkpoints --mode synthetic, 256 MiB per save) scaled
-   up to ``--size-mb`` (bench.data.scale_up keeps its byte statistics) for the main
-   scenarios and to each of ``--scale-mb`` for the scaling plot; plus the real PyTorch DCP
-   series (full / frozen / bf16, torch mode) when torch is installed.
+1. Data: with ``--corpus DIR`` (the real-training corpus, ``python -m bench.corpus DIR``),
+   its full fine-tune pair (8 ranks, ~1.7 GB per save) for the main scenarios, and its
+   frozen and bf16 pairs against s5cmd. Without it, a synthetic series
+   (bench.gen_checkpoints --mode synthetic, 256 MiB per save) scaled up to ``--size-mb``,
+   plus small real DCP series when torch is installed. The scaling plot uses the synthetic
+   series at each of ``--scale-mb`` (``--scale-mb ''`` skips it).
 2. Starts SeaweedFS on loopback (tests/s3server.py) and three agents (real processes).
 3. Limits: disk (O_DIRECT dd), the server's raw PUT/GET of one object, memcpy, the codec.
 4. ``--runs`` rounds; each alternates the tools' order and drops the page cache before
@@ -71,11 +75,20 @@ PUSH = "cold full push"
 INCR = "incremental push (k in store)"
 PULL = "cold full pull"
 PULL_DELTA = "cold pull of delta-coded k+1"
+PULL_BASE = "pull of k+1 holding k (CLI)"
 PREFETCH = "prefetch onto node holding k"
 P2P = "peer-to-peer prefetch"
-SCENARIOS = (PUSH, INCR, PULL, PULL_DELTA, PREFETCH, P2P)
+SCENARIOS = (PUSH, INCR, PULL, PULL_DELTA, PULL_BASE, PREFETCH, P2P)
 # the peer row each scenario is judged against (peers have no prefetch: a full download)
-BASELINE = {PUSH: PUSH, INCR: INCR, PULL: PULL, PULL_DELTA: PULL, PREFETCH: PULL, P2P: PULL}
+BASELINE = {
+    PUSH: PUSH,
+    INCR: INCR,
+    PULL: PULL,
+    PULL_DELTA: PULL,
+    PULL_BASE: PULL,
+    PREFETCH: PULL,
+    P2P: PULL,
+}
 
 
 @dataclasses.dataclass
@@ -275,6 +288,12 @@ class Run:
         self.command(label, PULL_DELTA, "ferry", rnd, argv, 0)
         check_same(digest_k1, dest, "ferry pull of k+1")
         shutil.rmtree(dest)
+        # onto a node holding k (the directory is named by its step: ferry finds its
+        # manifests and reads from it only what it needs)
+        argv = [*cmd.ferry_pull("ferry", job, NEXT_STEP, dest), "--base-dir", str(k)]
+        self.command(label, PULL_BASE, "ferry", rnd, argv, 0)
+        check_same(digest_k1, dest, "ferry pull of k+1 holding k")
+        shutil.rmtree(dest)
         for tool in tools:
             self.quiet(self.cmd.remove(prefix[tool]))
         if self.agents:
@@ -459,6 +478,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--scale-runs", type=int, default=None, help="default 2; quick 1")
     ap.add_argument("--tools", default=",".join(PEERS), help="peers to run")
     ap.add_argument("--no-torch", action="store_true", help="skip the real DCP series")
+    ap.add_argument(
+        "--corpus",
+        type=Path,
+        default=None,
+        help="a real-training corpus (python -m bench.corpus DIR): its full fine-tune (steps "
+        "20 and 40, 8 ranks) is the main pair, its frozen and bf16 series run beside it",
+    )
     cache = Path(tempfile.gettempdir()) / "ferry-compare-cache"
     ap.add_argument("--cache", type=Path, default=cache, help="generated series (reused)")
     ap.add_argument("--workdir", type=Path, default=None)
@@ -512,16 +538,26 @@ def main(argv: list[str] | None = None) -> int:
         # -- data
         t0 = time.perf_counter()
         k, k1 = data.series(args.cache, "synthetic", "full", args.base_mb)
-        copies = max(1, round(args.size_mb / args.base_mb))
-        main_pair = data.scaled_pair(k, k1, scaled_root, copies)
-        sets: list[tuple[str, Path, Path, list[str]]] = [
-            (f"synthetic {data.tree_bytes(main_pair[0]) / MB:,.0f} MB", *main_pair, tools)
-        ]
-        if not args.no_torch and torch_available():
+        sets: list[tuple[str, Path, Path, list[str]]] = []
+        if args.corpus is not None:
+            for variant in ("full", "frozen", "bf16"):
+                ck, ck1 = (args.corpus / variant / f"step_{s:06d}" for s in (BASE_STEP, NEXT_STEP))
+                if ck.is_dir() and ck1.is_dir():
+                    label = f"real {variant} {data.tree_bytes(ck) / MB:,.0f} MB, 8 ranks"
+                    sets.append((label, ck, ck1, tools if variant == "full" else ["s5cmd"]))
+            if not sets or "full" not in sets[0][0]:
+                raise SystemExit(f"{args.corpus} has no full/step_000020 and step_000040")
+            main_pair = (sets[0][1], sets[0][2])
+        else:
+            copies = max(1, round(args.size_mb / args.base_mb))
+            main_pair = data.scaled_pair(k, k1, scaled_root, copies)
+            label = f"synthetic {data.tree_bytes(main_pair[0]) / MB:,.0f} MB"
+            sets.append((label, *main_pair, tools))
+        if args.corpus is None and not args.no_torch and torch_available():
             for variant in ("full", "frozen", "bf16"):
                 pk, pk1 = data.series(args.cache, "torch", variant, 64)
                 sets.append((f"torch-{variant} DCP", pk, pk1, ["s5cmd"]))
-        elif not args.no_torch:
+        elif args.corpus is None and not args.no_torch:
             print("note: torch is not installed: the real DCP series are skipped", flush=True)
         scale_pairs = []
         for mb in (int(x) for x in args.scale_mb.split(",") if x):
