@@ -21,7 +21,24 @@ to check it. Variants: ``full`` trains everything; ``frozen`` freezes the embedd
 but the last two blocks while fine-tuning (their weights and AdamW state stay bit-identical);
 ``bf16`` keeps weights and AdamW state in bfloat16 (pure bf16, as ``model.to(bfloat16)``
 gives: at lr 3e-5 most weight updates round away, so ~87% of weights stay bit-identical).
-Seeded: a rerun with the same arguments and thread count writes byte-identical files.
+Seeded: a rerun with the same arguments and thread count writes byte-identical ``*.distcp``
+files (``.metadata`` holds a random save id).
+
+``--ranks N`` writes every save as a real N-rank DCP layout instead, as N-way data-parallel
+sharding (FSDP2) would: ``.metadata`` + ``__0_0.distcp`` .. ``__{N-1}_0.distcp``, each rank
+file holding ~1/N of the weights and AdamW state. The model trains in this process; N worker
+processes, started once, form a gloo process group on 127.0.0.1 with a 1-D CPU DeviceMesh.
+Per save, this process writes a single-rank save to a temporary directory, every worker
+``dcp.load``s its ``Shard(0)`` slices of it into DTensors (DCP reshards on load; tensors
+with dim 0 < N stay ``Replicate``, AdamW's scalar ``step`` a plain tensor, as in FSDP2) and
+all ``dcp.save`` the N-rank layout into the step directory; the temporary save is deleted
+and the N-rank save is loaded back here and compared, every tensor, with ``torch.equal``.
+Each worker holds only its shards (~1/N of the state, plus ~310 MiB of torch). For large
+models on CPU: ``--fused`` uses the fused AdamW kernel (same algorithm, ~3x faster step
+here) and ``--fp32-compute`` runs the bf16 variant's forward and backward in float32 from
+the bf16 weights (gradients still reach AdamW in bf16): on a CPU without native bf16 matmul
+(AVX2 only) a bf16 forward + backward was 5-10x slower than in float32.
+``python -m bench.corpus`` uses all three.
 
 ``--mode synthetic`` (numpy only, seconds, for CI): the same tensor names and shapes, with
 weights ~ N(0, 0.02) and AdamW state advanced by real AdamW steps on noisy gradients, written
@@ -43,10 +60,14 @@ import dataclasses
 import json
 import math
 import os
+import queue
+import resource
 import shutil
+import socket
 import sys
 import sysconfig
 import time
+import traceback
 import warnings
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -278,17 +299,26 @@ def _tensor_leaves(obj: Any, prefix: str = "") -> Iterator[tuple[str, torch.Tens
             yield from _tensor_leaves(v, f"{prefix}.{i}")
 
 
-def save_and_verify(model: torch.nn.Module, optim: torch.optim.Optimizer, path: Path) -> None:
-    """DCP save in one process without a process group, then load it back and compare."""
-    import torch
-    from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+def full_state(model: torch.nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import get_state_dict
-    from torch.distributed.checkpoint.state_dict_loader import load
-    from torch.distributed.checkpoint.state_dict_saver import save
 
     model_sd, optim_sd = get_state_dict(model, optim)
-    state = {"model": model_sd, "optim": optim_sd}
+    return {"model": model_sd, "optim": optim_sd}
+
+
+def dcp_save(state: dict[str, Any], path: Path) -> None:
+    """DCP save in one process without a process group: ``.metadata`` + ``__0_0.distcp``."""
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+    from torch.distributed.checkpoint.state_dict_saver import save
+
     save(state, storage_writer=FileSystemWriter(str(path)))
+
+
+def verify_load(state: dict[str, Any], path: Path) -> None:
+    """Load the save at ``path`` into one process (any rank count) and compare every tensor."""
+    import torch
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    from torch.distributed.checkpoint.state_dict_loader import load
 
     loaded = _map_tensors(state, torch.empty_like)
     load(loaded, storage_reader=FileSystemReader(str(path)))
@@ -299,9 +329,176 @@ def save_and_verify(model: torch.nn.Module, optim: torch.optim.Optimizer, path: 
         raise SystemExit(f"error: {path} does not load back equal: {bad[:5]}")
 
 
+def save_and_verify(model: torch.nn.Module, optim: torch.optim.Optimizer, path: Path) -> None:
+    state = full_state(model, optim)
+    dcp_save(state, path)
+    verify_load(state, path)
+
+
+# ---------------------------------------------------------------------------- N-rank saves
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    """A tensor's shape and dtype: what a worker needs to allocate its shard of it."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _rank_templates(spec: Any, mesh: Any, world: int) -> Any:
+    """The state dict's structure with empty DTensors: Shard(0) where dim 0 >= world."""
+    import torch
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor import empty as dtensor_empty
+
+    if isinstance(spec, TensorSpec):
+        if not spec.shape:  # AdamW's step: a plain (replicated) tensor, as FSDP2 keeps it
+            return torch.empty((), dtype=spec.dtype)
+        place = Shard(0) if spec.shape[0] >= world else Replicate()
+        return dtensor_empty(spec.shape, dtype=spec.dtype, device_mesh=mesh, placements=[place])
+    if isinstance(spec, dict):
+        return {k: _rank_templates(v, mesh, world) for k, v in spec.items()}
+    if isinstance(spec, list):
+        return [_rank_templates(v, mesh, world) for v in spec]
+    return copy.deepcopy(spec)
+
+
+def _rank_worker(rank: int, world: int, port: int, jobs: Any, results: Any) -> None:
+    """One rank: join the gloo group, then per job load its shards of a single-rank save
+    and save them into the N-rank layout (every rank writes ``__{rank}_0.distcp``)."""
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+    from torch.distributed.checkpoint.state_dict_loader import load
+    from torch.distributed.checkpoint.state_dict_saver import save
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    mesh = init_device_mesh("cpu", (world,))
+    while (job := jobs.get()) is not None:
+        src, dst, spec = job
+        try:
+            t = time.perf_counter()
+            state = _rank_templates(spec, mesh, world)
+            load(state, storage_reader=FileSystemReader(src))
+            save(state, storage_writer=FileSystemWriter(dst))
+            del state
+            peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+            results.put((rank, None, time.perf_counter() - t, peak_mib))
+        except BaseException:
+            results.put((rank, traceback.format_exc(), 0.0, 0.0))
+            raise
+    dist.destroy_process_group()
+
+
+class RankPool:
+    """N worker processes forming a gloo process group on loopback, started once."""
+
+    def __init__(self, world: int) -> None:
+        import multiprocessing
+
+        with socket.socket() as s:  # a free port for the TCP rendezvous (rank 0 listens)
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        ctx = multiprocessing.get_context("spawn")
+        self.world = world
+        self.results = ctx.Queue()
+        self.jobs = [ctx.Queue() for _ in range(world)]
+        self.procs = [
+            ctx.Process(target=_rank_worker, args=(r, world, port, self.jobs[r], self.results))
+            for r in range(world)
+        ]
+        for proc in self.procs:
+            proc.start()
+
+    def reshard(self, src: Path, dst: Path, spec: Any) -> tuple[float, float]:
+        """Every rank loads its shards of ``src`` and saves them to ``dst``; returns the
+        slowest rank's seconds and the largest worker peak RSS (MiB) so far."""
+        for q in self.jobs:
+            q.put((str(src), str(dst), spec))
+        seconds: list[float] = []
+        peaks: list[float] = []
+        while len(seconds) < self.world:
+            try:
+                rank, err, secs, peak = self.results.get(timeout=5)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(self.procs) if not p.is_alive()]
+                if dead:
+                    self.close(kill=True)
+                    raise SystemExit(f"error: rank workers {dead} died") from None
+                continue
+            if err is not None:
+                self.close(kill=True)
+                raise SystemExit(f"error: rank {rank} failed on {dst}:\n{err}")
+            seconds.append(secs)
+            peaks.append(peak)
+        return max(seconds), max(peaks)
+
+    def close(self, kill: bool = False) -> None:
+        for proc, q in zip(self.procs, self.jobs, strict=True):
+            if kill:
+                proc.kill()
+            elif proc.is_alive():
+                q.put(None)
+        for proc in self.procs:
+            proc.join()
+
+
+def save_ranks(
+    model: torch.nn.Module, optim: torch.optim.Optimizer, path: Path, pool: RankPool
+) -> dict[str, float]:
+    """An N-rank DCP save of the current state at ``path``, verified against it."""
+    state = full_state(model, optim)
+    tmp = path.with_name(f".single-{path.name}")  # same filesystem, deleted below
+    shutil.rmtree(tmp, ignore_errors=True)
+    t = time.perf_counter()
+    dcp_save(state, tmp)
+    single_s = time.perf_counter() - t
+    spec = _map_tensors(state, lambda x: TensorSpec(tuple(x.shape), x.dtype))
+    try:
+        reshard_s, worker_peak = pool.reshard(tmp, path, spec)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    want = {".metadata", *(f"__{r}_0.distcp" for r in range(pool.world))}
+    got = {f.name for f in path.iterdir()}
+    if got != want:
+        raise SystemExit(f"error: {path} holds {sorted(got)}, expected {sorted(want)}")
+    t = time.perf_counter()
+    verify_load(state, path)
+    verify_s = time.perf_counter() - t
+    ranks = [(path / f"__{r}_0.distcp").stat().st_size for r in range(pool.world)]
+    state_mib = sum(v.numel() * v.element_size() for _, v in _tensor_leaves(state)) / MIB
+    log(
+        f"{path.name}: {pool.world} rank files {min(ranks) / MIB:.1f}-{max(ranks) / MIB:.1f} "
+        f"MiB; single-rank save {single_s:.1f}s, reshard {reshard_s:.1f}s, verify "
+        f"{verify_s:.1f}s; worker peak RSS {worker_peak:.0f} MiB (state/N "
+        f"{state_mib / pool.world:.0f} MiB)"
+    )
+    return {"single_seconds": single_s, "reshard_seconds": reshard_s, "verify_seconds": verify_s}
+
+
 def run_torch(args: argparse.Namespace, steps: list[int]) -> None:
+    pool = RankPool(args.ranks) if args.ranks > 1 else None  # starts while we train
+    try:
+        train_and_save(args, steps, pool)
+    except BaseException:
+        if pool is not None:
+            pool.close(kill=True)
+        raise
+    if pool is not None:
+        pool.close()
+
+
+def train_and_save(args: argparse.Namespace, steps: list[int], pool: RankPool | None) -> None:
     import torch
     import torch.nn.functional as F
+    from torch.func import functional_call
 
     # Single-process DCP warns that it assumes no process group; that is the intent here.
     warnings.filterwarnings("ignore", message=r".*torch\.distributed is disabled.*")
@@ -324,7 +521,12 @@ def run_torch(args: argparse.Namespace, steps: list[int]) -> None:
 
     gen = torch.Generator().manual_seed(args.seed)
     optim = torch.optim.AdamW(
-        model.parameters(), lr=args.warmup_lr, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY
+        model.parameters(),
+        lr=args.warmup_lr,
+        betas=BETAS,
+        eps=EPS,
+        weight_decay=WEIGHT_DECAY,
+        fused=args.fused or None,
     )
 
     def train_step(lr: float) -> float:
@@ -332,7 +534,11 @@ def run_torch(args: argparse.Namespace, steps: list[int]) -> None:
             group["lr"] = lr
         ix = torch.randint(0, len(data) - args.seq_len - 1, (args.batch_size,), generator=gen)
         xy = torch.stack([data[i : i + args.seq_len + 1] for i in ix.tolist()]).long()
-        logits = model(xy[:, :-1])
+        if args.fp32_compute and dtype != torch.float32:  # bf16 weights, float32 matmuls
+            weights = {n: p.float() for n, p in model.named_parameters()}
+            logits = functional_call(model, weights, (xy[:, :-1],))
+        else:
+            logits = model(xy[:, :-1])
         loss = F.cross_entropy(logits.float().reshape(-1, plan.vocab), xy[:, 1:].reshape(-1))
         optim.zero_grad(set_to_none=True)
         loss.backward()  # type: ignore[no-untyped-call]
@@ -372,8 +578,13 @@ def run_torch(args: argparse.Namespace, steps: list[int]) -> None:
             path = step_dir(args.out_dir, step)
             train_s = time.perf_counter() - t_ft
             t_save = time.perf_counter()
-            save_and_verify(model, optim, path)
-            report_save(step, path, time.perf_counter() - t_save, train_seconds=train_s, loss=loss)
+            extra: dict[str, float] = {}
+            if pool is None:
+                save_and_verify(model, optim, path)
+            else:
+                extra = save_ranks(model, optim, path, pool)
+            save_s = time.perf_counter() - t_save
+            report_save(step, path, save_s, train_seconds=train_s, loss=loss, **extra)
             t_ft = time.perf_counter()
 
 
@@ -627,10 +838,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=4.0,
         help="MiB of stdlib sources to train on (torch mode)",
     )
+    ap.add_argument(
+        "--ranks",
+        type=int,
+        default=1,
+        help="torch: write each save as an N-rank DCP layout (gloo workers, DTensor Shard(0))",
+    )
+    ap.add_argument("--fused", action="store_true", help="torch: fused AdamW kernel")
+    ap.add_argument(
+        "--fp32-compute",
+        action="store_true",
+        help="torch bf16: forward/backward in float32 from the bf16 weights",
+    )
     ap.add_argument("--overwrite", action="store_true", help="replace existing step_* dirs")
     args = ap.parse_args(argv)
     if args.saves < 1 or args.save_every < 1 or args.size_mb <= 0 or args.warmup_steps < 0:
         ap.error("--saves, --save-every and --size-mb must be positive, --warmup-steps >= 0")
+    if args.ranks < 1 or (args.ranks > 1 and args.mode != "torch"):
+        ap.error("--ranks must be >= 1, and > 1 only with --mode torch")
     return args
 
 
