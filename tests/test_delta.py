@@ -138,6 +138,11 @@ def test_pull_onto_a_node_holding_the_base_downloads_only_the_deltas(
     assert pulled["chunks_local"] > 0
     # only what the second push wrote (its deltas) is downloaded, never the unchanged chunks
     assert pulled["bytes_transferred"] <= second["bytes_transferred"]
+    # the report says the held copy was used, and where the time went
+    assert pulled["base_dir"] == str(held) and pulled["bases_local"] == second["chunks_delta"]
+    stages = pulled["stage_seconds"]
+    assert {"receive", "base_read", "decode", "hash", "write"} <= set(stages)
+    assert all(stages[s] > 0 for s in ("receive", "base_read", "decode", "hash", "write"))
 
 
 def test_corrupt_local_base_falls_back_to_the_store(

@@ -72,6 +72,44 @@ HOT static void split2(const uint8_t *restrict s, const uint8_t *restrict b, uin
     }
 }
 
+/* Planes only (no base): a keyframe's bp4/bp2 chunks. */
+HOT static void join_plain(const uint8_t *restrict s, uint8_t *restrict d, Py_ssize_t m, int w) {
+    if (w == 4) {
+        const uint8_t *p0 = s, *p1 = s + m, *p2 = s + 2 * m, *p3 = s + 3 * m;
+        for (Py_ssize_t i = 0; i < m; i++) {
+            uint32_t y = (uint32_t)p0[i] | (uint32_t)p1[i] << 8 | (uint32_t)p2[i] << 16 |
+                         (uint32_t)p3[i] << 24;
+            memcpy(d + 4 * i, &y, 4);
+        }
+    } else {
+        const uint8_t *p0 = s, *p1 = s + m;
+        for (Py_ssize_t i = 0; i < m; i++) {
+            d[2 * i + 0] = p0[i];
+            d[2 * i + 1] = p1[i];
+        }
+    }
+}
+
+HOT static void split_plain(const uint8_t *restrict s, uint8_t *restrict d, Py_ssize_t m, int w) {
+    if (w == 4) {
+        uint8_t *p0 = d, *p1 = d + m, *p2 = d + 2 * m, *p3 = d + 3 * m;
+        for (Py_ssize_t i = 0; i < m; i++) {
+            uint32_t x;
+            memcpy(&x, s + 4 * i, 4);
+            p0[i] = (uint8_t)x;
+            p1[i] = (uint8_t)(x >> 8);
+            p2[i] = (uint8_t)(x >> 16);
+            p3[i] = (uint8_t)(x >> 24);
+        }
+    } else {
+        uint8_t *p0 = d, *p1 = d + m;
+        for (Py_ssize_t i = 0; i < m; i++) {
+            p0[i] = s[2 * i + 0];
+            p1[i] = s[2 * i + 1];
+        }
+    }
+}
+
 HOT static void xor_into(const uint8_t *restrict s, const uint8_t *restrict b, uint8_t *restrict d,
                          Py_ssize_t n) {
     for (Py_ssize_t i = 0; i < n; i++) d[i] = s[i] ^ b[i];
@@ -91,6 +129,11 @@ static void transform(int join, const uint8_t *s, const uint8_t *b, Py_ssize_t n
     if (w == 1) { /* XOR only (nb is 0 without a base) */
         if (nb) xor_into(s, b, d, nb);
         memcpy(d + nb, s + nb, len - nb);
+        return;
+    }
+    if (nb == 0) { /* no base: planes only, vectorised over every whole element */
+        (join ? join_plain : split_plain)(s, d, m, w);
+        memcpy(d + whole, s + whole, len - whole);
         return;
     }
     if (full) {

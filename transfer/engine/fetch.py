@@ -139,7 +139,9 @@ class _Fetch:
         if root is None or hint is None or base is None:
             return None
         buf = self.buffers.view("base", base.size)
-        return buf if read_local_into(root, hint[0], hint[1], buf) else None
+        with self.resolver.clock.timing("base_read"):
+            found = read_local_into(root, hint[0], hint[1], buf)
+        return buf if found else None
 
     def finish_in_thread(self, c: StoredChunk, payload: Buffer) -> bool:
         """Decode, verify and sink one chunk in this thread; False: leave it to the loop
@@ -166,7 +168,8 @@ class _Fetch:
     ) -> tuple[int, list[StoredChunk]]:
         """In a reader thread: receive one range and finish what can be finished here.
         Returns (bytes received, chunks left to the loop: their payloads stay in ``buf``)."""
-        got = reader.read_into(pack_key(r.pack_id), r.start, buf)
+        with self.resolver.clock.timing("receive"):
+            got = reader.read_into(pack_key(r.pack_id), r.start, buf)
         view = buf[:got]
         left: list[StoredChunk] = []
         for c in r.chunks:

@@ -65,6 +65,7 @@ class PullResult:
     chunks_delta: int  # downloaded and decoded against a base
     chunks_raw: int  # downloaded and decoded on their own
     encode_seconds: float  # codec thread time (decoding and verifying, for a pull)
+    stage_seconds: dict[str, float]  # thread time per stage (receive, decode, hash, write...)
     seconds: float
     dest: str
 
@@ -164,11 +165,15 @@ async def pull(
     try:
         await _to_thread_to_the_end(_create_files, staging, files, targets)
         progress.start(sum(f.size for f in files), "pull")
-        out = _StagingFiles(staging, files)
+        # with --fsync, writeback started per chunk overlaps the final flush with the
+        # download; without it the kernel writes back on its own, and starting it per chunk
+        # only made writers wait on the disk queue (settle.py flushes later)
+        out = _StagingFiles(staging, files, writeback=fsync or boot_id() is None)
 
         def write(c: StoredChunk, data: Buffer) -> None:
-            for fi, offset in targets.get(c.id, ()):
-                out.pwrite(fi, offset, data)
+            with resolver.clock.timing("write"):
+                for fi, offset in targets.get(c.id, ()):
+                    out.pwrite(fi, offset, data)
             progress.advance(len(data) * max(1, len(targets.get(c.id, ()))))
 
         with out, ThreadPoolExecutor(options.workers, thread_name_prefix="ferry-pull") as pool:
@@ -214,7 +219,8 @@ async def pull(
         bytes_from_source=sum(sourced.values()),
         chunks_delta=sum(1 for c in fetched if c.base),
         chunks_raw=sum(1 for c in fetched if not c.base),
-        encode_seconds=round(resolver.decode_seconds, 3),
+        encode_seconds=round(resolver.clock.seconds("decode", "hash"), 3),
+        stage_seconds=resolver.clock.to_dict(),
         seconds=time.monotonic() - started,
         dest=str(dest_abs),
     )
@@ -402,8 +408,9 @@ class _StagingFiles:
 
     MAX_KEPT_OPEN = 1024
 
-    def __init__(self, staging: Path, files: list[FileEntry]) -> None:
+    def __init__(self, staging: Path, files: list[FileEntry], writeback: bool) -> None:
         self._paths = [staging / f.path for f in files]
+        self._writeback = writeback
         multi = [i for i, f in enumerate(files) if len(f.chunks) > 1]
         self._keep = set(multi) if len(multi) <= self.MAX_KEPT_OPEN else set()
         self._fds: dict[int, int] = {}
@@ -435,7 +442,8 @@ class _StagingFiles:
             done = 0
             while done < len(view):
                 done += os.pwrite(fd, view[done:], offset + done)
-            start_writeback(fd, offset, done)
+            if self._writeback:
+                start_writeback(fd, offset, done)
         except OSError as exc:
             if exc.errno == errno.ENOSPC:
                 msg = f"no space left writing {self._paths[index]}"

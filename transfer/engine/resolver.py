@@ -19,6 +19,7 @@ from pathlib import Path
 from transfer.codec import decode
 from transfer.codec.transforms import Buffer
 from transfer.engine.chunkindex import ChunkIndex, StoredChunk
+from transfer.engine.stages import StageClock
 from transfer.errors import FormatError, IntegrityError, NotFoundError, RangeNotSatisfiableError
 from transfer.format.chunkid import chunk_id
 from transfer.format.layout import pack_key
@@ -62,16 +63,26 @@ def read_local_into(root: Path, rel: str, offset: int, buf: memoryview) -> bool:
 
 
 def decode_verified(
-    chunk: StoredChunk, payload: Buffer, base: Buffer | None, out: memoryview | None = None
+    chunk: StoredChunk,
+    payload: Buffer,
+    base: Buffer | None,
+    out: memoryview | None = None,
+    clock: StageClock | None = None,
 ) -> Buffer:
     """Decode (into ``out`` when given) and check the hash; any mismatch is an
-    IntegrityError naming the chunk."""
+    IntegrityError naming the chunk. ``clock`` gets the decode and hash times."""
+    began = time.perf_counter()
     try:
         data = decode(chunk.enc, payload, chunk.size, base, out)
     except FormatError as exc:
         msg = f"chunk {chunk.id} in pack {chunk.pack_id} is corrupt: {exc}"
         raise IntegrityError(msg, [chunk.id]) from None
-    if chunk_id(data) != chunk.id:
+    decoded = time.perf_counter()
+    matches = chunk_id(data) == chunk.id
+    if clock is not None:
+        clock.add("decode", decoded - began)
+        clock.add("hash", time.perf_counter() - decoded)
+    if not matches:
         raise IntegrityError(
             f"chunk {chunk.id} in pack {chunk.pack_id} is corrupt: its bytes hash to "
             "something else" + (" (or its base is)" if chunk.base else ""),
@@ -96,7 +107,7 @@ class ChunkResolver:
         self.on_bytes_read = on_bytes_read
         self.local_hits = 0  # chunks (and bases) read from local_root and used
         self._hits_lock = threading.Lock()
-        self.decode_seconds = 0.0  # thread time in decode + verify, summed over threads
+        self.clock = StageClock()  # thread time per stage: stages.py
 
     def decode(
         self,
@@ -106,11 +117,7 @@ class ChunkResolver:
         out: memoryview | None = None,
     ) -> Buffer:
         """decode_verified, timed (runs in a worker thread)."""
-        began = time.perf_counter()
-        try:
-            return decode_verified(chunk, payload, base, out)
-        finally:
-            self.decode_seconds += time.perf_counter() - began
+        return decode_verified(chunk, payload, base, out, self.clock)
 
     async def local(self, cid: str, size: int, hint: Hint | None) -> bytes | None:
         if self.local_root is None or hint is None:

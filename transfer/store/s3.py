@@ -436,7 +436,11 @@ class S3Store(Store):
     def range_reader(self) -> S3RangeReader:
         with self._reader_lock:  # one client per store, made on first use
             if self._reader is None:
-                self._reader = self._make_reader()
+                # the async client's data loader holds the parsed service models: sharing
+                # it makes this second client ~0.3 s cheaper to create
+                session = getattr(self._fs, "session", None)
+                loader = session.get_component("data_loader") if session is not None else None
+                self._reader = self._make_reader(loader=loader)
             return self._reader
 
     async def close(self) -> None:

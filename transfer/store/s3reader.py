@@ -46,6 +46,7 @@ class S3RangeReader(RangeReader):
         pool_size: int,
         connect_timeout: float,
         read_timeout: float,
+        loader: Any = None,
     ) -> None:
         # imported here: only pulls need it, and it costs ~0.1 s of start-up
         import botocore.session
@@ -54,7 +55,10 @@ class S3RangeReader(RangeReader):
         self._bucket = bucket
         self._full_key = full_key
         self._map_error = map_error
-        self._client: Any = botocore.session.get_session().create_client(
+        session = botocore.session.get_session()
+        if loader is not None:  # botocore's Loader, already holding the parsed models
+            session.register_component("data_loader", loader)
+        self._client: Any = session.create_client(
             "s3",
             endpoint_url=endpoint_url,
             aws_access_key_id=key,
@@ -104,8 +108,9 @@ class S3RangeReader(RangeReader):
                 # shorter than the range it claims to hold: a tampered or torn reply
                 raise ShortBodyError(f"get {full}: {length} bytes for {content_range}")
             got = 0
+            receive = _receiver(raw)
             while got < length:
-                n = raw.readinto(buf[got:length])
+                n = receive(buf[got:length])
                 if not n:
                     raise TornBodyError(f"get {full}: body ended after {got} of {length} bytes")
                 got += n
@@ -123,3 +128,16 @@ class S3RangeReader(RangeReader):
 
     def close(self) -> None:
         self._client.close()
+
+
+def _receiver(raw: Any) -> Callable[[memoryview], int]:
+    """``readinto`` straight from the socket when the body is plain bytes: urllib3's own
+    ``readinto`` reads into a new ``bytes`` and copies it (two copies of every byte, and a
+    fresh 8 MiB allocation per range: a third of a pull's receive time here). http.client's
+    response under it fills the caller's buffer from the socket and ends the response when
+    its length is read, so the connection is reused as usual."""
+    fp = getattr(raw, "_fp", None)
+    encoded = raw.headers.get("content-encoding") not in (None, "", "identity")
+    if fp is None or encoded or not hasattr(fp, "readinto"):
+        return raw.readinto  # type: ignore[no-any-return]
+    return fp.readinto  # type: ignore[no-any-return]
