@@ -113,8 +113,12 @@ class S3Server:
         bucket: str = DEFAULT_BUCKET,
         access_key: str = DEFAULT_ACCESS_KEY,
         secret_key: str = DEFAULT_SECRET_KEY,
+        bind: str = "127.0.0.1",
     ) -> None:
         self.workdir = pathlib.Path(workdir).absolute()  # the child runs with cwd=workdir
+        # SeaweedFS's listening address; its own components still talk over 127.0.0.1.
+        # bench/shaped_link.py binds 0.0.0.0 so a client in a network namespace reaches it.
+        self.bind = bind
         self.bucket = bucket
         self.access_key = access_key
         self.secret_key = secret_key
@@ -294,7 +298,7 @@ class S3Server:
             "mini",
             f"-dir={data}",
             "-ip=127.0.0.1",
-            "-ip.bind=127.0.0.1",
+            f"-ip.bind={self.bind}",
             f"-bucket={self.bucket}",
             "-master.telemetry=false",
             "-admin.ui=false",

@@ -1,0 +1,112 @@
+"""Restore from a local-directory store (NVMe, NFS) onto a node holding k, against a copy.
+
+The peer here is the plain way to move a checkpoint between two local directories:
+``cp -r`` of save k+1, then ``sync`` (so its data is on disk, as a restore's is once it is
+settled). ferry pulls k+1 from a local-dir store that holds k and k+1 (k+1 delta-coded),
+with ``--base-dir`` k: it reads k+1's stored bytes plus k's where it needs them, decodes and
+verifies every chunk, and writes k+1. Two variants of ferry: the default (returns once
+renamed into place; transfer/engine/settle.py) and ``--fsync`` (flushed before it returns,
+the same promise as ``cp`` + ``sync``). Page cache dropped before each, rounds alternate::
+
+    python -m bench.local_restore --corpus /work/corpus
+
+writes bench/results/local_restore.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from bench import data  # noqa: E402
+from bench._env import machine_info, source_info  # noqa: E402
+from bench._measure import check_same, drop_caches, tree_digest  # noqa: E402
+
+MB = 1e6
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--corpus", type=Path, required=True, help="python -m bench.corpus DIR")
+    ap.add_argument("--variant", default="full")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--workdir", type=Path, default=None, help="on the disk to measure")
+    ap.add_argument("--out-dir", type=Path, default=REPO / "bench" / "results")
+    args = ap.parse_args(argv)
+    command = shlex.join(["python", "-m", "bench.local_restore", *(argv or sys.argv[1:])])
+    k, k1 = (args.corpus / args.variant / f"step_{s:06d}" for s in (20, 40))
+    work = Path(tempfile.mkdtemp(prefix="ferry-local-", dir=args.workdir))
+    ferry = [sys.executable, "-m", "agent"]
+    try:
+        store = work / "store"
+        store.mkdir()
+        for step, ckpt in ((20, k), (40, k1)):
+            push = [*ferry, "push", str(ckpt), str(store), "--job", "j", "--node", "n0"]
+            subprocess.run([*push, "--step", str(step)], check=True, capture_output=True)
+        digest = tree_digest(k1)
+        pull = [*ferry, "pull", str(store), "DEST", "--job", "j", "--step", "40"]
+        pull += ["--base-dir", str(k), "--json"]
+        tools = {
+            "cp -r + sync": ["sh", "-c", f"cp -r {k1} DEST && sync"],
+            "ferry pull": pull,
+            "ferry pull --fsync": [*pull, "--fsync"],
+        }
+        samples: dict[str, list[float]] = {t: [] for t in tools}
+        for rnd in range(args.runs):
+            names = list(tools)
+            names = names[rnd % len(names) :] + names[: rnd % len(names)]
+            for name in names:
+                dest = work / "dest"
+                drop_caches()
+                t = time.monotonic()
+                argv = [a.replace("DEST", str(dest)) for a in tools[name]]
+                subprocess.run(argv, check=True, capture_output=True)
+                samples[name].append(time.monotonic() - t)
+                check_same(digest, dest, name)
+                print(f"  r{rnd + 1} {name:<20} {samples[name][-1]:6.2f} s", flush=True)
+                shutil.rmtree(dest)
+                for marker in work.glob(".dest.ferry-unsynced"):
+                    marker.unlink()
+        med = {t: statistics.median(v) for t, v in samples.items()}
+        now = datetime.datetime.now(datetime.UTC)
+        rows = "".join(
+            f"| {t} | {med[t]:.2f} | {med[t] / med['cp -r + sync']:.2f}x |\n" for t in tools
+        )
+        md = (
+            f"# bench.local_restore\n\n`{command}`\n\n{now:%Y-%m-%d %H:%M} UTC, {args.variant} "
+            f"save k+1 of {data.tree_bytes(k1) / MB:,.0f} MB from a local-dir store onto a "
+            f"node holding k, page cache dropped before each, median of {args.runs}\n\n"
+            f"| tool | median s | / cp -r + sync |\n|---|---|---|\n{rows}"
+        )
+        args.out_dir.mkdir(parents=True, exist_ok=True)
+        (args.out_dir / "local_restore.md").write_text(md)
+        doc = {
+            "command": command,
+            "date_utc": now.isoformat(timespec="seconds"),
+            "machine": machine_info(),
+            "source": source_info(REPO),
+            "seconds": samples,
+            "median_s": med,
+        }
+        (args.out_dir / "local_restore.json").write_text(json.dumps(doc, indent=1) + "\n")
+        print(md)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
