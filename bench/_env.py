@@ -71,3 +71,22 @@ def reproduce_command(argv: list[str]) -> str:
     used (the default is a server the benchmark starts itself)."""
     ext = os.environ.get("FERRY_TEST_S3_ENDPOINT")
     return (f"FERRY_TEST_S3_ENDPOINT={shlex.quote(ext)} " if ext else "") + shlex.join(argv)
+
+
+def write_results(
+    out_dir: Path, stem: str, command: str, date_utc: str, md: str, **fields: Any
+) -> None:
+    """``<stem>.md`` (the table) and ``<stem>.json`` (the figures, with the command, the
+    machine and the code that made them) under ``out_dir``."""
+    import json
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{stem}.md").write_text(md)
+    doc = {
+        "command": command,
+        "date_utc": date_utc,
+        "machine": machine_info(),
+        "source": source_info(Path(__file__).resolve().parent.parent),
+        **fields,
+    }
+    (out_dir / f"{stem}.json").write_text(json.dumps(doc, indent=1) + "\n")

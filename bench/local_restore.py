@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import shlex
 import shutil
 import statistics
@@ -32,7 +31,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench import data  # noqa: E402
-from bench._env import machine_info, source_info  # noqa: E402
+from bench._env import write_results  # noqa: E402
 from bench._measure import check_same, drop_caches, tree_digest  # noqa: E402
 
 MB = 1e6
@@ -91,17 +90,15 @@ def main(argv: list[str] | None = None) -> int:
             f"node holding k, page cache dropped before each, median of {args.runs}\n\n"
             f"| tool | median s | / cp -r + sync |\n|---|---|---|\n{rows}"
         )
-        args.out_dir.mkdir(parents=True, exist_ok=True)
-        (args.out_dir / "local_restore.md").write_text(md)
-        doc = {
-            "command": command,
-            "date_utc": now.isoformat(timespec="seconds"),
-            "machine": machine_info(),
-            "source": source_info(REPO),
-            "seconds": samples,
-            "median_s": med,
-        }
-        (args.out_dir / "local_restore.json").write_text(json.dumps(doc, indent=1) + "\n")
+        write_results(
+            args.out_dir,
+            "local_restore",
+            command,
+            now.isoformat(timespec="seconds"),
+            md,
+            seconds=samples,
+            median_s=med,
+        )
         print(md)
     finally:
         shutil.rmtree(work, ignore_errors=True)

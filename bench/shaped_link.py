@@ -38,7 +38,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench import data  # noqa: E402
-from bench._env import machine_info, source_info  # noqa: E402
+from bench._env import write_results  # noqa: E402
 from bench._measure import check_same, drop_caches, tree_digest  # noqa: E402
 from bench.peers import tool_env  # noqa: E402
 from tests.s3server import S3Server  # noqa: E402
@@ -150,21 +150,19 @@ def main(argv: list[str] | None = None) -> int:
             f"| ferry pull k+1 holding k | {med['ferry']:.2f} | {moved['ferry'] / MB:,.0f} "
             f"| {ratio:.2f}x |\n"
         )
-        args.out_dir.mkdir(parents=True, exist_ok=True)
-        (args.out_dir / "shaped_link.md").write_text(md)
-        doc = {
-            "command": command,
-            "date_utc": now.isoformat(timespec="seconds"),
-            "machine": machine_info(),
-            "source": source_info(REPO),
-            "rate": args.rate,
-            "bytes_raw": raw,
-            "bytes_moved": moved,
-            "seconds": samples,
-            "median_s": med,
-            "ratio": ratio,
-        }
-        (args.out_dir / "shaped_link.json").write_text(json.dumps(doc, indent=1) + "\n")
+        write_results(
+            args.out_dir,
+            "shaped_link",
+            command,
+            now.isoformat(timespec="seconds"),
+            md,
+            rate=args.rate,
+            bytes_raw=raw,
+            bytes_moved=moved,
+            seconds=samples,
+            median_s=med,
+            ratio=ratio,
+        )
         print(md)
     finally:
         server.stop()
