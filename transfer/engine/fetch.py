@@ -11,7 +11,7 @@ Two ways to run, by what the store offers:
   from range to range, then, in the same thread, decode every chunk of it into a reused
   per-thread buffer (a delta chunk's base read from the node's copy into another), verify
   and sink it. One thread hop per range, not two per chunk, and no allocation per chunk:
-  on 2 cores the event loop's wake-ups and the copies were a third of a pull's CPU. Only
+  on 2 cores the event loop's wake-ups and the copies were ~20% of a pull's samples. Only
   chunks that need a base from the store (or whose local base turned out stale) go back
   to the loop, to the resolver.
 - async (any other store): ``store.get`` on the loop, decode + verify + sink in the pool.
