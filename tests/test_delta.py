@@ -272,21 +272,24 @@ def test_base_manifests_limit_local_reads_to_unchanged_chunks(
     there unchanged (plus delta bases), not every position; a wrong claim costs nothing but a
     miss (bytes are still verified). A held checkpoint named by its step (step_000020) has
     its manifests found in the store by the pull itself."""
-    import transfer.engine.resolver as resolver_mod
+    import importlib
+
     from transfer.engine.catalog import resolve_manifests
+
+    pull_mod = importlib.import_module("transfer.engine.pull")  # the module, not pull()
 
     opts = TransferOptions(chunk_size=MiB, part_size=5 * MiB, pack_size=10 * MiB)
     k0, k1 = adamw_series(tmp_path / "hot", 2, frozen=0.5)
     unnamed = tmp_path / "held-copy"  # a name that gives no step: nothing to look up
     shutil.copytree(k0, unnamed)
     reads: list[int] = []
-    real = resolver_mod.read_local_chunk
+    real = pull_mod.read_local_into
 
-    def counting(*args: object) -> bytes | None:
+    def counting(*args: object) -> bool:
         reads.append(1)
-        return real(*args)  # type: ignore[arg-type]
+        return real(*args)  # type: ignore[no-any-return]
 
-    monkeypatch.setattr(resolver_mod, "read_local_chunk", counting)
+    monkeypatch.setattr(pull_mod, "read_local_into", counting)
 
     async def go() -> dict[str, tuple[int, int]]:
         store = open_test_store(local_url)
