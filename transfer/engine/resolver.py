@@ -29,20 +29,12 @@ from transfer.store.base import Store
 Hint = tuple[str, int]  # (relative file path, offset in the file)
 
 
-def read_local_chunk(root: Path, rel: str, offset: int, size: int, expected: str) -> bytes | None:
+def read_local_chunk(
+    root: Path, rel: str, offset: int, size: int, expected: str
+) -> bytearray | None:
     """The bytes at ``root/rel[offset:offset+size]`` if they hash to ``expected``."""
-    path = root / rel  # rel comes from a validated manifest: it cannot leave root
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    except OSError:
-        return None
-    try:
-        data = os.pread(fd, size, offset)
-    except OSError:
-        return None
-    finally:
-        os.close(fd)
-    if len(data) != size or chunk_id(data) != expected:
+    data = bytearray(size)
+    if not read_local_into(root, rel, offset, memoryview(data)) or chunk_id(data) != expected:
         return None
     return data
 
@@ -50,7 +42,7 @@ def read_local_chunk(root: Path, rel: str, offset: int, size: int, expected: str
 def read_local_into(root: Path, rel: str, offset: int, buf: memoryview) -> bool:
     """Fill ``buf`` from ``root/rel`` at ``offset``, unverified: True if every byte was there.
     For a delta chunk's base: the decoded chunk's own hash check covers the base too."""
-    try:
+    try:  # rel comes from a validated manifest: it cannot leave root
         fd = os.open(root / rel, os.O_RDONLY | os.O_NOFOLLOW)
     except OSError:
         return False
@@ -119,7 +111,7 @@ class ChunkResolver:
         """decode_verified, timed (runs in a worker thread)."""
         return decode_verified(chunk, payload, base, out, self.clock)
 
-    async def local(self, cid: str, size: int, hint: Hint | None) -> bytes | None:
+    async def local(self, cid: str, size: int, hint: Hint | None) -> bytearray | None:
         if self.local_root is None or hint is None:
             return None
         loop = asyncio.get_running_loop()
