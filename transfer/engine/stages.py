@@ -36,5 +36,6 @@ class StageClock:
             return sum(self._seconds[s] for s in stages)
 
     def to_dict(self) -> dict[str, float]:
+        # microseconds: a small local pull spends well under a millisecond in some stages
         with self._lock:
-            return {stage: round(s, 3) for stage, s in sorted(self._seconds.items())}
+            return {stage: round(s, 6) for stage, s in sorted(self._seconds.items())}
