@@ -1,19 +1,23 @@
-"""Which S3 failures are worth another try, and how long to wait before it: one policy
-for every S3 request, async (S3Store) or blocking (S3RangeReader). botocore's and s3fs's
-own retries are off, so this is the only layer (stacked, they multiplied)."""
+"""Which S3 failures are worth another try, and how long to wait before it: one policy for
+every S3 request (control calls, ranged reads, part uploads). botocore's own retries are
+off, so this is the only layer (stacked retry layers multiplied into a minute of retries per
+request against a store that was down)."""
 
 from __future__ import annotations
 
 import random
 import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TypeVar
 
-import aiohttp
 import botocore.exceptions
 import urllib3.exceptions
 
+from transfer.errors import StoreError
+
 ATTEMPTS = 6  # tries per request; at a 10% fault rate all six fail once in a million
-BACKOFF_SECONDS = 0.1  # first retry waits up to this; doubles per retry, capped below
-BACKOFF_CAP_SECONDS = 5.0
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
 _TRANSIENT_CODES = {
     "SlowDown",
@@ -28,15 +32,16 @@ _TRANSIENT_TYPES = (
     botocore.exceptions.HTTPClientError,  # connection closed, read timeout, torn stream
     botocore.exceptions.ConnectionError,  # refused, connect timeout
     botocore.exceptions.IncompleteReadError,
-    aiohttp.ClientError,  # payload errors while reading a body (async client)
-    urllib3.exceptions.HTTPError,  # the same, blocking client (S3RangeReader)
+    urllib3.exceptions.HTTPError,  # the same, raised while a body is read
     TimeoutError,
     ConnectionError,
 )
+T = TypeVar("T")
 
 
 class ShortBodyError(Exception):
-    """A reply body shorter than the range it claims to hold (a torn or tampered read)."""
+    """A reply body shorter than announced or than the range it claims to hold (a torn or
+    tampered read): transient."""
 
 
 def _error_code(exc: BaseException) -> str | None:
@@ -67,14 +72,44 @@ def http_status(exc: BaseException) -> int | None:
     return None
 
 
-def backoff_seconds(tried: int) -> float:
-    """The wait after the ``tried``-th failure: exponential, capped, jittered (retries of
-    many requests that failed together do not arrive together)."""
-    cap = min(BACKOFF_CAP_SECONDS, BACKOFF_SECONDS * 2 ** (tried - 1))
-    return random.uniform(cap / 2, cap)
-
-
 def range_length(content_range: str) -> int | None:
     """How many bytes a ``Content-Range: bytes a-b/n`` reply must hold, None if none given."""
     match = _CONTENT_RANGE.fullmatch(content_range)
     return int(match.group(2)) - int(match.group(1)) + 1 if match else None
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """``attempts`` tries in all; after the n-th failure wait a jittered
+    ``first_backoff * 2**(n-1)``, capped (retries of requests that failed together do not
+    arrive together). Blocking: run it on the store's threads, never on an event loop."""
+
+    attempts: int = ATTEMPTS
+    first_backoff: float = 0.1
+    max_backoff: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.attempts < 1:
+            raise ValueError("attempts must be at least 1")
+
+    def backoff_seconds(self, tried: int) -> float:
+        cap = min(self.max_backoff, self.first_backoff * 2 ** (tried - 1))
+        return random.uniform(cap / 2, cap)
+
+    def run(
+        self,
+        attempt: Callable[[], T],
+        map_error: Callable[[BaseException, int], StoreError],
+    ) -> T:
+        """``attempt()`` until it succeeds, fails for good or the tries are used up; a
+        failure comes out as ``map_error(exc, tries)`` (a StoreError passes through)."""
+        for tried in range(1, self.attempts + 1):
+            try:
+                return attempt()
+            except Exception as exc:
+                if not is_transient(exc) or tried == self.attempts:
+                    if isinstance(exc, StoreError):
+                        raise
+                    raise map_error(exc, tried) from exc
+            time.sleep(self.backoff_seconds(tried))
+        raise AssertionError("unreachable")

@@ -1,14 +1,11 @@
-"""A store in an S3-compatible bucket (AWS S3, MinIO, SeaweedFS) through s3fs's async client.
+"""A store in an S3-compatible bucket (AWS S3, MinIO, SeaweedFS).
 
-We drive multipart uploads ourselves (s3fs's own uploads go in waves and do file I/O on the
-event loop). Settings that matter, from shared notes checked against botocore >= 1.36:
-- the connection pool is sized to the caller's concurrency (aiobotocore defaults to 10);
-- botocore's automatic checksums and payload signing are off (they break or slow MinIO and
-  SeaweedFS); instead each PUT carries an explicit CRC32 (or Content-MD5) that the server checks;
-- one retry layer, ours (botocore's and s3fs's are off: stacked, they multiplied into a
-  minute of retries per request against a store that is down): transient failures (5xx,
-  SlowDown, resets, timeouts, bodies shorter than announced) are retried with jittered
-  exponential backoff, ``attempts`` tries in all; anything else fails at once.
+Every request goes through one blocking client (transfer/store/s3client.py: one connection
+pool, one retry policy) on the store's own threads, as many as the pool has connections: the
+async methods hand their request to those threads, the engine's reader threads call the
+client directly (``range_reader``). So ``pool_size`` is what bounds a store's concurrency,
+not Python's default executor. We drive multipart uploads ourselves: parts are sent from
+those threads and checksummed there (CRC32 or Content-MD5, checked by the server).
 """
 
 from __future__ import annotations
@@ -16,63 +13,27 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
-import functools
 import hashlib
-import threading
 import zlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-import s3fs
-
-from transfer.errors import (
-    AccessDeniedError,
-    AlreadyExistsError,
-    NotFoundError,
-    RangeNotSatisfiableError,
-    StoreError,
-)
+from transfer.errors import NotFoundError, StoreError
 from transfer.store.base import (
     ObjectInfo,
     PendingUpload,
     PendingUploads,
+    RangeReader,
     Store,
     Upload,
     check_key,
 )
-from transfer.store.retry import (
-    ATTEMPTS,
-    ShortBodyError,
-    backoff_seconds,
-    http_status,
-    is_transient,
-    range_length,
-)
-from transfer.store.s3reader import S3RangeReader
+from transfer.store.retry import ATTEMPTS, RetryPolicy
+from transfer.store.s3client import S3Client
 
 MIN_PART_SIZE = 5 << 20
-_SMALL_FOR_THREAD = 1 << 20  # checksum small bodies inline; big ones in a thread
 T = TypeVar("T")
-
-
-def _map_error(exc: BaseException, what: str, attempts: int = 1) -> StoreError:
-    status = http_status(exc)
-    # botocore's own retries are off; its "(reached max retries: 0)" would only mislead
-    text = " ".join(str(exc).replace(" (reached max retries: 0)", "").split())
-    if status == 412 or isinstance(exc, FileExistsError):
-        return AlreadyExistsError(f"{what}: already exists")
-    if status == 416:
-        return RangeNotSatisfiableError(f"{what}: range past the end of the object")
-    if isinstance(exc, FileNotFoundError) or status == 404:
-        return NotFoundError(f"{what}: {text}")
-    if isinstance(exc, PermissionError) or status in (401, 403):
-        return AccessDeniedError(f"{what}: access denied ({text}); check the AWS credentials")
-    detail = f"{type(exc).__name__}: {text}"
-    if attempts > 1:
-        return StoreError(f"{what}: failed {attempts} times, the store may be down ({detail})")
-    return StoreError(f"{what}: {detail}")
-
-
 Parts = list[dict[str, Any]]  # (a name: inside S3Store, ``list`` is the method)
 
 
@@ -86,13 +47,6 @@ def _leading_run(parts: Parts) -> Parts:
     return run
 
 
-def _check_length(resp: dict[str, Any], body: bytes) -> None:
-    """A ranged reply must hold exactly the range its Content-Range names."""
-    expected = range_length(str(resp.get("ContentRange", "")))
-    if expected is not None and len(body) != expected:
-        raise ShortBodyError(f"got {len(body)} of the {expected} bytes of the range")
-
-
 class S3Upload(Upload):
     def __init__(self, store: S3Store, key: str, upload_id: str) -> None:
         self.key = key
@@ -103,27 +57,24 @@ class S3Upload(Upload):
 
     async def write_part(self, number: int, offset: int, data: bytes) -> None:
         store = self._store
-        checksum = await store.checksum_args(data)
-        args = {
-            "Key": store.full_key(self.key),
-            "UploadId": self._upload_id,
-            "PartNumber": number,
-            "Body": data,
-            **checksum,
-        }
 
-        async def once() -> Any:
-            # Sent from a thread by the blocking client: through aiohttp every part existed
-            # twice while in flight (its payload wrapper copies the body), ~130 MB more
-            # peak RSS per push at the default window; as fast either way (measured).
-            client = await asyncio.to_thread(store.range_reader)
-            return await asyncio.to_thread(client.call, "upload_part", **args)
+        def send() -> dict[str, Any]:
+            checksum = store.checksum_args(data)
+            resp = store.client.call(
+                "upload_part",
+                f"upload part {number} of {self.key}",
+                Key=store.full_key(self.key),
+                UploadId=self._upload_id,
+                PartNumber=number,
+                Body=data,
+                **checksum,
+            )
+            part = {"PartNumber": number, "ETag": resp["ETag"]}
+            if "ChecksumCRC32" in checksum:
+                part["ChecksumCRC32"] = checksum["ChecksumCRC32"]
+            return part
 
-        resp = await store.retrying(f"upload part {number} of {self.key}", once)
-        part = {"PartNumber": number, "ETag": resp["ETag"]}
-        if "ChecksumCRC32" in checksum:
-            part["ChecksumCRC32"] = checksum["ChecksumCRC32"]
-        self._parts[number] = part
+        self._parts[number] = await store.on_thread(send)
         self._sizes[number] = len(data)
 
     def add_landed_part(self, part: dict[str, Any], size: int) -> None:
@@ -172,6 +123,17 @@ class S3Upload(Upload):
             )
 
 
+class _S3Ranges(RangeReader):
+    """The store's client seen as a RangeReader (store keys, not bucket keys)."""
+
+    def __init__(self, store: S3Store) -> None:
+        self._store = store
+
+    def read_into(self, key: str, start: int, buf: memoryview) -> int:
+        store = self._store
+        return store.client.read_into(store.full_key(key), start, buf, f"get {key}")
+
+
 class S3Store(Store):
     min_part_size = MIN_PART_SIZE
 
@@ -193,97 +155,47 @@ class S3Store(Store):
     ) -> None:
         if checksum not in ("crc32", "md5", "none"):
             raise ValueError(f"unknown checksum {checksum!r} (crc32, md5, none)")
-        if attempts < 1:
-            raise ValueError("attempts must be at least 1")
+        if pool_size < 1:
+            raise ValueError("pool_size must be at least 1")
         self.bucket = bucket
         self.prefix = prefix.strip("/")
         self.url = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
         self.endpoint_url = endpoint_url
         self.attempts = attempts
         self._checksum = checksum
-        self._fs = s3fs.S3FileSystem(
-            endpoint_url=endpoint_url,
-            key=key,
-            secret=secret,
-            asynchronous=True,
-            skip_instance_cache=True,
-            config_kwargs={
-                "max_pool_connections": pool_size,
-                "request_checksum_calculation": "when_required",
-                "response_checksum_validation": "when_required",
-                "s3": {"payload_signing_enabled": False},
-                "connect_timeout": connect_timeout,
-                "read_timeout": read_timeout,
-                "retries": {"total_max_attempts": 1},  # ours: see retrying()
-            },
-        )
-        self._session_lock = asyncio.Lock()
-        self._ready = False
-        self._make_reader = functools.partial(
-            S3RangeReader,
+        self.client = S3Client(
             bucket,
-            self.full_key,
-            _map_error,
             endpoint_url=endpoint_url,
             key=key,
             secret=secret,
             pool_size=pool_size,
             connect_timeout=connect_timeout,
             read_timeout=read_timeout,
+            retry=RetryPolicy(attempts),
         )
-        self._reader: S3RangeReader | None = None
-        self._reader_lock = threading.Lock()
+        # one thread per pooled connection: more would only queue on the pool
+        self._threads = ThreadPoolExecutor(pool_size, thread_name_prefix="s3")
 
     def full_key(self, key: str) -> str:
         check_key(key)
         return f"{self.prefix}/{key}" if self.prefix else key
 
-    async def _client(self) -> Any:
-        if not self._ready:
-            async with self._session_lock:
-                if not self._ready:
-                    try:
-                        await self._fs.set_session()
-                    except Exception as exc:
-                        raise _map_error(exc, f"connect to {self.endpoint_url or 'S3'}") from exc
-                    self._ready = True
-        return await self._fs.get_s3(self.bucket)
-
-    async def retrying(self, what: str, attempt: Callable[[], Awaitable[T]]) -> T:
-        """Run ``attempt`` until it succeeds, fails for good, or ``attempts`` are used up;
-        failures come out mapped to the store's error classes."""
-        for tried in range(1, self.attempts + 1):
-            try:
-                return await attempt()
-            except Exception as exc:
-                if not is_transient(exc) or tried == self.attempts:
-                    raise _map_error(exc, what, tried) from exc
-            await asyncio.sleep(backoff_seconds(tried))
-        raise AssertionError("unreachable")
+    async def on_thread(self, fn: Callable[[], T]) -> T:
+        """Run a blocking request on the store's threads."""
+        return await asyncio.get_running_loop().run_in_executor(self._threads, fn)
 
     async def call(self, method: str, what: str, **kwargs: Any) -> Any:
         """One S3 API call, retried when transient; raises mapped StoreErrors."""
+        return await self.on_thread(lambda: self.client.call(method, what, **kwargs))
 
-        async def once() -> Any:
-            client = await self._client()
-            return await getattr(client, method)(Bucket=self.bucket, **kwargs)
-
-        return await self.retrying(what, once)
-
-    async def checksum_args(self, data: bytes) -> dict[str, str]:
-        if self._checksum == "none":
-            return {}
-
-        def digest() -> dict[str, str]:
-            if self._checksum == "crc32":
-                crc = zlib.crc32(data).to_bytes(4, "big")
-                return {"ChecksumCRC32": base64.b64encode(crc).decode()}
+    def checksum_args(self, data: bytes) -> dict[str, Any]:
+        if self._checksum == "crc32":
+            crc = zlib.crc32(data).to_bytes(4, "big")
+            return {"ChecksumCRC32": base64.b64encode(crc).decode()}
+        if self._checksum == "md5":
             md5 = hashlib.md5(data, usedforsecurity=False).digest()
             return {"ContentMD5": base64.b64encode(md5).decode()}
-
-        if len(data) < _SMALL_FOR_THREAD:
-            return digest()
-        return await asyncio.to_thread(digest)
+        return {}
 
     async def check(self) -> None:
         try:
@@ -293,32 +205,24 @@ class S3Store(Store):
 
     async def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
         full = self.full_key(key)
-        extra: dict[str, str] = {}
+        byte_range = None
         if start is not None or end is not None:
             lo = start or 0
             if end is not None and end <= lo:
                 return b""
-            extra["Range"] = f"bytes={lo}-{'' if end is None else end - 1}"
-
-        async def once() -> bytes:
-            # the body is read inside the attempt: a torn or short body is retried too
-            client = await self._client()
-            resp = await client.get_object(Bucket=self.bucket, Key=full, **extra)
-            try:
-                body: bytes = await resp["Body"].read()
-            finally:
-                resp["Body"].close()
-            _check_length(resp, body)
-            return body
-
-        return await self.retrying(f"get {key}", once)
+            byte_range = f"bytes={lo}-{'' if end is None else end - 1}"
+        return await self.on_thread(lambda: self.client.get(full, f"get {key}", byte_range))
 
     async def put(self, key: str, data: bytes, *, create_only: bool = False) -> None:
         full = self.full_key(key)
-        extra: dict[str, str] = dict(await self.checksum_args(data))
-        if create_only:
-            extra["IfNoneMatch"] = "*"
-        await self.call("put_object", f"put {key}", Key=full, Body=data, **extra)
+
+        def send() -> None:
+            extra = self.checksum_args(data)
+            if create_only:
+                extra["IfNoneMatch"] = "*"
+            self.client.call("put_object", f"put {key}", Key=full, Body=data, **extra)
+
+        await self.on_thread(send)
 
     async def head(self, key: str) -> ObjectInfo:
         resp = await self.call("head_object", f"head {key}", Key=self.full_key(key))
@@ -416,13 +320,19 @@ class S3Store(Store):
         extra = {"ChecksumAlgorithm": "CRC32"} if self._checksum == "crc32" else {}
         tries = 0
 
-        async def once() -> Any:
+        def counted() -> None:
             nonlocal tries
             tries += 1
-            client = await self._client()
-            return await client.create_multipart_upload(Bucket=self.bucket, Key=full, **extra)
 
-        resp = await self.retrying(f"start upload of {key}", once)
+        resp = await self.on_thread(
+            lambda: self.client.call(
+                "create_multipart_upload",
+                f"start upload of {key}",
+                on_try=counted,
+                Key=full,
+                **extra,
+            )
+        )
         upload_id = resp["UploadId"]
         if tries > 1:
             # an earlier try may have started an upload whose reply was lost: nobody will
@@ -433,22 +343,9 @@ class S3Store(Store):
                         await self.abort_upload(pending)
         return S3Upload(self, key, upload_id)
 
-    def range_reader(self) -> S3RangeReader:
-        with self._reader_lock:  # one client per store, made on first use
-            if self._reader is None:
-                # the async client's data loader holds the parsed service models: sharing
-                # it makes this second client ~0.3 s cheaper to create
-                session = getattr(self._fs, "session", None)
-                loader = session.get_component("data_loader") if session is not None else None
-                self._reader = self._make_reader(loader=loader)
-            return self._reader
+    def range_reader(self) -> RangeReader:
+        return _S3Ranges(self)
 
     async def close(self) -> None:
-        with self._reader_lock:
-            reader, self._reader = self._reader, None
-        if reader is not None:
-            reader.close()
-        client = getattr(self._fs, "_s3", None)
-        if client is not None:
-            await client.close()
-        self._ready = False
+        self._threads.shutdown(wait=False, cancel_futures=True)
+        self.client.close()
