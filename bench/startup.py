@@ -63,10 +63,11 @@ def main(argv: list[str] | None = None) -> int:
             ferry = [sys.executable, "-m", "agent"]
             cases[f"{name} --help"] = ([*ferry, "--help"], ferry_env)
             cases[f"{name} ls (first S3 answer)"] = ([*ferry, "ls", store], ferry_env)
-        cases["s5cmd ls (first S3 answer)"] = (
-            ["s5cmd", "--endpoint-url", ep.url, "ls", f"s3://{ep.bucket}/*"],
-            env,
-        )
+        marker = work / "one-object"
+        marker.write_bytes(b"x")  # s5cmd ls of an empty prefix is an error
+        s5cmd = ["s5cmd", "--endpoint-url", ep.url]
+        subprocess.run([*s5cmd, "cp", str(marker), f"s3://{ep.bucket}/s5/"], env=env, check=True)
+        cases["s5cmd ls (first S3 answer)"] = ([*s5cmd, "ls", f"s3://{ep.bucket}/s5/*"], env)
         for argv_, env_ in cases.values():  # warm the page cache and the server
             subprocess.run(argv_, env=env_, capture_output=True, check=False)
         samples: dict[str, list[float]] = {name: [] for name in cases}

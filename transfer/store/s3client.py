@@ -5,9 +5,8 @@ error classes.
 Why blocking botocore rather than s3fs/aiobotocore (the stack until 2026-11): a pull moves
 its bytes on reader threads anyway (the GIL is released while a thread waits on its socket,
 and each body goes from the socket straight into the caller's buffer), so an async client
-only added a second client, a second pool and a second retry loop. Measured on this machine
-(``python -m bench.startup``): importing s3fs + aiobotocore + botocore and making both
-clients cost ~1.3 s of every command; botocore alone ~0.4 s.
+only added a second client, a second pool and a second retry loop (start-up was the same
+either way: ``python -m bench.startup --old DIR``).
 
 Settings that matter (shared notes, checked against botocore >= 1.36): the pool is sized
 (botocore's default is 10); automatic checksums and payload signing are off (they break or
