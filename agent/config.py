@@ -109,6 +109,8 @@ class AgentConfig:
     drain_seconds: float = 30.0
     #: at start, abort pack uploads older than this (their writer died); 0 disables
     orphan_upload_seconds: float = 3600.0
+    #: a committed step is pushed once none of its files changed for this long
+    quiet_seconds: float = 2.0
     #: left empty (``Path()``) it becomes ``<hot_dir>/.ferry``
     state_dir: Path = Path()
     transfer: TransferSettings = field(default_factory=TransferSettings)
@@ -157,6 +159,7 @@ _TOP_KEYS: dict[str, type] = {
     "prefetch_concurrency": int,
     "drain_seconds": float,
     "orphan_upload_seconds": float,
+    "quiet_seconds": float,
     "state_dir": str,
 }
 _TRANSFER_KEYS: dict[str, type] = {
@@ -229,6 +232,7 @@ def load_config(path: Path | None, env: Mapping[str, str] = os.environ) -> Agent
         orphan_upload_seconds=_seconds(
             "orphan_upload_seconds", top.get("orphan_upload_seconds", 3600.0)
         ),
+        quiet_seconds=_seconds("quiet_seconds", top.get("quiet_seconds", 2.0)),
         state_dir=_path("state_dir", top["state_dir"]) if "state_dir" in top else Path(),
         transfer=transfer,
         retention=_retention(retention_raw, env, len(top.get("tiers") or [])),  # type: ignore[arg-type]
@@ -481,6 +485,9 @@ prefetch_concurrency = 2
 drain_seconds = 30.0
 # At start, abort pack uploads begun longer ago than this (a killed push's); 0: never.
 orphan_upload_seconds = 3600.0
+# A committed step is pushed once none of its files changed for this long (a commit marker
+# copied in before the shards, by cp -r or rsync, does not make a torn step durable).
+quiet_seconds = 2.0
 # Agent state (default: <hot_dir>/.ferry).
 state_dir = "/nvme/ckpt/.ferry"
 

@@ -22,12 +22,16 @@ import secrets
 import shutil
 from collections.abc import Collection, Sequence
 from dataclasses import asdict, dataclass, field
+from datetime import datetime
 from pathlib import Path
 
 from agent.holdings import LocalCheckpoint, local_checkpoints
 from agent.journal import Journal
 from transfer.engine import list_checkpoints
+from transfer.engine.catalog import load_manifest
+from transfer.engine.scan import scan_checkpoint
 from transfer.errors import FerryError
+from transfer.format.manifest import Manifest
 from transfer.retention.copy import step_problems
 from transfer.store.base import Store
 
@@ -210,6 +214,19 @@ class _DurabilityCheck:
                 log.warning("hot retention: %s unreadable: %s", name, exc)
                 unreachable = True
                 continue
+            if not problems and not restored:
+                # what the tier holds must be this copy: a file written to after its push
+                # (or a torn copy pushed by an older agent) would be lost with the eviction
+                try:
+                    manifest = await load_manifest(store, c.job, c.step, self.node)
+                except FerryError as exc:
+                    log.warning("hot retention: %s unreadable: %s", name, exc)
+                    unreachable = True
+                    continue
+                differs = await asyncio.to_thread(_differs_from_pushed, c.path, manifest)
+                if differs is not None:
+                    log.warning("hot retention keeps %s: %s", c.path, differs)
+                    return f"differs from the copy pushed to {name}: {differs}"
             if not problems:
                 self.where[(c.job, c.step)] = f"held by {name}"
                 return None
@@ -219,6 +236,25 @@ class _DurabilityCheck:
             self.where[(c.job, c.step)] = "expired from every tier"
             return None
         return "not in any colder tier yet"
+
+
+def _differs_from_pushed(path: Path, manifest: Manifest) -> str | None:
+    """Why the hot copy at ``path`` is not the copy ``manifest`` committed, or None."""
+    pushed = {f.path: f.size for f in manifest.files}
+    try:
+        here = {f.path: f for f in scan_checkpoint(path)}
+    except (FerryError, OSError) as exc:
+        return str(exc)
+    if set(here) != set(pushed):
+        extra = sorted(set(here) ^ set(pushed))
+        return f"{extra[0]} is in one copy only"
+    committed_at = datetime.fromisoformat(manifest.created_at).timestamp()
+    for name, f in sorted(here.items()):
+        if f.size != pushed[name]:
+            return f"{name} is {f.size} bytes here, {pushed[name]} in the pushed copy"
+        if f.mtime_ns / 1e9 > committed_at + 1:  # created_at has whole seconds
+            return f"{name} was written to after the push"
+    return None
 
 
 def _jobs(hot_dir: Path) -> list[str]:

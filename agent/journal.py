@@ -146,6 +146,12 @@ class Journal:
         )
         return [StoredChunk(*fields) for (doc,) in rows for fields in json.loads(doc)]
 
+    def record_waiting(self, job: str, step: int, tier: str, reason: str) -> None:
+        """Not pushed yet because the checkpoint is still being written: stays ``staged``
+        (it will be pushed), with the reason where the error would go."""
+        with self._db:
+            self._update(job, step, tier, "state = 'staged', error = ?", (reason,))
+
     def record_failed(self, job: str, step: int, tier: str, error: str) -> None:
         with self._db:
             self._update(

@@ -24,6 +24,7 @@ import contextlib
 import functools
 import json
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -34,7 +35,13 @@ from agent.config import AgentConfig
 from agent.journal import Journal
 from agent.metrics import Metrics
 from transfer.engine import TransferOptions, list_checkpoints, push
-from transfer.errors import AlreadyExistsError, CheckpointNotFoundError
+from transfer.engine.scan import scan_checkpoint
+from transfer.errors import (
+    AlreadyExistsError,
+    CheckpointNotFoundError,
+    FerryError,
+    SourceChangedError,
+)
 from transfer.format.layout import completion_key
 from transfer.format.names import check_name
 from transfer.store.base import Store
@@ -68,6 +75,9 @@ class _Item:
     step: int
     path: Path
     attempt: int = 1
+    #: the step's files (path, size, mtime, inode) when last looked at, and when (monotonic)
+    seen: tuple[tuple[str, int, int, int], ...] | None = None
+    seen_at: float = 0.0
 
 
 @dataclass
@@ -99,6 +109,7 @@ class PushQueue:
         expected_nodes: Sequence[str] = (),
         max_attempts: int = 3,
         retry_seconds: float = 30.0,
+        quiet_seconds: float = 2.0,
     ) -> None:
         if max_attempts < 1:
             raise ValueError("max_attempts must be at least 1")
@@ -109,6 +120,9 @@ class PushQueue:
         self.expected_nodes = tuple(expected_nodes)
         self.max_attempts = max_attempts
         self.retry_seconds = retry_seconds
+        #: a step is pushed once none of its files changed for this long (its commit
+        #: marker can come first: ``cp -r`` and ``rsync`` copy ``.metadata`` before shards)
+        self.quiet_seconds = quiet_seconds
         self.stats = PushStats({name: TierStats() for name, _ in self.tiers})
         self._queue: asyncio.Queue[_Item] = asyncio.Queue()
         self._queued: set[tuple[str, int]] = set()  # queued, in flight or waiting to retry
@@ -128,6 +142,7 @@ class PushQueue:
             node=config.node,
             options=config.transfer_options(),
             expected_nodes=config.expected_nodes,
+            quiet_seconds=config.quiet_seconds,
         )
 
     @property
@@ -233,6 +248,13 @@ class PushQueue:
         key = (item.job, item.step)
         durable = self.journal.durable_tiers(item.job, item.step)
         failed = False
+        try:
+            await self._check_quiet(item)
+        except _NotQuiet as exc:
+            self._wait_for_quiet(item, durable, exc)
+            return
+        except (FerryError, OSError):
+            pass  # gone or unreadable: the push below reports it like any failure
         for name, store in self.tiers:
             if name in durable:
                 continue
@@ -253,6 +275,10 @@ class PushQueue:
                     ),
                 )
                 await self._complete_if_all_pushed(store, item.job, item.step)
+            except SourceChangedError as exc:  # nothing committed: push it once it settles
+                self._current = None
+                self._wait_for_quiet(item, durable, exc)
+                return
             except Exception as exc:  # every failure must reach the journal, whatever its type
                 error = " ".join(str(exc).split()) or type(exc).__name__
                 log.warning("push of %s step %s to %s failed: %s", *key, name, error)
@@ -277,6 +303,45 @@ class PushQueue:
         self._queued.discard(key)
         if self.on_pushed is not None:
             self.on_pushed()
+
+    async def _check_quiet(self, item: _Item) -> None:
+        """Pass once the step's files looked the same ``quiet_seconds`` apart: their mtimes
+        alone would not do (``cp -p`` and ``rsync -a`` set old ones while they copy)."""
+        if self.quiet_seconds <= 0:
+            return
+        sources = await asyncio.to_thread(scan_checkpoint, item.path)
+        seen = tuple((f.path, f.size, f.mtime_ns, f.inode) for f in sources)
+        now = time.monotonic()
+        if seen != item.seen:
+            first = item.seen is None
+            item.seen, item.seen_at = seen, now
+            raise _NotQuiet(
+                f"waiting {self.quiet_seconds:g} s for its files to be quiet"
+                if first
+                else f"{item.path} is still being written; pushed once quiet for "
+                f"{self.quiet_seconds:g} s",
+                self.quiet_seconds,
+            )
+        if now - item.seen_at < self.quiet_seconds:
+            raise _NotQuiet(
+                "waiting for its files to be quiet", self.quiet_seconds - (now - item.seen_at)
+            )
+
+    def _wait_for_quiet(self, item: _Item, durable: set[str], exc: BaseException) -> None:
+        """The checkpoint is still being written: note why, try again later. Not a failed
+        attempt (a slow copy into the hot dir must not use up the retries)."""
+        reason = " ".join(str(exc).split()) or type(exc).__name__
+        log.info("push of %s step %s waits: %s", item.job, item.step, reason)
+        if not isinstance(exc, _NotQuiet):
+            item.seen = None  # it changed under the push: watch it settle from scratch
+        for name, _ in self.tiers:
+            if name not in durable:
+                self.journal.record_waiting(item.job, item.step, name, reason)
+        if self._closing:
+            return
+        loop = asyncio.get_running_loop()
+        delay = exc.seconds if isinstance(exc, _NotQuiet) else max(self.quiet_seconds, 0.2)
+        self._timers[(item.job, item.step)] = loop.call_later(delay, self._retry, item)
 
     def _retry(self, item: _Item) -> None:
         self._timers.pop((item.job, item.step), None)
@@ -303,6 +368,12 @@ class PushQueue:
         self.stats.completions_written += 1
         log.info("%s step %s is complete in %s (nodes %s)", job, step, store.url, doc["nodes"])
         return True
+
+
+class _NotQuiet(SourceChangedError):
+    def __init__(self, message: str, seconds: float) -> None:
+        super().__init__(message)
+        self.seconds = max(seconds, 0.05)  # when to look again
 
 
 def open_journal(state_dir: Path, node: str) -> Journal:

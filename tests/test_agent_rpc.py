@@ -60,6 +60,7 @@ async def agent(
         "FERRY_TRANSFER_CHUNK_SIZE_MIB": "1",
         "FERRY_TRANSFER_PART_SIZE_MIB": "5",
         "FERRY_TRANSFER_PACK_SIZE_MIB": "10",
+        "FERRY_QUIET_SECONDS": "0.2",
         **(extra_env or {}),
     }
     if "AWS_ENDPOINT_URL" in os.environ:

@@ -60,7 +60,7 @@ def make_queue(
         node=node,
         options=OPTS,
         retry_seconds=POLL,
-        **kw,  # type: ignore[arg-type]
+        **{"quiet_seconds": 0.0, **kw},  # type: ignore[arg-type]
     )
     return queue, stores
 

@@ -47,6 +47,12 @@ class AccessDeniedError(StoreError):
     """Credentials were missing or rejected, or the caller may not do this."""
 
 
+class SourceChangedError(FerryError):
+    """The checkpoint being pushed is still being written: a file changed while it was read,
+    or files its commit marker names are missing or short. Nothing was committed; push it
+    again once it settles."""
+
+
 class CheckpointNotFoundError(FerryError):
     """No committed checkpoint matches the request."""
 

@@ -24,6 +24,7 @@ from typing import NamedTuple, cast
 
 from transfer.codec import encode, needs_base
 from transfer.codec.transforms import Buffer
+from transfer.engine import dcp
 from transfer.engine.base import BasePlan, choose_base
 from transfer.engine.catalog import load_manifest, open_catalog
 from transfer.engine.chunkindex import ChunkIndex, StoredChunk, build_refs
@@ -32,8 +33,8 @@ from transfer.engine.options import TransferOptions
 from transfer.engine.packer import PackLocation, PackWriter
 from transfer.engine.progress import NoProgress, Progress
 from transfer.engine.resolver import ChunkResolver
-from transfer.engine.scan import SourceFile, read_range, scan_checkpoint
-from transfer.errors import AlreadyExistsError, FerryError, NotFoundError
+from transfer.engine.scan import SourceFile, check_unchanged, read_range, scan_checkpoint
+from transfer.errors import AlreadyExistsError, FerryError, NotFoundError, SourceChangedError
 from transfer.format import layout
 from transfer.format.chunkid import chunk_id
 from transfer.format.manifest import FileEntry, Manifest
@@ -94,6 +95,8 @@ async def push(
     check_step(step)
     started = time.monotonic()
     sources = await asyncio.to_thread(scan_checkpoint, ckpt_dir)
+    # a save whose commit marker names files not (fully) there yet is never pushed
+    await asyncio.to_thread(dcp.check_complete, ckpt_dir, {f.path: f.size for f in sources})
     await open_catalog(store, create=True)
     index = await ChunkIndex.load(store, job, options.dedupe_steps)
     base = None
@@ -110,6 +113,12 @@ async def push(
         run.pool = pool
         run.resolver = ChunkResolver(store, index, pool, base.local_dir if base else None)
         placed = await run.encode_all(sources)
+    try:
+        # what was read must be what is on disk now, or the manifest would commit a torn copy
+        await asyncio.to_thread(check_unchanged, ckpt_dir, sources)
+    except SourceChangedError:
+        await run.abandon()
+        raise
     file_ids = [c.id for chunks in placed for c in chunks]
     in_files = set(file_ids)
     bases = [b for b in index.closure(file_ids) if b.id not in in_files]
@@ -210,6 +219,12 @@ class _PushRun:
                 StoredChunk(t.cid, t.size, t.enc, pack_id, where.offset, where.stored, t.base)
             )
         self.on_pack_durable(chunks)
+
+    async def abandon(self) -> None:
+        """Give up before the commit: packs whose chunks a caller journaled stay for a
+        resumed attempt (their chunks are content-addressed, so still valid), the rest go."""
+        if self._writer is not None:
+            await self._writer.abort()
 
     async def writer_abort(self) -> None:
         """Delete every pack this push wrote: none can ever be referenced (not even by a

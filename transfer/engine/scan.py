@@ -1,4 +1,5 @@
-"""Reading a checkpoint directory: which files, and their bytes at fixed chunk offsets."""
+"""Reading a checkpoint directory: which files, their bytes at fixed chunk offsets, and
+whether they stayed the same while a push read them."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from transfer.errors import FerryError
+from transfer.errors import FerryError, SourceChangedError
 from transfer.format.paths import check_relative_path
 
 
@@ -17,6 +18,10 @@ class SourceFile:
     abspath: Path
     size: int
     mode: int
+    # what the file was when scanned: a writer that replaces it (new inode) or writes into
+    # it (mtime) or grows/truncates it (size) shows up in a second stat
+    mtime_ns: int = 0
+    inode: int = 0
 
 
 def scan_checkpoint(root: Path) -> list[SourceFile]:
@@ -37,9 +42,40 @@ def scan_checkpoint(root: Path) -> list[SourceFile]:
                 continue
             if not stat.S_ISREG(st.st_mode):
                 raise FerryError(f"{full}: not a regular file")
-            found.append(SourceFile(check_relative_path(rel), full, st.st_size, st.st_mode & 0o777))
+            found.append(
+                SourceFile(
+                    check_relative_path(rel),
+                    full,
+                    st.st_size,
+                    st.st_mode & 0o777,
+                    st.st_mtime_ns,
+                    st.st_ino,
+                )
+            )
     found.sort(key=lambda f: f.path)
     return found
+
+
+def check_unchanged(root: Path, sources: list[SourceFile]) -> None:
+    """Raise SourceChangedError unless ``root`` still holds exactly ``sources``, each with
+    the size, mtime and inode it had when scanned. Call it after the last read: what was
+    read is then what is on disk."""
+    now = {f.path: f for f in scan_checkpoint(root)}
+    for f in sources:
+        cur = now.pop(f.path, None)
+        if cur is None:
+            raise SourceChangedError(f"{f.abspath} was removed while it was being pushed")
+        if cur.inode != f.inode:
+            raise SourceChangedError(f"{f.abspath} was replaced while it was being pushed")
+        if cur.size != f.size:
+            raise SourceChangedError(
+                f"{f.abspath} changed size while it was being pushed ({f.size} -> {cur.size}"
+                " bytes): still being written?"
+            )
+        if cur.mtime_ns != f.mtime_ns:
+            raise SourceChangedError(f"{f.abspath} was written to while it was being pushed")
+    if now:
+        raise SourceChangedError(f"{min(now)} appeared in {root} while it was being pushed")
 
 
 def read_range(path: Path, offset: int, length: int) -> bytes:
@@ -50,7 +86,9 @@ def read_range(path: Path, offset: int, length: int) -> bytes:
         while len(out) < length:
             piece = os.pread(fd, length - len(out), offset + len(out))
             if not piece:
-                raise FerryError(f"{path} shrank while it was being read (still being written?)")
+                raise SourceChangedError(
+                    f"{path} shrank while it was being read (still being written?)"
+                )
             out += piece
         return bytes(out)
     finally:

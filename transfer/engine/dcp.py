@@ -1,0 +1,100 @@
+"""What a PyTorch DCP checkpoint promises about its own files.
+
+A DCP save writes ``.metadata`` (a pickle of ``torch.distributed.checkpoint.Metadata``)
+whose ``storage_data`` maps every saved item to a ``_StorageInfo(relative_path, offset,
+length)``: the storage file and the byte range it occupies. A directory whose ``.metadata``
+names files that are missing or shorter than a range ending in them is not a finished save,
+whatever order its files appeared in (``cp -r`` and ``rsync`` copy ``.metadata`` first).
+
+The pickle is read without torch and without running anything it names: every class it
+refers to becomes an inert stub that only keeps its arguments and state, so a hostile
+``.metadata`` can at worst fail to parse. Anything that does not look like DCP metadata
+yields None (the caller then relies on the stability check alone).
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+from pathlib import Path
+from typing import Any
+
+from transfer.errors import SourceChangedError
+
+METADATA = ".metadata"
+_MAX_METADATA_BYTES = 512 << 20  # far above any real save's (~1 MB per 1B parameters)
+
+
+class _Stub:
+    """Stands in for any class the pickle names."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.args = args
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+
+class _InertUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> type:
+        return type(name, (_Stub,), {"module": module})
+
+    def persistent_load(self, pid: Any) -> Any:
+        raise pickle.UnpicklingError("persistent ids are not DCP metadata")
+
+
+def _fields(obj: Any) -> dict[str, Any]:
+    """A stub's dataclass fields: ``__dict__`` state, or slots state ``(None, {...})``."""
+    state = getattr(obj, "state", None)
+    if isinstance(state, tuple) and len(state) == 2:
+        merged: dict[str, Any] = {}
+        for part in state:
+            if isinstance(part, dict):
+                merged.update(part)
+        return merged
+    if isinstance(state, dict):
+        return state
+    return dict(getattr(obj, "__dict__", {}))
+
+
+def required_lengths(metadata: bytes) -> dict[str, int] | None:
+    """{storage file: the length its ranges need}, or None when ``metadata`` is not DCP
+    metadata this reader understands."""
+    try:
+        root = _InertUnpickler(io.BytesIO(metadata)).load()
+    except Exception:  # any malformed or foreign pickle: not ours to judge
+        return None
+    storage = _fields(root).get("storage_data")
+    if not isinstance(storage, dict):
+        return None
+    need: dict[str, int] = {}
+    for info in storage.values():
+        f = _fields(info)
+        path, offset, length = f.get("relative_path"), f.get("offset"), f.get("length")
+        if not isinstance(path, str) or not isinstance(offset, int):
+            return None
+        if not isinstance(length, int):
+            return None
+        need[path] = max(need.get(path, 0), offset + length)
+    return need
+
+
+def check_complete(root: Path, sizes: dict[str, int]) -> None:
+    """Raise SourceChangedError when ``root``'s ``.metadata`` names storage files that
+    ``sizes`` (relative path -> bytes) lacks or holds too short. Non-DCP directories pass."""
+    meta = root / METADATA
+    if METADATA not in sizes or sizes[METADATA] > _MAX_METADATA_BYTES:
+        return
+    need = required_lengths(meta.read_bytes())
+    if need is None:
+        return
+    for path, length in sorted(need.items()):
+        have = sizes.get(path)
+        if have is None:
+            raise SourceChangedError(
+                f"{root}: {METADATA} names {path}, which is not there (save unfinished?)"
+            )
+        if have < length:
+            raise SourceChangedError(
+                f"{root / path} is {have} bytes, {METADATA} needs {length} (save unfinished?)"
+            )
