@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from transfer.engine.options import TransferOptions
-from transfer.errors import FerryError
+from transfer.errors import CheckpointNotFoundError, FerryError
 from transfer.format.names import check_name, step_from_dirname
 
 if TYPE_CHECKING:  # the commands import what they need when they run: `ferry --help` is fast
@@ -277,19 +277,30 @@ async def _cmd_ls(store: Store, args: argparse.Namespace) -> tuple[dict[str, Any
     if args.job:
         check_name("job", args.job)
     rows: list[dict[str, Any]] = []
-    if await open_catalog(store, create=False):
-        for c in await list_checkpoints(store, args.job):
-            m = await load_manifest(store, c.job, c.step, c.node)
-            rows.append(
-                {
-                    "job": c.job,
-                    "step": c.step,
-                    "node": c.node,
-                    "files": len(m.files),
-                    "bytes_raw": m.bytes_raw,
-                    "created_at": m.created_at,
-                }
-            )
+    if not await open_catalog(store, create=False):
+        # a typo'd URL must not look like an empty store
+        raise CheckpointNotFoundError(
+            f"{store.url} is not a ckpt-ferry store (nothing was ever pushed there)"
+        )
+    found = await list_checkpoints(store, args.job)
+    if args.job and not found:
+        jobs = sorted({c.job for c in await list_checkpoints(store)})
+        raise CheckpointNotFoundError(
+            f"no checkpoint of job {args.job!r} in {store.url} (jobs there: "
+            f"{', '.join(jobs) or 'none'})"
+        )
+    for c in found:
+        m = await load_manifest(store, c.job, c.step, c.node)
+        rows.append(
+            {
+                "job": c.job,
+                "step": c.step,
+                "node": c.node,
+                "files": len(m.files),
+                "bytes_raw": m.bytes_raw,
+                "created_at": m.created_at,
+            }
+        )
     table = [f"{'JOB':<24} {'STEP':>10} {'NODE':<16} {'FILES':>6} {'SIZE':>12}  CREATED"]
     table += [
         f"{r['job']:<24} {r['step']:>10} {r['node']:<16} {r['files']:>6} "
@@ -432,6 +443,8 @@ async def _run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
 
 
 async def _cmd_estimate(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    import aiohttp
+
     from agent.client import FerryClient, RpcError
 
     token = args.token_file.read_text().strip()
@@ -440,8 +453,8 @@ async def _cmd_estimate(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
             doc: dict[str, Any] = await client.estimate(
                 args.job, args.step, gpus=args.gpus, gpu_hour_price=args.gpu_hour_price
             )
-        except RpcError as exc:
-            raise FerryError(str(exc)) from None
+        except (RpcError, aiohttp.ClientError, TimeoutError) as exc:
+            raise FerryError(f"{client.base_url}: {str(exc) or type(exc).__name__}") from None
     line = (
         f"{doc['node']}: {args.job} step {doc['step']}: {_human(doc['bytes_missing'])} missing "
         f"of {_human(doc['bytes_total'])}, ~{doc['seconds']:.1f}s, cost {doc['cost']:.2f} "
@@ -489,7 +502,11 @@ def _run_agent(args: argparse.Namespace) -> int:
     except (FerryError, OSError) as exc:
         print(f"ferry agent: error: {exc}", file=sys.stderr)
         return 1
-    asyncio.run(serve(config, token))
+    try:
+        asyncio.run(serve(config, token))
+    except FerryError as exc:
+        print(f"ferry agent: error: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -18,6 +18,10 @@ class RpcError(Exception):
 
 class FerryClient:
     def __init__(self, base_url: str, token: str, *, timeout: float = 30.0) -> None:
+        if "://" not in base_url:  # "node-b:7070", as people write it
+            base_url = f"http://{base_url}"
+        if not base_url.startswith(("http://", "https://")):
+            raise ValueError(f"agent URL {base_url!r} is not http:// or https://")
         self.base_url = base_url.rstrip("/")
         self._session = aiohttp.ClientSession(
             headers={"Authorization": f"Bearer {token}"},

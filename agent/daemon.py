@@ -6,22 +6,33 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import socket
 
 from aiohttp import web
 
 from agent.config import AgentConfig
 from agent.rpc import create_app
+from transfer.errors import FerryError
 
 log = logging.getLogger(__name__)
 
 
 async def serve(config: AgentConfig, token: str, ready: asyncio.Event | None = None) -> None:
+    host, port = config.listen_host, config.listen_port
+    try:  # before anything starts or is created: a port in use is one line, not a traceback
+        sock = socket.create_server((host, port))
+    except OSError as exc:
+        raise FerryError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
     app = create_app(config, token)
     runner = web.AppRunner(app, handle_signals=False)
-    await runner.setup()
-    host, port = config.listen_host, config.listen_port
-    site = web.TCPSite(runner, host, port)
-    await site.start()
+    try:
+        await runner.setup()
+        site = web.SockSite(runner, sock)
+        await site.start()
+    except BaseException:
+        sock.close()
+        await runner.cleanup()
+        raise
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

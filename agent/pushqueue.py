@@ -198,12 +198,6 @@ class PushQueue:
 
     def publish(self, metrics: Metrics) -> None:
         """Copy the counters into the agent's metrics (call it from the /metrics handler)."""
-        metrics.describe("ferry_push_total", "counter", "Background pushes by tier and result")
-        metrics.describe("ferry_push_bytes_total", "counter", "Bytes written by pushes")
-        metrics.describe("ferry_push_last_seconds", "gauge", "Duration of the last push")
-        metrics.describe(
-            "ferry_push_written_ratio", "gauge", "Delta ratio: bytes written / raw, last push"
-        )
         metrics.set("ferry_push_queue_depth", len(self._queued))
         metrics.set("ferry_push_completions_written_total", self.stats.completions_written)
         for tier, s in self.stats.tiers.items():

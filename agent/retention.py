@@ -27,20 +27,6 @@ from transfer.store.base import Store
 
 log = logging.getLogger(__name__)
 
-METRICS_HELP = (
-    ("ferry_tier_bytes", "gauge", "bytes held per tier (hot: the hot dir)"),
-    ("ferry_retention_runs_total", "counter", "retention runs by result"),
-    ("ferry_retention_last_run_timestamp", "gauge", "unix time the last run finished"),
-    ("ferry_retention_last_seconds", "gauge", "how long the last run took"),
-    ("ferry_retention_expired_total", "counter", "steps expired or demoted out of a tier"),
-    ("ferry_hot_evicted_total", "counter", "step directories evicted from the hot dir"),
-    ("ferry_gc_deleted_packs_total", "counter", "packs deleted by GC"),
-    ("ferry_gc_freed_bytes_total", "counter", "bytes freed by GC"),
-    ("ferry_gc_marked_packs", "gauge", "unreferenced packs waiting out the grace period"),
-    ("ferry_retention_errors", "gauge", "errors in the last run (see GET /v1/retention)"),
-    ("ferry_journal_rows", "gauge", "rows in the push journal"),
-)
-
 
 class RetentionRunner:
     def __init__(
@@ -70,8 +56,6 @@ class RetentionRunner:
         self.last: dict[str, Any] | None = None
         self._wake = asyncio.Event()
         self._lock = asyncio.Lock()
-        for name, kind, text in METRICS_HELP:
-            metrics.describe(name, kind, text)
         swept = sweep_evictions(hot_dir)
         if swept:
             log.info("removed %d half-evicted directories", len(swept))

@@ -407,17 +407,7 @@ def create_app(config: AgentConfig, token: str) -> web.Application:
     app[CONFIG] = config
     app[TOKEN] = token
     app[METER] = BandwidthMeter()
-    app[METRICS] = metrics_registry = Metrics()
-    for name, kind, text in (
-        ("ferry_prefetch_started_total", "counter", "prefetches requested"),
-        ("ferry_prefetch_queue_depth", "gauge", "prefetches queued or running"),
-        ("ferry_bandwidth_bytes_per_second", "gauge", "measured bandwidth per source"),
-        ("ferry_bytes_total", "counter", "bytes served to peers"),
-        ("ferry_prefetch_total", "counter", "prefetches by final or current state"),
-        ("ferry_prefetch_seconds_total", "counter", "time spent in finished prefetches"),
-        ("ferry_prefetch_bytes_total", "counter", "bytes prefetched, by source"),
-    ):
-        metrics_registry.describe(name, kind, text)
+    app[METRICS] = Metrics()
     app[PINS] = {}
     app[PART_SIZES] = {}
     app.cleanup_ctx.append(_resources)

@@ -310,3 +310,55 @@ def test_a_symlink_in_a_partly_held_step_dir_is_never_followed(
     assert list(outside.iterdir()) == []
     assert done["state"] == "failed" and "symlink" in done["error"], done
     assert sorted(p.name for p in (hot / "llm").iterdir()) == ["step_000020"]  # no staging
+
+
+def test_an_empty_store_url_never_makes_the_current_directory_a_store(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    src = make_checkpoint(tmp_path / "step_000001")
+    monkeypatch.chdir(tmp_path)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    err = ferry_fails(capsys, "push", str(src), "", "--job", "x", "--node", "n")
+    assert "store URL is empty" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_ls_of_a_directory_that_is_no_store_or_of_an_unknown_job_is_an_error(
+    local_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    plain = tmp_path / "just-a-dir"
+    plain.mkdir()
+    assert "is not a ckpt-ferry store" in ferry_fails(capsys, "ls", str(plain))
+    pushed(local_url, tmp_path, capsys)
+    err = ferry_fails(capsys, "ls", local_url, "--job", "typo")
+    assert "no checkpoint of job 'typo'" in err and "jobs there: j" in err
+    assert ferry(["ls", local_url, "--job", "j"]) == 0
+
+
+def test_cli_errors_about_the_agent_are_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import socket
+
+    token = tmp_path / "token"
+    token.write_text("t0ken")
+    token.chmod(0o600)
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        hot = tmp_path / "hot"
+        hot.mkdir()
+        for key, value in {
+            "FERRY_NODE": "a",
+            "FERRY_HOT_DIR": str(hot),
+            "FERRY_TOKEN_FILE": str(token),
+            "FERRY_LISTEN": f"127.0.0.1:{port}",
+        }.items():
+            monkeypatch.setenv(key, value)
+        err = ferry_fails(capsys, "agent")
+        assert f"cannot listen on 127.0.0.1:{port}" in err and "Traceback" not in err
+        assert list(hot.iterdir()) == []  # nothing started, not even its state dir
+    # the port is free again, so connecting is refused: an agent URL without http:// is
+    # taken as http://, and the refusal is one line
+    err = ferry_fails(capsys, "estimate", f"127.0.0.1:{port}", "--job", "x",
+                      "--token-file", str(token))  # fmt: skip
+    assert f"http://127.0.0.1:{port}" in err and "Traceback" not in err

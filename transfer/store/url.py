@@ -22,6 +22,9 @@ class StoreOptions:
 
 def open_store(url: str, options: StoreOptions | None = None) -> Store:
     options = options or StoreOptions()
+    if not url.strip():
+        # an unset $STORE: never turn the current directory into a store
+        raise ValueError("the store URL is empty (is the variable that should hold it set?)")
     parsed = urlparse(url)
     if parsed.scheme == "s3":
         if not parsed.netloc:
