@@ -488,14 +488,17 @@ def _plan(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
 
 
 def _run_agent(args: argparse.Namespace) -> int:
+    from agent import logs
     from agent.config import ConfigError, example_toml, load_config
     from agent.daemon import serve
 
     if args.print_example_config:
-        print(example_toml())
+        print(example_toml(), end="")
         return 0
+    logs.setup("text")
     try:
-        config = load_config(args.config)
+        config = load_config(args.config, create_token=True)
+        logs.setup(config.log_format)
         token = config.read_token()
         if not token:
             raise ConfigError("set token_file (or FERRY_TOKEN_FILE): the RPC requires a token")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import secrets
 import socket
 import stat
 import tomllib
@@ -115,6 +116,10 @@ class AgentConfig:
     state_dir: Path = Path()
     transfer: TransferSettings = field(default_factory=TransferSettings)
     retention: RetentionSettings | None = None
+    #: agent log lines: "text" or "json" (agent/logs.py)
+    log_format: str = "text"
+    #: where each key set by the operator came from: "file" or "env FERRY_..."
+    sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.state_dir == Path():
@@ -161,6 +166,7 @@ _TOP_KEYS: dict[str, type] = {
     "orphan_upload_seconds": float,
     "quiet_seconds": float,
     "state_dir": str,
+    "log_format": str,
 }
 _TRANSFER_KEYS: dict[str, type] = {
     "chunk_size_mib": int,
@@ -184,9 +190,13 @@ _TIER_POLICY_KEYS = {"keep_last", "keep_every", "max_age", "budget"}
 _TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", list: "a list of strings"}
 
 
-def load_config(path: Path | None, env: Mapping[str, str] = os.environ) -> AgentConfig:
+def load_config(
+    path: Path | None, env: Mapping[str, str] = os.environ, *, create_token: bool = False
+) -> AgentConfig:
     """Read ``path`` (None: environment and defaults only), apply ``FERRY_*`` overrides,
-    validate everything and return the config; raises ConfigError with a one-line reason."""
+    validate everything and return the config; raises ConfigError with a one-line reason.
+    ``create_token``: a token_file that does not exist yet is created with a random token
+    (``ferry agent``: the example config then runs as printed)."""
     raw: dict[str, object] = {}
     if path is not None:
         try:
@@ -201,6 +211,9 @@ def load_config(path: Path | None, env: Mapping[str, str] = os.environ) -> Agent
     transfer_raw = raw.pop("transfer", {})
     if not isinstance(transfer_raw, dict):
         raise ConfigError("transfer: expected a table ([transfer])")
+    sources: dict[str, str] = {}
+    _note_sources(raw, _TOP_KEYS, env, "", ENV_PREFIX, sources)
+    _note_sources(transfer_raw, _TRANSFER_KEYS, env, "transfer.", ENV_PREFIX + "TRANSFER_", sources)
     top = _typed(raw, _TOP_KEYS, env, "", ENV_PREFIX)
     tr = _typed(transfer_raw, _TRANSFER_KEYS, env, "transfer.", ENV_PREFIX + "TRANSFER_")
 
@@ -236,12 +249,62 @@ def load_config(path: Path | None, env: Mapping[str, str] = os.environ) -> Agent
         state_dir=_path("state_dir", top["state_dir"]) if "state_dir" in top else Path(),
         transfer=transfer,
         retention=_retention(retention_raw, env, len(top.get("tiers") or [])),  # type: ignore[arg-type]
+        log_format=_one_of("log_format", top.get("log_format", "text"), ("text", "json")),
+        sources=sources,
     )
     _parse_listen(config.listen)
     if config.token_file is not None:
+        if create_token:
+            _create_token_file(config.token_file)
         config.read_token()  # fail at startup, not on the first request
         _warn_if_shared(config.token_file)
     return config
+
+
+def _note_sources(
+    raw: Mapping[str, object],
+    schema: Mapping[str, type],
+    env: Mapping[str, str],
+    key_prefix: str,
+    env_prefix: str,
+    into: dict[str, str],
+) -> None:
+    """Record where each key set by the operator comes from (the environment wins)."""
+    for key, kind in schema.items():
+        name = env_prefix + key.upper()
+        text = env.get(name)
+        if text is not None and (text != "" or kind is list):
+            into[key_prefix + key] = f"env {name}" + (", over the file's" if key in raw else "")
+        elif key in raw:
+            into[key_prefix + key] = "file"
+
+
+def effective_config(config: AgentConfig) -> list[tuple[str, object, str]]:
+    """(key, value, source) of every top-level and [transfer] key, for the start-up log."""
+    rows: list[tuple[str, object, str]] = []
+    for key in _TOP_KEYS:
+        value = getattr(config, key)
+        if key == "token_file" and value is not None:
+            value = str(value)  # the path, never the token
+        rows.append((key, _plain(value), config.sources.get(key, "default")))
+    for key in _TRANSFER_KEYS:
+        value = getattr(config.transfer, key)
+        rows.append((f"transfer.{key}", value, config.sources.get(f"transfer.{key}", "default")))
+    return rows
+
+
+def _plain(value: object) -> object:
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, tuple):
+        return list(value)
+    return value
+
+
+def _one_of(key: str, value: object, allowed: tuple[str, ...]) -> str:
+    if value not in allowed:
+        raise ConfigError(f"{key}: {value!r} is not one of {', '.join(allowed)}")
+    return str(value)
 
 
 def _typed(
@@ -442,6 +505,18 @@ def _expected_nodes(names: list[str]) -> tuple[str, ...]:
     return nodes
 
 
+def _create_token_file(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    except FileExistsError:
+        return
+    except OSError as exc:
+        raise ConfigError(f"cannot create token_file {path}: {exc.strerror or exc}") from exc
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(secrets.token_urlsafe(32) + "\n")
+    log.warning("created token_file %s with a new random token (give it to the scheduler)", path)
+
+
 def _warn_if_shared(token_file: Path) -> None:
     # Warn rather than refuse: secrets mounted by Kubernetes are often 0644 by default.
     try:
@@ -453,30 +528,35 @@ def _warn_if_shared(token_file: Path) -> None:
 
 
 def example_toml() -> str:
-    """A commented example that ``load_config`` accepts (a test keeps it honest)."""
+    """A commented example that runs as printed (``mkdir -p ckpt/hot ckpt/store`` first) on
+    one node; the production values are in the comments (a test keeps it honest)."""
     return """\
-# ckpt-ferry node agent: `ferry agent --config ferry.toml`.
+# ckpt-ferry node agent: `ferry agent --config ferry.toml`, from this file's directory
+# (relative paths are relative to where the agent starts). As printed it is a one-node
+# setup on this machine: checkpoints under ckpt/hot are pushed to the store ckpt/store.
 # Every key can be overridden by FERRY_<KEY> (e.g. FERRY_HOT_DIR, FERRY_TIERS="a,b";
-# [transfer] keys as FERRY_TRANSFER_<KEY>).
+# [transfer] keys as FERRY_TRANSFER_<KEY>); the agent logs where each value came from.
 
-# This node's name in store keys (default: the host name).
-node = "node-07"
-# Address of the agent's HTTP API (HOST:PORT).
+# This node's name in store keys (default: the host name; name it in containers).
+node = "node-a"
+# Address of the agent's HTTP API (HOST:PORT); in a cluster: "0.0.0.0:7070".
 listen = "127.0.0.1:7070"
-# Bearer token for the API, read from this file (keep it chmod 600).
-# token_file = "/etc/ferry/token"
-# Training writes checkpoints to <hot_dir>/<job>/<step dir>/ (required).
-hot_dir = "/nvme/ckpt"
+# Bearer token for the API, read from this file; created (random, mode 600) when missing.
+token_file = "ferry.token"
+# Training writes checkpoints to <hot_dir>/<job>/<step dir>/ (required). e.g. "/nvme/ckpt"
+hot_dir = "ckpt/hot"
 # A step directory is complete once this file exists (PyTorch DCP writes it last).
 commit_marker = ".metadata"
 # Stores to copy checkpoints to, hottest first: paths, file:// or s3://bucket/prefix.
-tiers = ["/mnt/nfs/ckpt", "s3://bucket/ckpt"]
-# Other nodes' agents, for peer-to-peer restore.
-peers = ["http://10.0.0.2:7070"]
+# e.g. ["/mnt/nfs/ckpt", "s3://bucket/ckpt"]
+tiers = ["ckpt/store"]
+# Other nodes' agents, for peer-to-peer restore. e.g. ["http://10.0.0.2:7070"]
+peers = []
 # Nodes whose parts make up a complete step (empty: a single-node job).
-expected_nodes = ["node-07", "node-08"]
-# S3 endpoint (default: $AWS_ENDPOINT_URL).
-endpoint_url = "http://127.0.0.1:9000"
+# e.g. ["node-07", "node-08"]
+expected_nodes = []
+# S3 endpoint (default: $AWS_ENDPOINT_URL). e.g. "http://127.0.0.1:9000"
+# endpoint_url = "http://127.0.0.1:9000"
 # Largest accepted API request body.
 max_body_bytes = 1048576
 # Prefetches (scheduler-requested pulls) running at once.
@@ -488,8 +568,10 @@ orphan_upload_seconds = 3600.0
 # A committed step is pushed once none of its files changed for this long (a commit marker
 # copied in before the shards, by cp -r or rsync, does not make a torn step durable).
 quiet_seconds = 2.0
-# Agent state (default: <hot_dir>/.ferry).
-state_dir = "/nvme/ckpt/.ferry"
+# Agent state (default: <hot_dir>/.ferry). e.g. "/nvme/ckpt/.ferry"
+# state_dir = "ckpt/hot/.ferry"
+# Log lines: "text", or "json" for a log shipper.
+log_format = "text"
 
 [transfer]
 chunk_size_mib = 4
@@ -508,15 +590,12 @@ interval_seconds = 600
 grace_seconds = 3600        # unreferenced packs wait this long; must exceed a push
 deep_verify = false         # re-hash a step in the next tier before it leaves this one
 hot_keep_last = 2           # committed steps kept per job in hot_dir (at least 2)
-hot_budget = "800GB"        # evict older steps (already in a colder tier) beyond this
-hot_min_free = "100GB"      # ... and while the hot filesystem has less free than this
+# hot_budget = "800GB"      # evict older steps (already in a colder tier) beyond this
+# hot_min_free = "100GB"    # ... and while the hot filesystem has less free than this
 
-[[retention.tiers]]         # policy of tiers[0]
-keep_last = 3
-
-[[retention.tiers]]         # policy of tiers[1]
+[[retention.tiers]]         # policy of tiers[0]; one table per tier, in order
 keep_last = 20
 keep_every = 1000           # milestones: every step divisible by 1000
 max_age = "90d"
-budget = "20TiB"
+# budget = "20TiB"
 """

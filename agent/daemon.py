@@ -10,7 +10,8 @@ import socket
 
 from aiohttp import web
 
-from agent.config import AgentConfig
+from agent.config import AgentConfig, effective_config
+from agent.logs import event
 from agent.rpc import create_app
 from transfer.errors import FerryError
 
@@ -37,7 +38,9 @@ async def serve(config: AgentConfig, token: str, ready: asyncio.Event | None = N
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    log.info("ferry agent %s listening on %s:%s", config.node, host, port)
+    for key, value, source in effective_config(config):
+        event(log, "config", key=key, value=value, source=source)
+    event(log, "listening", node=config.node, address=f"http://{host}:{port}")
     print(f"ferry agent {config.node} listening on http://{host}:{port}", flush=True)
     if ready is not None:
         ready.set()

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from agent.holdings import LocalCheckpoint, local_checkpoints
 from agent.journal import Journal
+from agent.logs import event
 from transfer.engine import list_checkpoints
 from transfer.engine.catalog import load_manifest
 from transfer.engine.scan import scan_checkpoint
@@ -161,7 +162,8 @@ async def apply_hot(plan: HotPlan, journal: Journal, protected: Collection[Key])
             continue
         journal.forget(s.job, s.step)
         plan.evicted.append(s.path)
-        log.info("evicted %s (%d bytes): %s", s.path, s.bytes, s.reason)
+        event(log, "hot_evicted", job=s.job, step=s.step, path=s.path, bytes=s.bytes,
+              reason=s.reason)  # fmt: skip
     return plan
 
 

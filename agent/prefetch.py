@@ -24,6 +24,7 @@ from typing import Any
 from agent.drain import drain_tasks
 from agent.holdings import local_checkpoints, step_dir_name
 from agent.holds import StepHolds
+from agent.logs import event
 from agent.pushqueue import latest_complete_step
 from transfer.engine import TransferOptions, pull, resolve_manifests
 from transfer.engine.estimate import BandwidthMeter
@@ -197,6 +198,13 @@ class Prefetcher:
             record.state, record.error = State.FAILED, " ".join(str(exc).split())
         finally:
             record.finished = time.time()
+            event(log, "prefetch", level=logging.INFO if record.state is State.READY
+                  else logging.WARNING, id=record.id, job=record.job, step=record.step,
+                  outcome=record.state.value,
+                  seconds=round(record.finished - (record.started or record.finished), 3),
+                  bytes=sum(record.bytes_by_source.values()),
+                  **{f"bytes_{k}": v for k, v in record.bytes_by_source.items()},
+                  error=record.error)  # fmt: skip
         if record.state is State.READY:  # flush it once the scheduler has its answer
             await asyncio.to_thread(self._settle, record)
 
@@ -209,7 +217,8 @@ class Prefetcher:
     async def _fetch(self, record: PrefetchJob) -> None:
         """Tiers in order: one that lacks the checkpoint, or fails while serving it (store
         error, corrupt chunk), hands over to the next."""
-        errors = []
+        errors: list[str] = []
+        missing: list[bool] = []  # per tier: it just did not hold the checkpoint
         requested = record.step
         for name, store in self.tiers:
             try:
@@ -225,8 +234,9 @@ class Prefetcher:
                 return
             except (CheckpointNotFoundError, StoreError, IntegrityError) as exc:
                 errors.append(f"{name}: {' '.join(str(exc).split())}")
+                missing.append(isinstance(exc, CheckpointNotFoundError))
                 record.bytes_done = 0
-        if all("no committed checkpoint" in e or "holds no checkpoints" in e for e in errors):
+        if all(missing):  # (errors decide, never their text)
             raise CheckpointNotFoundError("; ".join(errors) or "no tiers configured")
         raise FerryError("; ".join(errors))
 

@@ -32,7 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from agent.config import AgentConfig
-from agent.journal import Journal
+from agent.journal import DURABLE, Journal
+from agent.logs import event
 from agent.metrics import Metrics
 from transfer.engine import TransferOptions, list_checkpoints, push
 from transfer.engine.scan import scan_checkpoint
@@ -190,10 +191,14 @@ class PushQueue:
         self.journal.record_restored(job, step)
 
     def states(self) -> list[dict[str, Any]]:
-        """The journal's rows, with ``pushing`` set on the tier being pushed right now."""
+        """The journal's rows, with ``pushing`` set on the tier being pushed right now and
+        ``will_retry`` on rows that are not durable yet but will be tried again (a ``failed``
+        row without it has used up its attempts)."""
         rows = self.journal.states()
         for row in rows:
             row["pushing"] = (row["job"], row["step"], row["tier"]) == self._current
+            queued = (row["job"], row["step"]) in self._queued
+            row["will_retry"] = queued and row["state"] != DURABLE and not row["pushing"]
         return rows
 
     def publish(self, metrics: Metrics) -> None:
@@ -275,7 +280,9 @@ class PushQueue:
                 return
             except Exception as exc:  # every failure must reach the journal, whatever its type
                 error = " ".join(str(exc).split()) or type(exc).__name__
-                log.warning("push of %s step %s to %s failed: %s", *key, name, error)
+                event(log, "push", level=logging.WARNING, job=item.job, step=item.step,
+                      tier=name, outcome="failed", attempt=item.attempt,
+                      attempts=self.max_attempts, error=error)  # fmt: skip
                 self.journal.record_failed(item.job, item.step, name, error)
                 self.stats.tiers[name].pushes_failed += 1
                 failed = True
@@ -283,6 +290,9 @@ class PushQueue:
             finally:
                 self._current = None
             self.journal.record_durable(item.job, item.step, name, result.to_dict())
+            event(log, "push", job=item.job, step=item.step, tier=name, outcome="durable",
+                  bytes_raw=result.bytes_raw, bytes_written=result.bytes_transferred,
+                  seconds=round(result.seconds, 3), base_step=result.base_step)  # fmt: skip
             tier = self.stats.tiers[name]
             tier.pushes_ok += 1
             tier.bytes_transferred += result.bytes_transferred
@@ -325,7 +335,7 @@ class PushQueue:
         """The checkpoint is still being written: note why, try again later. Not a failed
         attempt (a slow copy into the hot dir must not use up the retries)."""
         reason = " ".join(str(exc).split()) or type(exc).__name__
-        log.info("push of %s step %s waits: %s", item.job, item.step, reason)
+        event(log, "push", job=item.job, step=item.step, outcome="waiting", reason=reason)
         if not isinstance(exc, _NotQuiet):
             item.seen = None  # it changed under the push: watch it settle from scratch
         for name, _ in self.tiers:
@@ -360,7 +370,9 @@ class PushQueue:
         except AlreadyExistsError:
             return False  # another node saw the same and wrote it first
         self.stats.completions_written += 1
-        log.info("%s step %s is complete in %s (nodes %s)", job, step, store.url, doc["nodes"])
+        event(
+            log, "step_complete", job=job, step=step, tier=store.url, nodes=",".join(sorted(nodes))
+        )
         return True
 
 

@@ -20,6 +20,7 @@ from agent.config import RetentionSettings
 from agent.holds import Key, StepHolds
 from agent.hotretention import apply_hot, plan_hot, sweep_evictions
 from agent.journal import Journal
+from agent.logs import event
 from agent.metrics import Metrics
 from transfer.errors import FerryError
 from transfer.retention import Tier, apply_plan, make_plan
@@ -144,6 +145,12 @@ class RetentionRunner:
         m.inc("ferry_hot_evicted_total", len(hot.evicted))
         m.set("ferry_journal_rows", self.journal.row_count())
         for t in plan.tiers if plan else []:
+            for a in t.done:
+                event(log, "tier_" + a.action, tier=t.url, job=a.job, step=a.step,
+                      reason=a.reason)  # fmt: skip
+            if t.gc is not None and t.gc.deleted_packs:
+                event(log, "gc", tier=t.url, packs_deleted=len(t.gc.deleted_packs),
+                      bytes_freed=t.gc.freed_bytes)  # fmt: skip
             freed = t.gc.freed_bytes if t.gc else 0  # manifests are noise next to packs
             m.set("ferry_tier_bytes", t.bytes_before - freed, tier=t.url)
             m.inc("ferry_retention_expired_total", len(t.done), tier=t.url)

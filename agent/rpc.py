@@ -23,6 +23,7 @@ from agent.config import AgentConfig
 from agent.drain import drain_tasks
 from agent.holdings import local_checkpoints
 from agent.holds import StepHolds
+from agent.logs import event
 from agent.metrics import Metrics
 from agent.peers import HotIndex, PeerSource, read_verified
 from agent.prefetch import FINAL, Prefetcher, State
@@ -461,7 +462,7 @@ async def _resources(app: web.Application):  # type: ignore[no-untyped-def]
                 log.warning("could not check %s for orphaned uploads: %s", name, exc)
                 continue
             if aborted:
-                log.info("aborted %d orphaned pack uploads in %s", aborted, name)
+                event(log, "orphan_uploads_aborted", tier=name, uploads=aborted)
     await queue.start()
     stop = asyncio.Event()
     background = [

@@ -265,18 +265,50 @@ def test_ferry_agent_process_serves_and_stops_on_sigterm(
             proc.wait()
 
 
-def test_printed_example_config_loads(tmp_path: Path) -> None:
-    out = subprocess.run(
-        [sys.executable, "-m", "agent", "agent", "--print-example-config"],
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    path = tmp_path / "ferry.toml"
-    path.write_text(out.stdout)
-    (tmp_path / "token").write_text("t")
-    config = load_config(path, {"FERRY_TOKEN_FILE": str(tmp_path / "token")})
-    assert config.hot_dir.is_absolute() and config.listen_port > 0
+def test_the_printed_example_config_runs_as_printed(tmp_path: Path) -> None:
+    """The README's agent quick start, in a fresh directory: print the example, make its
+    two directories, start the agent; it creates its token, pushes a committed step from
+    ckpt/hot to ckpt/store, and logs where each config value came from."""
+    ferry_cmd = [sys.executable, "-m", "agent"]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    printed = subprocess.run(
+        [*ferry_cmd, "agent", "--print-example-config"],
+        capture_output=True, text=True, check=True, cwd=tmp_path, env=env,
+    )  # fmt: skip
+    (tmp_path / "ferry.toml").write_text(printed.stdout)
+    (tmp_path / "ckpt" / "hot").mkdir(parents=True)
+    (tmp_path / "ckpt" / "store").mkdir()
+    port = free_port()  # the one value changed: 7070 may be taken on a shared machine
+    proc = subprocess.Popen(
+        [*ferry_cmd, "agent", "--config", "ferry.toml"],
+        cwd=tmp_path, env={**env, "FERRY_LISTEN": f"127.0.0.1:{port}"},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        token = tmp_path / "ferry.token"
+        step = tmp_path / "ckpt" / "hot" / "quick" / "step_000001"
+        step.mkdir(parents=True)
+        (step / "__0_0.distcp").write_bytes(b"x" * 5000)
+        (step / ".metadata").write_bytes(b"meta")  # last, as DCP does
+        deadline = time.monotonic() + 60
+        pushed = False
+        while not pushed and time.monotonic() < deadline:
+            time.sleep(0.5)
+            listed = subprocess.run(
+                [*ferry_cmd, "ls", str(tmp_path / "ckpt" / "store"), "--json"],
+                capture_output=True, text=True, env=env,
+            )  # fmt: skip
+            pushed = listed.returncode == 0 and '"quick"' in listed.stdout
+        assert pushed, "the quick start never pushed its step"
+        assert token.stat().st_mode & 0o777 == 0o600 and len(token.read_text().strip()) >= 32
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert "created token_file ferry.token" in err
+    assert f'config key=listen value=127.0.0.1:{port} source="env FERRY_LISTEN' in err
+    assert "config key=hot_dir value=ckpt/hot source=file" in err
+    assert "push job=quick step=1 tier=ckpt/store outcome=durable" in err
 
 
 def test_plan_finds_youngs_interval(capsys: pytest.CaptureFixture[str]) -> None:

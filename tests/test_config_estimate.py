@@ -14,6 +14,7 @@ from agent.config import (
     ConfigError,
     RetentionSettings,
     TransferSettings,
+    effective_config,
     example_toml,
     load_config,
 )
@@ -40,23 +41,29 @@ def write(tmp_path: Path, text: str) -> Path:
 # --- config ---------------------------------------------------------------------------
 
 
-def test_example_toml_loads_with_its_values(tmp_path: Path) -> None:
+def test_example_toml_loads_with_its_values(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)  # its paths are relative to where the agent starts
+    (tmp_path / "ferry.token").write_text("t0ken")
     config = load_config(write(tmp_path, example_toml()), env={})
-    assert config.node == "node-07"
+    assert config.node == "node-a"
     assert (config.listen_host, config.listen_port) == ("127.0.0.1", 7070)
-    assert config.hot_dir == Path("/nvme/ckpt")
-    assert config.tiers == ("/mnt/nfs/ckpt", "s3://bucket/ckpt")
-    assert config.peers == ("http://10.0.0.2:7070",)
-    assert config.expected_nodes == ("node-07", "node-08")
-    assert config.endpoint_url == "http://127.0.0.1:9000"
-    assert config.state_dir == Path("/nvme/ckpt/.ferry")
+    assert config.token_file == Path("ferry.token")
+    assert config.hot_dir == Path("ckpt/hot")
+    assert config.tiers == ("ckpt/store",)
+    assert config.peers == () and config.expected_nodes == ()  # one node, as printed
+    assert config.endpoint_url is None
+    assert config.state_dir == Path("ckpt/hot/.ferry")
+    assert config.quiet_seconds == 2.0 and config.log_format == "text"
     assert config.transfer.workers == 8
+    assert config.retention is not None and config.retention.tier_policy(0).keep_last == 20
 
 
 def test_example_toml_documents_every_key() -> None:
     text = example_toml()
     for f in [*fields(AgentConfig), *fields(TransferSettings)]:
-        if f.name not in ("transfer", "retention"):  # tables
+        if f.name not in ("transfer", "retention", "sources"):  # tables; provenance
             assert f"\n{f.name} =" in text or f"\n# {f.name} =" in text, f.name
     assert "\n[retention]\n" in text and "\n[[retention.tiers]]" in text
     for f in fields(RetentionSettings):
@@ -65,7 +72,7 @@ def test_example_toml_documents_every_key() -> None:
             "hot_min_free_bytes": "hot_min_free",
             "tiers": "[[retention.tiers]]",
         }.get(f.name, f.name)
-        assert f"\n{key}" in text, key
+        assert f"\n{key}" in text or f"\n# {key}" in text, key
 
 
 def test_retention_table_is_validated(tmp_path: Path) -> None:
@@ -106,8 +113,16 @@ def test_env_overrides_file(tmp_path: Path) -> None:
         "FERRY_PEERS": "",  # an empty list variable clears the file's list
         "FERRY_DRAIN_SECONDS": "5",
         "FERRY_TRANSFER_WINDOW": "4",
+        "FERRY_TOKEN_FILE": str(tmp_path / "token"),
     }
+    (tmp_path / "token").write_text("t0ken")
     config = load_config(write(tmp_path, example_toml()), env=env)
+    assert config.sources["node"] == "env FERRY_NODE, over the file's"
+    assert config.sources["commit_marker"] == "file"
+    assert config.sources["transfer.window"] == "env FERRY_TRANSFER_WINDOW, over the file's"
+    effective = {key: (value, source) for key, value, source in effective_config(config)}
+    assert effective["node"] == ("node-09", "env FERRY_NODE, over the file's")
+    assert effective["endpoint_url"] == (None, "default")
     assert config.node == "node-09"
     assert config.listen_port == 8080
     assert config.hot_dir == Path("/other")
