@@ -7,7 +7,8 @@ node-a's agent notices each one and pushes it (deduplicated and delta-coded) in 
 background. Then a scheduler, about to scale down onto node-b, asks node-b for a migration
 estimate and prefetches the latest checkpoint there; the estimate is printed next to the
 measured time, and the copy is checked byte for byte. A second round shows a node that holds
-the previous checkpoint fetching only the delta.
+the previous checkpoint reusing its unchanged chunks locally; the rest it moves is printed by
+source (a peer serves whole chunks, not deltas, so it can be more than the push wrote).
 """
 
 from __future__ import annotations

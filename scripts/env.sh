@@ -8,4 +8,11 @@ fi
 # shellcheck disable=SC1091
 . .venv/bin/activate
 extras="${1:-}"
-pip install --quiet --disable-pip-version-check -e ".${extras:+[$extras]}"
+# Install only when what the install depends on changed (it takes ~15 s, the C extension
+# included): one stamp per extras holds a digest of pyproject.toml and the extension source.
+stamp=".venv/.ferry-install-stamp${extras:+-$extras}"
+want="$(cat pyproject.toml transfer/codec/_planes.c | sha256sum | cut -c1-16)"
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+  pip install --quiet --disable-pip-version-check -e ".${extras:+[$extras]}"
+  echo "$want" > "$stamp"
+fi
