@@ -115,13 +115,16 @@ class Agent:
                 self.proc.kill()
                 self.proc.wait(5)
 
-    def wait_pushes_settled(self, within: float = 300.0) -> None:
-        """Let the watcher finish pushing what appeared in the hot dir (it would otherwise
-        compete with the measured prefetch)."""
+    def wait_pushes_settled(self, job: str, step: int, within: float = 300.0) -> None:
+        """Let the watcher see (job, step), which just appeared in the hot dir, and finish
+        pushing it: it would otherwise compete with the measured prefetch. (Waiting only
+        for "no row still pending" returned before the watcher had even seen the step, and
+        the agent waits ``quiet_seconds`` before a push: the push ran during the prefetch.)"""
         deadline = time.monotonic() + within
         while time.monotonic() < deadline:
             rows = self.call("GET", "/v1/pushes")["pushes"]
-            if all(r["state"] in ("durable", "failed") for r in rows):
+            seen = any((r["job"], r["step"]) == (job, step) for r in rows)
+            if seen and all(r["state"] in ("durable", "failed") for r in rows):
                 return
             time.sleep(0.1)
         raise SystemExit(f"agent {self.name}: pushes still running after {within}s")

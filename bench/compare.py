@@ -306,8 +306,9 @@ class Run:
         data.link_tree(k, b.hot / job / base)
         data.link_tree(k, c.hot / job / base)
         data.link_tree(k1, a.hot / job / nxt)
-        for agent in (a, b, c):  # their watchers push what appeared (all deduplicated)
-            agent.wait_pushes_settled()
+        # their watchers push what appeared (all deduplicated)
+        for agent, step in ((a, NEXT_STEP), (b, BASE_STEP), (c, BASE_STEP)):
+            agent.wait_pushes_settled(job, step)
         for agent, scenario in ((b, PREFETCH), (c, P2P)):
             s = self.prefetch(label, scenario, rnd, agent, job)
             check_same(digest_k1, agent.hot / job / nxt, f"prefetch on {agent.name}")
