@@ -161,6 +161,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="print the plan; change nothing")
     _add_store_args(p)
 
+    for name, text in (
+        ("pin", "keep a step in a store: no retention deletes it until the pin expires"),
+        ("unpin", "remove a pin set with `ferry pin` (or by an agent, with its --holder)"),
+    ):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("store_url")
+        p.add_argument("--job", required=True)
+        p.add_argument("--step", type=int, required=True)
+        p.add_argument(
+            "--holder",
+            default=None,
+            help="whose pin (default: cli-<host name>); each holder's pin is its own",
+        )
+        if name == "pin":
+            p.add_argument(
+                "--ttl", type=_duration, default=7 * 86400.0, help="how long (default and most: 7d)"
+            )
+        _add_store_args(p)
+
     p = sub.add_parser("verify", help="re-hash every stored chunk; exit 1 naming bad ones")
     p.add_argument("store_url")
     p.add_argument("--job")
@@ -310,6 +329,32 @@ async def _cmd_ls(store: Store, args: argparse.Namespace) -> tuple[dict[str, Any
     return {"store": store.url, "checkpoints": rows}, "\n".join(table)
 
 
+async def _cmd_pin(store: Store, args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    """``ferry pin`` / ``ferry unpin``: the same pins agents and retention use."""
+    from datetime import UTC, datetime
+
+    from transfer.engine.catalog import list_checkpoints, open_catalog
+    from transfer.errors import CheckpointNotFoundError
+    from transfer.retention.pins import pin, unpin
+
+    check_name("job", args.job)
+    holder = check_name("holder", args.holder or f"cli-{_default_node()}")
+    what = f"{args.job} step {args.step}"
+    if args.command == "unpin":
+        await unpin(store, args.job, args.step, holder)
+        return {"job": args.job, "step": args.step, "holder": holder, "pinned": False}, (
+            f"unpinned {what} in {store.url} (holder {holder})"
+        )
+    if not await open_catalog(store, create=False) or not any(
+        c.step == args.step for c in await list_checkpoints(store, args.job)
+    ):
+        raise CheckpointNotFoundError(f"no committed checkpoint {what} in {store.url}")
+    expires = await pin(store, args.job, args.step, holder, args.ttl)
+    until = datetime.fromtimestamp(expires, UTC).isoformat(timespec="seconds")
+    doc = {"job": args.job, "step": args.step, "holder": holder, "pinned": True}
+    return doc | {"expires_at": expires}, f"pinned {what} in {store.url} until {until} ({holder})"
+
+
 async def _cmd_verify(store: Store, args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     from transfer.engine import verify
 
@@ -417,6 +462,8 @@ def _parse_step(value: str) -> int:
 
 _COMMANDS: dict[str, Callable[[Store, argparse.Namespace], Awaitable[tuple[dict[str, Any], str]]]]
 _COMMANDS = {
+    "pin": _cmd_pin,
+    "unpin": _cmd_pin,
     "push": _cmd_push,
     "pull": _cmd_pull,
     "ls": _cmd_ls,

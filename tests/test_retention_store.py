@@ -389,3 +389,26 @@ def test_cli_plans_applies_and_reports_errors(
     with pytest.raises(SystemExit) as usage:
         ferry(["retention", local_url, "--max-age", "soon"])
     assert usage.value.code == 2
+
+
+def test_ferry_pin_keeps_a_step_from_retention_until_unpinned(
+    local_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Pinning needs no running agent (issue 13): the CLI writes the same pin objects."""
+    from agent.cli import main as ferry
+
+    store = open_test_store(local_url)
+    run(_push_steps(store, tmp_path, {1: 1, 2: 2, 3: 3}))
+    where = [local_url, "--job", JOB]
+    assert ferry(["pin", *where, "--step", "1", "--ttl", "1d", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["pinned"] and doc["holder"].startswith("cli-")
+    assert 86000 < doc["expires_at"] - time.time() <= 86400
+    assert ferry(["retention", local_url, "--keep-last", "1", "--grace", "0"]) == 0
+    assert run(_steps(store)) == [1, 3]  # 2 expired, the pinned 1 kept
+    assert ferry(["unpin", *where, "--step", "1"]) == 0
+    assert ferry(["retention", local_url, "--keep-last", "1", "--grace", "0"]) == 0
+    assert run(_steps(store)) == [3]
+    capsys.readouterr()
+    assert ferry(["pin", *where, "--step", "2"]) == 1  # expired: nothing to pin
+    assert "no committed checkpoint" in capsys.readouterr().err
