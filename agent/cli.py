@@ -227,6 +227,8 @@ async def _cmd_push(store: Store, args: argparse.Namespace) -> tuple[dict[str, A
     if step is None:
         raise _UsageError(f"cannot tell the step from {args.ckpt_dir.name!r}: pass --step")
     node = args.node or _default_node()
+    if not args.node and not os.environ.get("FERRY_NODE"):
+        await _warn_if_new_part(store, args.job, step, node)
     # a push killed half way and run again reuses the packs it had made durable
     log = PushLog.for_push(default_state_dir(), store.url, args.job, step, node, args.ckpt_dir)
     r = await push(
@@ -254,6 +256,23 @@ async def _cmd_push(store: Store, args: argparse.Namespace) -> tuple[dict[str, A
         + f") in {r.seconds:.2f}s, {rate:,.0f} MB/s{note}"
     )
     return r.to_dict(), line
+
+
+async def _warn_if_new_part(store: Store, job: str, step: int, node: str) -> None:
+    """The node name defaulted to the host name, and the step already has other nodes'
+    parts: in a container every run is a new host, so say what is about to happen."""
+    from transfer.engine.catalog import list_checkpoints, open_catalog
+
+    if not await open_catalog(store, create=False):
+        return
+    nodes = sorted({c.node for c in await list_checkpoints(store, job) if c.step == step})
+    if nodes and node not in nodes:
+        print(
+            f"ferry push: note: {job} step {step} already has parts from node(s) "
+            f"{', '.join(nodes)}; this push adds one as node {node!r} (the host name, used "
+            "when neither --node nor FERRY_NODE is set)",
+            file=sys.stderr,
+        )
 
 
 async def _cmd_pull(store: Store, args: argparse.Namespace) -> tuple[dict[str, Any], str]:

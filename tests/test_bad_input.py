@@ -362,3 +362,41 @@ def test_cli_errors_about_the_agent_are_one_line(
     err = ferry_fails(capsys, "estimate", f"127.0.0.1:{port}", "--job", "x",
                       "--token-file", str(token))  # fmt: skip
     assert f"http://127.0.0.1:{port}" in err and "Traceback" not in err
+
+
+def test_other_content_for_a_step_under_another_node_is_refused(
+    local_url: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two parts of one step must merge: other bytes for the same file under a second node
+    name would commit a step no pull can restore. Same bytes (a replicated .metadata, or
+    the same save again under another name) still merge and pull."""
+    monkeypatch.delenv("FERRY_NODE", raising=False)
+    src = pushed(local_url, tmp_path, capsys)  # job j, node n
+    before = store_objects(local_url)
+    other = tmp_path / "other" / "step_000007"
+    shutil.copytree(src, other)
+    shard = other / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[::-1])  # same size, other bytes
+    err = ferry_fails(capsys, "push", str(other), local_url, "--job", "j", "--node", "m", *SMALL)
+    assert "would make it unrestorable: __0_0.distcp differs from node n's" in err
+    assert [c.node for c in asyncio.run(_checkpoints(local_url))] == ["n"]
+    assert store_objects(local_url) == before  # its packs were deleted, nothing committed
+    # the same bytes under a second name: allowed, said out loud when the name defaulted
+    assert ferry(["push", str(src), local_url, "--job", "j", *SMALL]) == 0
+    assert "already has parts from node(s) n" in capsys.readouterr().err
+    dest = tmp_path / "restored"
+    assert ferry(["pull", local_url, str(dest), "--job", "j", "--step", "7"]) == 0
+    assert tree_bytes(dest) == tree_bytes(src)
+
+
+async def _checkpoints(url: str) -> list:  # type: ignore[type-arg]
+    from transfer.engine.catalog import list_checkpoints
+
+    store = open_test_store(url)
+    try:
+        return await list_checkpoints(store, "j")
+    finally:
+        await store.close()

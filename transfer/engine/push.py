@@ -26,7 +26,7 @@ from transfer.codec import encode, needs_base
 from transfer.codec.transforms import Buffer
 from transfer.engine import dcp
 from transfer.engine.base import BasePlan, choose_base
-from transfer.engine.catalog import load_manifest, open_catalog
+from transfer.engine.catalog import list_checkpoints, load_manifest, open_catalog
 from transfer.engine.chunkindex import ChunkIndex, StoredChunk, build_refs
 from transfer.engine.errors import first_error
 from transfer.engine.options import TransferOptions
@@ -98,6 +98,9 @@ async def push(
     # a save whose commit marker names files not (fully) there yet is never pushed
     await asyncio.to_thread(dcp.check_complete, ckpt_dir, {f.path: f.size for f in sources})
     await open_catalog(store, create=True)
+    others = await _other_parts(store, job, step, node)
+    if (why := _clash(sources, others)) is not None:
+        raise _clash_error(job, step, node, why)
     index = await ChunkIndex.load(store, job, options.dedupe_steps)
     base = None
     if options.delta and not full:
@@ -137,6 +140,9 @@ async def push(
         files=files,
         bases=base_refs,
     )
+    if (why := _clash(manifest, others)) is not None:
+        await run.writer_abort()  # nobody will reference what we wrote
+        raise _clash_error(job, step, node, why)
     blob = manifest.to_json()
     await _check_reused_packs(store, set(pack_ids) - set(run.new_packs), run)
     already = False
@@ -343,6 +349,45 @@ class _Tag(NamedTuple):
     size: int
     enc: str
     base: str | None
+
+
+async def _other_parts(store: Store, job: str, step: int, node: str) -> list[Manifest]:
+    return [
+        await load_manifest(store, job, step, c.node)
+        for c in await list_checkpoints(store, job)
+        if c.step == step and c.node != node
+    ]
+
+
+def _clash(ours: Manifest | list[SourceFile], others: list[Manifest]) -> str | None:
+    """Why the parts of one step (one per node) would not merge into one checkpoint, or
+    None. Two parts may hold the same file only with the same bytes (a replicated
+    .metadata); the usual cause is the same checkpoint pushed again under another node name
+    (the host name is the default). By size first (before reading), by chunk ids once known."""
+    for other in others:
+        theirs = {f.path: f for f in other.files}
+        if isinstance(ours, Manifest):
+            for f in ours.files:
+                t = theirs.get(f.path)
+                if t is not None and (t.mode, [c.id for c in t.chunks]) != (
+                    f.mode,
+                    [c.id for c in f.chunks],
+                ):
+                    return f"{f.path} differs from node {other.node}'s"
+        else:
+            for src in ours:
+                t = theirs.get(src.path)
+                if t is not None and t.size != src.size:
+                    return f"{src.path} differs from node {other.node}'s"
+    return None
+
+
+def _clash_error(job: str, step: int, node: str, why: str) -> FerryError:
+    return FerryError(
+        f"{job} step {step} already has another node's part and this push as node {node} "
+        f"would make it unrestorable: {why} (the same checkpoint under another node name? "
+        "pass --node with the name it was pushed as)"
+    )
 
 
 async def _check_reused_packs(store: Store, pack_ids: set[str], run: _PushRun) -> None:
