@@ -224,10 +224,18 @@ async def get_pushes(request: web.Request) -> web.Response:
 async def get_checkpoints(request: web.Request) -> web.Response:
     config = request.app[CONFIG]
     jobs: dict[str, dict[int, dict[str, Any]]] = {}
+    unreachable: dict[str, str] = {}
+    readable: list[tuple[str, Store]] = []
     for name, store in request.app[TIERS]:
-        if not await open_catalog(store, create=False):
+        try:  # one tier that is down must not hide what the others hold
+            listed = (
+                await list_checkpoints(store) if await open_catalog(store, create=False) else []
+            )
+        except StoreError as exc:
+            unreachable[name] = " ".join(str(exc).split())
             continue
-        for c in await list_checkpoints(store):
+        readable.append((name, store))
+        for c in listed:
             entry = jobs.setdefault(c.job, {}).setdefault(
                 c.step,
                 {"step": c.step, "tiers": [], "nodes": [], "bytes": 0, "local": False},
@@ -246,7 +254,7 @@ async def get_checkpoints(request: web.Request) -> web.Response:
             # manifests: a node may still be uploading a part nobody has listed yet)
             entry["complete"] = any(
                 [await is_complete(store, job, entry["step"], config.expected_nodes)
-                 for name, store in request.app[TIERS] if name in entry["tiers"]]
+                 for name, store in readable if name in entry["tiers"]]
             )  # fmt: skip
             entry["pinned"] = _pinned(request.app, job, entry["step"])
             entry["pushes"] = {  # this node's background pushes: staged/durable/failed
@@ -254,8 +262,13 @@ async def get_checkpoints(request: web.Request) -> web.Response:
                 for row in request.app[PUSHQUEUE].states()
                 if row["job"] == job and row["step"] == entry["step"]
             }
+    if unreachable and not readable:
+        raise StoreError("; ".join(f"{n}: {e}" for n, e in unreachable.items()))
     listing = {job: sorted(steps.values(), key=lambda e: e["step"]) for job, steps in jobs.items()}
-    return web.json_response({"jobs": listing})
+    doc: dict[str, Any] = {"jobs": listing}
+    if unreachable:
+        doc["unreachable_tiers"] = unreachable
+    return web.json_response(doc)
 
 
 async def _part_size(app: web.Application, tier: str, store: Store, c: CheckpointInfo) -> int:
@@ -279,15 +292,19 @@ async def get_estimate(request: web.Request) -> web.Response:
     if not 0 <= gpus <= 1_000_000 or not (math.isfinite(price) and 0 <= price <= 1e6):
         raise ValueError("gpus must be in 0..1000000 and gpu_hour_price a price in 0..1e6")
     config = request.app[CONFIG]
+    unreachable: list[str] = []
     for name, store in request.app[TIERS]:
         try:
             wanted = step
             if wanted is None and config.expected_nodes:
                 wanted = await latest_complete_step(store, job, config.expected_nodes)
             manifests = await resolve_manifests(store, job, wanted)
+            held_ids = await _held_chunk_ids(request.app, store, job, manifests[0].step)
         except CheckpointNotFoundError:
             continue
-        held_ids = await _held_chunk_ids(request.app, store, job, manifests[0].step)
+        except StoreError as exc:  # the next tier may answer (as a prefetch would use it)
+            unreachable.append(f"{name}: {' '.join(str(exc).split())}")
+            continue
         needed: dict[str, int] = {}
         total = 0
         for m in manifests:
@@ -308,6 +325,10 @@ async def get_estimate(request: web.Request) -> web.Response:
         doc.update(job=job, step=manifests[0].step, node=config.node, source=f"tier:{name}")
         return web.json_response(doc)
     which = "latest" if step is None else str(step)
+    if unreachable:
+        raise StoreError(
+            f"no reachable tier holds job {job!r} step {which}; " + "; ".join(unreachable)
+        )
     raise CheckpointNotFoundError(f"no tier holds job {job!r} step {which}")
 
 

@@ -560,3 +560,33 @@ def test_a_node_holding_its_own_part_gets_the_other_parts_added(
         assert sorted(p.name for p in (hot / "llm").iterdir()) == ["step_000020"]
 
     asyncio.run(go())
+
+
+def test_one_unreachable_tier_does_not_hide_the_others(local_url: str, tmp_path: Path) -> None:
+    """tiers = [a missing mount, a good store]: listing and estimates answer from the good
+    one (a prefetch would use it too) and name the bad one; with no good tier left, 502."""
+    asyncio.run(push_series(local_url, adamw_series(tmp_path / "src", 1)))  # step 20
+    missing = str(tmp_path / "nfs-not-mounted")
+
+    async def go() -> None:
+        async with (
+            agent(tmp_path / "hot", [missing, local_url]) as url,
+            FerryClient(url, TOKEN) as client,
+        ):
+            listing = await client._call("GET", "/v1/checkpoints")
+            assert [e["step"] for e in listing["jobs"]["llm"]] == [20]
+            assert "does not exist" in listing["unreachable_tiers"][missing]
+            est = await client.estimate("llm", 20)
+            assert est["source"] == f"tier:{local_url}" and est["bytes_missing"] > 0
+        async with (
+            agent(tmp_path / "hot2", [missing]) as url,
+            FerryClient(url, TOKEN) as client,
+        ):
+            with pytest.raises(RpcError) as down:
+                await client._call("GET", "/v1/checkpoints")
+            assert down.value.status == 502
+            with pytest.raises(RpcError) as down:
+                await client.estimate("llm", 20)
+            assert down.value.status == 502 and "does not exist" in str(down.value)
+
+    asyncio.run(go())
