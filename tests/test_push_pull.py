@@ -358,3 +358,41 @@ def test_an_interrupted_push_resumes_from_its_journaled_packs(
 
     asyncio.run(restore())
     assert tree_bytes(tmp_path / "out") == tree_bytes(src)
+
+
+def test_two_pushes_of_one_part_at_once_store_it_once(local_url: str, tmp_path: Path) -> None:
+    """Issue 13: two concurrent pushes of the same step both uploaded everything (2x the
+    bytes, half unreferenced). The second now waits on the first's lease, then finds the
+    part committed and uploads nothing."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    src = tmp_path / "step_000005"
+    write_file(src / "__0_0.distcp", random_bytes(24_000_000, 5))
+    write_file(src / ".metadata", b"meta")
+    cmd = [sys.executable, "-m", "agent", "push", str(src), local_url, "--job", "j",
+           "--node", "n", "--chunk-size-mib", "1", "--json"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    # a third push (this test) holds the lease while both start: each must wait for it
+    lease = Path(local_url) / "locks/push/j/000000000000000005/n.json"
+    lease.parent.mkdir(parents=True)
+    holder = {"host": socket.gethostname(), "pid": os.getpid(), "expires_at": time.time() + 60}
+    lease.write_text(json.dumps(holder))
+    procs = [
+        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        for _ in range(2)
+    ]
+    time.sleep(4)  # both start (~1 s) and find the lease taken
+    assert [p.poll() for p in procs] == [None, None]
+    lease.unlink()
+    results = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], results
+    docs = [json.loads(out) for out, _ in results]
+    assert sorted(d["already_committed"] for d in docs) == [False, True]
+    assert min(d["bytes_transferred"] for d in docs) == 0
+    assert all("waiting for it" in err for _, err in results)
+    stored = sum(p.stat().st_size for p in Path(local_url).rglob("*.pack"))
+    assert stored < 25_000_000  # one copy (random data: ~raw size), not two
+    assert not list(Path(local_url).glob("locks/push/**/*.json"))  # released

@@ -32,6 +32,7 @@ from transfer.engine.errors import first_error
 from transfer.engine.options import TransferOptions
 from transfer.engine.packer import PackLocation, PackWriter
 from transfer.engine.progress import NoProgress, Progress
+from transfer.engine.pushlease import push_lease
 from transfer.engine.resolver import ChunkResolver
 from transfer.engine.scan import SourceFile, check_unchanged, read_range, scan_checkpoint
 from transfer.errors import AlreadyExistsError, FerryError, NotFoundError, SourceChangedError
@@ -98,89 +99,97 @@ async def push(
     # a save whose commit marker names files not (fully) there yet is never pushed
     await asyncio.to_thread(dcp.check_complete, ckpt_dir, {f.path: f.size for f in sources})
     await open_catalog(store, create=True)
-    others = await _other_parts(store, job, step, node)
-    if (why := _clash(sources, others)) is not None:
-        raise _clash_error(job, step, node, why)
-    index = await ChunkIndex.load(store, job, options.dedupe_steps)
-    base = None
-    if options.delta and not full:
-        base = await choose_base(
-            store, ckpt_dir, job=job, step=step, node=node, base_step=base_step, base_dir=base_dir
+    # one push of a part at a time: a second one waits, then finds it committed
+    async with push_lease(store, job, step, node):
+        others = await _other_parts(store, job, step, node)
+        if (why := _clash(sources, others)) is not None:
+            raise _clash_error(job, step, node, why)
+        index = await ChunkIndex.load(store, job, options.dedupe_steps)
+        base = None
+        if options.delta and not full:
+            base = await choose_base(
+                store,
+                ckpt_dir,
+                job=job,
+                step=step,
+                node=node,
+                base_step=base_step,
+                base_dir=base_dir,
+            )
+            if base is not None:
+                index.add_manifest(base.manifest)
+        for chunk in await _still_stored(store, resume_chunks):
+            index.add(chunk)
+        run = _PushRun(store, options, index, progress, base, on_pack_durable)
+        with ThreadPoolExecutor(options.workers, thread_name_prefix="ferry-push") as pool:
+            run.pool = pool
+            run.resolver = ChunkResolver(store, index, pool, base.local_dir if base else None)
+            placed = await run.encode_all(sources)
+        try:
+            # what was read must be what is on disk now, or the manifest would commit a torn copy
+            await asyncio.to_thread(check_unchanged, ckpt_dir, sources)
+        except SourceChangedError:
+            await run.abandon()
+            raise
+        file_ids = [c.id for chunks in placed for c in chunks]
+        in_files = set(file_ids)
+        bases = [b for b in index.closure(file_ids) if b.id not in in_files]
+        pack_ids, refs, base_refs = build_refs(placed, bases)
+        files = tuple(
+            FileEntry(src.path, src.size, src.mode, file_refs)
+            for src, file_refs in zip(sources, refs, strict=True)
         )
-        if base is not None:
-            index.add_manifest(base.manifest)
-    for chunk in await _still_stored(store, resume_chunks):
-        index.add(chunk)
-    run = _PushRun(store, options, index, progress, base, on_pack_durable)
-    with ThreadPoolExecutor(options.workers, thread_name_prefix="ferry-push") as pool:
-        run.pool = pool
-        run.resolver = ChunkResolver(store, index, pool, base.local_dir if base else None)
-        placed = await run.encode_all(sources)
-    try:
-        # what was read must be what is on disk now, or the manifest would commit a torn copy
-        await asyncio.to_thread(check_unchanged, ckpt_dir, sources)
-    except SourceChangedError:
-        await run.abandon()
-        raise
-    file_ids = [c.id for chunks in placed for c in chunks]
-    in_files = set(file_ids)
-    bases = [b for b in index.closure(file_ids) if b.id not in in_files]
-    pack_ids, refs, base_refs = build_refs(placed, bases)
-    files = tuple(
-        FileEntry(src.path, src.size, src.mode, file_refs)
-        for src, file_refs in zip(sources, refs, strict=True)
-    )
-    manifest = Manifest(
-        job=job,
-        step=step,
-        node=node,
-        created_at=datetime.now(UTC).isoformat(timespec="seconds"),
-        chunk_size=options.chunk_size,
-        packs=pack_ids,
-        files=files,
-        bases=base_refs,
-    )
-    if (why := _clash(manifest, others)) is not None:
-        await run.writer_abort()  # nobody will reference what we wrote
-        raise _clash_error(job, step, node, why)
-    blob = manifest.to_json()
-    await _check_reused_packs(store, set(pack_ids) - set(run.new_packs), run)
-    already = False
-    try:
-        await store.put(layout.manifest_key(job, step, node), blob, create_only=True)
-        run.bytes_stored += len(blob)
-    except AlreadyExistsError:
-        existing = await load_manifest(store, job, step, node)
-        if existing.same_content(manifest):
-            # Idempotent re-push, or our own earlier attempt whose reply was lost (then the
-            # existing manifest may reference the packs we just wrote: keep them).
-            already = True
-        else:
-            await run.writer_abort()  # our new packs are referenced by nobody
-            raise FerryError(
-                f"{job} step {step} node {node} is already committed with different content; "
-                "push it under a new step"
-            ) from None
-    progress.finish()
-    return PushResult(
-        job=job,
-        step=step,
-        node=node,
-        files=len(files),
-        bytes_raw=manifest.bytes_raw,
-        bytes_transferred=run.bytes_stored,
-        chunks_total=run.chunks_total,
-        chunks_new=run.chunks_new,
-        chunks_deduped=run.chunks_total - run.chunks_new,
-        chunks_delta=run.chunks_delta,
-        chunks_raw=run.chunks_new - run.chunks_delta,
-        encode_seconds=round(run.encode_seconds, 3),
-        base_step=base.manifest.step if base else None,
-        base_local=bool(base and base.local_dir and run.resolver and run.resolver.local_hits),
-        packs=len(run.new_packs),
-        seconds=time.monotonic() - started,
-        already_committed=already,
-    )
+        manifest = Manifest(
+            job=job,
+            step=step,
+            node=node,
+            created_at=datetime.now(UTC).isoformat(timespec="seconds"),
+            chunk_size=options.chunk_size,
+            packs=pack_ids,
+            files=files,
+            bases=base_refs,
+        )
+        if (why := _clash(manifest, others)) is not None:
+            await run.writer_abort()  # nobody will reference what we wrote
+            raise _clash_error(job, step, node, why)
+        blob = manifest.to_json()
+        await _check_reused_packs(store, set(pack_ids) - set(run.new_packs), run)
+        already = False
+        try:
+            await store.put(layout.manifest_key(job, step, node), blob, create_only=True)
+            run.bytes_stored += len(blob)
+        except AlreadyExistsError:
+            existing = await load_manifest(store, job, step, node)
+            if existing.same_content(manifest):
+                # Idempotent re-push, or our own earlier attempt whose reply was lost (then the
+                # existing manifest may reference the packs we just wrote: keep them).
+                already = True
+            else:
+                await run.writer_abort()  # our new packs are referenced by nobody
+                raise FerryError(
+                    f"{job} step {step} node {node} is already committed with different content; "
+                    "push it under a new step"
+                ) from None
+        progress.finish()
+        return PushResult(
+            job=job,
+            step=step,
+            node=node,
+            files=len(files),
+            bytes_raw=manifest.bytes_raw,
+            bytes_transferred=run.bytes_stored,
+            chunks_total=run.chunks_total,
+            chunks_new=run.chunks_new,
+            chunks_deduped=run.chunks_total - run.chunks_new,
+            chunks_delta=run.chunks_delta,
+            chunks_raw=run.chunks_new - run.chunks_delta,
+            encode_seconds=round(run.encode_seconds, 3),
+            base_step=base.manifest.step if base else None,
+            base_local=bool(base and base.local_dir and run.resolver and run.resolver.local_hits),
+            packs=len(run.new_packs),
+            seconds=time.monotonic() - started,
+            already_committed=already,
+        )
 
 
 class _PushRun:

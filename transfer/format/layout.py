@@ -29,6 +29,7 @@ COMPLETE_PREFIX = "complete/"
 PINS_PREFIX = "pins/"
 GC_LOCK_KEY = "gc/lock.json"
 GC_STATE_KEY = "gc/state.json"
+PUSH_LOCKS_PREFIX = "locks/push/"
 _PACK_KEY_RE = re.compile(r"^packs/[0-9a-f]{2}/(?P<id>[0-9a-f]{32})\.pack\Z")
 _COMPLETE_KEY_RE = re.compile(r"^complete/(?P<job>[^/]+)/(?P<step>\d{18})\.json\Z")
 _PIN_KEY_RE = re.compile(r"^pins/(?P<job>[^/]+)/(?P<step>\d{18})/(?P<holder>[^/]+)\.json\Z")
@@ -68,6 +69,13 @@ def pin_key(job: str, step: int, holder: str) -> str:
     check_name("job", job)
     check_name("pin holder", holder)
     return f"{PINS_PREFIX}{job}/{check_step(step):018d}/{holder}.json"
+
+
+def push_lock_key(job: str, step: int, node: str) -> str:
+    """The lease of a push in progress (transfer/engine/pushlease.py); readers ignore it."""
+    check_name("job", job)
+    check_name("node", node)
+    return f"{PUSH_LOCKS_PREFIX}{job}/{check_step(step):018d}/{node}.json"
 
 
 def parse_pack_key(key: str) -> str | None:

@@ -1,0 +1,117 @@
+"""One push of a (job, step, node) at a time per store.
+
+Two pushes of the same part at once (the agent and a hand-run ``ferry push``, two
+``ferry push`` runs) used to both upload everything: 904 MB stored for a 452 MB checkpoint,
+half of it referenced by nobody. A push now holds ``locks/push/<job>/<step>/<node>.json``
+(written create-only) while it uploads; a second push of the same part waits for the first
+to finish, then finds the part committed and uploads nothing ("already committed"), or, if
+the first failed, pushes it itself.
+
+The lease says who holds it (host, pid) and until when; the holder renews it every
+RENEW_SECONDS, so a push killed outright leaves a lease that lapses within LEASE_SECONDS,
+and one on the same host whose process is gone is broken at once (a killed ``ferry push``
+run again resumes immediately). Readers of checkpoints never look at it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import socket
+import time
+from collections.abc import AsyncIterator
+
+from transfer.errors import AlreadyExistsError, FerryError, NotFoundError
+from transfer.format.layout import push_lock_key
+from transfer.store.base import Store
+
+log = logging.getLogger(__name__)
+
+LEASE_SECONDS = 120.0
+RENEW_SECONDS = 30.0
+POLL_SECONDS = 1.0
+
+
+def _me() -> dict[str, object]:
+    return {"host": socket.gethostname(), "pid": os.getpid()}
+
+
+def _alive(holder: dict[str, object]) -> bool:
+    """False only when the holder is known dead: a process of this host that is gone."""
+    if holder.get("host") != socket.gethostname() or not isinstance(holder.get("pid"), int):
+        return True
+    try:
+        os.kill(int(holder["pid"]), 0)  # type: ignore[call-overload]
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+@contextlib.asynccontextmanager
+async def push_lease(store: Store, job: str, step: int, node: str) -> AsyncIterator[None]:
+    """Hold the push lease of (job, step, node) in ``store`` for the body, waiting while a
+    live push holds it."""
+    key = push_lock_key(job, step, node)
+    me = _me()
+    told = False
+    while True:
+        doc = json.dumps({**me, "expires_at": time.time() + LEASE_SECONDS}).encode()
+        try:
+            await store.put(key, doc, create_only=True)
+            break
+        except AlreadyExistsError:
+            holder = await _read(store, key)
+            expired = (
+                not isinstance(holder.get("expires_at"), (int, float))
+                or float(
+                    holder["expires_at"]  # type: ignore[arg-type]
+                )
+                < time.time()
+            )
+            if expired or not _alive(holder):
+                log.warning("breaking the push lease of %s (%s)", holder, key)
+                await store.delete(key)
+                continue
+            if not told:
+                log.warning(
+                    "another push of %s step %s node %s is running (%s pid %s); waiting for it",
+                    job, step, node, holder.get("host"), holder.get("pid"),
+                )  # fmt: skip
+                told = True
+            await asyncio.sleep(POLL_SECONDS)
+    renewer = asyncio.create_task(_renew(store, key, me))
+    try:
+        yield
+    finally:
+        renewer.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await renewer
+        with contextlib.suppress(FerryError):  # it lapses on its own
+            held = await _read(store, key)
+            if (held.get("host"), held.get("pid")) == (me["host"], me["pid"]):
+                await store.delete(key)
+
+
+async def _renew(store: Store, key: str, me: dict[str, object]) -> None:
+    while True:
+        await asyncio.sleep(RENEW_SECONDS)
+        doc = json.dumps({**me, "expires_at": time.time() + LEASE_SECONDS}).encode()
+        try:
+            await store.put(key, doc)
+        except FerryError as exc:  # the push itself will hit the same trouble and say so
+            log.warning("could not renew %s: %s", key, exc)
+
+
+async def _read(store: Store, key: str) -> dict[str, object]:
+    try:
+        doc = json.loads(await store.get(key))
+    except NotFoundError:
+        return {"expires_at": 0}  # released meanwhile: take it on the next try
+    except ValueError:
+        return {}  # garbled: treated as expired
+    return doc if isinstance(doc, dict) else {}
