@@ -1,4 +1,5 @@
-"""One conformance suite for every store backend (local directory and real S3)."""
+"""One conformance suite for every store backend: local directory, real S3, and fsspec's
+in-memory filesystem (``memory://``, the fsspec backend any other fsspec protocol uses)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,16 @@ import pytest
 from tests.conftest import open_test_store, random_bytes
 from transfer.errors import AlreadyExistsError, NotFoundError
 from transfer.store.base import Store
+
+
+@pytest.fixture(params=["local", "s3", "memory"])
+def store_url(request: pytest.FixtureRequest) -> str:
+    """This module's backends: conftest's two, plus the fsspec one."""
+    if request.param == "memory":
+        import secrets
+
+        return f"memory://conformance-{secrets.token_hex(6)}"
+    return str(request.getfixturevalue(f"{request.param}_url"))
 
 
 def with_store(url: str, body):  # type: ignore[no-untyped-def]

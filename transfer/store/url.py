@@ -1,4 +1,5 @@
-"""Pick a backend from a store URL: a local path, ``file://PATH`` or ``s3://bucket/prefix``."""
+"""Pick a backend from a store URL: a local path, ``file://PATH``, ``s3://bucket/prefix``, or
+any other protocol fsspec knows (``memory://NAME``: an in-process store)."""
 
 from __future__ import annotations
 
@@ -51,6 +52,25 @@ def open_store(url: str, options: StoreOptions | None = None) -> Store:
         return LocalStore(Path(unquote(parsed.path)).absolute())
     if parsed.scheme in ("",) or (len(parsed.scheme) == 1 and os.name == "nt"):
         return LocalStore(Path(url).expanduser().absolute())
-    raise ValueError(
-        f"unsupported store URL {url!r}: use a path, file://PATH or s3://bucket/prefix"
-    )
+    return _fsspec_store(url, parsed.scheme)
+
+
+def _fsspec_store(url: str, scheme: str) -> Store:
+    """Any other scheme fsspec knows (``memory://``, or gcs/az/... with their package)."""
+    import fsspec  # only for these schemes
+
+    from transfer.store.fsspecstore import FsspecStore
+
+    if scheme not in fsspec.available_protocols():
+        raise ValueError(
+            f"unsupported store URL {url!r}: use a path, file://PATH, s3://bucket/prefix, "
+            "memory://NAME or another fsspec protocol"
+        )
+    try:
+        fs = fsspec.filesystem(scheme)
+    except ImportError as exc:
+        raise ValueError(f"store URL {url!r} needs a package fsspec names: {exc}") from None
+    root = fs._strip_protocol(url).rstrip("/")
+    if not root.strip("/"):
+        raise ValueError(f"store URL {url!r} names no path ({scheme}://NAME)")
+    return FsspecStore(fs, root, url.rstrip("/"))
