@@ -17,6 +17,19 @@ from transfer.store import StoreOptions, open_store
 from transfer.store.base import Store
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark every test that reaches the S3 server ``s3``, so ``pytest -m "not s3"`` is the
+    fast tier (local and in-memory stores only; no server to start)."""
+    for item in items:
+        names = getattr(item, "fixturenames", ())
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        # store_url picks its backend at run time (getfixturevalue): judge by its param
+        if params.get("store_url") == "s3" or (
+            "s3_endpoint" in names and "store_url" not in params
+        ):
+            item.add_marker(pytest.mark.s3)
+
+
 @pytest.fixture(scope="session")
 def s3_endpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Endpoint]:
     server = start_s3_server(tmp_path_factory.mktemp("s3server"))

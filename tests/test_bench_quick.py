@@ -16,6 +16,7 @@ REPO = Path(__file__).resolve().parents[1]
 NEEDS = ("s5cmd", "rclone", "zstd", "dd")
 
 
+@pytest.mark.s3  # bench.compare starts its own S3 server
 @pytest.mark.timeout(240)
 @pytest.mark.skipif(
     any(shutil.which(t) is None for t in NEEDS), reason=f"needs {', '.join(NEEDS)} on PATH"
