@@ -78,6 +78,9 @@ class PrefetchJob:
     task: asyncio.Task[None] | None = None
     eta_rate: float = 0.0  # bytes/s used for the ETA (measured average of the source)
     chunks_local: int = 0  # chunks rebuilt from a checkpoint this node already held
+    #: how a ready prefetch was satisfied: "held" (the step was here already, checked),
+    #: "filled_in" (this node's part was here; the others were added) or "restored"
+    satisfied_by: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         remaining = max(self.bytes_total - self.bytes_done, 0)
@@ -92,6 +95,7 @@ class PrefetchJob:
             "bytes_done": self.bytes_done,
             "bytes_by_source": dict(self.bytes_by_source),
             "chunks_local": self.chunks_local,
+            "satisfied_by": self.satisfied_by,
             "eta_seconds": eta,
             "dest": self.dest,
             "error": self.error,
@@ -300,6 +304,7 @@ class Prefetcher:
             if problems:  # this node's own part of a multi-node step: add the other parts
                 with self.holds.hold((record.job, record.step)):
                     await self._fill_in(record, name, store, here.path, manifests)
+            record.satisfied_by = "filled_in" if problems else "held"
             return
         base = next((c for c in held if c.step < record.step), None)
         base_manifests = None
@@ -311,6 +316,7 @@ class Prefetcher:
         base_dir = base.path if base is not None else None
         with self.holds.hold((record.job, record.step), (record.job, base.step) if base else None):
             await self._restore(record, name, store, dest, base_dir, base_manifests)
+        record.satisfied_by = "restored"
 
     async def _restore(
         self,

@@ -153,6 +153,7 @@ def test_prefetch_cold_and_onto_a_node_holding_the_previous_step(
 
             first = await client.wait_prefetch(await client.prefetch("llm"), within_s=120)
             assert first["state"] == "ready", first
+            assert first["satisfied_by"] == "restored"
             assert tree_bytes(Path(first["dest"])) == tree_bytes(k0)
 
             await push_series(store_url, [k1])
@@ -168,6 +169,7 @@ def test_prefetch_cold_and_onto_a_node_holding_the_previous_step(
 
             again = await client.wait_prefetch(await client.prefetch("llm", 40))
             assert again["state"] == "ready" and not again["bytes_by_source"]  # already here
+            assert again["satisfied_by"] == "held"  # and it says so
             listing = (await client.checkpoints())["jobs"]["llm"]
             assert [(e["step"], e["local"]) for e in listing] == [(20, True), (40, True)]
             assert listing[1]["bytes"] == sum(len(b) for b in tree_bytes(k1).values())
