@@ -212,10 +212,8 @@ def load_config(
     if not isinstance(transfer_raw, dict):
         raise ConfigError("transfer: expected a table ([transfer])")
     sources: dict[str, str] = {}
-    _note_sources(raw, _TOP_KEYS, env, "", ENV_PREFIX, sources)
-    _note_sources(transfer_raw, _TRANSFER_KEYS, env, "transfer.", ENV_PREFIX + "TRANSFER_", sources)
-    top = _typed(raw, _TOP_KEYS, env, "", ENV_PREFIX)
-    tr = _typed(transfer_raw, _TRANSFER_KEYS, env, "transfer.", ENV_PREFIX + "TRANSFER_")
+    top = _typed(raw, _TOP_KEYS, env, "", ENV_PREFIX, sources)
+    tr = _typed(transfer_raw, _TRANSFER_KEYS, env, "transfer.", ENV_PREFIX + "TRANSFER_", sources)
 
     transfer = TransferSettings(**{k: _int_at_least(f"transfer.{k}", v, 0) for k, v in tr.items()})
     try:
@@ -261,31 +259,11 @@ def load_config(
     return config
 
 
-def _note_sources(
-    raw: Mapping[str, object],
-    schema: Mapping[str, type],
-    env: Mapping[str, str],
-    key_prefix: str,
-    env_prefix: str,
-    into: dict[str, str],
-) -> None:
-    """Record where each key set by the operator comes from (the environment wins)."""
-    for key, kind in schema.items():
-        name = env_prefix + key.upper()
-        text = env.get(name)
-        if text is not None and (text != "" or kind is list):
-            into[key_prefix + key] = f"env {name}" + (", over the file's" if key in raw else "")
-        elif key in raw:
-            into[key_prefix + key] = "file"
-
-
 def effective_config(config: AgentConfig) -> list[tuple[str, object, str]]:
     """(key, value, source) of every top-level and [transfer] key, for the start-up log."""
     rows: list[tuple[str, object, str]] = []
     for key in _TOP_KEYS:
-        value = getattr(config, key)
-        if key == "token_file" and value is not None:
-            value = str(value)  # the path, never the token
+        value = getattr(config, key)  # (token_file: the path, never the token)
         rows.append((key, _plain(value), config.sources.get(key, "default")))
     for key in _TRANSFER_KEYS:
         value = getattr(config.transfer, key)
@@ -313,19 +291,26 @@ def _typed(
     env: Mapping[str, str],
     key_prefix: str,
     env_prefix: str,
+    sources: dict[str, str] | None = None,
 ) -> dict[str, object]:
-    """Type-check the file's values, then overlay the environment's."""
+    """Type-check the file's values, then overlay the environment's; ``sources`` gets where
+    each key set by the operator came from ("file", or "env FERRY_..."; the env wins)."""
     out: dict[str, object] = {}
+    where: dict[str, str] = {}
     for key, value in raw.items():
         if key not in schema:
             raise ConfigError(f"unknown config key {key_prefix + key!r}")
         out[key] = _check(f"{key_prefix}{key}", value, schema[key])
+        where[key_prefix + key] = "file"
     for key, kind in schema.items():
         name = env_prefix + key.upper()
         text = env.get(name)
         if text is None or (text == "" and kind is not list):
             continue
         out[key] = _from_env(name, text, kind)
+        where[key_prefix + key] = f"env {name}" + (", over the file's" if key in raw else "")
+    if sources is not None:
+        sources.update(where)
     return out
 
 

@@ -372,22 +372,19 @@ def _clash(ours: Manifest | list[SourceFile], others: list[Manifest]) -> str | N
     """Why the parts of one step (one per node) would not merge into one checkpoint, or
     None. Two parts may hold the same file only with the same bytes (a replicated
     .metadata); the usual cause is the same checkpoint pushed again under another node name
-    (the host name is the default). By size first (before reading), by chunk ids once known."""
+    (the host name is the default). Judged by size before reading (``ours`` the scanned
+    sources), by chunk ids before the commit (``ours`` the manifest)."""
+    by_content = isinstance(ours, Manifest)
+
+    def print_of(f: FileEntry | SourceFile) -> object:
+        return (f.mode, [c.id for c in f.chunks]) if isinstance(f, FileEntry) else f.size
+
+    mine = {f.path: print_of(f) for f in (ours.files if isinstance(ours, Manifest) else ours)}
     for other in others:
-        theirs = {f.path: f for f in other.files}
-        if isinstance(ours, Manifest):
-            for f in ours.files:
-                t = theirs.get(f.path)
-                if t is not None and (t.mode, [c.id for c in t.chunks]) != (
-                    f.mode,
-                    [c.id for c in f.chunks],
-                ):
-                    return f"{f.path} differs from node {other.node}'s"
-        else:
-            for src in ours:
-                t = theirs.get(src.path)
-                if t is not None and t.size != src.size:
-                    return f"{src.path} differs from node {other.node}'s"
+        for f in other.files:
+            theirs = print_of(f) if by_content else f.size
+            if f.path in mine and mine[f.path] != theirs:
+                return f"{f.path} differs from node {other.node}'s"
     return None
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from transfer.errors import (
     AccessDeniedError,
@@ -28,6 +28,8 @@ from transfer.errors import (
     StoreError,
 )
 from transfer.store.retry import RetryPolicy, ShortBodyError, http_status, range_length
+
+T = TypeVar("T")
 
 
 def map_error(exc: BaseException, what: str, attempts: int = 1) -> StoreError:
@@ -96,7 +98,10 @@ class S3Client:
                 on_try()
             return getattr(self._botocore(), method)(Bucket=self.bucket, **kwargs)
 
-        return self.retry.run(once, lambda exc, tries: map_error(exc, what, tries))
+        return self._retrying(what, once)
+
+    def _retrying(self, what: str, attempt: Callable[[], T]) -> T:
+        return self.retry.run(attempt, lambda exc, tries: map_error(exc, what, tries))
 
     def get(self, full_key: str, what: str, byte_range: str | None = None) -> bytes:
         """A whole (small) object or a range of it; the body is read inside the attempt, so a
@@ -111,16 +116,13 @@ class S3Client:
                 raise ShortBodyError(f"got {len(body)} of the {expected} bytes of the range")
             return body
 
-        return self.retry.run(once, lambda exc, tries: map_error(exc, what, tries))
+        return self._retrying(what, once)
 
     def read_into(self, full_key: str, start: int, buf: memoryview, what: str) -> int:
         """Bytes of the object from ``start`` into ``buf``; how many it had there."""
         if not len(buf):
             return 0
-        return self.retry.run(
-            lambda: self._read_once(full_key, start, buf),
-            lambda exc, tries: map_error(exc, what, tries),
-        )
+        return self._retrying(what, lambda: self._read_once(full_key, start, buf))
 
     def _read_once(self, full: str, start: int, buf: memoryview) -> int:
         end = start + len(buf) - 1
