@@ -239,12 +239,16 @@ class _Fetch:
         running: set[concurrent.futures.Future[tuple[int, list[StoredChunk]]]] = set()
         pool = concurrent.futures.ThreadPoolExecutor(readers, thread_name_prefix="ferry-get")
 
+        # one receive buffer per worker, sized for the longest range and reused for every
+        # range: growing it range by range re-allocated (and zero-filled) 15 times per pull
+        longest = max(r.end - r.start for r in ranges)
+
         async def worker() -> None:
-            buf = memoryview(b"")  # this worker's receive buffer, reused for every range
+            buf = memoryview(b"")
             for r in pending:
                 need = r.end - r.start
                 if len(buf) < need:
-                    buf = memoryview(bytearray(need))
+                    buf = memoryview(bytearray(longest))
                 job = pool.submit(self.read_and_finish, reader, r, buf[:need])
                 running.add(job)
                 job.add_done_callback(running.discard)
