@@ -82,7 +82,10 @@ async def _assert_pulls(store: Store, dirs: dict[int, Path], tmp: Path) -> None:
         assert tree_bytes(dest) == tree_bytes(dirs[step]), step
 
 
-def test_expire_then_sweep_two_cycles_later(store_url: str, tmp_path: Path) -> None:
+def test_without_grace_one_run_frees_what_it_expires(store_url: str, tmp_path: Path) -> None:
+    """Issue 14: with no grace period (no push writes to the store) the packs a run's own
+    expiries release go in that same run, and its dry run says exactly what will go."""
+
     async def go() -> None:
         store = open_test_store(store_url)
         try:
@@ -93,21 +96,40 @@ def test_expire_then_sweep_two_cycles_later(store_url: str, tmp_path: Path) -> N
             dry = await _retention(tiers, dry_run=True)
             assert [a.action for a in dry.tiers[0].actions] == [EXPIRE, EXPIRE, KEEP, KEEP]
             assert await _steps(store) == [1, 2, 3, 4] and await _packs(store) == before
+            would = dry.tiers[0].gc
+            assert would is not None and would.dry_run and len(would.deleted_packs) >= 1
+            assert "gc: would delete" in dry.table()
 
-            first = await _retention(tiers)
+            done = await _retention(tiers)
             assert await _steps(store) == [3, 4]
-            assert first.tiers[0].gc is not None and first.tiers[0].gc.deleted_packs == []
-            marked = first.tiers[0].gc.marked_packs
-            assert marked >= 1 and await _packs(store) == before  # marked, not deleted yet
-
-            second = await _retention(tiers)
-            assert second.tiers[0].gc is not None
-            assert len(second.tiers[0].gc.deleted_packs) == marked
-            assert len(await _packs(store)) == len(before) - marked
+            gc = done.tiers[0].gc
+            assert gc is not None and sorted(gc.deleted_packs) == sorted(would.deleted_packs)
+            assert gc.freed_bytes == would.freed_bytes > 0 and gc.marked_packs == 0
+            assert await _packs(store) == before - set(gc.deleted_packs)
             await _assert_pulls(store, dirs, tmp_path)
             assert (await verify(store)).ok
         finally:
             await store.close()
+
+    run(go())
+
+
+def test_without_grace_an_orphan_pack_is_marked_first(local_url: str, tmp_path: Path) -> None:
+    """A pack nobody referenced when the run began may be a running push's upload: even
+    without grace it is only marked, and the next run deletes it."""
+
+    async def go() -> None:
+        store = open_test_store(local_url)
+        await _push_steps(store, tmp_path, {1: 1})
+        orphan = layout.new_pack_id()
+        await store.put(layout.pack_key(orphan), b"left by a crashed push")
+        tiers = [Tier(store, TierPolicy(keep_last=1))]
+        first = await _retention(tiers)
+        assert first.tiers[0].gc is not None and first.tiers[0].gc.deleted_packs == []
+        assert orphan in await _packs(store)
+        second = await _retention(tiers)
+        assert second.tiers[0].gc is not None and second.tiers[0].gc.deleted_packs == [orphan]
+        assert orphan not in await _packs(store) and await _steps(store) == [1]
 
     run(go())
 
@@ -304,15 +326,20 @@ class _GatedStore(WatchingStore):
         await super().put(key, data, create_only=create_only)
 
 
-@pytest.mark.parametrize(("grace", "gate_on"), [(3600.0, "manifest"), (0.0, "head")])
+@pytest.mark.parametrize(
+    ("grace", "gate_on", "lease"),
+    [(3600.0, "manifest", True), (0.0, "head", True), (0.0, "head", False)],
+)
 def test_push_racing_gc_loses_nothing(
-    store_url: str, tmp_path: Path, grace: float, gate_on: str
+    store_url: str, tmp_path: Path, grace: float, gate_on: str, lease: bool
 ) -> None:
     """Step 3 is step 1's content again, so the push reuses step 1's packs; retention
     expires step 1 and sweeps twice while the push waits. With a grace period longer than
-    the push, nothing is deleted and the push commits; with none (only safe when no push
-    runs), the push's last check before committing finds its packs gone and fails cleanly.
-    Either way every committed step verifies and pulls byte-exact."""
+    the push, nothing is deleted and the push commits; with none, retention sees the push's
+    lease and deletes nothing while it runs, so it commits too. A push without a lease (a
+    writer from before leases, here: its lease removed by hand) loses its packs, and its
+    last check before committing fails it cleanly. Either way every committed step
+    verifies and pulls byte-exact."""
 
     async def go() -> None:
         store = open_test_store(store_url)
@@ -322,12 +349,16 @@ def test_push_racing_gc_loses_nothing(
             gated = _GatedStore(store, gate_on)
             pushing = asyncio.create_task(push(gated, dirs[3], job=JOB, step=3, node=NODE))
             await asyncio.wait_for(gated.at_gate.wait(), 30)
+            if not lease:
+                await store.delete(layout.push_lock_key(JOB, 3, NODE))
             tiers = [Tier(store, TierPolicy(keep_last=1))]
-            await _retention(tiers, grace=grace)
+            first = await _retention(tiers, grace=grace)
             await _retention(tiers, grace=grace)
             assert await _steps(store) == [2]
+            assert first.tiers[0].gc is not None
+            assert first.tiers[0].gc.running_pushes == (1 if lease else 0)
             gated.gate.set()
-            if grace:
+            if lease:
                 result = await pushing
                 assert result.chunks_new == 0  # really reused step 1's packs
                 assert await _steps(store) == [2, 3]
@@ -378,9 +409,10 @@ def test_cli_plans_applies_and_reports_errors(
     ]
     assert run(_steps(store)) == [1, 2, 3]
     assert ferry(["retention", local_url, "--keep-last", "1", "--grace", "0"]) == 0
-    assert "expire" in capsys.readouterr().out and run(_steps(store)) == [3]
+    out = capsys.readouterr().out
+    assert "expire" in out and "gc: deleted 2 packs" in out and run(_steps(store)) == [3]
     assert ferry(["retention", local_url, "--keep-last", "1", "--grace", "0"]) == 0
-    assert "gc: deleted 2 packs" in capsys.readouterr().out
+    assert "gc: deleted 0 packs" in capsys.readouterr().out
 
     lease = {"holder": "someone", "expires_at": time.time() + 600}
     run(store.put(layout.GC_LOCK_KEY, json.dumps(lease).encode(), create_only=True))

@@ -25,7 +25,7 @@ import time
 from collections.abc import AsyncIterator
 
 from transfer.errors import AlreadyExistsError, FerryError, NotFoundError
-from transfer.format.layout import push_lock_key
+from transfer.format.layout import PUSH_LOCKS_PREFIX, push_lock_key
 from transfer.store.base import Store
 
 log = logging.getLogger(__name__)
@@ -95,6 +95,18 @@ async def push_lease(store: Store, job: str, step: int, node: str) -> AsyncItera
             held = await _read(store, key)
             if (held.get("host"), held.get("pid")) == (me["host"], me["pid"]):
                 await store.delete(key)
+
+
+async def running_pushes(store: Store) -> int:
+    """How many pushes hold an unexpired lease in ``store`` (garbled leases count: unsure
+    means running). Retention without a grace period deletes nothing while one does."""
+    count, now = 0, time.time()
+    for obj in await store.list(PUSH_LOCKS_PREFIX):
+        holder = await _read(store, obj.key)
+        expires = holder.get("expires_at", now + LEASE_SECONDS)
+        if not isinstance(expires, (int, float)) or expires > now:
+            count += _alive(holder)
+    return count
 
 
 async def _renew(store: Store, key: str, me: dict[str, object]) -> None:

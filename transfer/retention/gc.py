@@ -5,10 +5,17 @@ before its last manifest was removed may still commit a new reference to it (ded
 delta base), and packs of pushes in flight are unreferenced until their manifest lands.
 So a run only *marks* unreferenced packs (``gc/state.json``: pack -> when first seen
 unreferenced); a later run deletes a marked pack once it has stayed unreferenced for the
-grace period. With ``grace_s=0`` a garbage pack is deleted by the second run after it
-became garbage, never by the first. The grace period must exceed the longest push plus one
-GC run (pushes also re-check, right before committing, that every pack they reuse still
-exists). A lease (``gc/lock.json``, written create-only) keeps two runs from interleaving.
+grace period. The grace period must exceed the longest push plus one GC run (pushes also
+re-check, right before committing, that every pack they reuse still exists). A lease
+(``gc/lock.json``, written create-only) keeps two runs from interleaving.
+
+Without a grace period (``grace_s=0``: the operator says no push writes to the store) the
+packs this very run released by expiring steps go at once, in one run; packs that were
+already unreferenced when the run began (a crashed push's) are still marked first, since
+a push may be uploading them now. And nothing at all is deleted without grace while any
+push holds its lease (``locks/push/``): the lease is taken before a push reads the
+manifests it dedupes against, so a push that could still reference a released pack is
+always one we can see.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field
 
+from transfer.engine.pushlease import running_pushes
 from transfer.errors import AlreadyExistsError, FerryError, NotFoundError
 from transfer.format import layout
 from transfer.retention.inventory import Inventory, RetentionError, take_inventory
@@ -47,6 +55,8 @@ class GcResult:
     deleted_packs: list[str] = field(default_factory=list)
     freed_bytes: int = 0
     dry_run: bool = False
+    #: pushes holding their lease: without a grace period, deleting waits for them
+    running_pushes: int = 0
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -90,6 +100,7 @@ async def collect_garbage(
     *,
     grace_s: float,
     now: float,
+    released: frozenset[str] = frozenset(),
     dry_run: bool = False,
     expected_nodes: tuple[str, ...] = (),
 ) -> GcResult:
@@ -97,7 +108,10 @@ async def collect_garbage(
 
     ``inventory`` is the state after retention removed manifests; the store is listed again
     here, so a manifest committed since then is seen (only new manifests are read).
+    ``released``: the packs referenced when this run began (before its expiries).
     """
+    # leases first: a push that commits after the listing below held its lease by now
+    pushes = await running_pushes(store)
     known = {
         (job, step, node): packs
         for (job, step), entry in inventory.steps.items()
@@ -114,7 +128,8 @@ async def collect_garbage(
     doomed: list[str] = []
     for pack_id in sorted(set(fresh.pack_sizes) - referenced):
         first_seen = state.get(pack_id)
-        if first_seen is not None and now - first_seen >= grace_s:
+        if _may_delete(pack_id, first_seen, grace_s=grace_s, now=now, released=released,
+                       pushes=pushes):  # fmt: skip
             doomed.append(pack_id)
         else:
             marks[pack_id] = first_seen if first_seen is not None else now
@@ -126,6 +141,7 @@ async def collect_garbage(
         deleted_packs=doomed,
         freed_bytes=sum(fresh.pack_sizes[p] for p in doomed),
         dry_run=dry_run,
+        running_pushes=pushes,
     )
     if dry_run:
         return result
@@ -137,6 +153,22 @@ async def collect_garbage(
     if doomed:
         log.info("gc %s: deleted %d packs, %d bytes", store.url, len(doomed), result.freed_bytes)
     return result
+
+
+def _may_delete(
+    pack_id: str,
+    first_seen: float | None,
+    *,
+    grace_s: float,
+    now: float,
+    released: frozenset[str],
+    pushes: int,
+) -> bool:
+    if grace_s > 0:
+        return first_seen is not None and now - first_seen >= grace_s
+    if pushes:
+        return False  # a running push may reference it before it commits
+    return first_seen is not None or pack_id in released
 
 
 async def load_gc_state(store: Store) -> dict[str, float]:

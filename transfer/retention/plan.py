@@ -104,10 +104,12 @@ class RetentionPlan:
             if t.gc is not None:
                 g = t.gc
                 verb = "would delete" if g.dry_run else "deleted"
+                waiting = "wait out the grace period"
+                if g.running_pushes:
+                    waiting += f" ({g.running_pushes} pushes running: without grace, none goes)"
                 lines.append(
                     f"  gc: {verb} {len(g.deleted_packs)} packs ({format_size(g.freed_bytes)}); "
-                    f"{g.marked_packs} unreferenced packs ({format_size(g.marked_bytes)}) "
-                    "wait out the grace period"
+                    f"{g.marked_packs} unreferenced packs ({format_size(g.marked_bytes)}) {waiting}"
                 )
             lines.extend(f"  error: {e}" for e in t.errors)
         return "\n".join(lines)
@@ -200,9 +202,15 @@ async def apply_plan(
     """Carry the plan out, tier by tier under each store's lease; errors are collected per
     tier (a failed demotion keeps its step) rather than stopping the other tiers."""
     for i, (tier, tplan, inv) in enumerate(zip(tiers, plan.tiers, plan.inventories, strict=True)):
+        released = frozenset(inv.referenced())  # before this run's expiries
         if dry_run:
             tplan.gc = await collect_garbage(
-                tier.store, _without(inv, tplan), grace_s=grace_s, now=plan.now, dry_run=True
+                tier.store,
+                _without(inv, tplan),
+                grace_s=grace_s,
+                now=plan.now,
+                released=released,
+                dry_run=True,
             )
             continue
         try:
@@ -223,6 +231,7 @@ async def apply_plan(
                     inv,
                     grace_s=grace_s,
                     now=plan.now,
+                    released=released,
                     expected_nodes=tuple(expected_nodes),
                 )
         except GcBusyError as exc:
