@@ -111,6 +111,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--job")
     _add_store_args(p)
 
+    p = sub.add_parser(
+        "du", help="what a store's bytes are for: per step own/shared, dead, what expiring frees"
+    )
+    p.add_argument("store_url")
+    p.add_argument("--job", help="only this job's steps (totals stay store-wide)")
+    _add_store_args(p)
+
     p = sub.add_parser("agent", help="run the node agent (RPC; prefetch, estimates, pins)")
     p.add_argument("--config", type=Path, help="TOML file; every key also FERRY_<KEY>")
     p.add_argument("--print-example-config", action="store_true")
@@ -348,6 +355,47 @@ async def _cmd_ls(store: Store, args: argparse.Namespace) -> tuple[dict[str, Any
     return {"store": store.url, "checkpoints": rows}, "\n".join(table)
 
 
+async def _cmd_du(store: Store, args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    import time
+
+    from transfer.engine.catalog import list_checkpoints, open_catalog
+    from transfer.retention import take_inventory
+    from transfer.retention.policy import format_size as size
+    from transfer.retention.usage import store_usage
+
+    if args.job:
+        check_name("job", args.job)
+    if not await open_catalog(store, create=False):
+        raise CheckpointNotFoundError(
+            f"{store.url} is not a ckpt-ferry store (nothing was ever pushed there)"
+        )
+    if args.job and not await list_checkpoints(store, args.job):
+        raise CheckpointNotFoundError(f"no checkpoint of job {args.job!r} in {store.url}")
+    now = time.time()
+    u = store_usage(await take_inventory(store, now=now), now=now, job=args.job)
+    lines = [
+        f"{u.url}: {size(u.total_bytes)} stored: {size(u.live_bytes)} live, "
+        f"{size(u.dead_bytes)} dead inside kept packs, {size(u.unreferenced_bytes)} in "
+        f"{u.unreferenced_packs} unreferenced packs, {size(u.manifest_bytes)} of manifests",
+        f"{'JOB':<24} {'STEP':>10} {'NODES':>5} {'RAW':>10} {'OWN':>10} {'SHARED':>10} "
+        f"{'FREES':>10}  NOTE",
+    ]
+    for r in u.steps:
+        note = ", ".join(
+            n for n, on in (("pinned", r.pinned), ("incomplete", not r.complete)) if on
+        )
+        lines.append(
+            f"{r.job:<24} {r.step:>10} {len(r.nodes):>5} {size(r.bytes_raw):>10} "
+            f"{size(r.own_bytes):>10} {size(r.shared_bytes):>10} {size(r.frees_bytes):>10}  "
+            f"{note}".rstrip()
+        )
+    lines += [
+        f"retention {e.policy}: {size(e.bytes_after)} left, frees {size(e.frees_bytes)}"
+        for e in u.policies
+    ]
+    return u.to_dict(), "\n".join(lines)
+
+
 async def _cmd_pin(store: Store, args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     """``ferry pin`` / ``ferry unpin``: the same pins agents and retention use."""
     from datetime import UTC, datetime
@@ -486,6 +534,7 @@ _COMMANDS = {
     "push": _cmd_push,
     "pull": _cmd_pull,
     "ls": _cmd_ls,
+    "du": _cmd_du,
     "verify": _cmd_verify,
     "retention": _cmd_retention,
 }

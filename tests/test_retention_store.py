@@ -393,6 +393,55 @@ def test_dead_bytes_in_kept_packs_are_reported(local_url: str, tmp_path: Path) -
     run(go())
 
 
+def test_du_accounts_for_every_byte(
+    local_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 14: ``ferry du`` says per step what only it stores, what it shares (here the
+    deduplicated file), what expiring it alone frees (whole packs only: step 1's pack also
+    holds the chunk step 2 reuses), the garbage, and what keep-last policies free."""
+    from agent.cli import main as ferry
+
+    async def setup() -> dict[int, set[str]]:
+        store = open_test_store(local_url)
+        packs: dict[int, set[str]] = {}
+        for step in (1, 2):
+            d = tmp_path / f"s{step}"
+            write_file(d / "big.bin", random_bytes(500_000, step))
+            write_file(d / "shared.txt", b"the same in every step\n" * 10)
+            seen = await _packs(store)
+            await push(store, d, job=JOB, step=step, node=NODE)
+            packs[step] = await _packs(store) - seen
+        await store.put(layout.pack_key(layout.new_pack_id()), b"left by a crashed push")
+        return packs
+
+    packs = run(setup())
+    sizes = {o.key: o.size for o in run(open_test_store(local_url).list(layout.PACKS_PREFIX))}
+    pack_bytes = sum(sizes.values())
+    step2_pack = sum(sizes[layout.pack_key(p)] for p in packs[2])
+
+    assert ferry(["du", local_url, "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    rows = {r["step"]: r for r in doc["steps"]}
+    assert rows[1]["own_bytes"] == rows[2]["own_bytes"] == 500_000  # big.bin, stored raw
+    assert 0 < rows[1]["shared_bytes"] == rows[2]["shared_bytes"] < 1000  # shared.txt, once
+    assert rows[1]["frees_bytes"] == 0 and rows[2]["frees_bytes"] == step2_pack
+    assert rows[1]["bytes_raw"] == rows[2]["bytes_raw"] == 500_000 + 230
+    assert (doc["unreferenced_packs"], doc["unreferenced_bytes"]) == (1, 22)
+    assert doc["dead_bytes"] == 0 and doc["pack_bytes"] == pack_bytes
+    assert doc["live_bytes"] + doc["dead_bytes"] + doc["unreferenced_bytes"] == pack_bytes
+    keep1 = doc["policies"][0]
+    assert keep1["policy"] == "keep_last=1"
+    # step 1's pack stays (step 2 reuses a chunk in it): only its manifest and the garbage go
+    assert 22 < keep1["frees_bytes"] < 22 + 2000
+
+    assert ferry(["du", local_url, "--job", JOB]) == 0
+    out = capsys.readouterr().out
+    assert "488.3 KiB" in out and "22 B in 1 unreferenced packs" in out
+    assert "retention keep_last=1:" in out
+    assert ferry(["du", local_url, "--job", "nope"]) == 1
+    assert "no checkpoint of job 'nope'" in capsys.readouterr().err
+
+
 def test_cli_plans_applies_and_reports_errors(
     local_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

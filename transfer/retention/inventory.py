@@ -34,6 +34,8 @@ class StepEntry:
     manifest_bytes: dict[str, int] = field(default_factory=dict)
     #: pack -> {offset: stored length} of the chunks the step's parts use in it
     extents: dict[str, dict[int, int]] = field(default_factory=dict)
+    #: the checkpoint's own size, all parts (0 for parts read before: see ``known``)
+    bytes_raw: int = 0
     has_marker: bool = False
     complete: bool = False
     created: float = 0.0  # unix time of the newest part's manifest
@@ -124,6 +126,7 @@ async def take_inventory(
                 ) from exc
         entry = steps[(job, step)]
         entry.parts[node] = frozenset(manifest.packs)
+        entry.bytes_raw += manifest.bytes_raw
         for chunk in manifest.all_chunks():
             entry.extents.setdefault(manifest.packs[chunk.pack], {})[chunk.offset] = chunk.stored
         entry.created = max(entry.created, created)
