@@ -165,6 +165,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--expected-nodes", default="", help="nodes whose parts make a step complete")
     p.add_argument("--deep-verify", action="store_true", help="re-hash demoted steps first")
+    p.add_argument(
+        "--repack-min-dead",
+        type=_fraction,
+        default=0.2,
+        help="copy the live chunks out of packs with at least this fraction dead (default "
+        "0.2); delta chunks whose base expired are stored whole either way",
+    )
+    p.add_argument(
+        "--no-repack",
+        action="store_true",
+        help="free whole packs only: no re-encoding, no copying (space stays in kept packs)",
+    )
     p.add_argument("--dry-run", action="store_true", help="print the plan; change nothing")
     _add_store_args(p)
 
@@ -444,6 +456,7 @@ async def _cmd_retention(store: Store, args: argparse.Namespace) -> tuple[dict[s
 
     from transfer.engine.catalog import open_catalog
     from transfer.retention import Tier, TierPolicy, apply_plan, make_plan
+    from transfer.retention.repack import RepackPolicy
     from transfer.store import StoreOptions, open_store
 
     policy = TierPolicy(args.keep_last, args.keep_every, args.max_age, args.budget)
@@ -465,6 +478,7 @@ async def _cmd_retention(store: Store, args: argparse.Namespace) -> tuple[dict[s
             expected_nodes=nodes,
             deep_verify=args.deep_verify,
             dry_run=args.dry_run,
+            repacking=None if args.no_repack else RepackPolicy(args.repack_min_dead),
         )
     finally:
         if colder is not None:
@@ -474,6 +488,13 @@ async def _cmd_retention(store: Store, args: argparse.Namespace) -> tuple[dict[s
     if errors:
         raise _VerifyFailed(doc, plan.table())
     return doc, plan.table()
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be within (0, 1], got {value}")
+    return value
 
 
 def _positive_int(text: str) -> int:

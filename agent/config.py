@@ -26,6 +26,7 @@ from transfer.engine import TransferOptions
 from transfer.errors import FerryError, FormatError
 from transfer.format.names import check_name
 from transfer.retention import TierPolicy, parse_duration, parse_size
+from transfer.retention.repack import RepackPolicy
 
 MiB = 1 << 20
 _Q = TypeVar("_Q", int, float)
@@ -78,6 +79,10 @@ class RetentionSettings:
     #: unreferenced packs live this long before GC deletes them; must exceed the longest push
     grace_seconds: float = 3600.0
     deep_verify: bool = False
+    #: after expiring, store delta chunks whose base expired whole and copy live chunks out
+    #: of packs at least ``repack_min_dead`` dead (transfer/retention/repack.py)
+    repack: bool = True
+    repack_min_dead: float = 0.2
     #: the hot dir keeps at least this many committed steps per job (at least 2: the newest
     #: may still be in use by training or be the base of the next push)
     hot_keep_last: int = 2
@@ -86,6 +91,9 @@ class RetentionSettings:
     hot_min_free_bytes: int | None = None
     #: one policy per entry of ``tiers``, in order; tiers beyond the list keep everything
     tiers: tuple[TierPolicy, ...] = ()
+
+    def repack_policy(self) -> RepackPolicy | None:
+        return RepackPolicy(self.repack_min_dead) if self.repack else None
 
     def tier_policy(self, index: int) -> TierPolicy:
         return self.tiers[index] if index < len(self.tiers) else TierPolicy()
@@ -182,6 +190,8 @@ _RETENTION_KEYS: dict[str, type] = {
     "interval_seconds": float,
     "grace_seconds": float,
     "deep_verify": bool,
+    "repack": bool,
+    "repack_min_dead": float,
     "hot_keep_last": int,
     "hot_budget": object,  # a size: bytes, or a string like "800GB"
     "hot_min_free": object,
@@ -342,6 +352,8 @@ def _retention(raw: object, env: Mapping[str, str], n_tiers: int) -> RetentionSe
         ),
         grace_seconds=_seconds("retention.grace_seconds", values.get("grace_seconds", 3600.0)),
         deep_verify=bool(values.get("deep_verify", False)),
+        repack=bool(values.get("repack", True)),
+        repack_min_dead=_fraction("retention.repack_min_dead", values.get("repack_min_dead", 0.2)),
         hot_keep_last=hot_keep_last,
         hot_budget_bytes=_quantity("retention.hot_budget", budget, parse_size) if budget else None,
         hot_min_free_bytes=(
@@ -449,6 +461,13 @@ def _seconds(key: str, value: object) -> float:
     assert isinstance(value, float)  # checked by _check
     if not 0.0 <= value < float("inf"):
         raise ConfigError(f"{key}: must be a non-negative number of seconds, got {value}")
+    return value
+
+
+def _fraction(key: str, value: object) -> float:
+    assert isinstance(value, float)  # checked by _check
+    if not 0.0 < value <= 1.0:
+        raise ConfigError(f"{key}: must be a fraction in (0, 1], got {value}")
     return value
 
 
@@ -574,6 +593,8 @@ memory_mib = 0   # cap on transfer buffers (shrinks window); 0: none
 interval_seconds = 600
 grace_seconds = 3600        # unreferenced packs wait this long; must exceed a push
 deep_verify = false         # re-hash a step in the next tier before it leaves this one
+repack = true               # store deltas whose base expired whole; empty mostly-dead packs
+repack_min_dead = 0.2       # ... packs with at least this fraction of dead bytes
 hot_keep_last = 2           # committed steps kept per job in hot_dir (at least 2)
 # hot_budget = "800GB"      # evict older steps (already in a colder tier) beyond this
 # hot_min_free = "100GB"    # ... and while the hot filesystem has less free than this

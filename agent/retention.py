@@ -117,6 +117,7 @@ class RetentionRunner:
                     holder=f"agent-{self.node}",
                     deep_verify=self.settings.deep_verify,
                     dry_run=dry_run,
+                    repacking=self.settings.repack_policy(),
                 )
                 report["tiers"] = plan.to_dict()["tiers"]
                 errors = [e for t in plan.tiers for e in t.errors]

@@ -9,6 +9,7 @@ import secrets
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from tests.faultproxy import FaultProxy
@@ -112,6 +113,31 @@ def make_checkpoint(root: Path, *, seed: int = 0, shard_bytes: int = 3_000_000) 
     write_file(root / "extra" / "empty.bin", b"")
     write_file(root / "extra" / "deep" / "notes.txt", b"hello\n" * 100)
     return root
+
+
+def adamw_series(
+    root: Path, saves: int, *, frozen: float = 0.0, seed: int = 0, mib: int = 3
+) -> list[Path]:
+    """DCP-shaped checkpoints: weights + two moments, updated a little between saves;
+    ``frozen`` is the fraction of weights (and their moments) that never change."""
+    rng = np.random.default_rng(seed)
+    n = mib * (1 << 20) // 4  # mib MiB per tensor
+    w = rng.normal(0, 0.02, n).astype(np.float32)
+    m = rng.normal(0, 1e-4, n).astype(np.float32)
+    v = np.abs(rng.normal(0, 1e-8, n)).astype(np.float32)
+    live = np.arange(n) >= int(n * frozen)
+    dirs = []
+    for k in range(saves):
+        d = root / f"step_{(k + 1) * 20:06d}"
+        write_file(d / "__0_0.distcp", w.tobytes() + m.tobytes())
+        write_file(d / "__1_0.distcp", v.tobytes())
+        write_file(d / ".metadata", b"dcp")
+        dirs.append(d)
+        g = rng.normal(0, 1e-3, n).astype(np.float32)
+        m = np.where(live, 0.9 * m + 0.1 * g, m).astype(np.float32)
+        v = np.where(live, 0.999 * v + 0.001 * g * g, v).astype(np.float32)
+        w = np.where(live, w - 3e-5 * m / (np.sqrt(v) + 1e-8) * 1e-2, w).astype(np.float32)
+    return dirs
 
 
 def tree_bytes(root: Path) -> dict[str, bytes]:

@@ -24,8 +24,7 @@ from agent.cli import main as ferry
 from agent.client import FerryClient, RpcError
 from agent.config import load_config
 from agent.rpc import create_app
-from tests.conftest import tree_bytes
-from tests.test_delta import adamw_series
+from tests.conftest import adamw_series, tree_bytes
 from transfer.engine import TransferOptions, push
 from transfer.store import open_store
 

@@ -15,9 +15,8 @@ from aiohttp import web
 
 from agent.cli import main as ferry
 from agent.client import FerryClient
-from tests.conftest import make_checkpoint, open_test_store, tree_bytes
+from tests.conftest import adamw_series, make_checkpoint, open_test_store, tree_bytes
 from tests.test_agent_rpc import TOKEN, DyingProxy, agent, prefetch_through, push_series
-from tests.test_delta import adamw_series
 from transfer.engine.catalog import load_manifest
 from transfer.format.layout import pack_key
 

@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agent.cli import main as ferry
-from tests.conftest import open_test_store, tree_bytes, write_file
+from tests.conftest import adamw_series, open_test_store, tree_bytes
 from transfer.codec import KNOWN_ENCODINGS, decode, encode, encode_as, needs_base
 from transfer.engine import TransferOptions, pull, push
 from transfer.engine.catalog import list_checkpoints, load_manifest
@@ -74,29 +74,6 @@ def test_random_data_costs_at_most_one_percent_over_raw() -> None:
 
 
 # --- a synthetic AdamW-like series -------------------------------------------------------
-
-
-def adamw_series(root: Path, saves: int, *, frozen: float = 0.0, seed: int = 0) -> list[Path]:
-    """DCP-shaped checkpoints: weights + two moments, updated a little between saves;
-    ``frozen`` is the fraction of weights (and their moments) that never change."""
-    rng = np.random.default_rng(seed)
-    n = 3 * MiB // 4  # 3 MiB per tensor
-    w = rng.normal(0, 0.02, n).astype(np.float32)
-    m = rng.normal(0, 1e-4, n).astype(np.float32)
-    v = np.abs(rng.normal(0, 1e-8, n)).astype(np.float32)
-    live = np.arange(n) >= int(n * frozen)
-    dirs = []
-    for k in range(saves):
-        d = root / f"step_{(k + 1) * 20:06d}"
-        write_file(d / "__0_0.distcp", w.tobytes() + m.tobytes())
-        write_file(d / "__1_0.distcp", v.tobytes())
-        write_file(d / ".metadata", b"dcp")
-        dirs.append(d)
-        g = rng.normal(0, 1e-3, n).astype(np.float32)
-        m = np.where(live, 0.9 * m + 0.1 * g, m).astype(np.float32)
-        v = np.where(live, 0.999 * v + 0.001 * g * g, v).astype(np.float32)
-        w = np.where(live, w - 3e-5 * m / (np.sqrt(v) + 1e-8) * 1e-2, w).astype(np.float32)
-    return dirs
 
 
 def push_json(capsys: pytest.CaptureFixture[str], *argv: str) -> dict:  # type: ignore[type-arg]

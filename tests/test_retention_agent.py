@@ -20,9 +20,8 @@ from agent.client import FerryClient
 from agent.holds import StepHolds
 from agent.hotretention import EVICTING_MARK, plan_hot, sweep_evictions
 from agent.journal import Journal
-from tests.conftest import open_test_store
+from tests.conftest import adamw_series, open_test_store
 from tests.test_agent_rpc import TOKEN, agent
-from tests.test_delta import adamw_series
 from transfer.engine import list_checkpoints
 
 JOB = "llm"

@@ -25,6 +25,7 @@ from transfer.engine.catalog import list_checkpoints, open_catalog
 from transfer.format import layout
 from transfer.retention import Tier, TierPolicy, apply_plan, make_plan, pin, take_inventory, unpin
 from transfer.retention.plan import EXPIRE, delete_step
+from transfer.retention.repack import RepackPolicy
 from transfer.store.local import LocalStore
 
 JOB, NODE = "m", "n0"
@@ -121,12 +122,13 @@ class RetentionMachine(RuleBasedStateMachine):
                 break
         self.check_retained_steps_pull_byte_exact()
 
-    @rule()
-    def retention(self) -> None:
+    @rule(repacking=st.booleans())
+    def retention(self, repacking: bool) -> None:
         tiers = self._tiers()
         before = [self._committed(t) for t in (0, 1)]
         plan = self.run(make_plan(tiers, now=time.time()))
-        self.run(apply_plan(plan, tiers, grace_s=0.0, holder="model"))
+        policy = RepackPolicy(min_dead=0.2, options=OPTS) if repacking else None
+        self.run(apply_plan(plan, tiers, grace_s=0.0, holder="model", repacking=policy))
         assert [t.errors for t in plan.tiers] == [[], []]
         after = [self._committed(t) for t in (0, 1)]
         # a step that left the hot tier is in the cold tier, or the cold policy drops it

@@ -35,11 +35,12 @@ RENEW_SECONDS = 30.0
 POLL_SECONDS = 1.0
 
 
-def _me() -> dict[str, object]:
+def holder_identity() -> dict[str, object]:
+    """Who holds a lease: this host and process (a lease of a dead one is broken at once)."""
     return {"host": socket.gethostname(), "pid": os.getpid()}
 
 
-def _alive(holder: dict[str, object]) -> bool:
+def holder_alive(holder: dict[str, object]) -> bool:
     """False only when the holder is known dead: a process of this host that is gone."""
     if holder.get("host") != socket.gethostname() or not isinstance(holder.get("pid"), int):
         return True
@@ -57,7 +58,7 @@ async def push_lease(store: Store, job: str, step: int, node: str) -> AsyncItera
     """Hold the push lease of (job, step, node) in ``store`` for the body, waiting while a
     live push holds it."""
     key = push_lock_key(job, step, node)
-    me = _me()
+    me = holder_identity()
     told = False
     while True:
         doc = json.dumps({**me, "expires_at": time.time() + LEASE_SECONDS}).encode()
@@ -73,7 +74,7 @@ async def push_lease(store: Store, job: str, step: int, node: str) -> AsyncItera
                 )
                 < time.time()
             )
-            if expired or not _alive(holder):
+            if expired or not holder_alive(holder):
                 log.warning("breaking the push lease of %s (%s)", holder, key)
                 await store.delete(key)
                 continue
@@ -105,7 +106,7 @@ async def running_pushes(store: Store) -> int:
         holder = await _read(store, obj.key)
         expires = holder.get("expires_at", now + LEASE_SECONDS)
         if not isinstance(expires, (int, float)) or expires > now:
-            count += _alive(holder)
+            count += holder_alive(holder)
     return count
 
 

@@ -28,7 +28,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field
 
-from transfer.engine.pushlease import running_pushes
+from transfer.engine.pushlease import holder_alive, holder_identity, running_pushes
 from transfer.errors import AlreadyExistsError, FerryError, NotFoundError
 from transfer.format import layout
 from transfer.retention.inventory import Inventory, RetentionError, take_inventory
@@ -67,7 +67,9 @@ async def gc_lease(store: Store, holder: str, now: float | None = None) -> Async
     """Hold the store's retention lease for the body; raise GcBusyError if a live run has it."""
     token = f"{holder}-{secrets.token_hex(4)}"
     started = time.time() if now is None else now
-    doc = json.dumps({"holder": token, "expires_at": started + LEASE_SECONDS}).encode()
+    doc = json.dumps(
+        {"holder": token, "expires_at": started + LEASE_SECONDS, **holder_identity()}
+    ).encode()
     for _ in range(2):
         try:
             await store.put(layout.GC_LOCK_KEY, doc, create_only=True)
@@ -75,12 +77,14 @@ async def gc_lease(store: Store, holder: str, now: float | None = None) -> Async
         except AlreadyExistsError:
             other = await _read_json(store, layout.GC_LOCK_KEY)
             expires = other.get("expires_at")
-            if isinstance(expires, (int, float)) and expires > started:  # garbled: break it
+            # garbled, expired, or held by a dead process of this host (a killed run): break it
+            if isinstance(expires, (int, float)) and expires > started and holder_alive(other):
                 raise GcBusyError(
                     f"{store.url}: retention is already running ({other.get('holder')!r} "
                     f"holds {layout.GC_LOCK_KEY}); try again later"
                 ) from None
-            log.warning("breaking the expired retention lease of %r", other.get("holder"))
+            log.warning("breaking the retention lease of %r (expired, or its process is gone)",
+                        other.get("holder"))  # fmt: skip
             await store.delete(layout.GC_LOCK_KEY)
     else:
         raise GcBusyError(f"{store.url}: lost the race for {layout.GC_LOCK_KEY}; try again")

@@ -27,6 +27,7 @@ from transfer.retention.policy import (
     format_size,
     select,
 )
+from transfer.retention.repack import RepackPolicy, RepackResult, repack
 from transfer.store.base import Store
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,7 @@ class TierPlan:
     #: filled in by apply_plan
     errors: list[str] = field(default_factory=list)
     gc: GcResult | None = None
+    repack: RepackResult | None = None
     done: list[StepAction] = field(default_factory=list)
 
     def count(self, action: str) -> int:
@@ -77,6 +79,7 @@ class TierPlan:
     def to_dict(self) -> dict[str, object]:
         doc = asdict(self)
         doc["gc"] = self.gc.to_dict() if self.gc else None
+        doc["repack"] = self.repack.to_dict() if self.repack else None
         return doc
 
 
@@ -101,6 +104,15 @@ class RetentionPlan:
             )
             for a in t.actions:
                 lines.append(f"  {a.job:<20} {a.step:>10}  {a.action:<7} {a.reason}")
+            if t.repack is not None and (t.repack.chunks_reencoded or t.repack.chunks_moved):
+                r = t.repack
+                verb = "would re-encode" if r.dry_run else "re-encoded"
+                lines.append(
+                    f"  repack: {verb} {r.chunks_reencoded} delta chunks whose base expired, "
+                    f"moved {r.chunks_moved} chunks ({format_size(r.bytes_moved)}) out of "
+                    f"mostly-dead packs; {len(r.packs_vacated)} packs "
+                    f"({format_size(r.bytes_vacated)}) left to GC"
+                )
             if t.gc is not None:
                 g = t.gc
                 verb = "would delete" if g.dry_run else "deleted"
@@ -198,12 +210,18 @@ async def apply_plan(
     expected_nodes: Sequence[str] = (),
     deep_verify: bool = False,
     dry_run: bool = False,
+    repacking: RepackPolicy | None = None,
 ) -> RetentionPlan:
     """Carry the plan out, tier by tier under each store's lease; errors are collected per
-    tier (a failed demotion keeps its step) rather than stopping the other tiers."""
+    tier (a failed demotion keeps its step) rather than stopping the other tiers.
+    ``repacking``: after the expiries, compact chains and repack (``repack.py``)."""
     for i, (tier, tplan, inv) in enumerate(zip(tiers, plan.tiers, plan.inventories, strict=True)):
         released = frozenset(inv.referenced())  # before this run's expiries
         if dry_run:
+            if repacking is not None:
+                tplan.repack = await repack(
+                    tier.store, _without(inv, tplan), repacking, dry_run=True
+                )
             tplan.gc = await collect_garbage(
                 tier.store,
                 _without(inv, tplan),
@@ -226,6 +244,8 @@ async def apply_plan(
                     await delete_step(tier.store, inv, action.job, action.step)
                     tplan.done.append(action)
                 await drop_expired_pins(tier.store, plan.now)
+                if repacking is not None:
+                    tplan.repack = await repack(tier.store, inv, repacking)
                 tplan.gc = await collect_garbage(
                     tier.store,
                     inv,
