@@ -35,6 +35,11 @@ CATALOG: dict[str, tuple[str, str]] = {
     "ferry_gc_deleted_packs_total": (COUNTER, "packs deleted by GC"),
     "ferry_gc_freed_bytes_total": (COUNTER, "bytes freed by GC"),
     "ferry_gc_marked_packs": (GAUGE, "unreferenced packs waiting out the grace period"),
+    "ferry_repack_moved_bytes_total": (COUNTER, "live bytes copied out of mostly-dead packs"),
+    "ferry_repack_reencoded_chunks_total": (
+        COUNTER,
+        "delta chunks stored again whole because their base expired",
+    ),
     "ferry_retention_errors": (GAUGE, "errors in the last run (see GET /v1/retention)"),
     "ferry_journal_rows": (GAUGE, "rows in the push journal"),
 }

@@ -149,6 +149,12 @@ class RetentionRunner:
             for a in t.done:
                 event(log, "tier_" + a.action, tier=t.url, job=a.job, step=a.step,
                       reason=a.reason)  # fmt: skip
+            if t.repack is not None and t.repack.parts_rewritten:
+                r = t.repack
+                event(log, "repack", tier=t.url, parts=r.parts_rewritten, moved=r.bytes_moved,
+                      reencoded=r.chunks_reencoded, packs_vacated=len(r.packs_vacated))  # fmt: skip
+                m.inc("ferry_repack_moved_bytes_total", r.bytes_moved, tier=t.url)
+                m.inc("ferry_repack_reencoded_chunks_total", r.chunks_reencoded, tier=t.url)
             if t.gc is not None and t.gc.deleted_packs:
                 event(log, "gc", tier=t.url, packs_deleted=len(t.gc.deleted_packs),
                       bytes_freed=t.gc.freed_bytes)  # fmt: skip
