@@ -25,7 +25,7 @@ from agent.holdings import local_checkpoints
 from agent.holds import StepHolds
 from agent.logs import event
 from agent.metrics import Metrics
-from agent.peers import HotIndex, PeerSource, read_verified
+from agent.peers import ENCODING_HEADER, HotIndex, PeerSource, encode_for_peer
 from agent.prefetch import FINAL, Prefetcher, State
 from agent.pushqueue import PushQueue, is_complete, latest_complete_step
 from agent.retention import RetentionRunner
@@ -201,18 +201,21 @@ async def delete_prefetch(request: web.Request) -> web.Response:
 
 
 async def get_chunk(request: web.Request) -> web.Response:
-    """A chunk's raw bytes from this node's hot data, for peer agents (hash-checked first)."""
+    """A chunk from this node's hot data, for peer agents (hash-checked first): raw, or
+    encoded against ``?base=<chunk id>`` when this node holds that chunk too."""
     cid = request.match_info["id"]
-    if not is_chunk_id(cid):
+    base = request.query.get("base")
+    if not is_chunk_id(cid) or (base is not None and not is_chunk_id(base)):
         raise ValueError("not a chunk id")
-    index = request.app[HOT_INDEX]
-    where = await index.locate(cid)
-    data = await asyncio.to_thread(read_verified, where, cid) if where else None
-    if data is None:
-        index.forget(cid)
+    level = request.app[CONFIG].transfer_options().zstd_level
+    found = await encode_for_peer(request.app[HOT_INDEX], cid, base, level)
+    if found is None:
         raise web.HTTPNotFound(reason="this node does not hold that chunk")
-    request.app[METRICS].inc("ferry_bytes_total", len(data), direction="out", source="peer")
-    return web.Response(body=data, content_type="application/octet-stream")
+    enc, payload = found
+    request.app[METRICS].inc("ferry_bytes_total", len(payload), direction="out", source="peer")
+    return web.Response(
+        body=payload, content_type="application/octet-stream", headers={ENCODING_HEADER: enc}
+    )
 
 
 async def get_pushes(request: web.Request) -> web.Response:

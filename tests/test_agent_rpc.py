@@ -403,6 +403,40 @@ def test_prefetch_prefers_peers_and_survives_a_peer_dying(local_url: str, tmp_pa
     asyncio.run(go())
 
 
+def test_a_peer_sends_deltas_against_what_the_node_holds(local_url: str, tmp_path: Path) -> None:
+    """Issue 12: node B holds step 20 and asks peer A (holding 20 and 40) for step 40. Every
+    chunk changed (all weights and Adam moments move), so raw chunks from the peer would
+    move ~2.3x what the tier's deltas do; the peer now sends deltas against B's chunks, and
+    B moves no more than 1.1x what node C, holding 20 with no peer, reads from the tier."""
+    hot_a = tmp_path / "node-a"
+    k20, k40 = adamw_series(hot_a / "llm", 2, seed=12)
+
+    async def prefetch(client: FerryClient, step: int) -> dict:  # type: ignore[type-arg]
+        done = await client.wait_prefetch(await client.prefetch("llm", step), within_s=60)
+        assert done["state"] == "ready", done
+        return done
+
+    async def go() -> None:
+        await push_series(local_url, [k20, k40])
+        async with peer_agent(hot_a, [local_url], [], "a") as url_a:
+            node_c = peer_agent(tmp_path / "c", [local_url], [], "c")
+            async with node_c as url_c, FerryClient(url_c, TOKEN) as c:
+                await prefetch(c, 20)
+                alone = await prefetch(c, 40)
+            from_tier = alone["bytes_by_source"][f"tier:{local_url}"]
+            node_b = peer_agent(tmp_path / "b", [local_url], [url_a], "b")
+            async with node_b as url_b, FerryClient(url_b, TOKEN) as b:
+                await prefetch(b, 20)
+                done = await prefetch(b, 40)
+            assert tree_bytes(Path(done["dest"])) == tree_bytes(k40)
+            moved = sum(done["bytes_by_source"].values())
+            assert done["bytes_by_source"]["peer"] > 0.9 * moved  # the peer served it
+            raw = sum(len(v) for v in tree_bytes(k40).values())
+            assert moved <= 1.1 * from_tier < 0.8 * raw, (moved, from_tier, raw)
+
+    asyncio.run(go())
+
+
 def test_chunk_route_serves_only_verified_local_chunks(local_url: str, tmp_path: Path) -> None:
     hot_a = tmp_path / "node-a"
     (k0,) = adamw_series(hot_a / "llm", 1, seed=8)

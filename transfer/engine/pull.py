@@ -183,8 +183,15 @@ async def pull(
             sourced: dict[str, int] = {}
             if chunk_source is not None:
                 todo = [cid for cid in targets if cid not in local]
+                held = _held_at(base_manifests) if base_dir is not None else {}
                 sourced = await _from_source(
-                    chunk_source, resolver, index, todo, write, options.window
+                    chunk_source,
+                    resolver,
+                    index,
+                    todo,
+                    write,
+                    options.window,
+                    lambda cid: _local_base(base_dir, held, hints[cid], cid),
                 )
             fetched = [
                 s
@@ -226,7 +233,18 @@ async def pull(
     )
 
 
-ChunkSource = Callable[[StoredChunk], Awaitable[bytes | None]]
+@dataclass(frozen=True)
+class LocalBase:
+    """What this node holds at a chunk's position in ``base_dir`` (the previous step's
+    chunk, usually): a chunk source may send the chunk as a delta against it."""
+
+    id: str
+    data: bytes  # unverified: the decoded chunk's own hash check covers it
+
+
+#: asked for a chunk (and told what base this node holds for it, if any); returns the
+#: chunk's raw bytes and how many bytes it moved to get them, or None
+ChunkSource = Callable[[StoredChunk, LocalBase | None], Awaitable[tuple[bytes, int] | None]]
 
 
 async def _manifests_named_by(store: Store, job: str, base_dir: Path) -> list[Manifest] | None:
@@ -250,9 +268,11 @@ async def _from_source(
     ids: list[str],
     write: Callable[[StoredChunk, Buffer], None],
     window: int,
+    local_base: Callable[[str], LocalBase | None],
 ) -> dict[str, int]:
-    """Ask ``source`` for each chunk; write the ones whose bytes hash right. Returns
-    {chunk id: bytes} of those it supplied; failures just leave a chunk to the store."""
+    """Ask ``source`` for each chunk (offering what this node holds at its position, so a
+    peer can send a delta); write the ones whose bytes hash right. Returns {chunk id: bytes
+    moved} of those it supplied; failures just leave a chunk to the store."""
     supplied: dict[str, int] = {}
     loop = asyncio.get_running_loop()
     todo = iter(ids)
@@ -267,16 +287,44 @@ async def _from_source(
         for cid in todo:
             chunk = index.get(cid)
             assert chunk is not None
-            data = await source(chunk)
-            if data is not None and await loop.run_in_executor(
-                resolver.pool, check_and_write, chunk, data
+            base = await loop.run_in_executor(resolver.pool, local_base, cid)
+            got = await source(chunk, base)
+            if got is not None and await loop.run_in_executor(
+                resolver.pool, check_and_write, chunk, got[0]
             ):
-                supplied[cid] = len(data)
+                supplied[cid] = got[1]
 
     async with asyncio.TaskGroup() as tasks:
         for _ in range(min(window, len(ids))):
             tasks.create_task(worker())
     return supplied
+
+
+def _held_at(base_manifests: list[Manifest] | None) -> dict[tuple[str, int], tuple[str, int]]:
+    """(path, offset) -> (chunk id, size) of what base_dir holds there, per its manifests."""
+    if not base_manifests:
+        return {}
+    return {
+        (f.path, offset): (c.id, c.size)
+        for f, _ in merge_parts(base_manifests)
+        for offset, c in f.chunk_offsets()
+    }
+
+
+def _local_base(
+    root: Path | None,
+    held: dict[tuple[str, int], tuple[str, int]],
+    hint: tuple[str, int],
+    cid: str,
+) -> LocalBase | None:
+    """The chunk base_dir holds at ``cid``'s position, read (in a worker thread)."""
+    there = held.get(hint)
+    if root is None or there is None or there[0] == cid:
+        return None
+    buf = bytearray(there[1])
+    return (
+        LocalBase(there[0], bytes(buf)) if read_local_into(root, *hint, memoryview(buf)) else None
+    )
 
 
 def _same_position(
@@ -288,12 +336,8 @@ def _same_position(
     known, those it holds at the position where we would look."""
     if base_manifests is None:
         return list(targets)
-    held = {
-        (f.path, offset): c.id
-        for f, _ in merge_parts(base_manifests)
-        for offset, c in f.chunk_offsets()
-    }
-    return [cid for cid in targets if held.get(hints[cid]) == cid]
+    held = _held_at(base_manifests)
+    return [cid for cid in targets if held.get(hints[cid], ("",))[0] == cid]
 
 
 async def _reuse_local(
