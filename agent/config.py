@@ -126,6 +126,12 @@ class AgentConfig:
     retention: RetentionSettings | None = None
     #: agent log lines: "text" or "json" (agent/logs.py)
     log_format: str = "text"
+    #: jobs this node replicates each new durable step of, in the background (also
+    #: ``PUT /v1/standby/{job}``): agent/standby.py
+    standby_jobs: tuple[str, ...] = ()
+    standby_poll_seconds: float = 5.0
+    #: cap on a standby replication's bytes per second (0: none)
+    standby_max_rate: int = 250_000_000
     #: where each key set by the operator came from: "file" or "env FERRY_..."
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
 
@@ -175,6 +181,9 @@ _TOP_KEYS: dict[str, type] = {
     "quiet_seconds": float,
     "state_dir": str,
     "log_format": str,
+    "standby_jobs": list,
+    "standby_poll_seconds": float,
+    "standby_max_rate": object,  # bytes per second, or a size string: "250MB"
 }
 _TRANSFER_KEYS: dict[str, type] = {
     "chunk_size_mib": int,
@@ -258,6 +267,9 @@ def load_config(
         transfer=transfer,
         retention=_retention(retention_raw, env, len(top.get("tiers") or [])),  # type: ignore[arg-type]
         log_format=_one_of("log_format", top.get("log_format", "text"), ("text", "json")),
+        standby_jobs=tuple(_name("standby_jobs", j) for j in _strs(top.get("standby_jobs"))),
+        standby_poll_seconds=_seconds("standby_poll_seconds", top.get("standby_poll_seconds", 5.0)),
+        standby_max_rate=_rate(top.get("standby_max_rate", AgentConfig.standby_max_rate)),
         sources=sources,
     )
     _parse_listen(config.listen)
@@ -437,6 +449,13 @@ def _host_name() -> str:
     return socket.gethostname().split(".")[0] or "node"
 
 
+def _rate(value: object) -> int:
+    """standby_max_rate: bytes per second, or 0 for no cap."""
+    if value in (0, "0"):
+        return 0
+    return _quantity("standby_max_rate", value, parse_size)
+
+
 def _name(kind: str, value: object) -> str:
     try:
         return check_name(kind, value)
@@ -576,6 +595,12 @@ quiet_seconds = 2.0
 # state_dir = "ckpt/hot/.ferry"
 # Log lines: "text", or "json" for a log shipper.
 log_format = "text"
+# Jobs whose every new durable step this node copies in the background, so a prefetch at
+# scale-down finds it here (the scheduler can also register: PUT /v1/standby/<job>).
+standby_jobs = []
+standby_poll_seconds = 5.0
+# Cap on that background copy, per second ("250MB", bytes; 0: none).
+standby_max_rate = "250MB"
 
 [transfer]
 chunk_size_mib = 4

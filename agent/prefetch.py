@@ -30,12 +30,15 @@ from transfer.engine import TransferOptions, pull, resolve_manifests
 from transfer.engine.estimate import BandwidthMeter
 from transfer.engine.localcheck import local_copy_differences
 from transfer.engine.pull import ChunkSource, merge_parts, sweep_stale_staging
+from transfer.engine.ratelimit import RateLimit
+from transfer.engine.scan import SourceFile, check_unchanged, scan_checkpoint
 from transfer.engine.settle import STAGING_MARK, settle
 from transfer.errors import (
     CheckpointNotFoundError,
     DestinationError,
     FerryError,
     IntegrityError,
+    SourceChangedError,
     StoreError,
 )
 from transfer.format.manifest import Manifest
@@ -79,8 +82,11 @@ class PrefetchJob:
     eta_rate: float = 0.0  # bytes/s used for the ETA (measured average of the source)
     chunks_local: int = 0  # chunks rebuilt from a checkpoint this node already held
     #: how a ready prefetch was satisfied: "held" (the step was here already, checked),
+    #: "replica" (a standby replication put it here: unchanged since it was verified),
     #: "filled_in" (this node's part was here; the others were added) or "restored"
     satisfied_by: str | None = None
+    #: a standby's replication (agent/standby.py): rate-capped, never the scheduler's wait
+    background: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         remaining = max(self.bytes_total - self.bytes_done, 0)
@@ -96,6 +102,7 @@ class PrefetchJob:
             "bytes_by_source": dict(self.bytes_by_source),
             "chunks_local": self.chunks_local,
             "satisfied_by": self.satisfied_by,
+            "background": self.background,
             "eta_seconds": eta,
             "dest": self.dest,
             "error": self.error,
@@ -135,8 +142,14 @@ class Prefetcher:
         expected_nodes: tuple[str, ...] = (),
         holds: StepHolds | None = None,
         pin_holder: str | None = None,
+        background_rate: float | None = None,
     ) -> None:
         self.expected_nodes = expected_nodes
+        #: the cap on a background (standby) prefetch's bytes per second
+        self.background_limit = RateLimit(background_rate) if background_rate else None
+        #: what each restore made here looked like once verified (sizes, mtimes, inodes): a
+        #: later prefetch of it that finds it unchanged need not re-hash it
+        self._restored: dict[tuple[str, int], tuple[list[SourceFile], bool]] = {}
         #: steps this prefetch writes or reads as a base: hot retention leaves them alone
         self.holds = holds or StepHolds()
         #: when set, the step is pinned in the tier's store while it is pulled from there,
@@ -168,8 +181,10 @@ class Prefetcher:
                 log.warning("removed %s: restored before the last reboot, never flushed", torn)
         return [gone for d in jobs for gone in sweep_stale_staging(d)]
 
-    def submit(self, job: str, step: int | None, deadline_s: float | None) -> PrefetchJob:
-        record = PrefetchJob(secrets.token_hex(8), job, step, deadline_s)
+    def submit(
+        self, job: str, step: int | None, deadline_s: float | None, *, background: bool = False
+    ) -> PrefetchJob:
+        record = PrefetchJob(secrets.token_hex(8), job, step, deadline_s, background=background)
         self.jobs[record.id] = record
         record.task = asyncio.create_task(self._run(record), name=f"prefetch-{record.id}")
         return record
@@ -295,6 +310,11 @@ class Prefetcher:
             # already here (written by training on this node, or an earlier prefetch):
             # ready only if it is an exact copy; it is never overwritten
             record.dest = str(here.path)
+            if (
+                how := await asyncio.to_thread(self._intact_restore, record, here.path)
+            ) is not None:
+                record.satisfied_by = how  # restored here, verified, untouched since
+                return
             problems = await local_copy_differences(here.path, manifests)
             if any(not p.endswith(": missing") for p in problems):
                 raise DestinationError(
@@ -317,6 +337,27 @@ class Prefetcher:
         with self.holds.hold((record.job, record.step), (record.job, base.step) if base else None):
             await self._restore(record, name, store, dest, base_dir, base_manifests)
         record.satisfied_by = "restored"
+        files = await asyncio.to_thread(scan_checkpoint, dest)
+        self._restored[(record.job, record.step)] = (files, record.background)
+
+    def _intact_restore(self, record: PrefetchJob, here: Path) -> str | None:
+        """ "replica" or "held" when this agent restored ``here`` (verified) and no file of
+        it changed since (size, mtime, inode); None: check it the long way."""
+        assert record.step is not None
+        made = self._restored.get((record.job, record.step))
+        if made is None:
+            return None
+        files, background = made
+        try:
+            check_unchanged(here, files)
+        except SourceChangedError:
+            del self._restored[(record.job, record.step)]
+            return None
+        return "replica" if background else "held"
+
+    def is_replica(self, job: str, step: int) -> bool:
+        """Whether a standby's replication put ``step`` here (this agent's run)."""
+        return self._restored.get((job, step), ([], False))[1]
 
     async def _restore(
         self,
@@ -345,6 +386,7 @@ class Prefetcher:
             base_dir=base,
             base_manifests=base_manifests,
             chunk_source=self.chunk_source,
+            rate_limit=self.background_limit if record.background else None,
         )
         self.meter.record(source, result.bytes_transferred, time.monotonic() - began)
         record.bytes_by_source[source] = result.bytes_transferred

@@ -29,6 +29,7 @@ from agent.peers import ENCODING_HEADER, HotIndex, PeerSource, encode_for_peer
 from agent.prefetch import FINAL, Prefetcher, State
 from agent.pushqueue import PushQueue, is_complete, latest_complete_step
 from agent.retention import RetentionRunner
+from agent.standby import Standby
 from agent.watcher import watch_hot_dir
 from transfer.engine import list_checkpoints, resolve_manifests
 from transfer.engine.catalog import CheckpointInfo, load_manifest, open_catalog
@@ -62,6 +63,7 @@ PUSHQUEUE = web.AppKey("pushqueue", PushQueue)
 HOLDS = web.AppKey("holds", StepHolds)
 RETENTION = web.AppKey("retention", RetentionRunner)
 HOT_INDEX = web.AppKey("hot_index", HotIndex)
+STANDBY = web.AppKey("standby", Standby)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 MAX_PIN_SECONDS = 7 * 24 * 3600
@@ -218,6 +220,25 @@ async def get_chunk(request: web.Request) -> web.Response:
     )
 
 
+async def get_standby(request: web.Request) -> web.Response:
+    """The jobs this node is a standby for, and what it replicated."""
+    standby = request.app[STANDBY]
+    doc = {"node": request.app[CONFIG].node, "jobs": [e.to_dict() for e in standby.jobs.values()]}
+    return web.json_response(doc)
+
+
+async def put_standby(request: web.Request) -> web.Response:
+    """Make this node a standby for a job: each new durable step is copied here at once."""
+    entry = request.app[STANDBY].register(request.match_info["job"])
+    return web.json_response(entry.to_dict())
+
+
+async def delete_standby(request: web.Request) -> web.Response:
+    job = request.match_info["job"]
+    removed = request.app[STANDBY].unregister(job)
+    return web.json_response({"job": job, "removed": removed})
+
+
 async def get_pushes(request: web.Request) -> web.Response:
     """Background pushes of this node's checkpoints: staged, durable per tier, or failed."""
     queue = request.app[PUSHQUEUE]
@@ -241,7 +262,14 @@ async def get_checkpoints(request: web.Request) -> web.Response:
         for c in listed:
             entry = jobs.setdefault(c.job, {}).setdefault(
                 c.step,
-                {"step": c.step, "tiers": [], "nodes": [], "bytes": 0, "local": False},
+                {
+                    "step": c.step,
+                    "tiers": [],
+                    "nodes": [],
+                    "bytes": 0,
+                    "local": False,
+                    "replica": False,
+                },
             )
             if name not in entry["tiers"]:
                 entry["tiers"].append(name)
@@ -249,9 +277,11 @@ async def get_checkpoints(request: web.Request) -> web.Response:
                 entry["nodes"].append(c.node)
                 entry["bytes"] += await _part_size(request.app, name, store, c)
     for job, steps in jobs.items():
+        prefetcher = request.app[PREFETCHER]
         for held in local_checkpoints(config.hot_dir, job, config.commit_marker):
             if held.step in steps:
                 steps[held.step]["local"] = True
+                steps[held.step]["replica"] = prefetcher.is_replica(job, held.step)
         for entry in steps.values():
             # complete = the create-only marker the last node's push wrote (not a count of
             # manifests: a node may still be uploading a part nobody has listed yet)
@@ -451,6 +481,9 @@ def create_app(config: AgentConfig, token: str) -> web.Application:
             web.delete("/v1/pins", delete_pin),
             web.get("/v1/retention", get_retention),
             web.post("/v1/retention/run", post_retention_run),
+            web.get("/v1/standby", get_standby),
+            web.put("/v1/standby/{job}", put_standby),
+            web.delete("/v1/standby/{job}", delete_standby),
         ]
     )
     return app
@@ -477,6 +510,16 @@ async def _resources(app: web.Application):  # type: ignore[no-untyped-def]
         expected_nodes=config.expected_nodes,
         holds=holds,
         pin_holder=f"prefetch-{config.node}",
+        background_rate=config.standby_max_rate or None,
+    )
+    standby = app[STANDBY] = Standby(
+        app[PREFETCHER],
+        tiers,
+        hot_dir=config.hot_dir,
+        commit_marker=config.commit_marker,
+        expected_nodes=config.expected_nodes,
+        poll_seconds=config.standby_poll_seconds,
+        jobs=config.standby_jobs,
     )
     if config.orphan_upload_seconds:
         for name, store in tiers:
@@ -493,7 +536,8 @@ async def _resources(app: web.Application):  # type: ignore[no-untyped-def]
         asyncio.create_task(
             watch_hot_dir(config.hot_dir, config.commit_marker, queue.on_committed, stop=stop),
             name="hot-dir-watcher",
-        )
+        ),
+        asyncio.create_task(standby.loop(stop), name="standby"),
     ]
     if config.retention is not None:
         runner = app[RETENTION] = RetentionRunner(

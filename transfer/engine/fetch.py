@@ -32,6 +32,7 @@ from typing import Any
 from transfer.codec.transforms import Buffer
 from transfer.engine.chunkindex import StoredChunk
 from transfer.engine.errors import first_error
+from transfer.engine.ratelimit import RateLimit
 from transfer.engine.resolver import ChunkResolver, Hint, read_local_into
 from transfer.errors import IntegrityError, NotFoundError, RangeNotSatisfiableError
 from transfer.format.layout import pack_key
@@ -94,6 +95,7 @@ async def fetch_chunks(
     sink: Sink,
     hints: dict[str, Hint] | None = None,
     on_bad: BadChunk | None = None,
+    rate_limit: RateLimit | None = None,
 ) -> None:
     """Fetch, decode and verify every chunk; ``sink(chunk, data)`` runs in a worker thread
     (``data`` may be a view of a reused buffer: consume it before returning).
@@ -105,7 +107,7 @@ async def fetch_chunks(
     if not ranges:
         return
     reader = await asyncio.to_thread(resolver.store.range_reader)
-    fetch = _Fetch(resolver, sink, hints or {}, on_bad)
+    fetch = _Fetch(resolver, sink, hints or {}, on_bad, rate_limit)
     if reader is None:
         await fetch.run_async(ranges, window)
     else:
@@ -130,12 +132,18 @@ class _ThreadBuffers(threading.local):
 
 class _Fetch:
     def __init__(
-        self, resolver: ChunkResolver, sink: Sink, hints: dict[str, Hint], on_bad: BadChunk | None
+        self,
+        resolver: ChunkResolver,
+        sink: Sink,
+        hints: dict[str, Hint],
+        on_bad: BadChunk | None,
+        rate_limit: RateLimit | None = None,
     ) -> None:
         self.resolver = resolver
         self.sink = sink
         self.hints = hints
         self.on_bad = on_bad
+        self.rate_limit = rate_limit
         self.buffers = _ThreadBuffers()
 
     def local_base(self, c: StoredChunk) -> memoryview | None:
@@ -175,6 +183,8 @@ class _Fetch:
     ) -> tuple[int, list[StoredChunk]]:
         """In a reader thread: receive one range and finish what can be finished here.
         Returns (bytes received, chunks left to the loop: their payloads stay in ``buf``)."""
+        if self.rate_limit is not None:
+            self.rate_limit.take(len(buf))
         with self.resolver.clock.timing("receive"):
             got = reader.read_into(pack_key(r.pack_id), r.start, buf)
         view = buf[:got]
@@ -221,6 +231,8 @@ class _Fetch:
 
         async def worker() -> None:
             for r in pending:  # a shared iterator: each range goes to exactly one worker
+                if self.rate_limit is not None:
+                    await self.rate_limit.wait(r.end - r.start)
                 try:
                     blob = await self.resolver.store.get(pack_key(r.pack_id), r.start, r.end)
                 except (NotFoundError, RangeNotSatisfiableError) as exc:

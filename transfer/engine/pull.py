@@ -29,6 +29,7 @@ from transfer.engine.chunkindex import ChunkIndex, StoredChunk
 from transfer.engine.fetch import fetch_chunks
 from transfer.engine.options import TransferOptions
 from transfer.engine.progress import NoProgress, Progress
+from transfer.engine.ratelimit import RateLimit
 from transfer.engine.resolver import ChunkResolver, read_local_into
 from transfer.engine.settle import (
     STAGING_MARK,
@@ -115,6 +116,7 @@ async def pull(
     base_manifests: list[Manifest] | None = None,
     chunk_source: ChunkSource | None = None,
     fsync: bool = False,
+    rate_limit: RateLimit | None = None,
 ) -> PullResult:
     """Restore a checkpoint into ``dest``. ``base_dir``: a local checkpoint of the job (e.g.
     the previous step) whose chunks are reused, after hash verification, instead of being
@@ -127,7 +129,8 @@ async def pull(
     repeat supplies, before the store (e.g. peer agents); what it returns is used only when
     it hashes to the chunk id. ``fsync``: flush every file before the rename (else the
     restore is renamed into place with a durable marker and settled later:
-    transfer/engine/settle.py)."""
+    transfer/engine/settle.py). ``rate_limit``: a cap on the bytes moved per second (from
+    the store and the chunk source)."""
     options = options or TransferOptions()
     progress = progress or NoProgress()
     started = time.monotonic()
@@ -192,6 +195,7 @@ async def pull(
                     write,
                     options.window,
                     lambda cid: _local_base(base_dir, held, hints[cid], cid),
+                    rate_limit,
                 )
             fetched = [
                 s
@@ -205,6 +209,7 @@ async def pull(
                 window=options.window,
                 sink=write,
                 hints=hints,
+                rate_limit=rate_limit,
             )
         await _to_thread_to_the_end(_seal, staging, files, dest, fsync)
     except BaseException:
@@ -269,6 +274,7 @@ async def _from_source(
     write: Callable[[StoredChunk, Buffer], None],
     window: int,
     local_base: Callable[[str], LocalBase | None],
+    rate_limit: RateLimit | None = None,
 ) -> dict[str, int]:
     """Ask ``source`` for each chunk (offering what this node holds at its position, so a
     peer can send a delta); write the ones whose bytes hash right. Returns {chunk id: bytes
@@ -289,6 +295,8 @@ async def _from_source(
             assert chunk is not None
             base = await loop.run_in_executor(resolver.pool, local_base, cid)
             got = await source(chunk, base)
+            if got is not None and rate_limit is not None:
+                await rate_limit.wait(got[1])  # after the fact: the size was not known before
             if got is not None and await loop.run_in_executor(
                 resolver.pool, check_and_write, chunk, got[0]
             ):

@@ -1,0 +1,126 @@
+"""Standby replication (issue 12): a node registered as a standby for a job holds each new
+durable step before the scheduler asks, and a prefetch then finds it at once."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+from agent.client import FerryClient
+from tests.conftest import adamw_series, tree_bytes
+from tests.test_agent_rpc import TOKEN, agent, push_series
+from transfer.engine.ratelimit import RateLimit
+
+FAST = {"FERRY_STANDBY_POLL_SECONDS": "0.1", "FERRY_STANDBY_MAX_RATE": "0"}
+
+
+async def _replicated(client: FerryClient, job: str, step: int) -> dict[str, Any]:
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        doc = await client._call("GET", "/v1/standby")
+        entry = next(e for e in doc["jobs"] if e["job"] == job)
+        if entry["replicated_step"] == step:
+            return entry  # type: ignore[no-any-return]
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"step {step} never replicated: {entry}")
+
+
+async def _prefetch(client: FerryClient, step: int | str = "latest") -> dict[str, Any]:
+    done = await client.wait_prefetch(await client.prefetch("llm", step), within_s=60)
+    assert done["state"] == "ready", done
+    return done
+
+
+def test_a_standby_holds_each_new_step_before_the_scheduler_asks(
+    local_url: str, tmp_path: Path
+) -> None:
+    k20, k40 = adamw_series(tmp_path / "src", 2, seed=21)
+
+    async def go() -> None:
+        await push_series(local_url, [k20])
+        async with (
+            agent(tmp_path / "b", [local_url], "b", extra_env=FAST) as url_b,
+            FerryClient(url_b, TOKEN) as b,
+        ):
+            registered = await b._call("PUT", "/v1/standby/llm")
+            assert registered["job"] == "llm" and registered["source"] == "rpc"
+            await _replicated(b, "llm", 20)
+            await push_series(local_url, [k40])  # a new save becomes durable in the tier
+            entry = await _replicated(b, "llm", 40)
+            last = entry["last_replication"]
+            assert last["background"] and last["satisfied_by"] == "restored"
+            moved = sum(last["bytes_by_source"].values())
+            assert 0 < moved < 0.8 * sum(len(v) for v in tree_bytes(k40).values())  # deltas
+
+            # the scale-down decision: the step is already here, checked in no time
+            done = await _prefetch(b)
+            assert (done["step"], done["satisfied_by"]) == (40, "replica")
+            assert sum(done["bytes_by_source"].values()) == 0
+            assert tree_bytes(Path(done["dest"])) == tree_bytes(k40)
+            listing = await b._call("GET", "/v1/checkpoints")
+            step40 = next(s for s in listing["jobs"]["llm"] if s["step"] == 40)
+            assert step40["local"] and step40["replica"]
+
+            assert (await b._call("DELETE", "/v1/standby/llm"))["removed"]
+            assert (await b._call("GET", "/v1/standby"))["jobs"] == []
+
+        async with (
+            agent(tmp_path / "c", [local_url], "c") as url_c,
+            FerryClient(url_c, TOKEN) as c,
+        ):
+            cold = await _prefetch(c, 40)
+        assert cold["satisfied_by"] == "restored" and done["seconds"] < cold["seconds"]
+
+    asyncio.run(go())
+
+
+def test_a_replica_changed_since_is_checked_the_long_way(local_url: str, tmp_path: Path) -> None:
+    """A standby never serves a torn step: one byte written into its replica after the
+    replication, and the prefetch re-hashes it and refuses it."""
+    (k20,) = adamw_series(tmp_path / "src", 1, seed=22)
+
+    async def go() -> None:
+        await push_series(local_url, [k20])
+        env = {**FAST, "FERRY_STANDBY_JOBS": "llm"}  # from the config, this time
+        async with (
+            agent(tmp_path / "b", [local_url], "b", extra_env=env) as url_b,
+            FerryClient(url_b, TOKEN) as b,
+        ):
+            entry = await _replicated(b, "llm", 20)
+            assert entry["source"] == "config"
+            shard = tmp_path / "b" / "llm" / "step_000020" / "__0_0.distcp"
+            data = bytearray(shard.read_bytes())
+            data[1000] ^= 0xFF
+            await asyncio.to_thread(shard.write_bytes, bytes(data))
+            done = await b.wait_prefetch(await b.prefetch("llm", 20), within_s=60)
+            assert done["state"] == "failed" and "is not the committed checkpoint" in done["error"]
+
+    asyncio.run(go())
+
+
+def test_a_capped_replication_keeps_to_its_rate(local_url: str, tmp_path: Path) -> None:
+    """The cap is a lower bound on the time (sleeps, never gated on the machine's speed)."""
+    (k20,) = adamw_series(tmp_path / "src", 1, seed=23)
+    rate = 20_000_000
+
+    async def go() -> None:
+        await push_series(local_url, [k20])
+        env = {**FAST, "FERRY_STANDBY_MAX_RATE": str(rate)}
+        async with (
+            agent(tmp_path / "b", [local_url], "b", extra_env=env) as url_b,
+            FerryClient(url_b, TOKEN) as b,
+        ):
+            await b._call("PUT", "/v1/standby/llm")
+            last = (await _replicated(b, "llm", 20))["last_replication"]
+            moved = sum(last["bytes_by_source"].values())
+            assert moved > 5_000_000 and last["seconds"] >= 0.8 * moved / rate
+
+    asyncio.run(go())
+
+
+def test_rate_limit_spaces_reservations() -> None:
+    limit = RateLimit(1000.0)
+    waits = [limit.reserve(500) for _ in range(3)]  # each waits for its own bytes too
+    assert 0.45 < waits[0] <= 0.5 and 0.95 < waits[1] <= 1.0 and 1.45 < waits[2] <= 1.5
