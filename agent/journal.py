@@ -33,6 +33,7 @@ from typing import Any
 
 from transfer.engine.chunkindex import StoredChunk
 from transfer.format.names import check_name, check_step
+from transfer.store.base import PartReceipt
 
 STAGED = "staged"
 DURABLE = "durable"
@@ -64,6 +65,16 @@ CREATE TABLE IF NOT EXISTS durable_packs (
     node TEXT NOT NULL,
     tier TEXT NOT NULL,
     chunks TEXT NOT NULL
+);
+-- Receipts of the parts of unfinished packs (what completing them needs): a restarted push
+-- completes the upload with them where ListParts omits part checksums.
+CREATE TABLE IF NOT EXISTS landed_parts (
+    job TEXT NOT NULL,
+    step INTEGER NOT NULL,
+    node TEXT NOT NULL,
+    tier TEXT NOT NULL,
+    pack TEXT NOT NULL,
+    receipt TEXT NOT NULL
 );
 CREATE TABLE IF NOT EXISTS restored (
     job TEXT NOT NULL,
@@ -111,10 +122,11 @@ class Journal:
     def record_durable(self, job: str, step: int, tier: str, result: dict[str, Any]) -> None:
         """The push to ``tier`` committed; ``result`` is ``PushResult.to_dict()``."""
         with self._db:
-            self._db.execute(  # its manifest now references those packs
-                "DELETE FROM durable_packs WHERE job = ? AND step = ? AND node = ? AND tier = ?",
-                (job, step, self.node, tier),
-            )
+            for table in ("durable_packs", "landed_parts"):  # its manifest references them
+                self._db.execute(
+                    f"DELETE FROM {table} WHERE job = ? AND step = ? AND node = ? AND tier = ?",
+                    (job, step, self.node, tier),
+                )
             self._update(
                 job,
                 step,
@@ -145,6 +157,27 @@ class Journal:
             (job, step, self.node, tier),
         )
         return [StoredChunk(*fields) for (doc,) in rows for fields in json.loads(doc)]
+
+    def record_part(
+        self, job: str, step: int, tier: str, pack_id: str, receipt: PartReceipt
+    ) -> None:
+        """A part of an unfinished pack landed: what completing it later needs."""
+        with self._db:
+            self._db.execute(
+                "INSERT INTO landed_parts VALUES (?, ?, ?, ?, ?, ?)",
+                (job, step, self.node, tier, pack_id, json.dumps(receipt)),
+            )
+
+    def landed_parts(self, job: str, step: int, tier: str) -> dict[str, list[PartReceipt]]:
+        rows = self._db.execute(
+            "SELECT pack, receipt FROM landed_parts WHERE job = ? AND step = ? AND node = ? "
+            "AND tier = ?",
+            (job, step, self.node, tier),
+        )
+        found: dict[str, list[PartReceipt]] = {}
+        for pack_id, doc in rows:
+            found.setdefault(pack_id, []).append(json.loads(doc))
+        return found
 
     def record_waiting(self, job: str, step: int, tier: str, reason: str) -> None:
         """Not pushed yet because the checkpoint is still being written: stays ``staged``

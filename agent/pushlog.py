@@ -1,7 +1,8 @@
 """A resume log for ``ferry push`` (the CLI has no agent journal): each pack that becomes
 durable in the store appends one line listing its chunks, so a push killed half way and run
-again reuses those packs instead of uploading them a second time. The log is removed when
-the push commits.
+again reuses those packs instead of uploading them a second time; each part that lands in
+the store appends its receipt (``{"part": [pack id, receipt]}``), so the rerun can complete
+the pack the kill left unfinished. The log is removed when the push commits.
 
 One file per (store, job, step, node, source directory) under ``$XDG_STATE_HOME/ckpt-ferry``
 (default ``~/.local/state/ckpt-ferry``). A torn last line (a kill while appending) is skipped:
@@ -17,6 +18,7 @@ import os
 from pathlib import Path
 
 from transfer.engine.chunkindex import StoredChunk
+from transfer.store.base import PartReceipt
 
 
 def default_state_dir() -> Path:
@@ -38,26 +40,55 @@ class PushLog:
 
     def chunks(self) -> list[StoredChunk]:
         """Chunks of the packs an earlier attempt made durable."""
+        found: list[StoredChunk] = []
+        for doc in self._records():
+            if isinstance(doc, list):
+                try:
+                    found.extend(StoredChunk(*fields) for fields in doc)
+                except TypeError:
+                    continue
+        return found
+
+    def parts(self) -> dict[str, list[PartReceipt]]:
+        """Receipts of the parts an earlier attempt landed, by pack id."""
+        found: dict[str, list[PartReceipt]] = {}
+        for doc in self._records():
+            part = doc.get("part") if isinstance(doc, dict) else None
+            if isinstance(part, list) and len(part) == 2:
+                pack_id, receipt = part
+                if isinstance(pack_id, str) and isinstance(receipt, dict):
+                    found.setdefault(pack_id, []).append(receipt)
+        return found
+
+    def _records(self) -> list[object]:
         try:
             lines = self.path.read_text().splitlines()
         except FileNotFoundError:
             return []
-        found: list[StoredChunk] = []
+        out: list[object] = []
         for line in lines:
             try:
-                found.extend(StoredChunk(*fields) for fields in json.loads(line))
-            except (ValueError, TypeError):
+                out.append(json.loads(line))
+            except ValueError:
                 continue  # torn by a kill while appending
-        return found
+        return out
 
     def append(self, chunks: list[StoredChunk]) -> None:
         """Record one durable pack's chunks (called as each pack completes)."""
+        self._write(json.dumps([dataclasses.astuple(c) for c in chunks]))
+
+    def append_part(self, pack_id: str, receipt: PartReceipt) -> None:
+        """Record one landed part of a pack still being uploaded. Not fsynced (one per part:
+        a kill of the process keeps it; a power cut losing it only costs re-sending a part)."""
+        self._write(json.dumps({"part": [pack_id, receipt]}), durable=False)
+
+    def _write(self, line: str, *, durable: bool = True) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        line = json.dumps([dataclasses.astuple(c) for c in chunks]) + "\n"
         with open(self.path, "a") as fh:
-            fh.write(line)
+            fh.write(line + "\n")
             fh.flush()
-            os.fsync(fh.fileno())
+            if durable:
+                os.fsync(fh.fileno())
 
     def remove(self) -> None:
         self.path.unlink(missing_ok=True)

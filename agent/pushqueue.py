@@ -272,6 +272,10 @@ class PushQueue:
                     on_pack_durable=functools.partial(
                         self.journal.record_packs, item.job, item.step, name
                     ),
+                    resume_parts=self.journal.landed_parts(item.job, item.step, name),
+                    on_part_landed=functools.partial(
+                        self.journal.record_part, item.job, item.step, name
+                    ),
                 )
                 await self._complete_if_all_pushed(store, item.job, item.step)
             except SourceChangedError as exc:  # nothing committed: push it once it settles

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -40,7 +40,7 @@ from transfer.format import layout
 from transfer.format.chunkid import chunk_id
 from transfer.format.manifest import FileEntry, Manifest
 from transfer.format.names import check_name, check_step
-from transfer.store.base import Store
+from transfer.store.base import PartReceipt, Store
 
 log = logging.getLogger(__name__)
 
@@ -83,12 +83,16 @@ async def push(
     full: bool = False,
     resume_chunks: Iterable[StoredChunk] = (),
     on_pack_durable: Callable[[list[StoredChunk]], None] | None = None,
+    resume_parts: Mapping[str, Sequence[PartReceipt]] | None = None,
+    on_part_landed: Callable[[str, PartReceipt], None] | None = None,
 ) -> PushResult:
     """Push ``ckpt_dir`` as (job, step, node). ``full`` forces a keyframe (no delta base);
     ``base_dir`` is a local copy of the base checkpoint (default: a sibling directory named
     for the base step). ``resume_chunks``: chunks an interrupted attempt of this same push
     already made durable (from ``on_pack_durable``, journaled by the caller); those whose
-    pack still exists are reused instead of uploaded again."""
+    pack still exists are reused instead of uploaded again, and those in the landed parts of
+    a pack it left unfinished too, once that upload is completed with what landed
+    (``resume_parts``: the receipts ``on_part_landed`` was told, by pack id)."""
     options = options or TransferOptions()
     progress = progress or NoProgress()
     check_name("job", job)
@@ -118,9 +122,9 @@ async def push(
             )
             if base is not None:
                 index.add_manifest(base.manifest)
-        for chunk in await _still_stored(store, resume_chunks):
+        for chunk in await _still_stored(store, resume_chunks, resume_parts or {}):
             index.add(chunk)
-        run = _PushRun(store, options, index, progress, base, on_pack_durable)
+        run = _PushRun(store, options, index, progress, base, on_pack_durable, on_part_landed)
         with ThreadPoolExecutor(options.workers, thread_name_prefix="ferry-push") as pool:
             run.pool = pool
             run.resolver = ChunkResolver(store, index, pool, base.local_dir if base else None)
@@ -203,8 +207,10 @@ class _PushRun:
         progress: Progress,
         base: BasePlan | None,
         on_pack_durable: Callable[[list[StoredChunk]], None] | None = None,
+        on_part_landed: Callable[[str, PartReceipt], None] | None = None,
     ) -> None:
         self.on_pack_durable = on_pack_durable
+        self.on_part_landed = on_part_landed
         self.store = store
         self.options = options
         self.index = index
@@ -264,6 +270,7 @@ class _PushRun:
                     window=self.options.window,
                     on_bytes_stored=self._stored,
                     on_pack_durable=self._pack_durable if self.on_pack_durable else None,
+                    on_part_landed=self.on_part_landed,
                 )
                 # one more worker than threads, so a thread is never idle waiting on the loop
                 workers = [
@@ -417,7 +424,9 @@ async def _check_reused_packs(store: Store, pack_ids: set[str], run: _PushRun) -
             )
 
 
-async def _still_stored(store: Store, chunks: Iterable[StoredChunk]) -> list[StoredChunk]:
+async def _still_stored(
+    store: Store, chunks: Iterable[StoredChunk], receipts: Mapping[str, Sequence[PartReceipt]]
+) -> list[StoredChunk]:
     """The resumable chunks that are in the store: in a pack that is there (GC may have
     taken it), or in the landed part of a pack the interrupted attempt left unfinished,
     which is completed with what landed (its writer is dead: this push resumes it)."""
@@ -428,7 +437,7 @@ async def _still_stored(store: Store, chunks: Iterable[StoredChunk]) -> list[Sto
         try:
             length[pack_id] = (await store.head(key)).size
         except NotFoundError:
-            length[pack_id] = await store.salvage_upload(key) or 0
+            length[pack_id] = await store.salvage_upload(key, receipts.get(pack_id, ())) or 0
     return [c for c in chunks if c.offset + c.stored <= length[c.pack_id]]
 
 

@@ -8,7 +8,9 @@ anything else raises StoreError. ``delete`` of a missing key is not an error.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from transfer.errors import FormatError, NotFoundError
 from transfer.format.paths import check_relative_path
@@ -40,6 +42,12 @@ def check_key(key: str) -> str:
         raise ValueError(f"invalid store key: {exc}") from None
 
 
+#: what completing a part later needs, as the store that took it says (S3: its number, ETag
+#: and checksum): a writer journals it, so that a resumed push can complete an upload its
+#: kill left pending even where ListParts omits part checksums (SeaweedFS does)
+PartReceipt = dict[str, Any]
+
+
 class Upload(ABC):
     """An object written in parts, possibly concurrently and out of order.
 
@@ -50,7 +58,8 @@ class Upload(ABC):
     key: str
 
     @abstractmethod
-    async def write_part(self, number: int, offset: int, data: bytes) -> None: ...
+    async def write_part(self, number: int, offset: int, data: bytes) -> PartReceipt | None:
+        """Store one part; returns what a later salvage needs to complete it, if anything."""
 
     @abstractmethod
     async def complete(self, *, create_only: bool = False) -> None: ...
@@ -113,11 +122,12 @@ class Store(ABC):
     @abstractmethod
     async def abort_upload(self, pending: PendingUpload) -> None: ...
 
-    async def salvage_upload(self, key: str) -> int | None:
+    async def salvage_upload(self, key: str, receipts: Sequence[PartReceipt] = ()) -> int | None:
         """Complete an upload of ``key`` that a dead writer left pending with what landed:
         its parts from the first on, up to the first gap. Returns the length of the object
         now at ``key``, or None when nothing was kept (such an upload is aborted). Call it
-        only for keys whose writer is known to be dead. Backends that cannot tell which
+        only for keys whose writer is known to be dead. ``receipts``: what the dead writer's
+        ``write_part`` calls returned, as it journaled them. Backends that cannot tell which
         parts landed keep nothing."""
         return None
 

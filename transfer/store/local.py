@@ -113,6 +113,7 @@ class LocalUpload(Upload):
             await asyncio.to_thread(self._pwrite, offset, data)
         except OSError as exc:
             raise _map_os_error(exc, f"write {self.key}") from exc
+        return None
 
     async def complete(self, *, create_only: bool = False) -> None:
         def finish() -> None:

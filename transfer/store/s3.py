@@ -15,13 +15,14 @@ import base64
 import contextlib
 import hashlib
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from transfer.errors import NotFoundError, StoreError
 from transfer.store.base import (
     ObjectInfo,
+    PartReceipt,
     PendingUpload,
     PendingUploads,
     RangeReader,
@@ -37,12 +38,21 @@ T = TypeVar("T")
 Parts = list[dict[str, Any]]  # (a name: inside S3Store, ``list`` is the method)
 
 
-def _leading_run(parts: Parts) -> Parts:
-    """Parts 1, 2, ... up to the first one missing."""
+def _leading_run(parts: Parts, receipts: Sequence[PartReceipt], need_crc32: bool) -> Parts:
+    """Parts 1, 2, ... up to the first one missing, or (``need_crc32``: the upload was begun
+    with CRC32 checksums, so completing it names each part's) the first whose checksum
+    neither ListParts nor a receipt of the same part (number and ETag) gives."""
+    journaled = {(int(r["PartNumber"]), r.get("ETag")): r for r in receipts if "PartNumber" in r}
     run: Parts = []
     for p in sorted(parts, key=lambda p: int(p["PartNumber"])):
-        if int(p["PartNumber"]) != len(run) + 1:
+        number = int(p["PartNumber"])
+        if number != len(run) + 1:
             break
+        if need_crc32 and "ChecksumCRC32" not in p:
+            receipt = journaled.get((number, p.get("ETag")))
+            if receipt is None or "ChecksumCRC32" not in receipt:
+                break
+            p = {**p, "ChecksumCRC32": receipt["ChecksumCRC32"]}
         run.append(p)
     return run
 
@@ -55,7 +65,7 @@ class S3Upload(Upload):
         self._parts: dict[int, dict[str, Any]] = {}
         self._sizes: dict[int, int] = {}
 
-    async def write_part(self, number: int, offset: int, data: bytes) -> None:
+    async def write_part(self, number: int, offset: int, data: bytes) -> PartReceipt:
         store = self._store
 
         def send() -> dict[str, Any]:
@@ -74,8 +84,9 @@ class S3Upload(Upload):
                 part["ChecksumCRC32"] = checksum["ChecksumCRC32"]
             return part
 
-        self._parts[number] = await store.on_thread(send)
+        part = self._parts[number] = await store.on_thread(send)
         self._sizes[number] = len(data)
+        return dict(part)
 
     def add_landed_part(self, part: dict[str, Any], size: int) -> None:
         """A part an earlier writer uploaded (from ListParts), to complete it with."""
@@ -271,13 +282,14 @@ class S3Store(Store):
     async def abort_upload(self, pending: PendingUpload) -> None:
         await S3Upload(self, pending.key, pending.upload_id).abort()
 
-    async def salvage_upload(self, key: str) -> int | None:
+    async def salvage_upload(self, key: str, receipts: Sequence[PartReceipt] = ()) -> int | None:
         full = self.full_key(key)
         best: tuple[int, PendingUpload, Parts] | None = None
         for pending in await self.list_uploads(key):
             if pending.key != key:
                 continue
-            run = _leading_run(await self._list_parts(full, pending.upload_id))
+            listed = await self._list_parts(full, pending.upload_id)
+            run = _leading_run(listed, receipts, self._checksum == "crc32")
             size = sum(int(p["Size"]) for p in run)
             if best is None or size > best[0]:
                 if best is not None:
