@@ -209,7 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _transfer_options(args: argparse.Namespace) -> TransferOptions:
-    from agent.config import TransferSettings  # one mapping from MiB knobs to options
+    from transfer.engine.options import TransferSettings  # MiB knobs -> options, once
 
     return TransferSettings(
         chunk_size_mib=args.chunk_size_mib,

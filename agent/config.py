@@ -23,6 +23,7 @@ from typing import TypeVar
 from urllib.parse import urlsplit
 
 from transfer.engine import TransferOptions
+from transfer.engine.options import TransferSettings
 from transfer.errors import FerryError, FormatError
 from transfer.format.names import check_name
 from transfer.retention import TierPolicy, parse_duration, parse_size
@@ -37,38 +38,6 @@ log = logging.getLogger(__name__)
 
 class ConfigError(FerryError):
     """The agent's configuration is missing, malformed or inconsistent."""
-
-
-_DEFAULT_TRANSFER = TransferOptions()
-
-
-@dataclass(frozen=True)
-class TransferSettings:
-    """The ``[transfer]`` table: the CLI's tunables, in the CLI's units (MiB)."""
-
-    chunk_size_mib: int = _DEFAULT_TRANSFER.chunk_size // MiB
-    part_size_mib: int = _DEFAULT_TRANSFER.part_size // MiB
-    pack_size_mib: int = _DEFAULT_TRANSFER.pack_size // MiB
-    window: int = _DEFAULT_TRANSFER.window
-    workers: int = _DEFAULT_TRANSFER.workers
-    #: 0 stores chunks raw (as ``--zstd-level 0``)
-    zstd_level: int = _DEFAULT_TRANSFER.zstd_level or 0
-    max_chain: int = _DEFAULT_TRANSFER.max_chain
-    #: cap on transfer buffers per transfer (shrinks the window); 0: no cap
-    memory_mib: int = 0
-
-    def to_options(self) -> TransferOptions:
-        """Raises ValueError when the combination is invalid (e.g. parts smaller than chunks)."""
-        options = TransferOptions(
-            chunk_size=self.chunk_size_mib * MiB,
-            part_size=self.part_size_mib * MiB,
-            pack_size=self.pack_size_mib * MiB,
-            window=self.window,
-            workers=self.workers,
-            zstd_level=self.zstd_level or None,
-            max_chain=self.max_chain,
-        )
-        return options.within_budget(self.memory_mib * MiB) if self.memory_mib else options
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,9 @@ from agent.drain import drain_tasks
 from agent.holdings import local_checkpoints, step_dir_name
 from agent.holds import StepHolds
 from agent.logs import event
-from agent.pushqueue import latest_complete_step
+from transfer.durable import fsync_dir
 from transfer.engine import TransferOptions, pull, resolve_manifests
+from transfer.engine.catalog import latest_complete_step
 from transfer.engine.estimate import BandwidthMeter
 from transfer.engine.localcheck import local_copy_differences
 from transfer.engine.pull import ChunkSource, merge_parts, sweep_stale_staging
@@ -44,7 +45,6 @@ from transfer.errors import (
 from transfer.format.manifest import Manifest
 from transfer.retention import pin, unpin
 from transfer.store.base import Store
-from transfer.store.local import fsync_dir
 
 log = logging.getLogger(__name__)
 

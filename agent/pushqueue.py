@@ -39,7 +39,6 @@ from transfer.engine import TransferOptions, list_checkpoints, push
 from transfer.engine.scan import scan_checkpoint
 from transfer.errors import (
     AlreadyExistsError,
-    CheckpointNotFoundError,
     FerryError,
     SourceChangedError,
 )
@@ -50,24 +49,6 @@ from transfer.store.base import Store
 log = logging.getLogger(__name__)
 
 JOURNAL_FILE = "journal.sqlite3"
-
-
-async def is_complete(store: Store, job: str, step: int, expected_nodes: Sequence[str]) -> bool:
-    """Whether every node's part of (job, step) is in ``store`` (its completion marker
-    exists). A job without expected nodes is single-node: any committed part is complete."""
-    if not expected_nodes:
-        return True
-    return await store.exists(completion_key(job, step))
-
-
-async def latest_complete_step(store: Store, job: str, expected_nodes: Sequence[str]) -> int:
-    """The newest step of ``job`` that is complete in ``store``: an incomplete multi-node
-    checkpoint (a node still uploading, or dead) is never "latest"."""
-    steps = sorted({c.step for c in await list_checkpoints(store, job)}, reverse=True)
-    for step in steps:
-        if await is_complete(store, job, step, expected_nodes):
-            return step
-    raise CheckpointNotFoundError(f"no complete checkpoint of job {job!r} in {store.url}")
 
 
 @dataclass
@@ -395,6 +376,5 @@ __all__ = [
     "PushStats",
     "TierStats",
     "completion_key",
-    "is_complete",
     "open_journal",
 ]

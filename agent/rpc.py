@@ -27,12 +27,18 @@ from agent.logs import event
 from agent.metrics import Metrics
 from agent.peers import ENCODING_HEADER, HotIndex, PeerSource, encode_for_peer
 from agent.prefetch import FINAL, Prefetcher, State
-from agent.pushqueue import PushQueue, is_complete, latest_complete_step
+from agent.pushqueue import PushQueue
 from agent.retention import RetentionRunner
 from agent.standby import Standby
 from agent.watcher import watch_hot_dir
 from transfer.engine import list_checkpoints, resolve_manifests
-from transfer.engine.catalog import CheckpointInfo, load_manifest, open_catalog
+from transfer.engine.catalog import (
+    CheckpointInfo,
+    is_complete,
+    latest_complete_step,
+    load_manifest,
+    open_catalog,
+)
 from transfer.engine.estimate import BandwidthMeter, estimate_migration
 from transfer.engine.orphans import abort_orphaned_uploads
 from transfer.errors import (

@@ -24,8 +24,8 @@ from typing import Any
 from agent.holdings import local_checkpoints
 from agent.logs import event
 from agent.prefetch import FINAL, Prefetcher, PrefetchJob, State
-from agent.pushqueue import latest_complete_step
 from transfer.engine import list_checkpoints
+from transfer.engine.catalog import latest_complete_step
 from transfer.errors import FerryError
 from transfer.format.names import check_name
 from transfer.store.base import Store

@@ -13,10 +13,11 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 from agent.journal import Journal
-from agent.pushqueue import PushQueue, completion_key, is_complete
+from agent.pushqueue import PushQueue, completion_key
 from agent.watcher import watch_hot_dir
 from tests.conftest import random_bytes, tree_bytes, write_file
 from transfer.engine import TransferOptions, pull
+from transfer.engine.catalog import is_complete
 from transfer.store import open_store
 from transfer.store.base import Store
 from transfer.store.local import LocalStore

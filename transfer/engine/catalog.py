@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from transfer.errors import (
@@ -87,3 +88,21 @@ async def resolve_manifests(
         raise CheckpointNotFoundError(f"no committed checkpoint for {what} in {store.url}")
     chosen = max(c.step for c in entries)
     return [await load_manifest(store, c.job, c.step, c.node) for c in entries if c.step == chosen]
+
+
+async def is_complete(store: Store, job: str, step: int, expected_nodes: Sequence[str]) -> bool:
+    """Whether every node's part of (job, step) is in ``store`` (its completion marker
+    exists). A job without expected nodes is single-node: any committed part is complete."""
+    if not expected_nodes:
+        return True
+    return await store.exists(layout.completion_key(job, step))
+
+
+async def latest_complete_step(store: Store, job: str, expected_nodes: Sequence[str]) -> int:
+    """The newest step of ``job`` that is complete in ``store``: an incomplete multi-node
+    checkpoint (a node still uploading, or dead) is never "latest"."""
+    steps = sorted({c.step for c in await list_checkpoints(store, job)}, reverse=True)
+    for step in steps:
+        if await is_complete(store, job, step, expected_nodes):
+            return step
+    raise CheckpointNotFoundError(f"no complete checkpoint of job {job!r} in {store.url}")

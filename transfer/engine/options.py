@@ -57,3 +57,37 @@ class TransferOptions:
             raise ValueError("max_chain must be within 1..32")
         if self.window < 1 or self.workers < 1:
             raise ValueError("window and workers must be positive")
+
+
+MiB = 1 << 20
+_DEFAULT_TRANSFER = TransferOptions()
+
+
+@dataclass(frozen=True)
+class TransferSettings:
+    """The tunables in the units people set them in (MiB): the CLI's flags and the agent's
+    ``[transfer]`` table both map through here, so the two front doors cannot drift."""
+
+    chunk_size_mib: int = _DEFAULT_TRANSFER.chunk_size // MiB
+    part_size_mib: int = _DEFAULT_TRANSFER.part_size // MiB
+    pack_size_mib: int = _DEFAULT_TRANSFER.pack_size // MiB
+    window: int = _DEFAULT_TRANSFER.window
+    workers: int = _DEFAULT_TRANSFER.workers
+    #: 0 stores chunks raw (as ``--zstd-level 0``)
+    zstd_level: int = _DEFAULT_TRANSFER.zstd_level or 0
+    max_chain: int = _DEFAULT_TRANSFER.max_chain
+    #: cap on transfer buffers per transfer (shrinks the window); 0: no cap
+    memory_mib: int = 0
+
+    def to_options(self) -> TransferOptions:
+        """Raises ValueError when the combination is invalid (e.g. parts smaller than chunks)."""
+        options = TransferOptions(
+            chunk_size=self.chunk_size_mib * MiB,
+            part_size=self.part_size_mib * MiB,
+            pack_size=self.pack_size_mib * MiB,
+            window=self.window,
+            workers=self.workers,
+            zstd_level=self.zstd_level or None,
+            max_chain=self.max_chain,
+        )
+        return options.within_budget(self.memory_mib * MiB) if self.memory_mib else options

@@ -24,6 +24,7 @@ from typing import TypeVar
 
 from transfer.codec import check_encoding, needs_base
 from transfer.codec.transforms import Buffer
+from transfer.durable import fsync_dir
 from transfer.engine.catalog import resolve_manifests
 from transfer.engine.chunkindex import ChunkIndex, StoredChunk
 from transfer.engine.fetch import fetch_chunks
@@ -44,7 +45,6 @@ from transfer.format.chunkid import chunk_id
 from transfer.format.manifest import FileEntry, Manifest
 from transfer.format.names import step_from_dirname
 from transfer.store.base import Store
-from transfer.store.local import fsync_dir
 
 T = TypeVar("T")
 

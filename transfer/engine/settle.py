@@ -31,7 +31,7 @@ import shutil
 import time
 from pathlib import Path
 
-from transfer.store.local import fsync_dir
+from transfer.durable import fsync_dir
 
 UNSYNCED_MARK = ".ferry-unsynced"
 STAGING_MARK = ".ferry-staging-"  # hidden dirs of unfinished restores (swept at start)

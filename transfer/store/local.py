@@ -16,6 +16,7 @@ import secrets
 import threading
 from pathlib import Path
 
+from transfer.durable import fsync_dir
 from transfer.errors import AccessDeniedError, AlreadyExistsError, NotFoundError, StoreError
 from transfer.store.base import (
     ObjectInfo,
@@ -28,15 +29,6 @@ from transfer.store.base import (
 )
 
 _TMP_MARK = ".tmp-"
-
-
-def fsync_dir(path: Path) -> None:
-    """Make a rename or create in ``path`` durable (and visible to NFS clients)."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _temp_path(final: Path) -> Path:
