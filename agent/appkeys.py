@@ -1,0 +1,42 @@
+"""The typed keys of the agent's aiohttp application: what the routes share (the config,
+the tiers, the prefetcher, the push queue...), set up by agent/rpc.py."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from agent.config import AgentConfig
+from agent.holds import StepHolds
+from agent.metrics import Metrics
+from agent.peers import HotIndex
+from agent.prefetch import Prefetcher
+from agent.pushqueue import PushQueue
+from agent.retention import RetentionRunner
+from agent.standby import Standby
+from transfer.engine.estimate import BandwidthMeter
+
+CONFIG = web.AppKey("config", AgentConfig)
+
+TOKEN = web.AppKey("token", str)
+
+TIERS = web.AppKey("tiers", list)
+
+PREFETCHER = web.AppKey("prefetcher", Prefetcher)
+
+METER = web.AppKey("meter", BandwidthMeter)
+
+METRICS = web.AppKey("metrics", Metrics)
+
+PINS = web.AppKey("pins", dict)
+
+PART_SIZES = web.AppKey("part_sizes", dict)
+
+PUSHQUEUE = web.AppKey("pushqueue", PushQueue)
+
+HOLDS = web.AppKey("holds", StepHolds)
+
+RETENTION = web.AppKey("retention", RetentionRunner)
+
+HOT_INDEX = web.AppKey("hot_index", HotIndex)
+
+STANDBY = web.AppKey("standby", Standby)

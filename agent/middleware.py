@@ -1,0 +1,105 @@
+"""HTTP plumbing every route shares: bearer-token auth, one mapping from error classes
+to status codes and one-line JSON errors, and the validators of request input."""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import math
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from agent.appkeys import TOKEN
+from transfer.errors import (
+    AccessDeniedError,
+    CheckpointNotFoundError,
+    DestinationError,
+    FerryError,
+    FormatError,
+    StoreError,
+)
+from transfer.format.names import check_step
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def error_response(status: int, message: str, kind: str) -> web.Response:
+    return web.json_response({"error": message, "type": kind}, status=status)
+
+
+@web.middleware
+async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    if request.path != "/healthz":
+        expected = request.app[TOKEN]
+        header = request.headers.get("Authorization", "")
+        scheme, _, given = header.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), expected.encode()):
+            return error_response(401, "missing or wrong bearer token", "Unauthorized")
+    return await handler(request)
+
+
+_STATUS = [
+    (CheckpointNotFoundError, 404),
+    (DestinationError, 409),
+    (FormatError, 400),
+    (AccessDeniedError, 502),
+    (StoreError, 502),
+    (FerryError, 400),
+]
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.content_type == "application/json":
+            raise
+        response = error_response(exc.status, exc.reason, type(exc).__name__)
+        if "Allow" in exc.headers:  # 405 must say what is allowed
+            response.headers["Allow"] = exc.headers["Allow"]
+        return response
+    except (FerryError, ValueError) as exc:
+        status = next((code for cls, code in _STATUS if isinstance(exc, cls)), 400)
+        return error_response(status, " ".join(str(exc).split()), type(exc).__name__)
+
+
+async def json_body(request: web.Request) -> dict[str, Any]:
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise ValueError("request body is not JSON") from None
+    if not isinstance(body, dict):
+        raise ValueError("request body must be a JSON object")
+    return body
+
+
+def finite_number(value: object, low: float, high: float) -> bool:
+    """A real JSON number (not a bool, NaN or infinity) in (low, high]."""
+    return (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and low < value <= high
+    )
+
+
+def parse_step(value: object) -> int:
+    """A step number; 120.0 is one too (JSON Schema's integers include integral floats)."""
+    if isinstance(value, float) and value.is_integer() and 0 <= value < 1e18:
+        value = int(value)
+    return check_step(value)
+
+
+def parse_step_arg(value: object) -> int | None:
+    """A step number, or None for 'latest'."""
+    if value in (None, "latest"):
+        return None
+    if isinstance(value, str) and value.isdigit():
+        value = int(value)
+    return parse_step(value)

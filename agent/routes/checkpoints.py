@@ -1,0 +1,179 @@
+"""What the tiers and this node hold, this node's pushes, and what moving a checkpoint
+here would cost."""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+from aiohttp import web
+
+from agent.appkeys import CONFIG, METER, PART_SIZES, PREFETCHER, PUSHQUEUE, TIERS
+from agent.holdings import local_checkpoints
+from agent.middleware import parse_step_arg
+from agent.routes.pins import pinned
+from transfer.engine import list_checkpoints, resolve_manifests
+from transfer.engine.catalog import (
+    CheckpointInfo,
+    is_complete,
+    latest_complete_step,
+    load_manifest,
+    open_catalog,
+)
+from transfer.engine.estimate import estimate_migration
+from transfer.errors import CheckpointNotFoundError, FerryError, StoreError
+from transfer.format.names import check_name
+from transfer.store.base import Store
+
+log = logging.getLogger(__name__)
+
+
+async def get_checkpoints(request: web.Request) -> web.Response:
+    config = request.app[CONFIG]
+    jobs: dict[str, dict[int, dict[str, Any]]] = {}
+    unreachable: dict[str, str] = {}
+    readable: list[tuple[str, Store]] = []
+    for name, store in request.app[TIERS]:
+        try:  # one tier that is down must not hide what the others hold
+            listed = (
+                await list_checkpoints(store) if await open_catalog(store, create=False) else []
+            )
+        except StoreError as exc:
+            unreachable[name] = " ".join(str(exc).split())
+            continue
+        readable.append((name, store))
+        for c in listed:
+            entry = jobs.setdefault(c.job, {}).setdefault(
+                c.step,
+                {
+                    "step": c.step,
+                    "tiers": [],
+                    "nodes": [],
+                    "bytes": 0,
+                    "local": False,
+                    "replica": False,
+                },
+            )
+            if name not in entry["tiers"]:
+                entry["tiers"].append(name)
+            if c.node not in entry["nodes"]:
+                entry["nodes"].append(c.node)
+                entry["bytes"] += await _part_size(request.app, name, store, c)
+    for job, steps in jobs.items():
+        prefetcher = request.app[PREFETCHER]
+        for held in local_checkpoints(config.hot_dir, job, config.commit_marker):
+            if held.step in steps:
+                steps[held.step]["local"] = True
+                steps[held.step]["replica"] = prefetcher.is_replica(job, held.step)
+        for entry in steps.values():
+            # complete = the create-only marker the last node's push wrote (not a count of
+            # manifests: a node may still be uploading a part nobody has listed yet)
+            entry["complete"] = any(
+                [await is_complete(store, job, entry["step"], config.expected_nodes)
+                 for name, store in readable if name in entry["tiers"]]
+            )  # fmt: skip
+            entry["pinned"] = pinned(request.app, job, entry["step"])
+            entry["pushes"] = {  # this node's background pushes: staged/durable/failed
+                row["tier"]: row["state"]
+                for row in request.app[PUSHQUEUE].states()
+                if row["job"] == job and row["step"] == entry["step"]
+            }
+    if unreachable and not readable:
+        raise StoreError("; ".join(f"{n}: {e}" for n, e in unreachable.items()))
+    listing = {job: sorted(steps.values(), key=lambda e: e["step"]) for job, steps in jobs.items()}
+    doc: dict[str, Any] = {"jobs": listing}
+    if unreachable:
+        doc["unreachable_tiers"] = unreachable
+    return web.json_response(doc)
+
+
+async def _part_size(app: web.Application, tier: str, store: Store, c: CheckpointInfo) -> int:
+    """Raw bytes of one committed part; manifests are immutable, so each is read once."""
+    key = (tier, c.job, c.step, c.node)
+    cache = app[PART_SIZES]
+    if key not in cache:
+        try:
+            cache[key] = (await load_manifest(store, c.job, c.step, c.node)).bytes_raw
+        except FerryError:
+            return 0  # unreadable: listed, size unknown
+    return int(cache[key])
+
+
+async def get_pushes(request: web.Request) -> web.Response:
+    """Background pushes of this node's checkpoints: staged, durable per tier, or failed."""
+    queue = request.app[PUSHQUEUE]
+    return web.json_response({"node": request.app[CONFIG].node, "pushes": queue.states()})
+
+
+async def get_estimate(request: web.Request) -> web.Response:
+    query = request.query
+    job = check_name("job", query.get("job"))
+    step = parse_step_arg(query.get("step", "latest"))
+    gpus = int(query.get("gpus", "1"))
+    price = float(query.get("gpu_hour_price", "0"))
+    if not 0 <= gpus <= 1_000_000 or not (math.isfinite(price) and 0 <= price <= 1e6):
+        raise ValueError("gpus must be in 0..1000000 and gpu_hour_price a price in 0..1e6")
+    config = request.app[CONFIG]
+    unreachable: list[str] = []
+    for name, store in request.app[TIERS]:
+        try:
+            wanted = step
+            if wanted is None and config.expected_nodes:
+                wanted = await latest_complete_step(store, job, config.expected_nodes)
+            manifests = await resolve_manifests(store, job, wanted)
+            held_ids = await _held_chunk_ids(request.app, store, job, manifests[0].step)
+        except CheckpointNotFoundError:
+            continue
+        except StoreError as exc:  # the next tier may answer (as a prefetch would use it)
+            unreachable.append(f"{name}: {' '.join(str(exc).split())}")
+            continue
+        needed: dict[str, int] = {}
+        total = 0
+        for m in manifests:
+            for f in m.files:
+                total += f.size
+                for c in f.chunks:
+                    if c.id not in held_ids:
+                        needed[c.id] = c.stored
+        missing = sum(needed.values())
+        est = estimate_migration(
+            {f"tier:{name}": missing},
+            request.app[METER],
+            bytes_total=total,
+            gpus=gpus,
+            gpu_hour_price=price,
+        )
+        doc = est.to_dict()
+        doc.update(job=job, step=manifests[0].step, node=config.node, source=f"tier:{name}")
+        return web.json_response(doc)
+    which = "latest" if step is None else str(step)
+    if unreachable:
+        raise StoreError(
+            f"no reachable tier holds job {job!r} step {which}; " + "; ".join(unreachable)
+        )
+    raise CheckpointNotFoundError(f"no tier holds job {job!r} step {which}")
+
+
+async def _held_chunk_ids(app: web.Application, store: Store, job: str, step: int) -> set[str]:
+    """Chunk ids of the checkpoints of ``job`` up to ``step`` that this node holds, as their
+    committed manifests describe them (a local copy was verified when it was pulled, or is
+    the source a push was made from)."""
+    config = app[CONFIG]
+    held = {c.step for c in local_checkpoints(config.hot_dir, job, config.commit_marker)}
+    ids: set[str] = set()
+    for c in await list_checkpoints(store, job):
+        if c.step in held and c.step <= step:
+            try:
+                manifest = await load_manifest(store, job, c.step, c.node)
+            except FerryError:
+                continue  # unreadable: count its chunks as missing
+            ids.update(chunk.id for chunk in manifest.all_chunks())
+    return ids
+
+
+ROUTES = [
+    web.get("/v1/checkpoints", get_checkpoints),
+    web.get("/v1/pushes", get_pushes),
+    web.get("/v1/estimate", get_estimate),
+]

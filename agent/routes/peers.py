@@ -1,0 +1,36 @@
+"""Chunks from this node's hot data, for peer agents."""
+
+from __future__ import annotations
+
+import logging
+
+from aiohttp import web
+
+from agent.appkeys import CONFIG, HOT_INDEX, METRICS
+from agent.peers import ENCODING_HEADER, encode_for_peer
+from transfer.format.chunkid import is_chunk_id
+
+log = logging.getLogger(__name__)
+
+
+async def get_chunk(request: web.Request) -> web.Response:
+    """A chunk from this node's hot data, for peer agents (hash-checked first): raw, or
+    encoded against ``?base=<chunk id>`` when this node holds that chunk too."""
+    cid = request.match_info["id"]
+    base = request.query.get("base")
+    if not is_chunk_id(cid) or (base is not None and not is_chunk_id(base)):
+        raise ValueError("not a chunk id")
+    level = request.app[CONFIG].transfer_options().zstd_level
+    found = await encode_for_peer(request.app[HOT_INDEX], cid, base, level)
+    if found is None:
+        raise web.HTTPNotFound(reason="this node does not hold that chunk")
+    enc, payload = found
+    request.app[METRICS].inc("ferry_bytes_total", len(payload), direction="out", source="peer")
+    return web.Response(
+        body=payload, content_type="application/octet-stream", headers={ENCODING_HEADER: enc}
+    )
+
+
+ROUTES = [
+    web.get("/v1/chunks/{id}", get_chunk),
+]

@@ -1,0 +1,74 @@
+"""Pins: on this agent and in every tier's store, with an expiry."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from aiohttp import web
+
+from agent.appkeys import CONFIG, PINS, TIERS
+from agent.middleware import finite_number, json_body, parse_step, parse_step_arg
+from transfer.errors import FerryError, StoreError
+from transfer.format.names import check_name
+from transfer.retention import pin, unpin
+
+log = logging.getLogger(__name__)
+
+MAX_PIN_SECONDS = 7 * 24 * 3600
+
+
+def pinned(app: web.Application, job: str, step: int) -> bool:
+    expiry = app[PINS].get((job, step))
+    return expiry is not None and expiry > time.time()
+
+
+async def post_pin(request: web.Request) -> web.Response:
+    body = await json_body(request)
+    job = check_name("job", body.get("job"))
+    step = parse_step(body.get("step"))
+    ttl = body.get("ttl_s", 3600)
+    if not finite_number(ttl, 0, MAX_PIN_SECONDS):
+        raise ValueError(f"ttl_s must be within 0..{MAX_PIN_SECONDS} (pins expire)")
+    expiry = time.time() + ttl
+    request.app[PINS][(job, step)] = expiry
+    # In every tier's store too, so that no node's retention deletes it there. A pin that
+    # did not reach a tier is an error: the caller must not rely on it.
+    failed = []
+    for name, store in request.app[TIERS]:
+        try:
+            await pin(store, job, step, _pin_holder(request.app), ttl)
+        except FerryError as exc:
+            failed.append(f"{name}: {exc}")
+    if failed:
+        raise StoreError("pinned on this node, but not in every tier: " + "; ".join(failed))
+    return web.json_response({"job": job, "step": step, "expires_at": expiry}, status=201)
+
+
+def _pin_holder(app: web.Application) -> str:
+    return f"rpc-{app[CONFIG].node}"
+
+
+async def delete_pin(request: web.Request) -> web.Response:
+    job = check_name("job", request.query.get("job"))
+    step = parse_step_arg(request.query.get("step"))
+    if step is None:
+        raise ValueError("step is required")
+    request.app[PINS].pop((job, step), None)
+    for name, store in request.app[TIERS]:
+        try:
+            await unpin(store, job, step, _pin_holder(request.app))
+        except FerryError as exc:  # the store pin expires on its own
+            log.warning("could not unpin %s step %s in %s: %s", job, step, name, exc)
+    return web.json_response({"job": job, "step": step, "pinned": False})
+
+
+def active_pins(app: web.Application) -> set[tuple[str, int]]:
+    now = time.time()
+    return {key for key, expiry in app[PINS].items() if expiry > now}
+
+
+ROUTES = [
+    web.post("/v1/pins", post_pin),
+    web.delete("/v1/pins", delete_pin),
+]
