@@ -332,6 +332,7 @@ async def _cmd_pull(store: Store, args: argparse.Namespace) -> tuple[dict[str, A
 
 async def _cmd_ls(store: Store, args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     from transfer.engine.catalog import list_checkpoints, load_manifest, open_catalog
+    from transfer.format.manifest import chain_depths
 
     if args.job:
         check_name("job", args.job)
@@ -350,6 +351,8 @@ async def _cmd_ls(store: Store, args: argparse.Namespace) -> tuple[dict[str, Any
         )
     for c in found:
         m = await load_manifest(store, c.job, c.step, c.node)
+        depths = chain_depths(m)
+        content = [ch for f in m.files for ch in f.chunks]
         rows.append(
             {
                 "job": c.job,
@@ -358,15 +361,29 @@ async def _cmd_ls(store: Store, args: argparse.Namespace) -> tuple[dict[str, Any
                 "files": len(m.files),
                 "bytes_raw": m.bytes_raw,
                 "created_at": m.created_at,
+                # how it is coded: 0 is a keyframe; N: some chunk needs N decodes (a cold
+                # pull of it also fetches the bases)
+                "chain_depth": max((depths[ch.id] for ch in content), default=0),
+                "delta_chunks": sum(ch.base is not None for ch in content),
+                "chunks": len(content),
             }
         )
-    table = [f"{'JOB':<24} {'STEP':>10} {'NODE':<16} {'FILES':>6} {'SIZE':>12}  CREATED"]
+    table = [
+        f"{'JOB':<24} {'STEP':>10} {'NODE':<16} {'FILES':>6} {'SIZE':>12}  {'CODED':<18} CREATED"
+    ]
     table += [
         f"{r['job']:<24} {r['step']:>10} {r['node']:<16} {r['files']:>6} "
-        f"{_human(r['bytes_raw']):>12}  {r['created_at']}"
+        f"{_human(r['bytes_raw']):>12}  {_coded(r):<18} {r['created_at']}"
         for r in rows
     ]
     return {"store": store.url, "checkpoints": rows}, "\n".join(table)
+
+
+def _coded(row: dict[str, Any]) -> str:
+    if not row["delta_chunks"]:
+        return "keyframe"
+    share = 100 * row["delta_chunks"] // max(row["chunks"], 1)
+    return f"delta {share}%, depth {row['chain_depth']}"
 
 
 async def _cmd_du(store: Store, args: argparse.Namespace) -> tuple[dict[str, Any], str]:

@@ -208,3 +208,28 @@ def test_kill_9_at_random_moments_of_a_repack_loses_nothing(tmp_path: Path) -> N
         assert run(_pack_bytes(store)) <= bound, trial
         shutil.rmtree(url)
     assert killed_running >= trials // 2  # the kills really landed inside runs
+
+
+def test_ferry_ls_shows_how_each_step_is_coded(
+    local_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 14: the keyframe policy is visible. Three saves: a keyframe, then deltas one and
+    two decodes deep; after keep-last 1 the kept step is a keyframe again (compacted)."""
+    import json
+
+    from agent.cli import main as ferry
+
+    dirs = adamw_series(tmp_path / "hot", 3)
+    run(_push_all(open_test_store(local_url), dirs))
+    assert ferry(["ls", local_url, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["checkpoints"]
+    assert [r["chain_depth"] for r in rows] == [0, 1, 2]
+    assert rows[0]["delta_chunks"] == 0 < rows[1]["delta_chunks"]
+    assert ferry(["ls", local_url]) == 0
+    text = capsys.readouterr().out
+    assert "keyframe" in text and "depth 2" in text
+    assert ferry(["retention", local_url, "--keep-last", "1", "--grace", "0"]) == 0
+    capsys.readouterr()
+    assert ferry(["ls", local_url, "--json"]) == 0
+    (kept,) = json.loads(capsys.readouterr().out)["checkpoints"]
+    assert (kept["step"], kept["chain_depth"], kept["delta_chunks"]) == (_step(dirs[-1]), 0, 0)
