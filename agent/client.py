@@ -93,6 +93,10 @@ class FerryClient:
                 raise TimeoutError(f"prefetch {prefetch_id} still {status['state']}")
             await asyncio.sleep(poll)
 
+    async def standby(self, job: str) -> dict[str, Any]:
+        """Make the node a standby for ``job``: it copies each new durable step at once."""
+        return await self._call("PUT", f"/v1/standby/{job}")  # type: ignore[no-any-return]
+
     async def pin(self, job: str, step: int, ttl_s: float = 3600) -> dict[str, Any]:
         body = {"job": job, "step": step, "ttl_s": ttl_s}
         return await self._call("POST", "/v1/pins", json=body)  # type: ignore[no-any-return]

@@ -3,6 +3,9 @@
 Before a node is taken away, every survivor must hold the checkpoint the shrunk job restarts
 from. The scheduler:
 
+0. (beforehand, when it picks the likely survivors: ``--register-standby``) makes each
+   survivor a standby for the job (PUT /v1/standby/{job}), so every new durable step is
+   copied there in the background and step 3 finds it already there,
 1. asks each survivor's agent what bringing the checkpoint over costs (GET /v1/estimate),
 2. pins the checkpoint on each (POST /v1/pins) so retention keeps it while this runs,
 3. starts a prefetch on every survivor at once (POST /v1/prefetch) and polls them,
@@ -113,6 +116,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="seconds for the whole migration; also the pins' TTL (default 600)",
     )
     p.add_argument("--poll", type=_positive, default=0.5, help="status poll interval, seconds")
+    p.add_argument(
+        "--register-standby",
+        action="store_true",
+        help="only make the survivors standbys for the job (run it ahead of the decision)",
+    )
     args = p.parse_args(argv)
     if len(set(args.survivors)) != len(args.survivors):
         p.error("--survivors lists the same URL twice")
@@ -271,7 +279,7 @@ async def unpin_all(survivors: list[Survivor], job: str, step: int) -> None:
 
 
 def print_measured(survivors: list[Survivor]) -> None:
-    rows = [["node", "predicted s", "measured s", "downloaded", "chunks reused"]]
+    rows = [["node", "predicted s", "measured s", "downloaded", "chunks reused", "how"]]
     for s in survivors:
         st = s.status
         rows.append(
@@ -281,12 +289,29 @@ def print_measured(survivors: list[Survivor]) -> None:
                 f"{st['seconds']:.2f}" if st.get("seconds") is not None else "-",
                 _human(sum(st["bytes_by_source"].values())),
                 str(st["chunks_local"]),
+                str(st.get("satisfied_by") or "-"),
             ]
         )
     _table(rows, right={1, 2, 3, 4})
 
 
+async def register_standbys(args: argparse.Namespace, token: str) -> int:
+    """Ahead of the decision: every survivor starts copying each new durable step."""
+    failed = 0
+    for url in args.survivors:
+        async with FerryClient(url, token, timeout=30.0) as client:
+            try:
+                await client.standby(args.job)
+                print(f"{url}: standby for {args.job}")
+            except RPC_ERRORS as exc:
+                print(f"{url}: cannot register: {exc}")
+                failed += 1
+    return 1 if failed else 0
+
+
 async def run(args: argparse.Namespace, token: str) -> int:
+    if args.register_standby:
+        return await register_standbys(args, token)
     started = time.monotonic()
     deadline = started + args.timeout
     per_call = min(30.0, args.timeout)

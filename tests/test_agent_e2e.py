@@ -220,8 +220,10 @@ def committed_steps(url: str, job: str) -> list[tuple[int, str]]:
     return asyncio.run(go())
 
 
-def scale_down(tmp_path: Path, survivors: list[Node]) -> subprocess.CompletedProcess[str]:
-    argv = [sys.executable, str(REPO / "examples" / "scale_down.py"), "--job", JOB]
+def scale_down(
+    tmp_path: Path, survivors: list[Node], *extra: str
+) -> subprocess.CompletedProcess[str]:
+    argv = [sys.executable, str(REPO / "examples" / "scale_down.py"), "--job", JOB, *extra]
     argv += ["--survivors", *(n.url for n in survivors), "--token-file", str(tmp_path / "token")]
     argv += ["--timeout", "60", "--poll", "0.2"]
     env = dict(survivors[0].env)
@@ -249,6 +251,7 @@ def test_scheduler_scale_down_onto_two_survivors(s3_url: str, tmp_path: Path) ->
             [s3_url],
             port=ports[name],
             FERRY_PEERS=",".join(u for other, u in urls.items() if other != name),
+            FERRY_STANDBY_POLL_SECONDS="0.2",
         )
         for name in "abc"
     }
@@ -298,6 +301,22 @@ def test_scheduler_scale_down_onto_two_survivors(s3_url: str, tmp_path: Path) ->
         assert 0 < moved <= 2 * MiB + 64 * 1024, status
         assert moved < total // 5, (moved, total)
         assert status["chunks_local"] >= total // MiB - 2, status
+
+        # ahead of the next decision the scheduler makes C a standby: A's next save is
+        # copied there as soon as it is durable, and the scale-down finds it waiting
+        ahead = scale_down(tmp_path, [c], "--register-standby")
+        assert ahead.returncode == 0 and "standby for" in ahead.stdout, ahead.stdout
+        changed["__0_0.distcp"][[7]] -= np.float32(1e-3)
+        k60 = save_like_dcp(a.hot / JOB / "step_000060", changed)
+        a.wait_durable(JOB, 60)
+        deadline = time.monotonic() + 60
+        while rpc(c.url, "_call", "GET", "/v1/standby")["jobs"][0]["replicated_step"] != 60:
+            assert time.monotonic() < deadline, "step 60 never reached the standby"
+            time.sleep(0.1)
+        third = scale_down(tmp_path, [c])
+        assert third.returncode == 0 and "COMMIT scale-down" in third.stdout, third.stdout
+        assert re.search(r"\breplica\b", third.stdout), third.stdout
+        assert_same_tree(c.hot / JOB / "step_000060", k60)
 
 
 # ---------------------------------------------------------------------------------------------
