@@ -388,7 +388,13 @@ class Prefetcher:
             chunk_source=self.chunk_source,
             rate_limit=self.background_limit if record.background else None,
         )
-        self.meter.record(source, result.bytes_transferred, time.monotonic() - began)
+        # the rate of whichever source moved most of it: a peer-served restore timed as the
+        # tier's would make the tier look as slow as the few bytes it sent
+        took = time.monotonic() - began
+        if result.bytes_from_source > result.bytes_transferred:
+            self.meter.record("peer", result.bytes_from_source, took)
+        else:
+            self.meter.record(source, result.bytes_transferred, took)
         record.bytes_by_source[source] = result.bytes_transferred
         if result.bytes_from_source:
             record.bytes_by_source["peer"] = result.bytes_from_source

@@ -403,6 +403,28 @@ def test_prefetch_prefers_peers_and_survives_a_peer_dying(local_url: str, tmp_pa
     asyncio.run(go())
 
 
+def test_the_estimate_counts_the_bases_a_node_without_them_fetches(
+    local_url: str, tmp_path: Path
+) -> None:
+    """Issue 12: an empty node asked for a delta-coded step also fetches the chunks its
+    deltas decode from; the estimate counts them (it used to say about half), and names
+    where the bytes come from: the tier, or this node when it holds the step."""
+    k20, k40 = adamw_series(tmp_path / "src", 2, seed=14)
+
+    async def go() -> None:
+        await push_series(local_url, [k20, k40])
+        async with agent(tmp_path / "c", [local_url], "c") as url, FerryClient(url, TOKEN) as c:
+            est = await c.estimate("llm", 40)
+            assert est["source"] == f"tier:{local_url}" and est["bytes_bases"] > 0
+            done = await c.wait_prefetch(await c.prefetch("llm", 40), within_s=60)
+            moved = sum(done["bytes_by_source"].values())
+            assert abs(est["bytes_missing"] - moved) <= 0.05 * moved, (est, moved)
+            held = await c.estimate("llm", 40)
+            assert (held["source"], held["bytes_bases"]) == ("local", 0)
+
+    asyncio.run(go())
+
+
 def test_a_peer_sends_deltas_against_what_the_node_holds(local_url: str, tmp_path: Path) -> None:
     """Issue 12: node B holds step 20 and asks peer A (holding 20 and 40) for step 40. Every
     chunk changed (all weights and Adam moments move), so raw chunks from the peer would

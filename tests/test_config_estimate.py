@@ -320,8 +320,9 @@ def test_migration_cost_and_cooldown() -> None:
 
 def test_migration_invalid_inputs() -> None:
     meter = BandwidthMeter()
-    with pytest.raises(ValueError):
-        estimate_migration({"local": 10}, meter, bytes_total=5, gpus=1, gpu_hour_price=1.0)
+    # more than the checkpoint's size is no error: a delta-coded step brings its bases
+    more = estimate_migration({"tier:x": 10}, meter, bytes_total=5, gpus=1, gpu_hour_price=1.0)
+    assert more.bytes_missing == 10 and more.bytes_total == 5
     with pytest.raises(ValueError):
         estimate_migration({"local": 1}, meter, bytes_total=5, gpus=-1, gpu_hour_price=1.0)
     with pytest.raises(ValueError):

@@ -21,8 +21,10 @@ from transfer.engine.catalog import (
     load_manifest,
     open_catalog,
 )
+from transfer.engine.chunkindex import ChunkIndex
 from transfer.engine.estimate import estimate_migration
 from transfer.errors import CheckpointNotFoundError, FerryError, StoreError
+from transfer.format.manifest import Manifest
 from transfer.format.names import check_name
 from transfer.store.base import Store
 
@@ -128,24 +130,24 @@ async def get_estimate(request: web.Request) -> web.Response:
         except StoreError as exc:  # the next tier may answer (as a prefetch would use it)
             unreachable.append(f"{name}: {' '.join(str(exc).split())}")
             continue
-        needed: dict[str, int] = {}
-        total = 0
-        for m in manifests:
-            for f in m.files:
-                total += f.size
-                for c in f.chunks:
-                    if c.id not in held_ids:
-                        needed[c.id] = c.stored
-        missing = sum(needed.values())
+        total = sum(f.size for m in manifests for f in m.files)
+        here = _held_here(request.app, job, manifests[0].step)
+        if here is not None:  # nothing moves: a replica is checked by stat, a copy re-hashed
+            source, moving, bases = here, {"local": 0 if here == "replica" else total}, 0
+        else:
+            content, bases = _to_move(manifests, held_ids)
+            source = f"tier:{name}"
+            moving = {source: content + bases}
         est = estimate_migration(
-            {f"tier:{name}": missing},
+            moving,
             request.app[METER],
             bytes_total=total,
             gpus=gpus,
             gpu_hour_price=price,
         )
         doc = est.to_dict()
-        doc.update(job=job, step=manifests[0].step, node=config.node, source=f"tier:{name}")
+        doc.update(job=job, step=manifests[0].step, node=config.node, source=source)
+        doc["bytes_bases"] = bases
         return web.json_response(doc)
     which = "latest" if step is None else str(step)
     if unreachable:
@@ -153,6 +155,34 @@ async def get_estimate(request: web.Request) -> web.Response:
             f"no reachable tier holds job {job!r} step {which}; " + "; ".join(unreachable)
         )
     raise CheckpointNotFoundError(f"no tier holds job {job!r} step {which}")
+
+
+def _held_here(app: web.Application, job: str, step: int) -> str | None:
+    """ "replica" or "local" when this node holds the step already, else None."""
+    config = app[CONFIG]
+    for held in local_checkpoints(config.hot_dir, job, config.commit_marker):
+        if held.step == step:
+            return "replica" if app[PREFETCHER].is_replica(job, step) else "local"
+    return None
+
+
+def _to_move(manifests: list[Manifest], held: set[str]) -> tuple[int, int]:
+    """Stored bytes a prefetch moves: (the chunks this node lacks, the delta bases they need
+    that it lacks too: a node without the previous step fetches those as well)."""
+    index = ChunkIndex()
+    for m in manifests:
+        index.add_manifest(m)
+    needed = {c.id for m in manifests for f in m.files for c in f.chunks if c.id not in held}
+    bases: set[str] = set()
+    for cid in needed:
+        cur = index.get(cid)
+        while cur is not None and cur.base is not None and cur.base not in held:
+            if cur.base in needed or cur.base in bases:
+                break
+            bases.add(cur.base)
+            cur = index.get(cur.base)
+    stored = {cid: c.stored for cid in needed | bases if (c := index.get(cid)) is not None}
+    return sum(stored[c] for c in needed if c in stored), sum(stored[c] for c in bases)
 
 
 async def _held_chunk_ids(app: web.Application, store: Store, job: str, step: int) -> set[str]:
