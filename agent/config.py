@@ -61,8 +61,9 @@ class RetentionSettings:
     #: one policy per entry of ``tiers``, in order; tiers beyond the list keep everything
     tiers: tuple[TierPolicy, ...] = ()
 
-    def repack_policy(self) -> RepackPolicy | None:
-        return RepackPolicy(self.repack_min_dead) if self.repack else None
+    def repack_policy(self, options: TransferOptions) -> RepackPolicy | None:
+        """``options``: the agent's own (what it rewrites is coded as its pushes are)."""
+        return RepackPolicy(self.repack_min_dead, options) if self.repack else None
 
     def tier_policy(self, index: int) -> TierPolicy:
         return self.tiers[index] if index < len(self.tiers) else TierPolicy()

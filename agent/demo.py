@@ -8,7 +8,7 @@ background. Then a scheduler, about to scale down onto node-b, asks node-b for a
 estimate and prefetches the latest checkpoint there; the estimate is printed next to the
 measured time, and the copy is checked byte for byte. A second round shows a node that holds
 the previous checkpoint reusing its unchanged chunks locally; the rest it moves is printed by
-source (a peer serves whole chunks, not deltas, so it can be more than the push wrote).
+source (the peer sends deltas against the chunks node-b holds, as the tier would).
 """
 
 from __future__ import annotations

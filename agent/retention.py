@@ -22,6 +22,7 @@ from agent.hotretention import apply_hot, plan_hot, sweep_evictions
 from agent.journal import Journal
 from agent.logs import event
 from agent.metrics import Metrics
+from transfer.engine import TransferOptions
 from transfer.errors import FerryError
 from transfer.retention import Tier, apply_plan, make_plan
 from transfer.store.base import Store
@@ -43,8 +44,10 @@ class RetentionRunner:
         pins: Callable[[], Collection[Key]],
         busy: Callable[[], Collection[Key]],
         metrics: Metrics,
+        options: TransferOptions | None = None,
     ) -> None:
         self.settings = settings
+        self.options = options or TransferOptions()
         self.node = node
         self.hot_dir = hot_dir
         self.commit_marker = commit_marker
@@ -117,7 +120,7 @@ class RetentionRunner:
                     holder=f"agent-{self.node}",
                     deep_verify=self.settings.deep_verify,
                     dry_run=dry_run,
-                    repacking=self.settings.repack_policy(),
+                    repacking=self.settings.repack_policy(self.options),
                 )
                 report["tiers"] = plan.to_dict()["tiers"]
                 errors = [e for t in plan.tiers for e in t.errors]

@@ -133,6 +133,7 @@ async def _resources(app: web.Application):  # type: ignore[no-untyped-def]
             pins=functools.partial(active_pins, app),
             busy=queue.busy_steps,
             metrics=app[METRICS],
+            options=config.transfer_options(),
         )
         queue.on_pushed = runner.poke
         background.append(asyncio.create_task(runner.loop(stop), name="retention"))
