@@ -64,6 +64,10 @@ class HotIndex:
                     await self._refresh_locked()
         return self._where.get(cid)
 
+    def peek(self, cid: str) -> Location | None:
+        """Where the chunk is, as far as the index knows now (no rescan)."""
+        return self._where.get(cid)
+
     def forget(self, cid: str) -> None:
         self._where.pop(cid, None)
 
@@ -165,13 +169,18 @@ class PeerSource:
 
 
 def _decoded(enc: str, body: bytearray, size: int, base: LocalBase | None) -> bytes | None:
+    """(In a worker thread.) The chunk from a peer's reply; the local base is read only
+    for a delta."""
     if enc == RAW:
         return bytes(body)
     try:
         check_encoding(enc)
-        if needs_base(enc) and base is None:
-            return None  # a peer that ignored our base: nothing to decode against
-        return bytes(decode(enc, body, size, base.data if base and needs_base(enc) else None))
+        if not needs_base(enc):
+            return bytes(decode(enc, body, size))
+        data = base.read() if base is not None else None
+        if data is None:
+            return None  # no base here after all (or a peer that ignored ours)
+        return bytes(decode(enc, body, size, data))
     except FerryError:
         return None  # a confused peer: the caller falls back to the tiers
 
@@ -188,7 +197,9 @@ async def encode_for_peer(
         return None
     if base_id is None or zstd_level is None:
         return RAW, data
-    there = await index.locate(base_id)
+    # peek, never refresh: the chunk's own locate just refreshed the index, and a base this
+    # node does not hold must not cost every request a rescan under the index's lock
+    there = index.peek(base_id)
     base = await asyncio.to_thread(read_verified, there, base_id) if there else None
     if base is None:
         return RAW, data

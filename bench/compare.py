@@ -305,9 +305,12 @@ class Run:
         nxt = f"step_{NEXT_STEP:06d}"
         data.link_tree(k, b.hot / job / base)
         data.link_tree(k, c.hot / job / base)
+        # the peer is the node that trained: it holds k and k+1 (hot_keep_last 2), so it can
+        # send C the chunks of k+1 as deltas against k
+        data.link_tree(k, a.hot / job / base)
         data.link_tree(k1, a.hot / job / nxt)
         # their watchers push what appeared (all deduplicated)
-        for agent, step in ((a, NEXT_STEP), (b, BASE_STEP), (c, BASE_STEP)):
+        for agent, step in ((a, BASE_STEP), (a, NEXT_STEP), (b, BASE_STEP), (c, BASE_STEP)):
             agent.wait_pushes_settled(job, step)
         for agent, scenario in ((b, PREFETCH), (c, P2P)):
             s = self.prefetch(label, scenario, rnd, agent, job)

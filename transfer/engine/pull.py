@@ -241,10 +241,12 @@ async def pull(
 @dataclass(frozen=True)
 class LocalBase:
     """What this node holds at a chunk's position in ``base_dir`` (the previous step's
-    chunk, usually): a chunk source may send the chunk as a delta against it."""
+    chunk, usually): a chunk source may send the chunk as a delta against it. ``read``
+    gets its bytes (unverified: the decoded chunk's own hash check covers them), only when
+    a delta actually came: a source that sends the chunk whole costs no local read."""
 
     id: str
-    data: bytes  # unverified: the decoded chunk's own hash check covers it
+    read: Callable[[], bytes | None]
 
 
 #: asked for a chunk (and told what base this node holds for it, if any); returns the
@@ -293,8 +295,7 @@ async def _from_source(
         for cid in todo:
             chunk = index.get(cid)
             assert chunk is not None
-            base = await loop.run_in_executor(resolver.pool, local_base, cid)
-            got = await source(chunk, base)
+            got = await source(chunk, local_base(cid))
             if got is not None and rate_limit is not None:
                 await rate_limit.wait(got[1])  # after the fact: the size was not known before
             if got is not None and await loop.run_in_executor(
@@ -325,14 +326,16 @@ def _local_base(
     hint: tuple[str, int],
     cid: str,
 ) -> LocalBase | None:
-    """The chunk base_dir holds at ``cid``'s position, read (in a worker thread)."""
+    """The chunk base_dir holds at ``cid``'s position (read later, if at all)."""
     there = held.get(hint)
     if root is None or there is None or there[0] == cid:
         return None
-    buf = bytearray(there[1])
-    return (
-        LocalBase(there[0], bytes(buf)) if read_local_into(root, *hint, memoryview(buf)) else None
-    )
+
+    def read() -> bytes | None:
+        buf = bytearray(there[1])
+        return bytes(buf) if read_local_into(root, *hint, memoryview(buf)) else None
+
+    return LocalBase(there[0], read)
 
 
 def _same_position(
