@@ -264,7 +264,7 @@ async def _cmd_push(store: Store, args: argparse.Namespace) -> tuple[dict[str, A
         resume_chunks=log.chunks(),
         on_pack_durable=log.append,
         resume_parts=log.parts(),
-        on_part_landed=log.append_part,
+        on_part_receipt=log.append_part,
     )
     log.remove()
     rate = r.bytes_raw / r.seconds / 1e6 if r.seconds else 0.0

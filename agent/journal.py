@@ -66,8 +66,9 @@ CREATE TABLE IF NOT EXISTS durable_packs (
     tier TEXT NOT NULL,
     chunks TEXT NOT NULL
 );
--- Receipts of the parts of unfinished packs (what completing them needs): a restarted push
--- completes the upload with them where ListParts omits part checksums.
+-- Receipts of the parts of unfinished packs (what completing them needs), written before
+-- each part is sent: a restarted push completes the upload with them where ListParts omits
+-- part checksums.
 CREATE TABLE IF NOT EXISTS landed_parts (
     job TEXT NOT NULL,
     step INTEGER NOT NULL,
@@ -161,7 +162,7 @@ class Journal:
     def record_part(
         self, job: str, step: int, tier: str, pack_id: str, receipt: PartReceipt
     ) -> None:
-        """A part of an unfinished pack landed: what completing it later needs."""
+        """A part of an unfinished pack is about to be sent: what completing it will need."""
         with self._db:
             self._db.execute(
                 "INSERT INTO landed_parts VALUES (?, ?, ?, ?, ?, ?)",

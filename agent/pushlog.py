@@ -1,8 +1,8 @@
 """A resume log for ``ferry push`` (the CLI has no agent journal): each pack that becomes
 durable in the store appends one line listing its chunks, so a push killed half way and run
-again reuses those packs instead of uploading them a second time; each part that lands in
-the store appends its receipt (``{"part": [pack id, receipt]}``), so the rerun can complete
-the pack the kill left unfinished. The log is removed when the push commits.
+again reuses those packs instead of uploading them a second time; each part about to be sent
+appends its receipt (``{"part": [pack id, receipt]}``), so the rerun can complete the pack
+the kill left unfinished with every part that landed. The log is removed when the push commits.
 
 One file per (store, job, step, node, source directory) under ``$XDG_STATE_HOME/ckpt-ferry``
 (default ``~/.local/state/ckpt-ferry``). A torn last line (a kill while appending) is skipped:
@@ -78,8 +78,8 @@ class PushLog:
         self._write(json.dumps([dataclasses.astuple(c) for c in chunks]))
 
     def append_part(self, pack_id: str, receipt: PartReceipt) -> None:
-        """Record one landed part of a pack still being uploaded. Not fsynced (one per part:
-        a kill of the process keeps it; a power cut losing it only costs re-sending a part)."""
+        """Record the receipt of a part about to be sent. Not fsynced (one per part: a kill
+        of the process keeps it; a power cut losing it only costs re-sending a part)."""
         self._write(json.dumps({"part": [pack_id, receipt]}), durable=False)
 
     def _write(self, line: str, *, durable: bool = True) -> None:

@@ -254,7 +254,7 @@ class PushQueue:
                         self.journal.record_packs, item.job, item.step, name
                     ),
                     resume_parts=self.journal.landed_parts(item.job, item.step, name),
-                    on_part_landed=functools.partial(
+                    on_part_receipt=functools.partial(
                         self.journal.record_part, item.job, item.step, name
                     ),
                 )

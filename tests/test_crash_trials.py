@@ -328,8 +328,9 @@ def test_salvage_keeps_the_leading_parts_of_an_abandoned_upload(s3_url: str, che
 def test_salvage_with_journaled_receipts_works_whatever_listparts_says(s3_url: str) -> None:
     """Issue 13: SeaweedFS's ListParts omits part checksums, so a CRC32 upload could not be
     completed and a resumed push re-sent a third of what it had sent. The receipts the dead
-    writer journaled (what ``write_part`` returned) fill them in: parts 1 and 2 are kept on
-    any server; a receipt that does not match the landed part (another ETag) is not used."""
+    writer journaled before each send (``prepare_part``) fill them in: parts 1 and 2 are
+    kept on any server, the second landed though its writer never heard back; a receipt
+    that does not match the landed part (another size) is not used."""
     from transfer.store.s3 import S3Store
 
     part = 5 * MiB
@@ -340,16 +341,20 @@ def test_salvage_with_journaled_receipts_works_whatever_listparts_says(s3_url: s
         store = S3Store(bucket, prefix, endpoint_url=os.environ["AWS_ENDPOINT_URL"],
                         checksum="crc32")  # fmt: skip
         upload = await store.begin_upload("packs/ef/resumed.pack")
-        receipts = [await upload.write_part(n, (n - 1) * part, data[(n - 1) * part : n * part])
-                    for n in (1, 2)]  # fmt: skip
-        assert all(r is not None and "ChecksumCRC32" in r for r in receipts)
-        kept = await store.salvage_upload("packs/ef/resumed.pack", receipts)  # type: ignore[arg-type]
+        receipts = []
+        for n in (1, 2):
+            piece = data[(n - 1) * part : n * part]
+            receipt = await upload.prepare_part(n, piece)
+            assert receipt is not None and "ChecksumCRC32" in receipt
+            receipts.append(receipt)
+            await upload.write_part(n, (n - 1) * part, piece, receipt)
+        kept = await store.salvage_upload("packs/ef/resumed.pack", receipts)
         assert kept == 2 * part
         assert await store.get("packs/ef/resumed.pack") == data[: 2 * part]
 
         upload = await store.begin_upload("packs/ef/other.pack")
         await upload.write_part(1, 0, data[:part])
-        stale = [{**receipts[0], "ETag": '"not-this-part"'}]  # type: ignore[dict-item]
+        stale = [{**receipts[0], "Size": part + 1}]
         kept = await store.salvage_upload("packs/ef/other.pack", stale)
         assert kept in (None, part)  # None where ListParts has no checksum (SeaweedFS)
         assert await store.list_uploads("packs/") == []

@@ -8,6 +8,7 @@ import os
 import random
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -226,9 +227,11 @@ class WatchingStore(Store):
             def __init__(self) -> None:
                 self.key = key
 
-            async def write_part(self, number: int, offset: int, data: bytes) -> None:
+            async def write_part(
+                self, number: int, offset: int, data: bytes, receipt: Any = None
+            ) -> None:
                 watcher._maybe_die()  # the part never reaches the store
-                await inner.write_part(number, offset, data)
+                await inner.write_part(number, offset, data, receipt)
                 await watcher._observe()
 
             async def complete(self, *, create_only: bool = False) -> None:

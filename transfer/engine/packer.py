@@ -52,16 +52,17 @@ class PackWriter:
         window: int,
         on_bytes_stored: Callable[[int], None],
         on_pack_durable: Callable[[str, list[tuple[object, PackLocation]]], None] | None = None,
-        on_part_landed: Callable[[str, PartReceipt], None] | None = None,
+        on_part_receipt: Callable[[str, PartReceipt], None] | None = None,
     ) -> None:
         # told (pack id, [(tag, location)]) as each pack becomes durable, and already as the
         # parts of a multipart pack are sent: a journal of these lets a restarted push reuse
         # durable packs, and salvage the landed parts of a pack its kill left unfinished
         # (Store.salvage_upload), instead of uploading everything again
         self._on_pack_durable = on_pack_durable
-        # told (pack id, receipt) as each part lands, where the store returns one: journaled
-        # beside the packs, it lets a resumed push complete the unfinished pack's upload
-        self._on_part_landed = on_part_landed
+        # told (pack id, receipt) of each part before it is sent, where the store needs one
+        # to complete the upload: journaled beside the packs, it lets a resumed push complete
+        # the unfinished pack's upload with every part that landed
+        self._on_part_receipt = on_part_receipt
         self._store = store
         self._tasks = tasks
         self._part_size = max(part_size, store.min_part_size)
@@ -137,9 +138,12 @@ class PackWriter:
         try:
             assert pack.upload is not None
             upload = await pack.upload
-            receipt = await upload.write_part(number, offset, data)
-            if receipt is not None and self._on_part_landed is not None:
-                self._on_part_landed(pack.pack_id, receipt)
+            receipt = None
+            if self._on_part_receipt is not None:
+                receipt = await upload.prepare_part(number, data)
+                if receipt is not None:
+                    self._on_part_receipt(pack.pack_id, receipt)  # before the send
+            await upload.write_part(number, offset, data, receipt)
             self._on_bytes_stored(len(data))
         finally:
             self._slots.release()

@@ -84,7 +84,7 @@ async def push(
     resume_chunks: Iterable[StoredChunk] = (),
     on_pack_durable: Callable[[list[StoredChunk]], None] | None = None,
     resume_parts: Mapping[str, Sequence[PartReceipt]] | None = None,
-    on_part_landed: Callable[[str, PartReceipt], None] | None = None,
+    on_part_receipt: Callable[[str, PartReceipt], None] | None = None,
 ) -> PushResult:
     """Push ``ckpt_dir`` as (job, step, node). ``full`` forces a keyframe (no delta base);
     ``base_dir`` is a local copy of the base checkpoint (default: a sibling directory named
@@ -92,7 +92,7 @@ async def push(
     already made durable (from ``on_pack_durable``, journaled by the caller); those whose
     pack still exists are reused instead of uploaded again, and those in the landed parts of
     a pack it left unfinished too, once that upload is completed with what landed
-    (``resume_parts``: the receipts ``on_part_landed`` was told, by pack id)."""
+    (``resume_parts``: the receipts ``on_part_receipt`` was told, by pack id)."""
     options = options or TransferOptions()
     progress = progress or NoProgress()
     check_name("job", job)
@@ -124,7 +124,7 @@ async def push(
                 index.add_manifest(base.manifest)
         for chunk in await _still_stored(store, resume_chunks, resume_parts or {}):
             index.add(chunk)
-        run = _PushRun(store, options, index, progress, base, on_pack_durable, on_part_landed)
+        run = _PushRun(store, options, index, progress, base, on_pack_durable, on_part_receipt)
         with ThreadPoolExecutor(options.workers, thread_name_prefix="ferry-push") as pool:
             run.pool = pool
             run.resolver = ChunkResolver(store, index, pool, base.local_dir if base else None)
@@ -207,10 +207,10 @@ class _PushRun:
         progress: Progress,
         base: BasePlan | None,
         on_pack_durable: Callable[[list[StoredChunk]], None] | None = None,
-        on_part_landed: Callable[[str, PartReceipt], None] | None = None,
+        on_part_receipt: Callable[[str, PartReceipt], None] | None = None,
     ) -> None:
         self.on_pack_durable = on_pack_durable
-        self.on_part_landed = on_part_landed
+        self.on_part_receipt = on_part_receipt
         self.store = store
         self.options = options
         self.index = index
@@ -270,7 +270,7 @@ class _PushRun:
                     window=self.options.window,
                     on_bytes_stored=self._stored,
                     on_pack_durable=self._pack_durable if self.on_pack_durable else None,
-                    on_part_landed=self.on_part_landed,
+                    on_part_receipt=self.on_part_receipt,
                 )
                 # one more worker than threads, so a thread is never idle waiting on the loop
                 workers = [

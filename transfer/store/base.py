@@ -42,9 +42,10 @@ def check_key(key: str) -> str:
         raise ValueError(f"invalid store key: {exc}") from None
 
 
-#: what completing a part later needs, as the store that took it says (S3: its number, ETag
-#: and checksum): a writer journals it, so that a resumed push can complete an upload its
-#: kill left pending even where ListParts omits part checksums (SeaweedFS does)
+#: what completing a part later needs, known before it is sent (S3 with CRC32 checksums: its
+#: number, size and checksum): a writer journals it before the send, so that a resumed push
+#: can complete an upload its kill left pending even where ListParts omits part checksums
+#: (SeaweedFS does) and even for a part that landed after the kill cut its reply off
 PartReceipt = dict[str, Any]
 
 
@@ -57,9 +58,15 @@ class Upload(ABC):
 
     key: str
 
+    async def prepare_part(self, number: int, data: bytes) -> PartReceipt | None:
+        """What completing part ``number`` holding ``data`` will need, if anything (pass it
+        to ``write_part``: the work is not done twice)."""
+        return None
+
     @abstractmethod
-    async def write_part(self, number: int, offset: int, data: bytes) -> PartReceipt | None:
-        """Store one part; returns what a later salvage needs to complete it, if anything."""
+    async def write_part(
+        self, number: int, offset: int, data: bytes, receipt: PartReceipt | None = None
+    ) -> None: ...
 
     @abstractmethod
     async def complete(self, *, create_only: bool = False) -> None: ...
@@ -127,7 +134,7 @@ class Store(ABC):
         its parts from the first on, up to the first gap. Returns the length of the object
         now at ``key``, or None when nothing was kept (such an upload is aborted). Call it
         only for keys whose writer is known to be dead. ``receipts``: what the dead writer's
-        ``write_part`` calls returned, as it journaled them. Backends that cannot tell which
+        ``prepare_part`` calls returned, as it journaled them. Backends that cannot tell which
         parts landed keep nothing."""
         return None
 

@@ -21,6 +21,7 @@ from typing import Any
 from transfer.errors import AlreadyExistsError, NotFoundError, StoreError
 from transfer.store.base import (
     ObjectInfo,
+    PartReceipt,
     PendingUpload,
     PendingUploads,
     RangeReader,
@@ -37,7 +38,9 @@ class _PartsUpload(Upload):
         self._parts: dict[int, bytes] = {}
         self.pending = PendingUpload(key, secrets.token_hex(8), time.time())
 
-    async def write_part(self, number: int, offset: int, data: bytes) -> None:
+    async def write_part(
+        self, number: int, offset: int, data: bytes, receipt: PartReceipt | None = None
+    ) -> None:
         self._parts[number] = bytes(data)
 
     async def complete(self, *, create_only: bool = False) -> None:

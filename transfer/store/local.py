@@ -20,6 +20,7 @@ from transfer.durable import fsync_dir
 from transfer.errors import AccessDeniedError, AlreadyExistsError, NotFoundError, StoreError
 from transfer.store.base import (
     ObjectInfo,
+    PartReceipt,
     PendingUpload,
     PendingUploads,
     RangeReader,
@@ -100,12 +101,13 @@ class LocalUpload(Upload):
         self._final.parent.mkdir(parents=True, exist_ok=True)
         self._fd = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
 
-    async def write_part(self, number: int, offset: int, data: bytes) -> None:
+    async def write_part(
+        self, number: int, offset: int, data: bytes, receipt: PartReceipt | None = None
+    ) -> None:
         try:
             await asyncio.to_thread(self._pwrite, offset, data)
         except OSError as exc:
             raise _map_os_error(exc, f"write {self.key}") from exc
-        return None
 
     async def complete(self, *, create_only: bool = False) -> None:
         def finish() -> None:

@@ -41,15 +41,21 @@ Parts = list[dict[str, Any]]  # (a name: inside S3Store, ``list`` is the method)
 def _leading_run(parts: Parts, receipts: Sequence[PartReceipt], need_crc32: bool) -> Parts:
     """Parts 1, 2, ... up to the first one missing, or (``need_crc32``: the upload was begun
     with CRC32 checksums, so completing it names each part's) the first whose checksum
-    neither ListParts nor a receipt of the same part (number and ETag) gives."""
-    journaled = {(int(r["PartNumber"]), r.get("ETag")): r for r in receipts if "PartNumber" in r}
+    neither ListParts nor a receipt of the same part (number and size) gives. A pack's part
+    number always holds the same bytes (pack ids are never reused), so a wrong receipt can
+    only be a corrupt journal: the server then refuses the complete, and it is aborted."""
+    journaled = {
+        (int(r["PartNumber"]), int(r["Size"])): r
+        for r in receipts
+        if isinstance(r.get("PartNumber"), int) and isinstance(r.get("Size"), int)
+    }
     run: Parts = []
     for p in sorted(parts, key=lambda p: int(p["PartNumber"])):
         number = int(p["PartNumber"])
         if number != len(run) + 1:
             break
         if need_crc32 and "ChecksumCRC32" not in p:
-            receipt = journaled.get((number, p.get("ETag")))
+            receipt = journaled.get((number, int(p["Size"])))
             if receipt is None or "ChecksumCRC32" not in receipt:
                 break
             p = {**p, "ChecksumCRC32": receipt["ChecksumCRC32"]}
@@ -65,11 +71,24 @@ class S3Upload(Upload):
         self._parts: dict[int, dict[str, Any]] = {}
         self._sizes: dict[int, int] = {}
 
-    async def write_part(self, number: int, offset: int, data: bytes) -> PartReceipt:
+    async def prepare_part(self, number: int, data: bytes) -> PartReceipt | None:
+        if self._store.checksum_kind != "crc32":
+            return None  # md5 and none: ListParts alone is enough to complete an upload
+        checksum = await self._store.on_thread(lambda: self._store.checksum_args(data))
+        return {"PartNumber": number, "Size": len(data), **checksum}
+
+    async def write_part(
+        self, number: int, offset: int, data: bytes, receipt: PartReceipt | None = None
+    ) -> None:
         store = self._store
 
         def send() -> dict[str, Any]:
-            checksum = store.checksum_args(data)
+            known = receipt or {}
+            checksum = (
+                {"ChecksumCRC32": known["ChecksumCRC32"]}
+                if "ChecksumCRC32" in known
+                else store.checksum_args(data)
+            )
             resp = store.client.call(
                 "upload_part",
                 f"upload part {number} of {self.key}",
@@ -84,9 +103,8 @@ class S3Upload(Upload):
                 part["ChecksumCRC32"] = checksum["ChecksumCRC32"]
             return part
 
-        part = self._parts[number] = await store.on_thread(send)
+        self._parts[number] = await store.on_thread(send)
         self._sizes[number] = len(data)
-        return dict(part)
 
     def add_landed_part(self, part: dict[str, Any], size: int) -> None:
         """A part an earlier writer uploaded (from ListParts), to complete it with."""
@@ -198,6 +216,11 @@ class S3Store(Store):
     async def call(self, method: str, what: str, **kwargs: Any) -> Any:
         """One S3 API call, retried when transient; raises mapped StoreErrors."""
         return await self.on_thread(lambda: self.client.call(method, what, **kwargs))
+
+    @property
+    def checksum_kind(self) -> str:
+        """The per-part integrity header this store sends: "crc32", "md5" or "none"."""
+        return self._checksum
 
     def checksum_args(self, data: bytes) -> dict[str, Any]:
         if self._checksum == "crc32":
