@@ -22,7 +22,7 @@ from pathlib import Path
 import aiohttp
 
 from agent.holdings import local_checkpoints
-from transfer.codec import check_encoding, decode, encode, needs_base
+from transfer.codec import KNOWN_ENCODINGS, check_encoding, decode, encode, encode_as, needs_base
 from transfer.codec.encodings import RAW
 from transfer.engine import list_checkpoints
 from transfer.engine.catalog import load_manifest
@@ -110,13 +110,19 @@ class HotIndex:
 
 
 def read_verified(where: Location, cid: str) -> bytes | None:
+    data = read_at(where)
+    return data if data is not None and chunk_id(data) == cid else None
+
+
+def read_at(where: Location) -> bytes | None:
+    """The bytes at ``where``, unverified (a delta's base: the receiver's check covers it)."""
     path, offset, size = where
     try:
         with open(path, "rb") as fh:
             data = os.pread(fh.fileno(), size, offset)
     except OSError:
         return None
-    return data if len(data) == size and chunk_id(data) == cid else None
+    return data if len(data) == size else None
 
 
 class PeerSource:
@@ -147,7 +153,7 @@ class PeerSource:
                 headers={"Authorization": f"Bearer {self.token}"},
                 timeout=aiohttp.ClientTimeout(total=60, sock_connect=2),
             )
-        query = {"base": base.id} if base is not None else {}
+        query = {"base": base.id, "enc": chunk.enc} if base is not None else {}
         for peer in self._live():
             try:
                 url = f"{peer}/v1/chunks/{chunk.id}"
@@ -186,10 +192,16 @@ def _decoded(enc: str, body: bytearray, size: int, base: LocalBase | None) -> by
 
 
 async def encode_for_peer(
-    index: HotIndex, cid: str, base_id: str | None, zstd_level: int | None
+    index: HotIndex,
+    cid: str,
+    base_id: str | None,
+    zstd_level: int | None,
+    enc: str | None = None,
 ) -> tuple[str, bytes] | None:
     """A chunk this node holds, as (encoding, payload) for a peer: against ``base_id`` when
-    this node holds that chunk too, else raw. None: not held (or no longer intact)."""
+    this node holds that chunk too, else raw. ``enc``: the encoding the store chose for it
+    (the receiver knows it from the manifest), used as is instead of trying every
+    candidate on samples. None: not held (or no longer intact)."""
     where = await index.locate(cid)
     data = await asyncio.to_thread(read_verified, where, cid) if where else None
     if data is None:
@@ -200,7 +212,12 @@ async def encode_for_peer(
     # peek, never refresh: the chunk's own locate just refreshed the index, and a base this
     # node does not hold must not cost every request a rescan under the index's lock
     there = index.peek(base_id)
-    base = await asyncio.to_thread(read_verified, there, base_id) if there else None
+    base = await asyncio.to_thread(read_at, there) if there else None
     if base is None:
+        return RAW, data
+    if enc is not None and needs_base(enc) and enc in KNOWN_ENCODINGS:
+        payload = await asyncio.to_thread(encode_as, enc, data, zstd_level, base)
+        if len(payload) < len(data):
+            return enc, payload
         return RAW, data
     return await asyncio.to_thread(encode, data, zstd_level, base)

@@ -20,8 +20,9 @@ async def get_chunk(request: web.Request) -> web.Response:
     base = request.query.get("base")
     if not is_chunk_id(cid) or (base is not None and not is_chunk_id(base)):
         raise ValueError("not a chunk id")
+    enc = request.query.get("enc")  # a hint: an unknown name is ignored
     level = request.app[CONFIG].transfer_options().zstd_level
-    found = await encode_for_peer(request.app[HOT_INDEX], cid, base, level)
+    found = await encode_for_peer(request.app[HOT_INDEX], cid, base, level, enc)
     if found is None:
         raise web.HTTPNotFound(reason="this node does not hold that chunk")
     enc, payload = found
