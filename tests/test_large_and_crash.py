@@ -39,6 +39,7 @@ def make_sparse(path: Path, size: int, islands: int = 24) -> None:
             fh.write(os.urandom(300_000))
 
 
+@pytest.mark.slow
 def test_multi_gb_sparse_and_random_files_round_trip(
     store_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

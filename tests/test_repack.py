@@ -167,6 +167,7 @@ def _ferry_retention(url: str) -> list[str]:
     return [sys.executable, "-m", "agent", "retention", url, "--keep-last", "1", "--grace", "0"]
 
 
+@pytest.mark.slow
 def test_kill_9_at_random_moments_of_a_repack_loses_nothing(tmp_path: Path) -> None:
     """Issue 14: kill -9 ``ferry retention`` (expire, compact, repack, GC) at random moments;
     every step still listed pulls byte-exact and verifies, and a rerun finishes the job.

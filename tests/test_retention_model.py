@@ -15,6 +15,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -174,6 +175,7 @@ class RetentionMachine(RuleBasedStateMachine):
 
 
 TestRetentionMachine = RetentionMachine.TestCase
+TestRetentionMachine = pytest.mark.slow(TestRetentionMachine)
 # FERRY_MODEL_EXAMPLES=500 for a long run; CI runs the default.
 TestRetentionMachine.settings = settings(
     max_examples=int(os.environ.get("FERRY_MODEL_EXAMPLES", "60")),
