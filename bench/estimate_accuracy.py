@@ -12,25 +12,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import shutil
-import socket
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
-from aiohttp import web
 
-from agent.client import FerryClient
-from agent.config import load_config
-from agent.rpc import create_app
-from tests.s3server import start_s3_server
+from bench._loopback import agent, loopback_s3
 from transfer.engine import push
 from transfer.store import open_store
-
-TOKEN = "bench"
 
 
 def write_checkpoint(root: Path, size: int, seed: int) -> Path:
@@ -48,12 +38,6 @@ def write_checkpoint(root: Path, size: int, seed: int) -> Path:
     return root
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 async def run(work: Path, size: int, warmup: int, url: str) -> dict[str, float]:
     src = work / "src"
     warm = write_checkpoint(src / "warm" / "step_000001", warmup, 1)
@@ -62,28 +46,14 @@ async def run(work: Path, size: int, warmup: int, url: str) -> dict[str, float]:
     await push(store, warm, job="warm", step=1, node="a")
     await push(store, big, job="big", step=1, node="a")
     await store.close()
-    port = free_port()
-    env = {
-        "FERRY_NODE": "b",
-        "FERRY_HOT_DIR": str(work / "hot-b"),
-        "FERRY_TIERS": url,
-        "FERRY_LISTEN": f"127.0.0.1:{port}",
-        "FERRY_ENDPOINT_URL": os.environ["AWS_ENDPOINT_URL"],
-    }
-    runner = web.AppRunner(create_app(load_config(None, env), TOKEN))
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    try:
-        async with FerryClient(f"http://127.0.0.1:{port}", TOKEN, timeout=600) as client:
-            first = await client.estimate("warm")
-            await client.wait_prefetch(await client.prefetch("warm"))
-            est = await client.estimate("big", gpus=8, gpu_hour_price=2.0)
-            began = time.monotonic()
-            done = await client.wait_prefetch(await client.prefetch("big"), poll=0.05)
-            measured = time.monotonic() - began
-            assert done["state"] == "ready", done
-    finally:
-        await runner.cleanup()
+    async with agent("b", work / "hot-b", url) as client:
+        first = await client.estimate("warm")
+        await client.wait_prefetch(await client.prefetch("warm"))
+        est = await client.estimate("big", gpus=8, gpu_hour_price=2.0)
+        began = time.monotonic()
+        done = await client.wait_prefetch(await client.prefetch("big"), poll=0.05)
+        measured = time.monotonic() - began
+        assert done["state"] == "ready", done
     return {
         "bytes_total": est["bytes_total"],
         "bytes_missing": est["bytes_missing"],
@@ -104,20 +74,10 @@ def main() -> int:
     parser.add_argument("--warmup-mb", type=float, default=256)
     args = parser.parse_args()
     print("command: python -m bench.estimate_accuracy " + " ".join(sys.argv[1:]))
-    work = Path(tempfile.mkdtemp(prefix="ferry-est-"))
-    server = start_s3_server(work / "s3")
-    ep = server.endpoint
-    os.environ.update(
-        AWS_ACCESS_KEY_ID=ep.access_key, AWS_SECRET_ACCESS_KEY=ep.secret_key,
-        AWS_ENDPOINT_URL=ep.url, AWS_EC2_METADATA_DISABLED="true",
-    )  # fmt: skip
-    try:
+    with loopback_s3("ferry-est-") as (work, ep):
         r = asyncio.run(
             run(work, int(args.size_gb * 1e9), int(args.warmup_mb * 1e6), f"s3://{ep.bucket}/est")
         )
-    finally:
-        server.stop()
-        shutil.rmtree(work, ignore_errors=True)
     cols = ["checkpoint", "missing", "predicted (default rates)", "predicted (measured)"]
     print("| " + " | ".join([*cols, "measured", "error"]) + " |")
     print("|---|---|---|---|---|---|")

@@ -17,17 +17,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from agent.client import FerryClient
+from bench._loopback import agent, loopback_s3
 from bench._measure import drop_caches
-from bench.standby import agent
-from tests.s3server import start_s3_server
 from transfer.engine import push
 from transfer.format.names import step_from_dirname
 from transfer.store import StoreOptions, open_store
@@ -93,18 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args(argv)
     print("command: python -m bench.peer_deltas " + " ".join(sys.argv[1:]))
-    work = Path(tempfile.mkdtemp(prefix="ferry-peer-deltas-"))
-    server = start_s3_server(work / "s3")
-    ep = server.endpoint
-    os.environ.update(
-        AWS_ACCESS_KEY_ID=ep.access_key, AWS_SECRET_ACCESS_KEY=ep.secret_key,
-        AWS_ENDPOINT_URL=ep.url, AWS_EC2_METADATA_DISABLED="true",
-    )  # fmt: skip
-    try:
+    with loopback_s3("ferry-peer-deltas-") as (work, ep):
         rows = asyncio.run(run(args.series, work, ep.bucket, args.rounds))
-    finally:
-        server.stop()
-        shutil.rmtree(work, ignore_errors=True)
     print("| round | served by | prefetch of k+1 onto a node holding k | moved |")
     print("|---|---|---|---|")
     print("\n".join(rows))

@@ -22,56 +22,21 @@ import argparse
 import asyncio
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
-from aiohttp import web
-
 from agent.client import FerryClient
-from agent.config import load_config
-from agent.rpc import create_app
+from bench._loopback import agent, loopback_s3
 from bench._measure import drop_caches
-from tests.s3server import start_s3_server
 from transfer.engine import push
 from transfer.format.names import step_from_dirname
 from transfer.store import StoreOptions, open_store
 
-TOKEN, JOB = "bench", "bench"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@asynccontextmanager
-async def agent(node: str, hot: Path, tier: str, **env: str) -> AsyncIterator[FerryClient]:
-    port = free_port()
-    config = {
-        "FERRY_NODE": node,
-        "FERRY_HOT_DIR": str(hot),
-        "FERRY_TIERS": tier,
-        "FERRY_LISTEN": f"127.0.0.1:{port}",
-        "FERRY_ENDPOINT_URL": os.environ["AWS_ENDPOINT_URL"],
-        **env,
-    }
-    runner = web.AppRunner(create_app(load_config(None, config), TOKEN))
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    try:
-        async with FerryClient(f"http://127.0.0.1:{port}", TOKEN, timeout=900) as client:
-            yield client
-    finally:
-        await runner.cleanup()
+JOB = "bench"
 
 
 async def timed_prefetch(client: FerryClient, step: int) -> tuple[float, dict[str, Any]]:
@@ -162,18 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args(argv)
     print("command: python -m bench.standby " + " ".join(sys.argv[1:]))
-    work = Path(tempfile.mkdtemp(prefix="ferry-standby-"))
-    server = start_s3_server(work / "s3")
-    ep = server.endpoint
-    os.environ.update(
-        AWS_ACCESS_KEY_ID=ep.access_key, AWS_SECRET_ACCESS_KEY=ep.secret_key,
-        AWS_ENDPOINT_URL=ep.url, AWS_EC2_METADATA_DISABLED="true",
-    )  # fmt: skip
-    try:
+    with loopback_s3("ferry-standby-") as (work, ep):
         rows = asyncio.run(run(args.series, work, ep.bucket, args.rounds))
-    finally:
-        server.stop()
-        shutil.rmtree(work, ignore_errors=True)
 
     def med(key: str) -> float:
         return statistics.median(r[key] for r in rows)

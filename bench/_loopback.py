@@ -1,0 +1,67 @@
+"""What the in-process benchmarks share: a SeaweedFS server on loopback with the AWS
+environment pointing at it, and real agents (aiohttp apps) started in this process."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import tempfile
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from pathlib import Path
+
+from aiohttp import web
+
+from agent.client import FerryClient
+from agent.config import load_config
+from agent.rpc import create_app
+from tests.s3server import S3Endpoint, start_s3_server
+
+TOKEN = "bench"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@contextmanager
+def loopback_s3(prefix: str) -> Iterator[tuple[Path, S3Endpoint]]:
+    """A scratch directory and a running S3 server (its credentials in the environment);
+    both are gone afterwards."""
+    work = Path(tempfile.mkdtemp(prefix=prefix))
+    server = start_s3_server(work / "s3")
+    ep = server.endpoint
+    os.environ.update(
+        AWS_ACCESS_KEY_ID=ep.access_key, AWS_SECRET_ACCESS_KEY=ep.secret_key,
+        AWS_ENDPOINT_URL=ep.url, AWS_EC2_METADATA_DISABLED="true",
+    )  # fmt: skip
+    try:
+        yield work, ep
+    finally:
+        server.stop()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+@asynccontextmanager
+async def agent(node: str, hot: Path, tier: str, **env: str) -> AsyncIterator[FerryClient]:
+    """An agent on a free loopback port with ``FERRY_*`` settings ``env``; yields a client."""
+    port = free_port()
+    config = {
+        "FERRY_NODE": node,
+        "FERRY_HOT_DIR": str(hot),
+        "FERRY_TIERS": tier,
+        "FERRY_LISTEN": f"127.0.0.1:{port}",
+        "FERRY_ENDPOINT_URL": os.environ["AWS_ENDPOINT_URL"],
+        **env,
+    }
+    runner = web.AppRunner(create_app(load_config(None, config), TOKEN))
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        async with FerryClient(f"http://127.0.0.1:{port}", TOKEN, timeout=900) as client:
+            yield client
+    finally:
+        await runner.cleanup()
