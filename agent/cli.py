@@ -7,27 +7,25 @@ With ``--json`` exactly one JSON object is printed on stdout.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
-import socket
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from transfer.engine.options import TransferOptions
 from transfer.errors import CheckpointNotFoundError, FerryError
 from transfer.format.names import check_name, step_from_dirname
+from transfer.options import TransferOptions, TransferSettings
 
 if TYPE_CHECKING:  # the commands import what they need when they run: `ferry --help` is fast
     from transfer.engine.progress import Progress
     from transfer.store.base import Store
 
-MiB = 1 << 20
-
 
 def _default_node() -> str:
+    import socket
+
     return os.environ.get("FERRY_NODE") or socket.gethostname().split(".")[0] or "node"
 
 
@@ -43,26 +41,9 @@ def _add_store_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_transfer_args(p: argparse.ArgumentParser) -> None:
-    d = TransferOptions()
-    p.add_argument("--chunk-size-mib", type=int, default=d.chunk_size // MiB)
-    p.add_argument("--part-size-mib", type=int, default=d.part_size // MiB)
-    p.add_argument("--pack-size-mib", type=int, default=d.pack_size // MiB)
-    p.add_argument("--window", type=int, default=d.window, help="parts/ranges in flight")
-    p.add_argument("--workers", type=int, default=d.workers, help="hash/codec threads")
-    p.add_argument(
-        "--zstd-level", type=int, default=d.zstd_level, help="zstd level for chunks; 0 stores raw"
-    )
-    p.add_argument(
-        "--memory-mib",
-        type=int,
-        help="cap on transfer buffers; shrinks --window to fit (default: no cap)",
-    )
-    p.add_argument(
-        "--max-chain",
-        type=int,
-        default=d.max_chain,
-        help="most decode steps any restore may need (a keyframe beyond that)",
-    )
+    for name, kind, default, help_text in TransferSettings.knobs():
+        flag = "--" + name.replace("_", "-")
+        p.add_argument(flag, type=kind, default=default, help=f"{help_text} (default {default})")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -209,18 +190,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _transfer_options(args: argparse.Namespace) -> TransferOptions:
-    from transfer.engine.options import TransferSettings  # MiB knobs -> options, once
-
-    return TransferSettings(
-        chunk_size_mib=args.chunk_size_mib,
-        part_size_mib=args.part_size_mib,
-        pack_size_mib=args.pack_size_mib,
-        window=args.window,
-        workers=args.workers,
-        zstd_level=args.zstd_level,
-        max_chain=args.max_chain,
-        memory_mib=args.memory_mib or 0,
-    ).to_options()
+    chosen = {name: getattr(args, name) for name, *_ in TransferSettings.knobs()}
+    return TransferSettings(**chosen).to_options()
 
 
 def _progress(args: argparse.Namespace) -> Progress:
@@ -302,6 +273,8 @@ async def _cmd_pull(store: Store, args: argparse.Namespace) -> tuple[dict[str, A
 
     step = None if args.step == "latest" else _parse_step(args.step)
     # restores an earlier run left unconfirmed: confirm them, or drop them after a reboot
+    import asyncio
+
     await asyncio.to_thread(settle, args.dest_dir.absolute().parent)
     r = await pull(
         store,
@@ -660,6 +633,8 @@ def _run_agent(args: argparse.Namespace) -> int:
     except (FerryError, OSError) as exc:
         print(f"ferry agent: error: {exc}", file=sys.stderr)
         return 1
+    import asyncio
+
     try:
         asyncio.run(serve(config, token))
     except FerryError as exc:
@@ -671,6 +646,8 @@ def _run_agent(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    import asyncio  # only now: `ferry --help` never needs it (~0.1 s of start-up)
+
     if args.command == "agent":
         return _run_agent(args)
     if args.command in ("estimate", "plan"):

@@ -19,13 +19,12 @@ import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
-from transfer.engine import TransferOptions
-from transfer.engine.options import TransferSettings
 from transfer.errors import FerryError, FormatError
 from transfer.format.names import check_name
+from transfer.options import TransferOptions, TransferSettings
 from transfer.retention import TierPolicy, parse_duration, parse_size
 from transfer.retention.repack import RepackPolicy
 
@@ -155,16 +154,7 @@ _TOP_KEYS: dict[str, type] = {
     "standby_poll_seconds": float,
     "standby_max_rate": object,  # bytes per second, or a size string: "250MB"
 }
-_TRANSFER_KEYS: dict[str, type] = {
-    "chunk_size_mib": int,
-    "part_size_mib": int,
-    "pack_size_mib": int,
-    "window": int,
-    "workers": int,
-    "zstd_level": int,
-    "max_chain": int,
-    "memory_mib": int,
-}
+_TRANSFER_KEYS: dict[str, type] = {name: kind for name, kind, *_ in TransferSettings.knobs()}
 _RETENTION_KEYS: dict[str, type] = {
     "interval_seconds": float,
     "grace_seconds": float,
@@ -204,7 +194,8 @@ def load_config(
     top = _typed(raw, _TOP_KEYS, env, "", ENV_PREFIX, sources)
     tr = _typed(transfer_raw, _TRANSFER_KEYS, env, "transfer.", ENV_PREFIX + "TRANSFER_", sources)
 
-    transfer = TransferSettings(**{k: _int_at_least(f"transfer.{k}", v, 0) for k, v in tr.items()})
+    chosen: dict[str, Any] = {k: _at_least(f"transfer.{k}", v, 0) for k, v in tr.items()}
+    transfer = TransferSettings(**chosen)
     try:
         transfer.to_options()
     except ValueError as exc:
@@ -446,6 +437,13 @@ def _int_at_least(key: str, value: object, minimum: int) -> int:
     return value
 
 
+def _at_least(key: str, value: object, minimum: int) -> int | float:
+    assert isinstance(value, int | float)  # checked by _check
+    if not minimum <= value < float("inf"):
+        raise ConfigError(f"{key}: must be at least {minimum}, got {value}")
+    return value
+
+
 def _seconds(key: str, value: object) -> float:
     assert isinstance(value, float)  # checked by _check
     if not 0.0 <= value < float("inf"):
@@ -520,10 +518,21 @@ def _warn_if_shared(token_file: Path) -> None:
         log.warning("token_file %s is readable by others (chmod o-rwx it)", token_file)
 
 
+def _example_transfer_table() -> str:
+    """The [transfer] keys with their defaults and what each does (from TransferSettings)."""
+    lines = []
+    for name, _, default, help_text in TransferSettings.knobs():
+        line = f"{name} = {default}"
+        if name == "workers":  # the default is this machine's cores: not a value to copy
+            line = f"# {line}"
+        lines.append(f"{line:<25} # {help_text}")
+    return "\n".join(lines)
+
+
 def example_toml() -> str:
     """A commented example that runs as printed (``mkdir -p ckpt/hot ckpt/store`` first) on
     one node; the production values are in the comments (a test keeps it honest)."""
-    return """\
+    return f"""\
 # ckpt-ferry node agent: `ferry agent --config ferry.toml`, from this file's directory
 # (relative paths are relative to where the agent starts). As printed it is a one-node
 # setup on this machine: checkpoints under ckpt/hot are pushed to the store ckpt/store.
@@ -573,14 +582,7 @@ standby_poll_seconds = 5.0
 standby_max_rate = "250MB"
 
 [transfer]
-chunk_size_mib = 4
-part_size_mib = 8
-pack_size_mib = 256
-window = 16
-workers = 8
-zstd_level = 1   # 0 stores raw
-max_chain = 4
-memory_mib = 0   # cap on transfer buffers (shrinks window); 0: none
+{_example_transfer_table()}
 
 # Without this table the agent never deletes anything. With it: every interval_seconds and
 # after each push, the hot dir and each tier are trimmed to their policy (docs/RETENTION.md).

@@ -22,8 +22,8 @@ from agent.hotretention import apply_hot, plan_hot, sweep_evictions
 from agent.journal import Journal
 from agent.logs import event
 from agent.metrics import Metrics
-from transfer.engine import TransferOptions
 from transfer.errors import FerryError
+from transfer.options import TransferOptions
 from transfer.retention import Tier, apply_plan, make_plan
 from transfer.store.base import Store
 

@@ -56,7 +56,7 @@ def test_example_toml_loads_with_its_values(
     assert config.endpoint_url is None
     assert config.state_dir == Path("ckpt/hot/.ferry")
     assert config.quiet_seconds == 2.0 and config.log_format == "text"
-    assert config.transfer.workers == 8
+    assert config.transfer == TransferSettings()  # the example shows the defaults
     assert config.retention is not None and config.retention.tier_policy(0).keep_last == 20
 
 
@@ -239,8 +239,10 @@ window = 3
 workers = 2
 zstd_level = 0
 max_chain = 7
+delta_min_saving = 0.5
 """
-    options = load_config(write(tmp_path, toml), env={}).transfer_options()
+    env = {"FERRY_TRANSFER_MAX_COLD_COST": "3"}
+    options = load_config(write(tmp_path, toml), env=env).transfer_options()
     assert options == TransferOptions(
         chunk_size=8 * MiB,
         part_size=16 * MiB,
@@ -249,7 +251,24 @@ max_chain = 7
         workers=2,
         zstd_level=None,
         max_chain=7,
+        delta_min_saving=0.5,
+        max_cold_cost=3.0,
     )
+    bad = toml.replace("delta_min_saving = 0.5", "delta_min_saving = 1.5")
+    with pytest.raises(ConfigError, match="delta_min_saving must be within"):
+        load_config(write(tmp_path, bad), env={})
+
+
+def test_every_transfer_tunable_is_a_cli_flag_a_config_key_and_in_the_example() -> None:
+    """Declared once (TransferSettings): the CLI, the config and the example follow it."""
+    from agent.cli import build_parser
+
+    example = example_toml()
+    for name, kind, default, _ in TransferSettings.knobs():
+        flag = "--" + name.replace("_", "-")
+        args = build_parser().parse_args(["push", "d", "s", "--job", "j", flag, str(default)])
+        assert getattr(args, name) == default and isinstance(getattr(args, name), kind)
+        assert f"{name} = {default}" in example, name
 
 
 # --- bandwidth and migration estimates ---------------------------------------------------

@@ -31,8 +31,8 @@ from tests.faultproxy import FaultProxy
 from tests.test_agent_e2e import REPO, Node, assert_same_tree, make_node, rpc, running
 from tests.test_pushqueue import save
 from transfer.engine import list_checkpoints, push, verify
-from transfer.engine.options import TransferOptions
 from transfer.format.layout import PACKS_PREFIX
+from transfer.options import TransferOptions
 from transfer.store import StoreOptions, open_store
 
 TRIALS = int(os.environ.get("FERRY_CRASH_TRIALS", "3"))

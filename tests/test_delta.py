@@ -297,3 +297,61 @@ def test_base_manifests_limit_local_reads_to_unchanged_chunks(
     assert got["base"][0] < got["none"][0]  # changed chunks' positions are not read twice
     assert got["wrong"][0] == got["none"][0]
     assert got["named"] == got["base"]
+
+
+# --- the keyframe policy (transfer/engine/keyframes.py) ----------------------------------
+
+
+def test_the_codec_asks_the_policy_and_falls_back_to_the_best_plain_encoding() -> None:
+    rng = np.random.default_rng(5)
+    base = rng.normal(0, 0.02, 64 * 1024).astype(np.float32)
+    data = (base + rng.normal(0, 1e-6, base.size).astype(np.float32)).tobytes()
+    asked: list[tuple[int, int]] = []
+
+    def refuse(delta: int, keyframe: int) -> bool:
+        asked.append((delta, keyframe))
+        return False
+
+    assert needs_base(encode(data, 1, base.tobytes())[0])  # a delta wins here...
+    enc, payload = encode(data, 1, base.tobytes(), refuse)
+    assert not needs_base(enc) and decode(enc, payload, len(data)) == data  # ...refused
+    ((delta, keyframe),) = asked
+    assert 0 < delta < keyframe < len(data)  # estimates of the whole chunk, from samples
+    assert needs_base(encode(data, 1, base.tobytes(), lambda d, k: True)[0])
+
+
+def test_the_policy_weighs_the_saving_and_the_cold_restore() -> None:
+    from transfer.engine.chunkindex import ChunkIndex, StoredChunk
+    from transfer.engine.keyframes import delta_policy, may_delta
+
+    index = ChunkIndex()
+    index.add(StoredChunk("k", 100, "bp4+zstd", "p", 0, 80))  # a keyframe: 80 stored
+    index.add(StoredChunk("d1", 100, "xor+bp4+zstd", "p", 80, 30, "k"))
+    assert index.cold_cost("k") == 80 and index.cold_cost("d1") == 110
+    opts = TransferOptions(delta_min_saving=0.25, max_cold_cost=2.0, max_chain=2)
+    on_keyframe = delta_policy(index, "k", opts)
+    assert on_keyframe(60, 80)  # saves 25%; a cold restore fetches 60 + 80 <= 2 x 80
+    assert not on_keyframe(61, 80)  # saves under 25%
+    on_delta = delta_policy(index, "d1", opts)
+    assert on_delta(50, 80)  # cold: 50 + 110 = 160 = 2 x 80
+    assert not on_delta(51, 80)  # saves 36%, but a cold restore would fetch 161
+    assert may_delta(index, "d1", opts)  # depth 1 + 1 <= 2
+    index.add(StoredChunk("d2", 100, "xor+bp4+zstd", "p", 110, 5, "d1"))
+    assert not may_delta(index, "d2", opts)  # depth 3 > max_chain
+
+
+def test_the_policy_reaches_the_writer_from_the_cli(
+    local_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    k0, k1 = adamw_series(tmp_path / "hot", 2)
+    for ckpt in (k0, k1):  # any saving: the moments' deltas are kept
+        r = push_json(capsys, "push", str(ckpt), local_url, "--job", "a", "--node", "n", *SMALL,
+                      "--delta-min-saving", "0", "--max-cold-cost", "1000")  # fmt: skip
+    assert r["chunks_delta"] > 0
+    for ckpt in (k0, k1):  # a delta must save 99%: every changed chunk is a keyframe
+        r = push_json(capsys, "push", str(ckpt), local_url, "--job", "b", "--node", "n", *SMALL,
+                      "--delta-min-saving", "0.99")  # fmt: skip
+    assert r["chunks_delta"] == 0 and r["base_step"] == 20
+    out = tmp_path / "out"
+    assert ferry(["pull", local_url, str(out), "--job", "b", "--step", "40"]) == 0
+    assert tree_bytes(out) == tree_bytes(k1)

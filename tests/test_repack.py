@@ -21,7 +21,7 @@ from tests.conftest import (
     tree_bytes,
     write_file,
 )
-from transfer.engine import pull, push, verify
+from transfer.engine import TransferOptions, pull, push, verify
 from transfer.engine.catalog import list_checkpoints, load_manifest
 from transfer.format import layout
 from transfer.retention import Tier, TierPolicy, apply_plan, make_plan, take_inventory
@@ -35,7 +35,13 @@ def _step(d: Path) -> int:
     return int(d.name.split("_")[1])
 
 
+#: every changed chunk a delta, chains up to max_chain: what repacking has to compact (the
+#: writer's default keyframe policy keeps chains short on this series)
+CHAINS = TransferOptions(delta_min_saving=0.0, max_cold_cost=1000.0)
+
+
 async def _push_all(store: Store, dirs: list[Path], **kw: object) -> None:
+    kw.setdefault("options", CHAINS)
     for d in dirs:
         await push(store, d, job=JOB, step=_step(d), node=NODE, **kw)  # type: ignore[arg-type]
 
@@ -69,7 +75,8 @@ async def _fresh_cost(tmp: Path, dirs: list[Path], *, full_first: bool = True) -
     store = open_test_store(str(root))
     try:
         for i, d in enumerate(dirs):
-            await push(store, d, job=JOB, step=_step(d), node=NODE, full=full_first and i == 0)
+            first = full_first and i == 0
+            await push(store, d, job=JOB, step=_step(d), node=NODE, full=first, options=CHAINS)
         return await _pack_bytes(store)
     finally:
         await store.close()

@@ -5,6 +5,7 @@ Callers run them in worker threads; zstandard and numpy release the GIL for the 
 
 from transfer.codec.encodings import (
     KNOWN_ENCODINGS,
+    DeltaPolicy,
     check_encoding,
     decode,
     encode,
@@ -12,4 +13,12 @@ from transfer.codec.encodings import (
     needs_base,
 )
 
-__all__ = ["KNOWN_ENCODINGS", "check_encoding", "decode", "encode", "encode_as", "needs_base"]
+__all__ = [
+    "KNOWN_ENCODINGS",
+    "DeltaPolicy",
+    "check_encoding",
+    "decode",
+    "encode",
+    "encode_as",
+    "needs_base",
+]

@@ -14,6 +14,7 @@ costs nothing extra. A reader refuses names it does not know.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import zstandard
 
@@ -96,29 +97,49 @@ def _sample_spans(size: int) -> list[tuple[int, int]]:
     return [(start, start + SAMPLE_BYTES) for start in starts]
 
 
-def _pick(data: Buffer, base: Buffer | None, candidates: tuple[str, ...], level: int) -> str:
-    """The candidate that compresses samples of ``data`` best (ties: the earlier one)."""
+def _sample_sizes(
+    data: Buffer, base: Buffer | None, candidates: tuple[str, ...], level: int
+) -> tuple[dict[str, int], int]:
+    """Compressed size of samples of ``data`` under each candidate, and the bytes sampled."""
     cctx = _compressor(min(level, 1))
     spans = _sample_spans(len(data))
-    best, best_size = candidates[0], None
+    sizes: dict[str, int] = {}
     for enc in candidates:
         size = 0
         for lo, hi in spans:  # the base is sampled at the same offsets: XOR aligns them
             piece_base = base[lo:hi] if base is not None else None
             size += len(cctx.compress(_transform(enc, data[lo:hi], piece_base)))
-        if best_size is None or size < best_size:
-            best, best_size = enc, size
-    return best
+        sizes[enc] = size
+    return sizes, sum(hi - lo for lo, hi in spans)
 
 
-def encode(data: Buffer, zstd_level: int | None, base: Buffer | None = None) -> tuple[str, bytes]:
-    """Return (encoding, payload). ``base``: the base chunk's bytes, to try delta coding.
-    ``zstd_level=None`` stores raw."""
+#: Asked, when a delta candidate beats every plain one on the samples, whether to keep it:
+#: (estimated delta bytes, estimated bytes of the chunk coded on its own) -> keep?
+DeltaPolicy = Callable[[int, int], bool]
+
+
+def encode(
+    data: Buffer,
+    zstd_level: int | None,
+    base: Buffer | None = None,
+    delta_pays: DeltaPolicy | None = None,
+) -> tuple[str, bytes]:
+    """Return (encoding, payload). ``base``: the base chunk's bytes, to try delta coding;
+    ``delta_pays`` may turn a delta down (the writer's keyframe policy). ``zstd_level=None``
+    stores raw."""
     raw = bytes(data)
     if zstd_level is None or not raw:
         return RAW, raw
     candidates = (DELTA_CANDIDATES + PLAIN_CANDIDATES) if base else PLAIN_CANDIDATES
-    enc = _pick(raw, base, candidates, zstd_level) if len(candidates) > 1 else candidates[0]
+    enc = candidates[0]
+    if len(candidates) > 1:
+        sizes, sampled = _sample_sizes(raw, base, candidates, zstd_level)
+        enc = min(candidates, key=sizes.__getitem__)  # ties: the earlier one
+        if needs_base(enc) and delta_pays is not None:
+            plain = min(PLAIN_CANDIDATES, key=sizes.__getitem__)
+            scale = len(raw) / sampled
+            if not delta_pays(int(sizes[enc] * scale), int(sizes[plain] * scale)):
+                enc = plain
     packed = _compressor(zstd_level).compress(_transform(enc, raw, base))
     if len(packed) <= len(raw) * (1 - MIN_SAVING):
         return enc, packed

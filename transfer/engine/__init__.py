@@ -1,10 +1,10 @@
 """Push and pull pipelines over a store, and the catalog of committed checkpoints."""
 
 from transfer.engine.catalog import CheckpointInfo, list_checkpoints, resolve_manifests
-from transfer.engine.options import TransferOptions
 from transfer.engine.pull import PullResult, pull
 from transfer.engine.push import PushResult, push
 from transfer.engine.verify import VerifyResult, verify
+from transfer.options import TransferOptions
 
 __all__ = [
     "CheckpointInfo",

@@ -34,6 +34,7 @@ class ChunkIndex:
     def __init__(self) -> None:
         self._chunks: dict[str, StoredChunk] = {}
         self._depth: dict[str, int] = {}
+        self._cold: dict[str, int] = {}
 
     def __len__(self) -> int:
         return len(self._chunks)
@@ -63,6 +64,21 @@ class ChunkIndex:
         for i, link in enumerate(reversed(chain)):
             self._depth[link] = base_depth + 1 + i
         return self._depth.get(cid, 0)
+
+    def cold_cost(self, cid: str) -> int:
+        """Stored bytes a restore of ``cid`` must fetch when the node holds none of its
+        chain: its own payload and every base's, back to the keyframe."""
+        if cid in self._cold:
+            return self._cold[cid]
+        chain, cur = [], self._chunks.get(cid)
+        while cur is not None and cur.id not in self._cold:
+            chain.append(cur)
+            cur = self._chunks.get(cur.base) if cur.base else None
+        below = 0 if cur is None else self._cold[cur.id]
+        for link in reversed(chain):
+            below += link.stored
+            self._cold[link.id] = below
+        return self._cold.get(cid, 0)
 
     def closure(self, ids: Iterable[str]) -> list[StoredChunk]:
         """The base chunks that the given chunks need, transitively, in no particular order."""

@@ -28,7 +28,6 @@ from transfer.durable import fsync_dir
 from transfer.engine.catalog import resolve_manifests
 from transfer.engine.chunkindex import ChunkIndex, StoredChunk
 from transfer.engine.fetch import fetch_chunks
-from transfer.engine.options import TransferOptions
 from transfer.engine.progress import NoProgress, Progress
 from transfer.engine.ratelimit import RateLimit
 from transfer.engine.resolver import ChunkResolver, read_local_into
@@ -44,6 +43,7 @@ from transfer.errors import DestinationError, FerryError, FormatError
 from transfer.format.chunkid import chunk_id
 from transfer.format.manifest import FileEntry, Manifest
 from transfer.format.names import step_from_dirname
+from transfer.options import TransferOptions
 from transfer.store.base import Store
 
 T = TypeVar("T")

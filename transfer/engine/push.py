@@ -6,7 +6,7 @@ that dies at any point leaves no manifest (only unreferenced packs, which GC col
 
 Deltas: the base is the newest committed checkpoint of the same job and node before this
 step (or ``base_step``). A changed chunk is encoded against the base's chunk at the same file
-offset when that pays and the base's chain is shorter than ``max_chain``. Base bytes come
+offset when the keyframe policy says it pays (keyframes.py). Base bytes come
 from a local copy when one matches the base manifest's hashes, else from the store.
 """
 
@@ -22,14 +22,14 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import NamedTuple, cast
 
-from transfer.codec import encode, needs_base
+from transfer.codec import DeltaPolicy, encode, needs_base
 from transfer.codec.transforms import Buffer
 from transfer.engine import dcp
 from transfer.engine.base import BasePlan, choose_base
 from transfer.engine.catalog import list_checkpoints, load_manifest, open_catalog
 from transfer.engine.chunkindex import ChunkIndex, StoredChunk, build_refs
 from transfer.engine.errors import first_error
-from transfer.engine.options import TransferOptions
+from transfer.engine.keyframes import delta_policy, may_delta
 from transfer.engine.packer import PackLocation, PackWriter
 from transfer.engine.progress import NoProgress, Progress
 from transfer.engine.pushlease import push_lease
@@ -40,6 +40,7 @@ from transfer.format import layout
 from transfer.format.chunkid import chunk_id
 from transfer.format.manifest import FileEntry, Manifest
 from transfer.format.names import check_name, check_step
+from transfer.options import TransferOptions
 from transfer.store.base import PartReceipt, Store
 
 log = logging.getLogger(__name__)
@@ -336,7 +337,7 @@ class _PushRun:
         base_ref = self.base.chunk_at(path, offset)
         if base_ref is None or base_ref.id == cid:
             return None
-        if self.index.depth(base_ref.id) + 1 > self.options.max_chain:
+        if not may_delta(self.index, base_ref.id, self.options):
             return None  # keyframe: keeps every restore within max_chain decode steps
         try:
             return base_ref.id, await self.resolver.raw(base_ref.id, (path, offset))
@@ -347,8 +348,14 @@ class _PushRun:
     async def _store_new(self, cid: str, data: bytes, path: str, offset: int) -> StoredChunk:
         loop = asyncio.get_running_loop()
         base = await self._base_bytes(cid, path, offset)
+        pays = delta_policy(self.index, base[0], self.options) if base else None
         enc, payload, spent = await loop.run_in_executor(
-            self.pool, _encode_timed, data, self.options.zstd_level, base[1] if base else None
+            self.pool,
+            _encode_timed,
+            data,
+            self.options.zstd_level,
+            base[1] if base else None,
+            pays,
         )
         self.encode_seconds += spent
         base_id = base[0] if base and needs_base(enc) else None
@@ -446,7 +453,9 @@ def _read_and_hash(src: SourceFile, offset: int, length: int) -> tuple[bytes, st
     return data, chunk_id(data)
 
 
-def _encode_timed(data: bytes, level: int | None, base: Buffer | None) -> tuple[str, bytes, float]:
+def _encode_timed(
+    data: bytes, level: int | None, base: Buffer | None, pays: DeltaPolicy | None
+) -> tuple[str, bytes, float]:
     began = time.perf_counter()
-    enc, payload = encode(data, level, base)
+    enc, payload = encode(data, level, base, pays)
     return enc, payload, time.perf_counter() - began

@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 from transfer.engine.catalog import list_checkpoints, load_manifest, open_catalog
 from transfer.engine.chunkindex import ChunkIndex
 from transfer.engine.fetch import fetch_chunks
-from transfer.engine.options import TransferOptions
 from transfer.engine.resolver import ChunkResolver
 from transfer.errors import CheckpointNotFoundError
+from transfer.options import TransferOptions
 from transfer.store.base import Store
 
 

@@ -36,11 +36,11 @@ from transfer.codec.transforms import Buffer
 from transfer.engine.catalog import load_manifest
 from transfer.engine.chunkindex import ChunkIndex, StoredChunk, build_refs
 from transfer.engine.fetch import fetch_chunks, plan_ranges
-from transfer.engine.options import TransferOptions
 from transfer.engine.packer import PackWriter
 from transfer.engine.resolver import ChunkResolver
 from transfer.format import layout
 from transfer.format.manifest import FileEntry, Manifest
+from transfer.options import TransferOptions
 from transfer.retention.inventory import Inventory, RetentionError
 from transfer.store.base import Store
 

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
+from typing import Any, cast
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,12 @@ class TransferOptions:
     #: decode steps a restore of any chunk may need (a chunk whose base is already this deep
     #: is stored as a keyframe instead)
     max_chain: int = 4
+    #: a changed chunk is stored as a delta only when that makes it at least this much
+    #: smaller than the chunk coded on its own (keyframes.py says why)
+    delta_min_saving: float = 0.25
+    #: ... and only while a cold restore of it (its own payload and every base's, back to
+    #: the keyframe) stays within this multiple of the chunk coded on its own
+    max_cold_cost: float = 2.0
 
     def memory_estimate(self) -> int:
         """Bytes a transfer holds at its peak, whatever the checkpoint size: every part in
@@ -55,6 +62,10 @@ class TransferOptions:
             raise ValueError("pack_size must be within part_size..10,000 x part_size")
         if not 1 <= self.max_chain <= 32:
             raise ValueError("max_chain must be within 1..32")
+        if not 0.0 <= self.delta_min_saving < 1.0:
+            raise ValueError("delta_min_saving must be within 0..1 (0: any saving)")
+        if self.max_cold_cost < 1.0:
+            raise ValueError("max_cold_cost must be at least 1 (a multiple of a keyframe)")
         if self.window < 1 or self.workers < 1:
             raise ValueError("window and workers must be positive")
 
@@ -63,21 +74,43 @@ MiB = 1 << 20
 _DEFAULT_TRANSFER = TransferOptions()
 
 
+def _knob(default: int | float, help: str) -> Any:
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass(frozen=True)
 class TransferSettings:
-    """The tunables in the units people set them in (MiB): the CLI's flags and the agent's
-    ``[transfer]`` table both map through here, so the two front doors cannot drift."""
+    """The tunables in the units people set them in (MiB), declared once: the CLI's flags
+    (``--chunk-size-mib``...), the agent's ``[transfer]`` table, its ``FERRY_TRANSFER_*``
+    variables and the example config are all made from these fields (``knobs()``)."""
 
-    chunk_size_mib: int = _DEFAULT_TRANSFER.chunk_size // MiB
-    part_size_mib: int = _DEFAULT_TRANSFER.part_size // MiB
-    pack_size_mib: int = _DEFAULT_TRANSFER.pack_size // MiB
-    window: int = _DEFAULT_TRANSFER.window
-    workers: int = _DEFAULT_TRANSFER.workers
-    #: 0 stores chunks raw (as ``--zstd-level 0``)
-    zstd_level: int = _DEFAULT_TRANSFER.zstd_level or 0
-    max_chain: int = _DEFAULT_TRANSFER.max_chain
-    #: cap on transfer buffers per transfer (shrinks the window); 0: no cap
-    memory_mib: int = 0
+    chunk_size_mib: int = _knob(_DEFAULT_TRANSFER.chunk_size // MiB, "chunk size")
+    part_size_mib: int = _knob(_DEFAULT_TRANSFER.part_size // MiB, "multipart part / ranged GET")
+    pack_size_mib: int = _knob(_DEFAULT_TRANSFER.pack_size // MiB, "a pack is closed at this size")
+    window: int = _knob(_DEFAULT_TRANSFER.window, "parts/ranges in flight")
+    workers: int = _knob(_DEFAULT_TRANSFER.workers, "hash/codec threads (default: cores)")
+    zstd_level: int = _knob(_DEFAULT_TRANSFER.zstd_level or 0, "zstd level; 0 stores raw")
+    max_chain: int = _knob(
+        _DEFAULT_TRANSFER.max_chain, "most decode steps a restore may need (else a keyframe)"
+    )
+    delta_min_saving: float = _knob(
+        _DEFAULT_TRANSFER.delta_min_saving,
+        "a delta is kept only if this much smaller than a keyframe",
+    )
+    max_cold_cost: float = _knob(
+        _DEFAULT_TRANSFER.max_cold_cost,
+        "... and if a cold restore of it fetches at most this many keyframes",
+    )
+    memory_mib: int = _knob(0, "cap on transfer buffers (shrinks window); 0: none")
+
+    @staticmethod
+    def knobs() -> list[tuple[str, type, int | float, str]]:
+        """(name, type, default, help) of every tunable, in declaration order."""
+        kinds = {"int": int, "float": float}
+        return [
+            (f.name, kinds[str(f.type)], cast(int | float, f.default), f.metadata["help"])
+            for f in fields(TransferSettings)
+        ]
 
     def to_options(self) -> TransferOptions:
         """Raises ValueError when the combination is invalid (e.g. parts smaller than chunks)."""
@@ -89,5 +122,7 @@ class TransferSettings:
             workers=self.workers,
             zstd_level=self.zstd_level or None,
             max_chain=self.max_chain,
+            delta_min_saving=self.delta_min_saving,
+            max_cold_cost=self.max_cold_cost,
         )
         return options.within_budget(self.memory_mib * MiB) if self.memory_mib else options
