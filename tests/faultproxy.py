@@ -78,6 +78,8 @@ class FaultProxy:
         self.stall_seconds = stall_seconds
         self.stats = ProxyStats()
         self._rng = random.Random(seed)
+        self._only: str | None = None
+        self._budget: int | None = None
         self._down = False
         self._lock = threading.Lock()
         with socket.socket() as s:
@@ -119,11 +121,21 @@ class FaultProxy:
         self._down = False
         self._call(self._open_site())
 
-    def set_faults(self, rate: float, kinds: tuple[str, ...] | None = None) -> None:
+    def set_faults(
+        self,
+        rate: float,
+        kinds: tuple[str, ...] | None = None,
+        *,
+        only: str | None = None,
+        budget: int | None = None,
+    ) -> None:
+        """Fault ``rate`` of the requests with ``kinds``; ``only``: just the requests whose
+        path contains it; ``budget``: at most that many faults, then none."""
         with self._lock:
             self.rate = rate
             if kinds is not None:
                 self.kinds = kinds
+            self._only, self._budget = only, budget
 
     def _call(self, coro):  # type: ignore[no-untyped-def]
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(30)
@@ -159,9 +171,13 @@ class FaultProxy:
         if self._session is not None:
             await self._session.close()
 
-    def _draw(self) -> str | None:
+    def _draw(self, path: str) -> str | None:
         with self._lock:
+            if (self._only is not None and self._only not in path) or self._budget == 0:
+                return None
             if self.rate and self._rng.random() < self.rate:
+                if self._budget is not None:
+                    self._budget -= 1
                 return self._rng.choice(self.kinds)
             return None
 
@@ -173,7 +189,7 @@ class FaultProxy:
         if self._down:
             self.stats.refused += 1
             return _drop(request)
-        fault = self._draw()
+        fault = self._draw(request.path)
         if fault is not None:
             self.stats.faults[fault] += 1
         if fault in _ERRORS:

@@ -103,6 +103,23 @@ def test_each_fault_kind_at_30pct_is_survived(
     print(f"\nfaults: {kind} x{s3_proxy.stats.faults[kind]} of {s3_proxy.stats.requests} requests")
 
 
+def test_a_lost_reply_to_taking_a_lease_does_not_make_the_run_wait_for_itself(
+    s3_url: str, s3_proxy: FaultProxy, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The create-only PUT of a lease lands, its reply is lost, the retry meets the lease:
+    it is this run's own (a token says so), not another push's or retention run's. Before,
+    a push waited for its own lease to lapse (120 s) and retention said it was busy."""
+    src = make_multipart_checkpoint(tmp_path / "step_000010", seed=3)
+    via = ["--endpoint-url", s3_proxy.url, *SMALL]
+    s3_proxy.set_faults(1.0, ("lost_reply",), only="/locks/push/", budget=1)
+    assert ferry(["push", str(src), s3_url, "--job", "j", "--node", "n", *via]) == 0
+    assert s3_proxy.stats.faults["lost_reply"] == 1
+    assert "another push" not in caplog.text  # it never waited for a push that is itself
+    s3_proxy.set_faults(1.0, ("lost_reply",), only="/gc/lock.json", budget=1)
+    assert ferry(["retention", s3_url, "--keep-last", "1", "--endpoint-url", s3_proxy.url]) == 0
+    assert s3_proxy.stats.faults["lost_reply"] == 2
+
+
 def test_agent_push_and_prefetch_with_10pct_faulty_requests(
     s3_url: str, s3_proxy: FaultProxy, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

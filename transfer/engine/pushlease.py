@@ -20,6 +20,7 @@ import contextlib
 import json
 import logging
 import os
+import secrets
 import socket
 import time
 from collections.abc import AsyncIterator
@@ -58,7 +59,9 @@ async def push_lease(store: Store, job: str, step: int, node: str) -> AsyncItera
     """Hold the push lease of (job, step, node) in ``store`` for the body, waiting while a
     live push holds it."""
     key = push_lock_key(job, step, node)
-    me = holder_identity()
+    # the token tells this attempt's own lease apart: when the reply to our create-only PUT
+    # is lost, the retry meets the lease we wrote, and must not wait for itself to lapse
+    me = {**holder_identity(), "token": secrets.token_hex(8)}
     told = False
     while True:
         doc = json.dumps({**me, "expires_at": time.time() + LEASE_SECONDS}).encode()
@@ -67,6 +70,8 @@ async def push_lease(store: Store, job: str, step: int, node: str) -> AsyncItera
             break
         except AlreadyExistsError:
             holder = await _read(store, key)
+            if holder.get("token") == me["token"]:
+                break  # an earlier try of this PUT landed: the lease is ours
             expired = (
                 not isinstance(holder.get("expires_at"), (int, float))
                 or float(
@@ -93,8 +98,7 @@ async def push_lease(store: Store, job: str, step: int, node: str) -> AsyncItera
         with contextlib.suppress(asyncio.CancelledError):
             await renewer
         with contextlib.suppress(FerryError):  # it lapses on its own
-            held = await _read(store, key)
-            if (held.get("host"), held.get("pid")) == (me["host"], me["pid"]):
+            if (await _read(store, key)).get("token") == me["token"]:
                 await store.delete(key)
 
 

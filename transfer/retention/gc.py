@@ -76,6 +76,8 @@ async def gc_lease(store: Store, holder: str, now: float | None = None) -> Async
             break
         except AlreadyExistsError:
             other = await _read_json(store, layout.GC_LOCK_KEY)
+            if other.get("holder") == token:
+                break  # the reply to an earlier try was lost, and that try landed: ours
             expires = other.get("expires_at")
             # garbled, expired, or held by a dead process of this host (a killed run): break it
             if isinstance(expires, (int, float)) and expires > started and holder_alive(other):
