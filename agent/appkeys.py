@@ -6,6 +6,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from agent.config import AgentConfig
+from agent.fanout import Landing
 from agent.holds import StepHolds
 from agent.metrics import Metrics
 from agent.peers import HotIndex
@@ -38,5 +39,7 @@ HOLDS = web.AppKey("holds", StepHolds)
 RETENTION = web.AppKey("retention", RetentionRunner)
 
 HOT_INDEX = web.AppKey("hot_index", HotIndex)
+
+LANDING = web.AppKey("landing", Landing)
 
 STANDBY = web.AppKey("standby", Standby)

@@ -67,11 +67,19 @@ class FerryClient:
         return await self._call("GET", "/v1/estimate", params=params)  # type: ignore[no-any-return]
 
     async def prefetch(
-        self, job: str, step: int | str = "latest", deadline_s: float | None = None
+        self,
+        job: str,
+        step: int | str = "latest",
+        deadline_s: float | None = None,
+        fanout: tuple[list[str], str] | None = None,
     ) -> str:
+        """Start a prefetch; ``fanout``: (every member's agent URL, this agent's URL) of a
+        fan-out restore (send the same members to each)."""
         body: dict[str, Any] = {"job": job, "step": step}
         if deadline_s is not None:
             body["deadline_s"] = deadline_s
+        if fanout is not None:
+            body["fanout"] = {"members": list(fanout[0]), "me": fanout[1]}
         return str((await self._call("POST", "/v1/prefetch", json=body))["id"])
 
     async def prefetch_status(self, prefetch_id: str) -> dict[str, Any]:

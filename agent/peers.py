@@ -139,6 +139,10 @@ class PeerSource:
         if self._session is not None:
             await self._session.close()
 
+    def is_down(self, peer: str) -> bool:
+        """Failed recently (skipped for ``down_seconds``)."""
+        return self._down_until.get(peer, 0.0) > time.monotonic()
+
     def _live(self) -> list[str]:
         now = time.monotonic()
         return [p for p in self.peers if self._down_until.get(p, 0.0) <= now]
@@ -148,30 +152,61 @@ class PeerSource:
     ) -> tuple[bytes, int] | None:
         """The chunk's raw bytes (unverified: the caller checks the hash) and the bytes
         moved, from the first live peer that has it."""
+        for peer in self._live():
+            got = await self.ask(peer, chunk, base)
+            if got is not None:
+                return got
+        return None
+
+    async def alive(self, peer: str, within: float = 2.0) -> bool:
+        """Whether ``peer``'s agent answers its health check (marked down if not)."""
+        try:
+            async with self._client().get(
+                f"{peer}/healthz", timeout=aiohttp.ClientTimeout(total=within)
+            ) as resp:
+                if resp.status == 200:
+                    return True
+        except (aiohttp.ClientError, TimeoutError, OSError):
+            pass
+        self._down_until[peer] = time.monotonic() + self.down_seconds
+        return False
+
+    def _client(self) -> aiohttp.ClientSession:
         if self._session is None:
             self._session = aiohttp.ClientSession(
                 headers={"Authorization": f"Bearer {self.token}"},
                 timeout=aiohttp.ClientTimeout(total=60, sock_connect=2),
             )
+        return self._session
+
+    async def ask(
+        self, peer: str, chunk: StoredChunk, base: LocalBase | None, *, wait: float = 0.0
+    ) -> tuple[bytes, int] | None:
+        """The chunk from one peer, who may hold the request ``wait`` s for it to land (a
+        fan-out restore: agent/fanout.py); None if it has not, or is down (then it is
+        skipped for ``down_seconds``)."""
+        if self.is_down(peer):
+            return None
         query = {"base": base.id, "enc": chunk.enc} if base is not None else {}
-        for peer in self._live():
-            try:
-                url = f"{peer}/v1/chunks/{chunk.id}"
-                async with self._session.get(url, params=query) as resp:
-                    if resp.status != 200:
-                        continue
-                    enc = resp.headers.get(ENCODING_HEADER, RAW)
-                    body = bytearray()
-                    async for piece in resp.content.iter_chunked(1 << 20):
-                        body += piece
-                        if len(body) > chunk.size:  # never buffer more than a chunk
-                            break
-                data = await asyncio.to_thread(_decoded, enc, body, chunk.size, base)
-                if data is not None:
-                    return data, len(body)
-            except (aiohttp.ClientError, TimeoutError, OSError):
-                self._down_until[peer] = time.monotonic() + self.down_seconds
-        return None
+        if wait:
+            query["wait"] = f"{wait:g}"
+        try:
+            url = f"{peer}/v1/chunks/{chunk.id}"
+            timeout = aiohttp.ClientTimeout(total=60 + wait, sock_connect=2)
+            async with self._client().get(url, params=query, timeout=timeout) as resp:
+                if resp.status != 200:
+                    return None
+                enc = resp.headers.get(ENCODING_HEADER, RAW)
+                body = bytearray()
+                async for piece in resp.content.iter_chunked(1 << 20):
+                    body += piece
+                    if len(body) > chunk.size:  # never buffer more than a chunk
+                        break
+            data = await asyncio.to_thread(_decoded, enc, body, chunk.size, base)
+            return None if data is None else (data, len(body))
+        except (aiohttp.ClientError, TimeoutError, OSError):
+            self._down_until[peer] = time.monotonic() + self.down_seconds
+            return None
 
 
 def _decoded(enc: str, body: bytearray, size: int, base: LocalBase | None) -> bytes | None:
@@ -197,12 +232,14 @@ async def encode_for_peer(
     base_id: str | None,
     zstd_level: int | None,
     enc: str | None = None,
+    where: Location | None = None,
 ) -> tuple[str, bytes] | None:
     """A chunk this node holds, as (encoding, payload) for a peer: against ``base_id`` when
     this node holds that chunk too, else raw. ``enc``: the encoding the store chose for it
     (the receiver knows it from the manifest), used as is instead of trying every
-    candidate on samples. None: not held (or no longer intact)."""
-    where = await index.locate(cid)
+    candidate on samples. ``where``: where it is, if the caller knows (a restore running
+    here landed it), else the hot index is asked. None: not held (or no longer intact)."""
+    where = where or await index.locate(cid)
     data = await asyncio.to_thread(read_verified, where, cid) if where else None
     if data is None:
         index.forget(cid)

@@ -22,18 +22,21 @@ from pathlib import Path
 from typing import Any
 
 from agent.drain import drain_tasks
+from agent.fanout import FanoutSource, Landing
 from agent.holdings import local_checkpoints, step_dir_name
 from agent.holds import StepHolds
 from agent.logs import event
+from agent.peers import PeerSource
 from transfer.durable import fsync_dir
 from transfer.engine import TransferOptions, pull, resolve_manifests
 from transfer.engine.catalog import latest_complete_step
 from transfer.engine.estimate import BandwidthMeter
 from transfer.engine.localcheck import local_copy_differences
-from transfer.engine.pull import ChunkSource, merge_parts, sweep_stale_staging
+from transfer.engine.pull import ChunkSource, merge_parts
 from transfer.engine.ratelimit import RateLimit
 from transfer.engine.scan import SourceFile, check_unchanged, scan_checkpoint
 from transfer.engine.settle import STAGING_MARK, settle
+from transfer.engine.staging import discard_leftovers, sweep_stale_staging
 from transfer.errors import (
     CheckpointNotFoundError,
     DestinationError,
@@ -81,12 +84,18 @@ class PrefetchJob:
     task: asyncio.Task[None] | None = None
     eta_rate: float = 0.0  # bytes/s used for the ETA (measured average of the source)
     chunks_local: int = 0  # chunks rebuilt from a checkpoint this node already held
+    #: chunks an earlier, interrupted restore of this step had already written (staging.py)
+    chunks_resumed: int = 0
+    #: cancelled by request: its partial restore is removed, not kept to resume
+    discard_partial: bool = False
     #: how a ready prefetch was satisfied: "held" (the step was here already, checked),
     #: "replica" (a standby replication put it here: unchanged since it was verified),
     #: "filled_in" (this node's part was here; the others were added) or "restored"
     satisfied_by: str | None = None
     #: a standby's replication (agent/standby.py): rate-capped, never the scheduler's wait
     background: bool = False
+    #: a fan-out restore (agent/fanout.py): every member's agent URL, and this agent's
+    fanout: tuple[tuple[str, ...], str] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         remaining = max(self.bytes_total - self.bytes_done, 0)
@@ -101,6 +110,7 @@ class PrefetchJob:
             "bytes_done": self.bytes_done,
             "bytes_by_source": dict(self.bytes_by_source),
             "chunks_local": self.chunks_local,
+            "chunks_resumed": self.chunks_resumed,
             "satisfied_by": self.satisfied_by,
             "background": self.background,
             "eta_seconds": eta,
@@ -143,8 +153,13 @@ class Prefetcher:
         holds: StepHolds | None = None,
         pin_holder: str | None = None,
         background_rate: float | None = None,
+        fanout_client: PeerSource | None = None,
     ) -> None:
         self.expected_nodes = expected_nodes
+        #: asks the members of a fan-out restore (agent/fanout.py) for their shares
+        self.fanout_client = fanout_client
+        #: chunks of the restores running here, as they land: the chunk route serves them
+        self.landing = Landing()
         #: the cap on a background (standby) prefetch's bytes per second
         self.background_limit = RateLimit(background_rate) if background_rate else None
         #: what each restore made here looked like once verified (sizes, mtimes, inodes): a
@@ -182,9 +197,19 @@ class Prefetcher:
         return [gone for d in jobs for gone in sweep_stale_staging(d)]
 
     def submit(
-        self, job: str, step: int | None, deadline_s: float | None, *, background: bool = False
+        self,
+        job: str,
+        step: int | None,
+        deadline_s: float | None,
+        *,
+        background: bool = False,
+        fanout: tuple[tuple[str, ...], str] | None = None,
     ) -> PrefetchJob:
-        record = PrefetchJob(secrets.token_hex(8), job, step, deadline_s, background=background)
+        record = PrefetchJob(
+            secrets.token_hex(8), job, step, deadline_s, background=background, fanout=fanout
+        )
+        if fanout is not None:
+            self.landing.begin()  # ended when the job ends (_run)
         self.jobs[record.id] = record
         record.task = asyncio.create_task(self._run(record), name=f"prefetch-{record.id}")
         return record
@@ -192,6 +217,7 @@ class Prefetcher:
     def cancel(self, job_id: str) -> PrefetchJob | None:
         record = self.jobs.get(job_id)
         if record is not None and record.task is not None and record.state not in FINAL:
+            record.discard_partial = True
             record.task.cancel()
         return record
 
@@ -211,11 +237,15 @@ class Prefetcher:
                 record.state = State.READY
         except asyncio.CancelledError:
             record.state, record.error = State.CANCELLED, "cancelled"
+            if record.discard_partial and record.dest is not None:
+                await asyncio.to_thread(discard_leftovers, Path(record.dest))
         except TimeoutError:
             record.state, record.error = State.FAILED, f"deadline of {record.deadline_s}s passed"
         except (FerryError, OSError, ValueError) as exc:
             record.state, record.error = State.FAILED, " ".join(str(exc).split())
         finally:
+            if record.fanout is not None:
+                self.landing.end()
             record.finished = time.time()
             event(log, "prefetch", level=logging.INFO if record.state is State.READY
                   else logging.WARNING, id=record.id, job=record.job, step=record.step,
@@ -293,7 +323,7 @@ class Prefetcher:
             _through_real_dirs(here, entry.path)
         scratch = here.parent / f".{here.name}{STAGING_MARK}fill-{secrets.token_hex(4)}"
         try:
-            await self._restore(record, name, store, scratch, base=here)
+            await self._restore(record, name, store, manifests, scratch, base=here)
             await asyncio.to_thread(_move_missing, scratch, here, manifests)
         finally:
             await asyncio.to_thread(shutil.rmtree, scratch, True)
@@ -335,7 +365,7 @@ class Prefetcher:
                 base_manifests = None  # not in this tier: look everywhere, as without it
         base_dir = base.path if base is not None else None
         with self.holds.hold((record.job, record.step), (record.job, base.step) if base else None):
-            await self._restore(record, name, store, dest, base_dir, base_manifests)
+            await self._restore(record, name, store, manifests, dest, base_dir, base_manifests)
         record.satisfied_by = "restored"
         files = await asyncio.to_thread(scan_checkpoint, dest)
         self._restored[(record.job, record.step)] = (files, record.background)
@@ -364,6 +394,7 @@ class Prefetcher:
         record: PrefetchJob,
         name: str,
         store: Store,
+        manifests: list[Manifest],
         dest: Path,
         base: Path | None,
         base_manifests: list[Manifest] | None = None,
@@ -375,19 +406,32 @@ class Prefetcher:
             self.on_restore(record.job, record.step)
         source = f"tier:{name}"
         record.eta_rate = self.meter.rate(source)
+        chunk_source, own_share = self.chunk_source, None
+        if record.fanout is not None and self.fanout_client is not None:
+            fan = FanoutSource(self.fanout_client, *record.fanout)
+            await fan.probe()
+            chunk_source, own_share = fan, fan.mine
         began = time.monotonic()
-        result = await pull(
-            store,
-            dest,
-            job=record.job,
-            step=record.step,
-            options=self.options,
-            progress=_JobProgress(record),
-            base_dir=base,
-            base_manifests=base_manifests,
-            chunk_source=self.chunk_source,
-            rate_limit=self.background_limit if record.background else None,
-        )
+        # what this restore will land here: members asking for it are held until it does
+        wanted = [c.id for m in manifests for f in m.files for c in f.chunks] if own_share else []
+        self.landing.expect(wanted)
+        try:
+            result = await pull(
+                store,
+                dest,
+                job=record.job,
+                step=record.step,
+                options=self.options,
+                progress=_JobProgress(record),
+                base_dir=base,
+                base_manifests=base_manifests,
+                chunk_source=chunk_source,
+                rate_limit=self.background_limit if record.background else None,
+                own_share=own_share,
+                on_landed=self.landing.land,
+            )
+        finally:
+            self.landing.release(wanted)
         # the rate of whichever source moved most of it: a peer-served restore timed as the
         # tier's would make the tier look as slow as the few bytes it sent
         took = time.monotonic() - began
@@ -399,6 +443,7 @@ class Prefetcher:
         if result.bytes_from_source:
             record.bytes_by_source["peer"] = result.bytes_from_source
         record.chunks_local = result.chunks_local
+        record.chunks_resumed = result.chunks_resumed
 
 
 def _move_missing(source: Path, target: Path, manifests: list[Manifest]) -> None:

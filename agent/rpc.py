@@ -19,6 +19,7 @@ from agent.appkeys import (
     CONFIG,
     HOLDS,
     HOT_INDEX,
+    LANDING,
     METER,
     METRICS,
     PART_SIZES,
@@ -77,7 +78,8 @@ async def _resources(app: web.Application):  # type: ignore[no-untyped-def]
     tiers = [(url, open_store(url, options)) for url in config.tiers]
     app[TIERS] = tiers
     app[HOT_INDEX] = HotIndex(config.hot_dir, config.commit_marker, tiers)
-    peers = PeerSource(config.peers, app[TOKEN]) if config.peers else None
+    # one client for the configured peers and for the members of fan-out restores
+    peers = PeerSource(config.peers, app[TOKEN])
     queue = app[PUSHQUEUE] = PushQueue.from_config(config, tiers)
     holds = app[HOLDS] = StepHolds()
     app[PREFETCHER] = Prefetcher(
@@ -87,13 +89,15 @@ async def _resources(app: web.Application):  # type: ignore[no-untyped-def]
         config.transfer_options(),
         app[METER],
         concurrency=config.prefetch_concurrency,
-        chunk_source=peers,
+        chunk_source=peers if config.peers else None,
+        fanout_client=peers,
         on_restore=queue.exclude,
         expected_nodes=config.expected_nodes,
         holds=holds,
         pin_holder=f"prefetch-{config.node}",
         background_rate=config.standby_max_rate or None,
     )
+    app[LANDING] = app[PREFETCHER].landing
     standby = app[STANDBY] = Standby(
         app[PREFETCHER],
         tiers,
@@ -150,8 +154,7 @@ async def _resources(app: web.Application):  # type: ignore[no-untyped-def]
             queue.drain(config.drain_seconds),
         )
         queue.close()
-        if peers is not None:
-            await peers.close()
+        await peers.close()
         for _, store in tiers:
             await store.close()
 

@@ -8,7 +8,8 @@ from. The scheduler:
    copied there in the background and step 3 finds it already there,
 1. asks each survivor's agent what bringing the checkpoint over costs (GET /v1/estimate),
 2. pins the checkpoint on each (POST /v1/pins) so retention keeps it while this runs,
-3. starts a prefetch on every survivor at once (POST /v1/prefetch) and polls them,
+3. starts a prefetch on every survivor at once (POST /v1/prefetch), as one fan-out group
+   (the store is read about once for all of them, not once each), and polls them,
 4. commits the scale-down only when all are ``ready``; if one fails or the timeout passes,
    it cancels the others (DELETE /v1/prefetch/{id}) and aborts,
 5. unpins either way.
@@ -198,8 +199,17 @@ async def pin_all(survivors: list[Survivor], job: str, step: int, ttl: float) ->
 
 
 async def start_all(survivors: list[Survivor], job: str, step: int, deadline_s: float) -> None:
+    # one fan-out group: the survivors split the checkpoint's chunks, each reads its share
+    # from the object store and serves it to the others (it is read about once in all)
+    members = [s.url for s in survivors]
+    group = len(members) > 1
     answers = await asyncio.gather(
-        *(s.client.prefetch(job, step, deadline_s=deadline_s) for s in survivors),
+        *(
+            s.client.prefetch(
+                job, step, deadline_s=deadline_s, fanout=(members, s.url) if group else None
+            )
+            for s in survivors
+        ),
         return_exceptions=True,
     )
     failed = []

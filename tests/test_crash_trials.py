@@ -13,8 +13,10 @@ docs/RELIABILITY.md), which prints the figures.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -247,7 +249,7 @@ def test_agent_sigkilled_mid_prefetch(s3_url: str, s3_proxy: FaultProxy, tmp_pat
     store_call(s3_url, lambda s: push(s, src, job=JOB, step=10, node="a", options=options))
     node = make_node(tmp_path, "b", [s3_url], FERRY_ENDPOINT_URL=s3_proxy.url, **SIZES)
     dest = node.hot / JOB / "step_000010"
-    interrupted = 0
+    interrupted = resumed = 0
     with running(node):
         for _ in range(TRIALS):
             pid = rpc(node.url, "prefetch", JOB, 10)
@@ -264,19 +266,62 @@ def test_agent_sigkilled_mid_prefetch(s3_url: str, s3_proxy: FaultProxy, tmp_pat
             interrupted += killed
             if killed:
                 assert not dest.exists(), "a killed prefetch never leaves a partial checkpoint"
-                node.start()  # sweeps the staging directory the kill left
+                node.start()  # keeps the staging directory the kill left, to resume from
+                left = [p.name for p in dest.parent.iterdir()]
+                assert len(left) <= 1 and all(".ferry-staging-" in n for n in left), left
+                status = rpc(node.url, "prefetch_and_wait", JOB, 10, within_s=120)
+                assert status["state"] == "ready", status
+                resumed += status["chunks_resumed"]
             else:
                 assert rpc(node.url, "prefetch_status", pid)["state"] == "ready"
-            assert not [p for p in dest.parent.iterdir() if p != dest]
-            if dest.exists():
-                assert tree_bytes(dest) == tree_bytes(src)
-                import shutil
-
-                shutil.rmtree(dest)  # next trial starts cold again
+            beside = [p.name for p in dest.parent.iterdir() if p != dest]
+            assert beside in ([], [".step_000010.ferry-unsynced"]), beside  # (settle.py's)
+            assert tree_bytes(dest) == tree_bytes(src)
+            shutil.rmtree(dest)  # next trial starts cold again
         status = rpc(node.url, "prefetch_and_wait", JOB, 10, within_s=120)
         assert status["state"] == "ready", status
         assert_same_tree(dest, src)
-    print(f"\ncrash trials [agent prefetch]: {interrupted} of {TRIALS} killed mid-way")
+    # what a killed prefetch had written was kept, checked in place, and not fetched again
+    assert resumed > 0 or not interrupted, (resumed, interrupted)
+    print(f"\ncrash trials [agent prefetch]: {interrupted} of {TRIALS} killed mid-way, "
+          f"{resumed} chunks resumed")  # fmt: skip
+
+
+def test_cli_pull_sigkilled_then_rerun_resumes(
+    s3_url: str, s3_proxy: FaultProxy, tmp_path: Path
+) -> None:
+    """A killed ``ferry pull`` leaves its staging directory; the same pull run again keeps
+    what is there and verified, fetches only the rest, and leaves nothing beside the dest."""
+    rng = random.Random(SEED + 3)
+    src = write_checkpoint(tmp_path / "src" / f"step_{10:06d}", SEED + 300)
+    options = TransferOptions(chunk_size=MiB, part_size=5 * MiB, pack_size=10 * MiB)
+    store_call(s3_url, lambda s: push(s, src, job=JOB, step=10, node="a", options=options))
+    interrupted = resumed = 0
+    for trial in range(TRIALS):
+        dest = tmp_path / f"restore-{trial}" / "step_000010"
+        cmd = [sys.executable, "-m", "agent", "pull", s3_url, str(dest), "--job", JOB,
+               "--step", "10", "--endpoint-url", s3_proxy.url, "--json", *CLI_SIZES]  # fmt: skip
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        try:
+            killed, _ = kill_at(
+                s3_proxy, rng, lambda p=proc: p.poll() is not None, proc.kill, upload=False
+            )
+        finally:
+            proc.wait(30)
+        interrupted += killed
+        if killed:
+            assert not dest.exists()
+            rerun = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+            assert rerun.returncode == 0, rerun.stderr
+            result = json.loads(rerun.stdout)
+            resumed += result["chunks_resumed"]
+            fetched = result["bytes_transferred"]
+            assert fetched <= sum(SHARDS) - result["chunks_resumed"] * MiB + 2 * MiB, result
+        assert tree_bytes(dest) == tree_bytes(src)
+        beside = sorted(p.name for p in dest.parent.iterdir() if p != dest)
+        assert beside in ([], [".step_000010.ferry-unsynced"]), beside  # (settle.py's)
+    assert resumed > 0 or not interrupted, (resumed, interrupted)
+    print(f"\ncrash trials [cli pull]: {interrupted} of {TRIALS} killed, {resumed} resumed")
 
 
 def test_push_log_survives_a_torn_line(tmp_path: Path) -> None:

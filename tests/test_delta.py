@@ -193,24 +193,29 @@ def test_full_forces_a_keyframe(
     assert r["chunks_delta"] == 0 and r["base_step"] is None
 
 
-def test_a_pull_cancelled_at_any_moment_leaves_nothing_behind(
+def test_a_pull_cancelled_at_any_moment_leaves_nothing_or_what_the_next_pull_resumes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Cancelled at any moment, a pull leaves the complete restore (the rename won), or
+    nothing, or its staging directory, which the next pull into the same place adopts:
+    never a partial destination, never two leftovers."""
     import importlib
+
+    from transfer.engine.staging import Staging
 
     # (transfer.engine re-exports the pull() function under the module's name)
     pull_module = importlib.import_module("transfer.engine.pull")
 
     # Widen the window in which a cancel lands while a worker thread is still creating the
     # staging directory (on a loaded machine it is real, just rarely hit).
-    make_staging = pull_module._make_staging
+    open_staging = pull_module.open_staging
 
-    def slow_make_staging(dest: Path) -> Path:
-        made = make_staging(dest)
+    def slow_open_staging(dest: Path) -> Staging:
+        made = open_staging(dest)
         time.sleep(0.1)
         return made
 
-    monkeypatch.setattr(pull_module, "_make_staging", slow_make_staging)
+    monkeypatch.setattr(pull_module, "open_staging", slow_open_staging)
     (k0,) = adamw_series(tmp_path / "hot", 1)
     store_dir = tmp_path / "store"
     store_dir.mkdir()
@@ -232,14 +237,19 @@ def test_a_pull_cancelled_at_any_moment_leaves_nothing_behind(
     asyncio.run(push_it())
     for delay in (0.0, 0.001, 0.05, 0.15, 0.2, 0.3):
         asyncio.run(pull_then_cancel(delay))
-        leftovers = sorted(p.name for p in out.iterdir()) if out.exists() else []
-        # complete (the rename won: with its unsynced marker, settle.py) or nothing
-        assert leftovers in ([], [".dest.ferry-unsynced", "dest"]), leftovers
-        if leftovers:
-            assert tree_bytes(out / "dest") == tree_bytes(k0)
+        left = sorted(p.name for p in out.iterdir()) if out.exists() else []
+        if "dest" in left:  # complete (the rename won: with its unsynced marker, settle.py)
+            assert left == [".dest.ferry-unsynced", "dest"], left
             assert settle(out) == []  # same boot: flushed and confirmed
-            assert sorted(p.name for p in out.iterdir()) == ["dest"]
-            shutil.rmtree(out / "dest")
+        else:
+            assert len(left) <= 1 and all(n.startswith(".dest.ferry-staging-") for n in left)
+            asyncio.run(
+                pull(open_test_store(str(store_dir)), out / "dest", job="c", step=1, options=opts)
+            )
+            settle(out)
+            assert sorted(p.name for p in out.iterdir()) == ["dest"]  # the leftover adopted
+        assert tree_bytes(out / "dest") == tree_bytes(k0)
+        shutil.rmtree(out)
 
 
 def test_base_manifests_limit_local_reads_to_unchanged_chunks(

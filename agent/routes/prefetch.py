@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from urllib.parse import urlsplit
 
 from aiohttp import web
 
@@ -13,6 +14,10 @@ from transfer.format.names import check_name
 log = logging.getLogger(__name__)
 
 
+#: members of one fan-out restore (each asks the others for their shares)
+MAX_FANOUT = 64
+
+
 async def post_prefetch(request: web.Request) -> web.Response:
     body = await json_body(request)
     job = check_name("job", body.get("job"))
@@ -20,9 +25,34 @@ async def post_prefetch(request: web.Request) -> web.Response:
     deadline = body.get("deadline_s")
     if deadline is not None and not finite_number(deadline, 0, 7 * 24 * 3600):
         raise ValueError("deadline_s must be a number of seconds in (0, 604800]")
-    record = request.app[PREFETCHER].submit(job, step, deadline)
+    fanout = _fanout(body.get("fanout"))
+    record = request.app[PREFETCHER].submit(job, step, deadline, fanout=fanout)
     request.app[METRICS].inc("ferry_prefetch_started_total")
     return web.json_response({"id": record.id}, status=202)
+
+
+def _fanout(value: object) -> tuple[tuple[str, ...], str] | None:
+    """``{"members": [agent URLs], "me": this agent's URL among them}``, or None."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or set(value) != {"members", "me"}:
+        raise ValueError('fanout must be {"members": [agent URLs], "me": this agent\'s URL}')
+    members, me = value["members"], value["me"]
+    if (
+        not isinstance(members, list)
+        or not 1 <= len(members) <= MAX_FANOUT
+        or len(set(members)) != len(members)
+        or not all(isinstance(m, str) and _is_agent_url(m) for m in members)
+    ):
+        raise ValueError(f"fanout.members must be 1..{MAX_FANOUT} distinct http(s) agent URLs")
+    if me not in members:
+        raise ValueError("fanout.me must be one of fanout.members")
+    return tuple(m.rstrip("/") for m in members), me.rstrip("/")
+
+
+def _is_agent_url(url: str) -> bool:
+    parts = urlsplit(url)
+    return parts.scheme in ("http", "https") and bool(parts.netloc) and len(url) <= 512
 
 
 async def get_prefetch(request: web.Request) -> web.Response:

@@ -42,6 +42,10 @@ class ChunkIndex:
     def get(self, cid: str) -> StoredChunk | None:
         return self._chunks.get(cid)
 
+    def __getitem__(self, cid: str) -> StoredChunk:
+        """A chunk the caller knows is indexed (a manifest named it): KeyError otherwise."""
+        return self._chunks[cid]
+
     def add(self, chunk: StoredChunk) -> None:
         self._chunks.setdefault(chunk.id, chunk)
 

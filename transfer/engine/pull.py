@@ -8,9 +8,7 @@ renamed into place at the end and removed on any failure.
 from __future__ import annotations
 
 import asyncio
-import errno
-import os
-import secrets
+import logging
 import shutil
 import threading
 import time
@@ -24,22 +22,22 @@ from typing import TypeVar
 
 from transfer.codec import check_encoding, needs_base
 from transfer.codec.transforms import Buffer
-from transfer.durable import fsync_dir
 from transfer.engine.catalog import resolve_manifests
 from transfer.engine.chunkindex import ChunkIndex, StoredChunk
 from transfer.engine.fetch import fetch_chunks
 from transfer.engine.progress import NoProgress, Progress
 from transfer.engine.ratelimit import RateLimit
 from transfer.engine.resolver import ChunkResolver, read_local_into
-from transfer.engine.settle import (
-    STAGING_MARK,
-    boot_id,
-    fsync_tree,
-    mark_unsynced,
-    marker_path,
+from transfer.engine.settle import boot_id
+from transfer.engine.staging import (
+    Staging,
+    StagingFiles,
+    create_files,
+    open_staging,
+    seal,
+    worth_resuming,
 )
-from transfer.engine.writeback import start_writeback
-from transfer.errors import DestinationError, FerryError, FormatError
+from transfer.errors import FerryError, FormatError
 from transfer.format.chunkid import chunk_id
 from transfer.format.manifest import FileEntry, Manifest
 from transfer.format.names import step_from_dirname
@@ -47,6 +45,7 @@ from transfer.options import TransferOptions
 from transfer.store.base import Store
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -60,6 +59,7 @@ class PullResult:
     chunks_total: int
     chunks_deduped: int  # not downloaded: repeats, holes, or reused from --base-dir
     chunks_local: int  # of those, distinct chunks reused from --base-dir
+    chunks_resumed: int  # ... found in place in a killed pull's staging dir (staging.py)
     base_dir: str | None  # the node's earlier checkpoint used, if any
     bases_local: int  # delta chunks decoded against their base read from base_dir
     bytes_from_source: int  # raw bytes the chunk_source (peer agents) supplied
@@ -117,6 +117,8 @@ async def pull(
     chunk_source: ChunkSource | None = None,
     fsync: bool = False,
     rate_limit: RateLimit | None = None,
+    own_share: Callable[[str], bool] | None = None,
+    on_landed: Callable[[str, tuple[Path, int, int]], None] | None = None,
 ) -> PullResult:
     """Restore a checkpoint into ``dest``. ``base_dir``: a local checkpoint of the job (e.g.
     the previous step) whose chunks are reused, after hash verification, instead of being
@@ -130,7 +132,10 @@ async def pull(
     it hashes to the chunk id. ``fsync``: flush every file before the rename (else the
     restore is renamed into place with a durable marker and settled later:
     transfer/engine/settle.py). ``rate_limit``: a cap on the bytes moved per second (from
-    the store and the chunk source)."""
+    the store and the chunk source). ``own_share``: in a fan-out restore (agent/fanout.py),
+    the chunks this node fetches from the store itself, at once, while the chunk source is
+    asked for the others. ``on_landed(id, (file, offset, size))``: told as each chunk is
+    written and verified in the staging dir (the fan-out serves it from there)."""
     options = options or TransferOptions()
     progress = progress or NoProgress()
     started = time.monotonic()
@@ -157,8 +162,8 @@ async def pull(
                 targets[c.id].append((fi, offset))
                 hints.setdefault(c.id, (f.path, offset))
 
-    staging = await _to_thread_to_the_end(_make_staging, dest)
-    dest_abs = staging.parent / dest.name
+    staging = await _to_thread_to_the_end(open_staging, dest)
+    dest_abs = staging.path.parent / dest.name
     bytes_read = 0
 
     def count(n: int) -> None:
@@ -166,55 +171,91 @@ async def pull(
         bytes_read += n
 
     try:
-        await _to_thread_to_the_end(_create_files, staging, files, targets)
+        await _to_thread_to_the_end(create_files, staging, files, targets)
         progress.start(sum(f.size for f in files), "pull")
         # with --fsync, writeback started per chunk overlaps the final flush with the
         # download; without it the kernel writes back on its own, and starting it per chunk
         # only made writers wait on the disk queue (settle.py flushes later)
-        out = _StagingFiles(staging, files, writeback=fsync or boot_id() is None)
+        out = StagingFiles(staging.path, files, writeback=fsync or boot_id() is None)
 
         def write(c: StoredChunk, data: Buffer) -> None:
             with resolver.clock.timing("write"):
                 for fi, offset in targets.get(c.id, ()):
                     out.pwrite(fi, offset, data)
             progress.advance(len(data) * max(1, len(targets.get(c.id, ()))))
+            landed(c.id)
+
+        def landed(cid: str) -> None:
+            if on_landed is not None and cid in targets:
+                fi, offset = targets[cid][0]
+                on_landed(cid, (staging.path / files[fi].path, offset, index[cid].size))
+
+        def write_elsewhere(c: StoredChunk, data: Buffer) -> None:
+            """For a chunk found in place in an adopted staging dir: its other positions."""
+            for fi, offset in targets[c.id][1:]:
+                out.pwrite(fi, offset, data)
+            progress.advance(len(data) * len(targets[c.id]))
+            landed(c.id)
 
         with out, ThreadPoolExecutor(options.workers, thread_name_prefix="ferry-pull") as pool:
             resolver = ChunkResolver(store, index, pool, base_dir, on_bytes_read=count)
-            candidates = _same_position(targets, hints, base_manifests)
+            resumed: set[str] = set()
+            if staging.adopted:  # a killed restore's leftover: keep what verifies in place
+                resumed = await _reuse_local(
+                    resolver, index, list(targets), hints, write_elsewhere, options.window,
+                    root=staging.path,
+                )  # fmt: skip
+            candidates = [c for c in _same_position(targets, hints, base_manifests)
+                          if c not in resumed]  # fmt: skip
             local = await _reuse_local(resolver, index, candidates, hints, write, options.window)
+            local |= resumed
+            todo = [cid for cid in targets if cid not in local]
+            # a fan-out member's own share goes to the store at once, beside the source
+            mine: list[StoredChunk] = []
+            if own_share is not None and chunk_source is not None:
+                mine = [index[cid] for cid in todo if own_share(cid)]
+
+            async def tier(chunks: list[StoredChunk]) -> None:
+                await fetch_chunks(
+                    resolver,
+                    chunks,
+                    part_size=options.part_size,
+                    window=options.window,
+                    sink=write,
+                    hints=hints,
+                    rate_limit=rate_limit,
+                )
+
             sourced: dict[str, int] = {}
             if chunk_source is not None:
-                todo = [cid for cid in targets if cid not in local]
                 held = _held_at(base_manifests) if base_dir is not None else {}
-                sourced = await _from_source(
-                    chunk_source,
-                    resolver,
-                    index,
-                    todo,
-                    write,
-                    options.window,
-                    lambda cid: _local_base(base_dir, held, hints[cid], cid),
-                    rate_limit,
-                )
-            fetched = [
-                s
-                for cid in targets
-                if cid not in local and cid not in sourced and (s := index.get(cid))
-            ]
-            await fetch_chunks(
-                resolver,
-                fetched,
-                part_size=options.part_size,
-                window=options.window,
-                sink=write,
-                hints=hints,
-                rate_limit=rate_limit,
-            )
-        await _to_thread_to_the_end(_seal, staging, files, dest, fsync)
-    except BaseException:
-        await asyncio.shield(asyncio.to_thread(shutil.rmtree, staging, True))
+                taken = {c.id for c in mine}
+                async with asyncio.TaskGroup() as both:
+                    both.create_task(tier(mine))
+                    sourced = await _from_source(
+                        chunk_source,
+                        resolver,
+                        index,
+                        [cid for cid in todo if cid not in taken],
+                        write,
+                        options.window,
+                        lambda cid: _local_base(base_dir, held, hints[cid], cid),
+                        rate_limit,
+                    )
+            done = {c.id for c in mine} | set(sourced)
+            rest = [index[cid] for cid in todo if cid not in done]
+            await tier(rest)
+            fetched = mine + rest
+        await _to_thread_to_the_end(seal, staging.path, files, dest, fsync)
+    except BaseException as exc:
+        if worth_resuming(exc):
+            log.warning("kept the partial restore in %s: the same pull resumes from it (%s)",
+                        staging.path, type(exc).__name__)  # fmt: skip
+        else:
+            await asyncio.shield(asyncio.to_thread(shutil.rmtree, staging.path, True))
         raise
+    finally:
+        staging.release()
     progress.finish()
     return PullResult(
         job=job,
@@ -225,9 +266,10 @@ async def pull(
         bytes_transferred=bytes_read,
         chunks_total=sum(len(f.chunks) for f in files),
         chunks_deduped=sum(len(f.chunks) for f in files) - len(fetched),
-        chunks_local=len(local),
+        chunks_local=len(local) - len(resumed),
+        chunks_resumed=len(resumed),
         base_dir=str(base_dir) if base_dir is not None else None,
-        bases_local=resolver.local_hits - len(local),
+        bases_local=resolver.local_hits - len(local),  # (local counts the resumed too)
         bytes_from_source=sum(sourced.values()),
         chunks_delta=sum(1 for c in fetched if c.base),
         chunks_raw=sum(1 for c in fetched if not c.base),
@@ -358,12 +400,14 @@ async def _reuse_local(
     hints: dict[str, tuple[str, int]],
     write: Callable[[StoredChunk, Buffer], None],
     window: int,
+    root: Path | None = None,
 ) -> set[str]:
-    """Write every candidate chunk that base_dir holds (verified) at the same position.
-    A batch of chunks per thread hop, each read into the thread's reused buffer (no new
-    ``bytes`` per chunk: on a frozen backbone most of a checkpoint comes this way)."""
+    """Write every candidate chunk that ``root`` (default: base_dir) holds, verified, at the
+    same position. A batch of chunks per thread hop, each read into the thread's reused
+    buffer (no new ``bytes`` per chunk: on a frozen backbone most of a checkpoint comes
+    this way)."""
     found: set[str] = set()
-    root = resolver.local_root
+    root = root or resolver.local_root
     if root is None or not candidates:
         return found
     loop = asyncio.get_running_loop()
@@ -415,141 +459,8 @@ async def _to_thread_to_the_end(fn: Callable[..., T], *args: object) -> T:
     except asyncio.CancelledError:
         await asyncio.wait([job])
         made = None if job.cancelled() or job.exception() else job.result()
-        if fn is _make_staging and isinstance(made, Path):
-            shutil.rmtree(made, ignore_errors=True)  # created after we were cancelled
+        if isinstance(made, Staging):  # opened after we were cancelled
+            if not made.adopted:
+                shutil.rmtree(made.path, ignore_errors=True)
+            made.release()
         raise
-
-
-def sweep_stale_staging(parent: Path) -> list[Path]:
-    """Remove staging directories a killed pull left under ``parent`` (call it only when no
-    pull into ``parent`` can be running, e.g. when an agent starts)."""
-    removed: list[Path] = []
-    try:
-        entries = list(parent.iterdir())
-    except FileNotFoundError:
-        return removed
-    for entry in entries:
-        if entry.name.startswith(".") and STAGING_MARK in entry.name and entry.is_dir():
-            shutil.rmtree(entry, ignore_errors=True)
-            removed.append(entry)
-    return removed
-
-
-def _make_staging(dest: Path) -> Path:
-    dest = dest.absolute()
-    if dest.is_symlink() or (dest.exists() and not dest.is_dir()):
-        raise DestinationError(f"{dest} exists and is not a directory")
-    if dest.is_dir() and any(dest.iterdir()):
-        raise DestinationError(f"{dest} is not empty; pull into a new or empty directory")
-    try:
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        staging = dest.parent / f".{dest.name}{STAGING_MARK}{secrets.token_hex(4)}"
-        staging.mkdir(mode=0o700)
-    except OSError as exc:
-        raise DestinationError(f"cannot create {dest}: {exc.strerror or exc}") from None
-    return staging
-
-
-def _create_files(
-    staging: Path, files: list[FileEntry], targets: dict[str, list[tuple[int, int]]]
-) -> None:
-    """Create every file at its final size; reserve disk only for the non-zero chunks."""
-    need = sum(c.size for f in files for c in f.chunks if c.id in targets)
-    free = shutil.disk_usage(staging).free
-    if need > free:
-        raise DestinationError(
-            f"not enough space under {staging.parent}: need {need} bytes, {free} free"
-        )
-    for f in files:
-        path = staging / f.path  # validated relative path: cannot leave staging
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        try:
-            os.ftruncate(fd, f.size)
-            for offset, c in f.chunk_offsets():
-                if c.id in targets:
-                    try:
-                        os.posix_fallocate(fd, offset, c.size)
-                    except OSError as exc:
-                        if exc.errno == errno.ENOSPC:
-                            raise DestinationError(
-                                f"no space left under {staging.parent}"
-                            ) from None
-                        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
-                            raise
-        finally:
-            os.close(fd)
-
-
-class _StagingFiles:
-    """pwrite into the staging files from worker threads. Files of several chunks keep one
-    fd open for the whole pull (closed only after every writer thread is done, so an fd
-    number is never reused under a writer); single-chunk files are opened per write."""
-
-    MAX_KEPT_OPEN = 1024
-
-    def __init__(self, staging: Path, files: list[FileEntry], writeback: bool) -> None:
-        self._paths = [staging / f.path for f in files]
-        self._writeback = writeback
-        multi = [i for i, f in enumerate(files) if len(f.chunks) > 1]
-        self._keep = set(multi) if len(multi) <= self.MAX_KEPT_OPEN else set()
-        self._fds: dict[int, int] = {}
-        self._lock = threading.Lock()
-
-    def __enter__(self) -> _StagingFiles:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        with self._lock:
-            fds, self._fds = list(self._fds.values()), {}
-        for fd in fds:
-            os.close(fd)
-
-    def _open(self, index: int) -> int:
-        return os.open(self._paths[index], os.O_WRONLY | os.O_NOFOLLOW)
-
-    def pwrite(self, index: int, offset: int, data: Buffer) -> None:
-        kept = index in self._keep
-        if kept:
-            with self._lock:
-                fd = self._fds.get(index)
-                if fd is None:
-                    fd = self._fds[index] = self._open(index)
-        else:
-            fd = self._open(index)
-        try:
-            view = memoryview(data)
-            done = 0
-            while done < len(view):
-                done += os.pwrite(fd, view[done:], offset + done)
-            if self._writeback:
-                start_writeback(fd, offset, done)
-        except OSError as exc:
-            if exc.errno == errno.ENOSPC:
-                msg = f"no space left writing {self._paths[index]}"
-                raise DestinationError(msg) from None
-            raise
-        finally:
-            if not kept:
-                os.close(fd)
-
-
-def _seal(staging: Path, files: list[FileEntry], dest: Path, fsync: bool) -> None:
-    """Set modes, make the restore safe against a crash (fsync it all, or a durable
-    unsynced marker: transfer/engine/settle.py), then rename the staging dir into place."""
-    for f in files:
-        os.chmod(staging / f.path, f.mode)
-    boot = None if fsync else boot_id()
-    if boot is None:
-        fsync_tree(staging)
-    else:
-        mark_unsynced(dest.absolute(), boot)
-    os.chmod(staging, 0o755)
-    try:
-        os.rename(staging, dest)  # replaces an empty dest directory atomically
-    except OSError as exc:
-        if boot is not None:
-            marker_path(dest.absolute()).unlink(missing_ok=True)
-        raise FerryError(f"cannot move the pulled checkpoint into {dest}: {exc.strerror}") from None
-    if boot is None:
-        fsync_dir(dest.parent)

@@ -1,0 +1,89 @@
+"""Fan-out restore (issue 12): agents prefetching one step at once split its chunks, each
+fetches its share from the S3 tier and serves it to the others, so the fleet reads it about
+once from the store (counted at a real proxy in front of the real server); a member that
+is not there costs time, never correctness."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from pathlib import Path
+
+import pytest
+
+from agent.client import FerryClient
+from agent.fanout import owner_of
+from tests.conftest import random_bytes, tree_bytes
+from tests.faultproxy import FaultProxy
+from tests.test_agent_rpc import TOKEN, agent, free_port, push_series
+from tests.test_pushqueue import save
+
+JOB = "llm"
+SHARDS = {"__0_0.distcp": 11, "__1_0.distcp": 7, "__2_0.distcp": 6}  # MiB: 24 chunks
+
+
+def _checkpoint(root: Path) -> Path:
+    return save(root, {name: random_bytes(mib << 20, i) for i, (name, mib) in
+                       enumerate(SHARDS.items())})  # fmt: skip
+
+
+async def _prefetch_together(
+    tmp_path: Path, s3_url: str, tag: str, n: int, fanout: bool, dead: int = 0
+) -> list[dict]:  # type: ignore[type-arg]
+    """``n`` agents prefetch step 10 at once (``dead`` more members named but not running)."""
+    async with contextlib.AsyncExitStack() as stack:
+        urls = []
+        for i in range(n):
+            hot = tmp_path / f"{tag}-{i}" / "hot"
+            urls.append(await stack.enter_async_context(agent(hot, [s3_url], node=f"{tag}{i}")))
+        members = urls + [f"http://127.0.0.1:{free_port()}" for _ in range(dead)]
+        clients = [await stack.enter_async_context(FerryClient(u, TOKEN)) for u in urls]
+        ids = [
+            await c.prefetch(JOB, 10, fanout=(members, u) if fanout else None)
+            for c, u in zip(clients, urls, strict=True)
+        ]
+        return list(
+            await asyncio.gather(
+                *(c.wait_prefetch(i, within_s=120) for c, i in zip(clients, ids, strict=True))
+            )
+        )
+
+
+def test_four_agents_prefetching_one_step_read_it_about_once_from_the_store(
+    s3_url: str, s3_proxy: FaultProxy, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_proxy.url)  # every S3 byte passes the proxy
+    src = _checkpoint(tmp_path / "src" / "step_000010")
+    asyncio.run(push_series(s3_url, [src]))
+    one_copy = sum(f.stat().st_size for f in src.iterdir())  # random data: stored raw
+
+    def read_while(fanout: bool, tag: str, dead: int = 0) -> float:
+        before = s3_proxy.stats.bytes_down
+        done = asyncio.run(_prefetch_together(tmp_path, s3_url, tag, 4 - dead, fanout, dead))
+        for status in done:
+            assert status["state"] == "ready", status
+            assert tree_bytes(Path(status["dest"])) == tree_bytes(src)
+        return (s3_proxy.stats.bytes_down - before) / one_copy
+
+    alone = read_while(False, "alone")  # the baseline this fixes: every agent reads it all
+    together = read_while(True, "fan")
+    assert alone >= 3.5, alone
+    assert together <= 1.3, together  # issue 12's target
+    # one member named but not there: its share falls to the next owner of each chunk,
+    # who fetches it from the tier and serves it to the others
+    assert read_while(True, "gap", dead=1) <= 1.3
+    print(f"\nS3 bytes read for 4 prefetches of one step: {alone:.2f}x one copy alone, "
+          f"{together:.2f}x with fan-out")  # fmt: skip
+
+
+def test_the_split_is_the_same_on_every_member_and_even() -> None:
+    members = tuple(f"http://10.0.0.{i}:7070" for i in range(4))
+    ids = [f"{i:064x}" for i in range(4000)]
+    owners = [owner_of(cid, members) for cid in ids]
+    assert owners == [owner_of(cid, tuple(reversed(members))) for cid in ids]  # any order
+    shares = [owners.count(m) / len(ids) for m in members]
+    assert all(0.2 < s < 0.3 for s in shares), shares
+    # a member leaving moves only its own chunks
+    fewer = members[:3]
+    moved = sum(o != owner_of(c, fewer) for c, o in zip(ids, owners, strict=True))
+    assert moved == owners.count(members[3])

@@ -1,0 +1,105 @@
+"""Restores resume: a pull into a destination adopts the staging directory an interrupted
+pull into it left, keeps every chunk that hash-checks in place and fetches only the rest
+(transfer/engine/staging.py). The kill trials (test_crash_trials.py) do it for real."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+import time
+from pathlib import Path
+
+from tests.conftest import adamw_series, open_test_store, run, tree_bytes
+from transfer.engine import pull, push
+from transfer.engine.settle import settle
+from transfer.engine.staging import RESUME_KEEP_SECONDS, sweep_stale_staging
+from transfer.options import TransferOptions
+
+MiB = 1 << 20
+OPTS = TransferOptions(chunk_size=MiB, part_size=5 * MiB, pack_size=10 * MiB)
+
+
+def _store_with(tmp_path: Path) -> tuple[str, Path]:
+    (k0,) = adamw_series(tmp_path / "hot", 1, mib=2)
+    url = str(tmp_path / "store")
+    Path(url).mkdir()
+    run(push(open_test_store(url), k0, job="j", step=1, node="n", options=OPTS))
+    return url, k0
+
+
+def _leftover_of(dest: Path, like: Path, name: str = "0123abcd") -> Path:
+    """What a pull into ``dest`` killed near its end leaves: ``like``'s files, hidden."""
+    left = dest.parent / f".{dest.name}.ferry-staging-{name}"
+    shutil.copytree(like, left)
+    return left
+
+
+def test_a_pull_adopts_the_leftover_and_fetches_only_what_does_not_verify(
+    tmp_path: Path,
+) -> None:
+    url, k0 = _store_with(tmp_path)
+    dest = tmp_path / "out" / "step_000001"
+    dest.parent.mkdir()
+    left = _leftover_of(dest, k0)
+    shard = left / "__0_0.distcp"  # 4 chunks: the 2nd torn, the last never written
+    with open(shard, "r+b") as fh:
+        fh.seek(MiB + 4096)
+        fh.write(b"\xff" * 100)
+        fh.truncate(3 * MiB)
+    (left / "__1_0.distcp").unlink()  # 2 chunks, never created
+    (left / "stray.bin").write_bytes(b"not in this checkpoint")  # another version's file
+    (left / "sub").mkdir()
+    (left / "link").symlink_to(tmp_path)
+
+    result = run(pull(open_test_store(url), dest, job="j", step=1, options=OPTS))
+    assert tree_bytes(dest) == tree_bytes(k0)  # exactly: nothing else came along
+    assert sorted(p.name for p in dest.iterdir()) == sorted(p.name for p in k0.iterdir())
+    total = result.chunks_total
+    assert result.chunks_resumed == total - 4, result  # all but 2 + 2 chunks
+    assert result.bytes_transferred < 4.5 * MiB  # 4 chunks' worth, not the 6 MiB of it all
+    settle(dest.parent)
+    assert sorted(p.name for p in dest.parent.iterdir()) == ["step_000001"]
+
+
+def test_a_leftover_in_use_is_not_adopted_and_bad_bytes_never_pass(tmp_path: Path) -> None:
+    url, k0 = _store_with(tmp_path)
+    dest = tmp_path / "out" / "step_000001"
+    dest.parent.mkdir()
+    busy = _leftover_of(dest, k0, "00000001")
+    fd = os.open(busy, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # a living pull writes it
+    try:
+        garbage = _leftover_of(dest, k0, "00000002")
+        for f in garbage.iterdir():
+            f.write_bytes(os.urandom(f.stat().st_size))  # same sizes, wrong bytes
+        result = run(pull(open_test_store(url), dest, job="j", step=1, options=OPTS))
+        assert result.chunks_resumed == 0  # the garbage was adopted, and none of it kept
+        assert tree_bytes(dest) == tree_bytes(k0)
+        assert busy.exists()  # never touched while locked
+    finally:
+        os.close(fd)
+
+
+def test_the_start_up_sweep_keeps_one_resumable_leftover_per_destination(
+    tmp_path: Path,
+) -> None:
+    parent = tmp_path / "job"
+    parent.mkdir()
+    (parent / "step_000002").mkdir()  # restored already: its leftovers are garbage
+
+    def hidden(name: str, age: float = 0.0) -> Path:
+        p = parent / name
+        p.mkdir()
+        then = time.time() - age
+        os.utime(p, (then, then))
+        return p
+
+    newest = hidden(".step_000001.ferry-staging-aaaaaaaa", age=10)
+    older = hidden(".step_000001.ferry-staging-bbbbbbbb", age=20)
+    done = hidden(".step_000002.ferry-staging-cccccccc")
+    stale = hidden(".step_000003.ferry-staging-dddddddd", age=RESUME_KEEP_SECONDS + 1)
+    fill = hidden(".step_000004.ferry-staging-fill-eeeeeeee")
+    removed = sweep_stale_staging(parent)
+    assert sorted(removed) == sorted([older, done, stale, fill])
+    assert newest.exists() and (parent / "step_000002").exists()

@@ -1,0 +1,295 @@
+"""The hidden staging directory a restore is written into, beside its destination, and
+renamed into place only when every chunk is verified (pull.py).
+
+A restore that dies (killed, the store down, cancelled) leaves its staging directory
+behind, and the next restore into the same destination adopts it: what it already holds is
+hash-checked in place and only the rest is fetched (``PullResult.chunks_resumed``). Each
+restore holds an ``flock`` on its staging directory, so a leftover is adopted only when no
+living process writes it; a leftover is swept when its destination exists, when it is
+older than ``RESUME_KEEP_SECONDS``, or when a newer one of the same destination is kept.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import fcntl
+import os
+import re
+import secrets
+import shutil
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from transfer.codec.transforms import Buffer
+from transfer.durable import fsync_dir
+from transfer.engine.settle import (
+    STAGING_MARK,
+    boot_id,
+    fsync_tree,
+    mark_unsynced,
+    marker_path,
+)
+from transfer.engine.writeback import start_writeback
+from transfer.errors import AccessDeniedError, DestinationError, FerryError, StoreError
+from transfer.format.manifest import FileEntry
+
+#: a restore's leftover is kept this long for the next restore of the same destination
+RESUME_KEEP_SECONDS = 24 * 3600.0
+_SUFFIX = re.compile(r"[0-9a-f]{8}\Z")  # a restore's own staging (not fill-/unsynced- ones)
+
+
+@dataclass
+class Staging:
+    path: Path
+    #: a killed restore's leftover, taken over: its files may already hold chunks
+    adopted: bool
+    _lock_fd: int
+
+    def release(self) -> None:
+        """Give up the lock (the directory is renamed into place, removed, or kept)."""
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+
+
+def leftovers(dest: Path) -> list[Path]:
+    """Staging directories earlier restores into ``dest`` left, newest first."""
+    prefix = f".{dest.name}{STAGING_MARK}"
+    try:
+        found = [
+            p
+            for p in dest.parent.iterdir()
+            if p.name.startswith(prefix) and _SUFFIX.fullmatch(p.name[len(prefix) :])
+        ]
+    except FileNotFoundError:
+        return []
+    found = [p for p in found if p.is_dir() and not p.is_symlink()]
+    return sorted(found, key=_mtime, reverse=True)
+
+
+def open_staging(dest: Path) -> Staging:
+    """The staging directory for a restore into ``dest``: the newest unlocked leftover of an
+    earlier one, or a new directory; locked until ``release``."""
+    dest = dest.absolute()
+    if dest.is_symlink() or (dest.exists() and not dest.is_dir()):
+        raise DestinationError(f"{dest} exists and is not a directory")
+    if dest.is_dir() and any(dest.iterdir()):
+        raise DestinationError(f"{dest} is not empty; pull into a new or empty directory")
+    for leftover in leftovers(dest):
+        fd = _lock(leftover)
+        if fd is not None:
+            os.utime(leftover)  # its age counts from this restore now
+            return Staging(leftover, True, fd)
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        path = dest.parent / f".{dest.name}{STAGING_MARK}{secrets.token_hex(4)}"
+        path.mkdir(mode=0o700)
+    except OSError as exc:
+        raise DestinationError(f"cannot create {dest}: {exc.strerror or exc}") from None
+    fd = _lock(path)
+    assert fd is not None  # nobody else knows its name yet
+    return Staging(path, False, fd)
+
+
+def discard_leftovers(dest: Path) -> list[Path]:
+    """Remove the unlocked leftovers of restores into ``dest`` (one cancelled on purpose)."""
+    return [p for p in leftovers(dest.absolute()) if _remove_unless_locked(p)]
+
+
+def _remove_unless_locked(path: Path) -> bool:
+    """Remove ``path`` unless a living restore holds it; whether it was removed."""
+    fd = _lock(path)
+    if fd is None:
+        return False
+    try:
+        shutil.rmtree(path, ignore_errors=True)
+    finally:
+        os.close(fd)
+    return True
+
+
+def _lock(path: Path) -> int | None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # a living restore holds it
+        os.close(fd)
+        return None
+    return fd
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
+
+
+def sweep_stale_staging(parent: Path, now: float | None = None) -> list[Path]:
+    """Remove what no restore will adopt under ``parent``: leftovers whose destination
+    exists, older than RESUME_KEEP_SECONDS, or behind a newer leftover of the same
+    destination, and every other kind of staging directory (call it only when no restore
+    into ``parent`` can be starting, e.g. when an agent starts; locked ones are skipped)."""
+    now = time.time() if now is None else now
+    removed: list[Path] = []
+    try:
+        entries = [e for e in parent.iterdir() if e.name.startswith(".")]
+    except FileNotFoundError:
+        return removed
+    kept: set[str] = set()
+    for entry in sorted(entries, key=_mtime, reverse=True):
+        if STAGING_MARK not in entry.name or not entry.is_dir() or entry.is_symlink():
+            continue
+        name, _, suffix = entry.name[1:].partition(STAGING_MARK)
+        resumable = (
+            _SUFFIX.fullmatch(suffix) is not None
+            and name not in kept
+            and not (parent / name).exists()
+            and now - _mtime(entry) < RESUME_KEEP_SECONDS
+        )
+        if resumable:
+            kept.add(name)
+        elif _remove_unless_locked(entry):  # (one in use is left alone)
+            removed.append(entry)
+    return removed
+
+
+def create_files(
+    staging: Staging, files: list[FileEntry], targets: dict[str, list[tuple[int, int]]]
+) -> None:
+    """Create every file at its final size (an adopted one keeps what it holds); reserve
+    disk only for the non-zero chunks."""
+    root = staging.path
+    need = sum(c.size for f in files for c in f.chunks if c.id in targets)
+    free = shutil.disk_usage(root).free
+    if need > free and not staging.adopted:  # (an adopted one already holds part of it)
+        raise DestinationError(
+            f"not enough space under {root.parent}: need {need} bytes, {free} free"
+        )
+    exclusive = 0 if staging.adopted else os.O_EXCL
+    if staging.adopted:
+        _prune(root, {f.path for f in files})
+    for f in files:
+        path = root / f.path  # validated relative path: cannot leave staging
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | exclusive | os.O_NOFOLLOW, 0o600)
+        try:
+            os.ftruncate(fd, f.size)
+            for offset, c in f.chunk_offsets():
+                if c.id in targets:
+                    try:
+                        os.posix_fallocate(fd, offset, c.size)
+                    except OSError as exc:
+                        if exc.errno == errno.ENOSPC:
+                            raise DestinationError(f"no space left under {root.parent}") from None
+                        if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                            raise
+        finally:
+            os.close(fd)
+
+
+class StagingFiles:
+    """pwrite into the staging files from worker threads. Files of several chunks keep one
+    fd open for the whole pull (closed only after every writer thread is done, so an fd
+    number is never reused under a writer); single-chunk files are opened per write."""
+
+    MAX_KEPT_OPEN = 1024
+
+    def __init__(self, staging: Path, files: list[FileEntry], writeback: bool) -> None:
+        self._paths = [staging / f.path for f in files]
+        self._writeback = writeback
+        multi = [i for i, f in enumerate(files) if len(f.chunks) > 1]
+        self._keep = set(multi) if len(multi) <= self.MAX_KEPT_OPEN else set()
+        self._fds: dict[int, int] = {}
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> StagingFiles:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with self._lock:
+            fds, self._fds = list(self._fds.values()), {}
+        for fd in fds:
+            os.close(fd)
+
+    def _open(self, index: int) -> int:
+        return os.open(self._paths[index], os.O_WRONLY | os.O_NOFOLLOW)
+
+    def pwrite(self, index: int, offset: int, data: Buffer) -> None:
+        kept = index in self._keep
+        if kept:
+            with self._lock:
+                fd = self._fds.get(index)
+                if fd is None:
+                    fd = self._fds[index] = self._open(index)
+        else:
+            fd = self._open(index)
+        try:
+            view = memoryview(data)
+            done = 0
+            while done < len(view):
+                done += os.pwrite(fd, view[done:], offset + done)
+            if self._writeback:
+                start_writeback(fd, offset, done)
+        except OSError as exc:
+            if exc.errno == errno.ENOSPC:
+                msg = f"no space left writing {self._paths[index]}"
+                raise DestinationError(msg) from None
+            raise
+        finally:
+            if not kept:
+                os.close(fd)
+
+
+def seal(staging: Path, files: list[FileEntry], dest: Path, fsync: bool) -> None:
+    """Set modes, make the restore safe against a crash (fsync it all, or a durable
+    unsynced marker: transfer/engine/settle.py), then rename the staging dir into place."""
+    for f in files:
+        os.chmod(staging / f.path, f.mode)
+    boot = None if fsync else boot_id()
+    if boot is None:
+        fsync_tree(staging)
+    else:
+        mark_unsynced(dest.absolute(), boot)
+    os.chmod(staging, 0o755)
+    try:
+        os.rename(staging, dest)  # replaces an empty dest directory atomically
+    except OSError as exc:
+        if boot is not None:
+            marker_path(dest.absolute()).unlink(missing_ok=True)
+        raise FerryError(f"cannot move the pulled checkpoint into {dest}: {exc.strerror}") from None
+    if boot is None:
+        fsync_dir(dest.parent)
+
+
+def _prune(root: Path, keep: set[str]) -> None:
+    """Remove from an adopted staging dir whatever the restore will not write: files of
+    another version of the checkpoint, and any symlink (the restore is renamed into place
+    whole, so nothing else may be in it)."""
+    dirs = {str(Path(p).parent) for p in keep}
+    dirs |= {str(parent) for p in keep for parent in Path(p).parents}
+    for here, subdirs, names in os.walk(root, topdown=False):
+        rel_dir = Path(here).relative_to(root)
+        for name in names + subdirs:
+            path = Path(here) / name
+            rel = (rel_dir / name).as_posix()
+            if path.is_symlink() or (not path.is_dir() and rel not in keep):
+                path.unlink()
+            elif path.is_dir() and rel not in dirs:
+                shutil.rmtree(path)
+
+
+def worth_resuming(exc: BaseException) -> bool:
+    """Whether a restore that failed with ``exc`` keeps its staging directory for the next
+    one: when it was stopped (killed, cancelled, interrupted) or the store failed, the same
+    restore will be tried again; a corrupt chunk, a full disk or a bad path will not pass
+    by retrying, so their partial restore is removed."""
+    if isinstance(exc, asyncio.CancelledError | KeyboardInterrupt):
+        return True
+    return isinstance(exc, StoreError) and not isinstance(exc, AccessDeniedError)
