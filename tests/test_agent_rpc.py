@@ -526,13 +526,26 @@ def test_agent_pushes_what_training_writes_and_not_what_it_prefetched(
     asyncio.run(go())
 
 
-def test_agent_start_sweeps_staging_left_by_a_killed_prefetch(
-    local_url: str, tmp_path: Path
-) -> None:
+def test_agent_start_sweeps_staging_no_prefetch_will_resume(local_url: str, tmp_path: Path) -> None:
+    """A killed prefetch's staging dir is kept for the next prefetch of that step (it
+    resumes from it: test_staging.py, test_crash_trials.py); the start-up sweep removes
+    what none will adopt: one whose step is here already, one behind a newer leftover of
+    the same step, one older than a day, and a fill-in scratch dir."""
     hot = tmp_path / "hot"
-    stale = hot / "llm" / ".step_000020.ferry-staging-deadbeef"
-    (stale / "sub").mkdir(parents=True)
-    (stale / "sub" / "__0_0.distcp").write_bytes(b"x" * 1000)
+
+    def leftover(name: str, age: float = 0.0) -> Path:
+        path = hot / "llm" / name
+        (path / "sub").mkdir(parents=True)
+        (path / "sub" / "__0_0.distcp").write_bytes(b"x" * 1000)
+        then = time.time() - age
+        os.utime(path, (then, then))
+        return path
+
+    resumable = leftover(".step_000020.ferry-staging-deadbeef", age=5)
+    leftover(".step_000020.ferry-staging-000000a1", age=50)  # a newer one is kept
+    leftover(".step_000010.ferry-staging-00000010")  # step 10 is here
+    leftover(".step_000030.ferry-staging-00000030", age=2 * 86400)  # too old
+    leftover(".step_000040.ferry-staging-fill-00000040")
     keep = hot / "llm" / "step_000010"
     keep.mkdir()
     (keep / ".metadata").write_bytes(b"m")
@@ -542,7 +555,8 @@ def test_agent_start_sweeps_staging_left_by_a_killed_prefetch(
             pass
 
     asyncio.run(go())
-    assert sorted(p.name for p in (hot / "llm").iterdir()) == ["step_000010"]
+    left = sorted(p.name for p in (hot / "llm").iterdir())
+    assert left == [resumable.name, "step_000010"], left
 
 
 def test_an_incomplete_multi_node_step_is_never_latest(local_url: str, tmp_path: Path) -> None:

@@ -32,7 +32,8 @@ async def post_prefetch(request: web.Request) -> web.Response:
 
 
 def _fanout(value: object) -> tuple[tuple[str, ...], str] | None:
-    """``{"members": [agent URLs], "me": this agent's URL among them}``, or None."""
+    """``{"members": [the group's agent URLs], "me": this agent's URL}`` (``me`` may be
+    among the members or not) as (the group, me), or None."""
     if value is None:
         return None
     if not isinstance(value, dict) or set(value) != {"members", "me"}:
@@ -41,13 +42,14 @@ def _fanout(value: object) -> tuple[tuple[str, ...], str] | None:
     if (
         not isinstance(members, list)
         or not 1 <= len(members) <= MAX_FANOUT
-        or len(set(members)) != len(members)
         or not all(isinstance(m, str) and _is_agent_url(m) for m in members)
+        or len(set(members)) != len(members)
     ):
         raise ValueError(f"fanout.members must be 1..{MAX_FANOUT} distinct http(s) agent URLs")
-    if me not in members:
-        raise ValueError("fanout.me must be one of fanout.members")
-    return tuple(m.rstrip("/") for m in members), me.rstrip("/")
+    if not isinstance(me, str) or not _is_agent_url(me):
+        raise ValueError("fanout.me must be this agent's http(s) URL")
+    group = dict.fromkeys(m.rstrip("/") for m in [*members, me])  # me may be listed or not
+    return tuple(group), me.rstrip("/")
 
 
 def _is_agent_url(url: str) -> bool:
