@@ -21,7 +21,6 @@ import sys
 import time
 from pathlib import Path
 
-from agent.client import FerryClient
 from bench._loopback import agent, loopback_s3
 from bench._measure import drop_caches
 from bench.store_cost import pack_bytes, saves
@@ -37,13 +36,11 @@ async def prefetch_all(
     work: Path, tier: str, step: int, n: int, grouped: bool, tag: str
 ) -> tuple[float, list[dict[str, object]]]:
     async with contextlib.AsyncExitStack() as stack:
-        urls = [
+        clients = [
             await stack.enter_async_context(agent(f"{tag}{i}", work / f"{tag}{i}", tier))
             for i in range(n)
         ]
-        clients = [
-            await stack.enter_async_context(FerryClient(u, "bench", timeout=900)) for u in urls
-        ]
+        urls = [c.base_url for c in clients]
         drop_caches()
         began = time.monotonic()
         ids = [

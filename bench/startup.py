@@ -1,5 +1,6 @@
 """What a command costs before it moves a byte: ``ferry --help`` and the time to a first S3
-answer (``ferry ls`` of an empty store), side by side with ``s5cmd ls`` in the same run.
+answer (``ferry ls`` of a store holding one tiny checkpoint), side by side with ``s5cmd
+ls`` in the same run.
 
 Every command runs ``--runs`` times, the tools interleaved, page cache warm (the programs
 are loaded; bench.compare measures the cold case). ``--old DIR`` adds a second ferry from
@@ -56,6 +57,11 @@ def main(argv: list[str] | None = None) -> int:
         env = {"PATH": str(Path(sys.executable).parent) + ":/usr/bin:/bin"}
         env |= tool_env(ep, work / "rclone.conf")
         store = f"s3://{ep.bucket}/startup"
+        tiny = work / "ckpt" / "step_000001"  # `ferry ls` of a non-store is an error now
+        tiny.mkdir(parents=True)
+        (tiny / ".metadata").write_bytes(b"x")
+        push = [sys.executable, "-m", "agent", "push", str(tiny), store, "--job", "j"]
+        subprocess.run(push, env=env | {"PYTHONPATH": str(REPO)}, check=True, capture_output=True)
         checkouts = {"ferry": REPO} | ({"ferry (old)": args.old.resolve()} if args.old else {})
         cases: dict[str, tuple[list[str], dict[str, str]]] = {}
         for name, root in checkouts.items():
