@@ -142,34 +142,11 @@ async def pull(
     manifests = await resolve_manifests(store, job, step, node)
     if base_dir is not None and base_manifests is None:
         base_manifests = await _manifests_named_by(store, job, base_dir)
-    parts = merge_parts(manifests)
-    files = [f for f, _ in parts]
-    index = ChunkIndex()
-    for m in manifests:
-        index.add_manifest(m)
-        for c in m.all_chunks():
-            check_encoding(c.enc)
-            if needs_base(c.enc) != (c.base is not None):
-                raise FormatError(f"chunk {c.id}: encoding {c.enc!r} and its base disagree")
-
-    # chunk id -> where to write it: [(file index, file offset)]; first position is the hint
-    # for finding it (or its base) in base_dir
-    targets: dict[str, list[tuple[int, int]]] = defaultdict(list)
-    hints: dict[str, tuple[str, int]] = {}
-    for fi, f in enumerate(files):
-        for offset, c in f.chunk_offsets():
-            if c.id != _zero_chunk_id(c.size):  # staging files start zero-filled (sparse)
-                targets[c.id].append((fi, offset))
-                hints.setdefault(c.id, (f.path, offset))
+    files = [f for f, _ in merge_parts(manifests)]
+    index = _checked_index(manifests)
+    targets, hints = _plan_targets(files)
 
     staging = await _to_thread_to_the_end(open_staging, dest)
-    dest_abs = staging.path.parent / dest.name
-    bytes_read = 0
-
-    def count(n: int) -> None:
-        nonlocal bytes_read
-        bytes_read += n
-
     try:
         await _to_thread_to_the_end(create_files, staging, files, targets)
         progress.start(sum(f.size for f in files), "pull")
@@ -177,75 +154,12 @@ async def pull(
         # download; without it the kernel writes back on its own, and starting it per chunk
         # only made writers wait on the disk queue (settle.py flushes later)
         out = StagingFiles(staging.path, files, writeback=fsync or boot_id() is None)
-
-        def write(c: StoredChunk, data: Buffer) -> None:
-            with resolver.clock.timing("write"):
-                for fi, offset in targets.get(c.id, ()):
-                    out.pwrite(fi, offset, data)
-            progress.advance(len(data) * max(1, len(targets.get(c.id, ()))))
-            landed(c.id)
-
-        def landed(cid: str) -> None:
-            if on_landed is not None and cid in targets:
-                fi, offset = targets[cid][0]
-                on_landed(cid, (staging.path / files[fi].path, offset, index[cid].size))
-
-        def write_elsewhere(c: StoredChunk, data: Buffer) -> None:
-            """For a chunk found in place in an adopted staging dir: its other positions."""
-            for fi, offset in targets[c.id][1:]:
-                out.pwrite(fi, offset, data)
-            progress.advance(len(data) * len(targets[c.id]))
-            landed(c.id)
-
         with out, ThreadPoolExecutor(options.workers, thread_name_prefix="ferry-pull") as pool:
-            resolver = ChunkResolver(store, index, pool, base_dir, on_bytes_read=count)
-            resumed: set[str] = set()
-            if staging.adopted:  # a killed restore's leftover: keep what verifies in place
-                resumed = await _reuse_local(
-                    resolver, index, list(targets), hints, write_elsewhere, options.window,
-                    root=staging.path,
-                )  # fmt: skip
-            candidates = [c for c in _same_position(targets, hints, base_manifests)
-                          if c not in resumed]  # fmt: skip
-            local = await _reuse_local(resolver, index, candidates, hints, write, options.window)
-            local |= resumed
-            todo = [cid for cid in targets if cid not in local]
-            # a fan-out member's own share goes to the store at once, beside the source
-            mine: list[StoredChunk] = []
-            if own_share is not None and chunk_source is not None:
-                mine = [index[cid] for cid in todo if own_share(cid)]
-
-            async def tier(chunks: list[StoredChunk]) -> None:
-                await fetch_chunks(
-                    resolver,
-                    chunks,
-                    part_size=options.part_size,
-                    window=options.window,
-                    sink=write,
-                    hints=hints,
-                    rate_limit=rate_limit,
-                )
-
-            sourced: dict[str, int] = {}
-            if chunk_source is not None:
-                held = _held_at(base_manifests) if base_dir is not None else {}
-                taken = {c.id for c in mine}
-                async with asyncio.TaskGroup() as both:
-                    both.create_task(tier(mine))
-                    sourced = await _from_source(
-                        chunk_source,
-                        resolver,
-                        index,
-                        [cid for cid in todo if cid not in taken],
-                        write,
-                        options.window,
-                        lambda cid: _local_base(base_dir, held, hints[cid], cid),
-                        rate_limit,
-                    )
-            done = {c.id for c in mine} | set(sourced)
-            rest = [index[cid] for cid in todo if cid not in done]
-            await tier(rest)
-            fetched = mine + rest
+            run = _Restore(
+                ChunkResolver(store, index, pool, base_dir),
+                staging, files, targets, hints, out, progress, options, on_landed,
+            )  # fmt: skip
+            got = await run.gather(base_manifests, chunk_source, own_share, rate_limit)
         await _to_thread_to_the_end(seal, staging.path, files, dest, fsync)
     except BaseException as exc:
         if worth_resuming(exc):
@@ -257,27 +171,178 @@ async def pull(
     finally:
         staging.release()
     progress.finish()
+    resolver = run.resolver
+    chunks_total = sum(len(f.chunks) for f in files)
     return PullResult(
         job=job,
         step=manifests[0].step,
         nodes=[m.node for m in manifests],
         files=len(files),
         bytes_raw=sum(f.size for f in files),
-        bytes_transferred=bytes_read,
-        chunks_total=sum(len(f.chunks) for f in files),
-        chunks_deduped=sum(len(f.chunks) for f in files) - len(fetched),
-        chunks_local=len(local) - len(resumed),
-        chunks_resumed=len(resumed),
+        bytes_transferred=run.bytes_read,
+        chunks_total=chunks_total,
+        chunks_deduped=chunks_total - len(got.fetched),
+        chunks_local=len(got.local) - len(got.resumed),
+        chunks_resumed=len(got.resumed),
         base_dir=str(base_dir) if base_dir is not None else None,
-        bases_local=resolver.local_hits - len(local),  # (local counts the resumed too)
-        bytes_from_source=sum(sourced.values()),
-        chunks_delta=sum(1 for c in fetched if c.base),
-        chunks_raw=sum(1 for c in fetched if not c.base),
+        bases_local=resolver.local_hits - len(got.local),  # (local counts the resumed too)
+        bytes_from_source=sum(got.sourced.values()),
+        chunks_delta=sum(1 for c in got.fetched if c.base),
+        chunks_raw=sum(1 for c in got.fetched if not c.base),
         encode_seconds=round(resolver.clock.seconds("decode", "hash"), 3),
         stage_seconds=resolver.clock.to_dict(),
         seconds=time.monotonic() - started,
-        dest=str(dest_abs),
+        dest=str(staging.path.parent / dest.name),
     )
+
+
+Targets = dict[str, list[tuple[int, int]]]  # chunk id -> [(file index, offset)] to write it
+
+
+def _checked_index(manifests: list[Manifest]) -> ChunkIndex:
+    index = ChunkIndex()
+    for m in manifests:
+        index.add_manifest(m)
+        for c in m.all_chunks():
+            check_encoding(c.enc)
+            if needs_base(c.enc) != (c.base is not None):
+                raise FormatError(f"chunk {c.id}: encoding {c.enc!r} and its base disagree")
+    return index
+
+
+def _plan_targets(files: list[FileEntry]) -> tuple[Targets, dict[str, tuple[str, int]]]:
+    """Where each chunk is written, and its first position (path, offset): the hint for
+    finding it, or its base, in a local copy. All-zero chunks are left out: the staging
+    files start zero-filled (sparse)."""
+    targets: Targets = defaultdict(list)
+    hints: dict[str, tuple[str, int]] = {}
+    for fi, f in enumerate(files):
+        for offset, c in f.chunk_offsets():
+            if c.id != _zero_chunk_id(c.size):
+                targets[c.id].append((fi, offset))
+                hints.setdefault(c.id, (f.path, offset))
+    return targets, hints
+
+
+@dataclass
+class _Gathered:
+    resumed: set[str]  # found in place in an adopted staging dir
+    local: set[str]  # ... or reused from base_dir (resumed included)
+    sourced: dict[str, int]  # chunk id -> bytes the chunk source moved for it
+    fetched: list[StoredChunk]  # from the store
+
+
+class _Restore:
+    """One pull's chunks on their way into the staging files, from the cheapest source
+    first: in place (a resumed restore), the node's earlier checkpoint, the chunk source
+    (peers; in a fan-out, beside this node's own share from the store), the store."""
+
+    def __init__(
+        self,
+        resolver: ChunkResolver,
+        staging: Staging,
+        files: list[FileEntry],
+        targets: Targets,
+        hints: dict[str, tuple[str, int]],
+        out: StagingFiles,
+        progress: Progress,
+        options: TransferOptions,
+        on_landed: Callable[[str, tuple[Path, int, int]], None] | None,
+    ) -> None:
+        self.resolver = resolver
+        self.index = resolver.index
+        self.staging = staging
+        self.files = files
+        self.targets = targets
+        self.hints = hints
+        self.out = out
+        self.progress = progress
+        self.options = options
+        self.on_landed = on_landed
+        self.bytes_read = 0
+        resolver.on_bytes_read = self._count
+
+    def _count(self, n: int) -> None:
+        self.bytes_read += n
+
+    def write(self, c: StoredChunk, data: Buffer) -> None:
+        """(In a worker thread.) A verified chunk, to every position it has."""
+        positions = self.targets.get(c.id, ())
+        with self.resolver.clock.timing("write"):
+            for fi, offset in positions:
+                self.out.pwrite(fi, offset, data)
+        self.progress.advance(len(data) * max(1, len(positions)))
+        self._landed(c.id)
+
+    def write_elsewhere(self, c: StoredChunk, data: Buffer) -> None:
+        """A chunk found in place in an adopted staging dir: its other positions."""
+        for fi, offset in self.targets[c.id][1:]:
+            self.out.pwrite(fi, offset, data)
+        self.progress.advance(len(data) * len(self.targets[c.id]))
+        self._landed(c.id)
+
+    def _landed(self, cid: str) -> None:
+        if self.on_landed is not None and cid in self.targets:
+            fi, offset = self.targets[cid][0]
+            where = (self.staging.path / self.files[fi].path, offset, self.index[cid].size)
+            self.on_landed(cid, where)
+
+    async def from_store(self, chunks: list[StoredChunk], rate_limit: RateLimit | None) -> None:
+        await fetch_chunks(
+            self.resolver,
+            chunks,
+            part_size=self.options.part_size,
+            window=self.options.window,
+            sink=self.write,
+            hints=self.hints,
+            rate_limit=rate_limit,
+        )
+
+    async def gather(
+        self,
+        base_manifests: list[Manifest] | None,
+        chunk_source: ChunkSource | None,
+        own_share: Callable[[str], bool] | None,
+        rate_limit: RateLimit | None,
+    ) -> _Gathered:
+        resolver, index, window = self.resolver, self.index, self.options.window
+        resumed: set[str] = set()
+        if self.staging.adopted:  # a killed restore's leftover: keep what verifies in place
+            resumed = await _reuse_local(
+                resolver, index, list(self.targets), self.hints, self.write_elsewhere, window,
+                root=self.staging.path,
+            )  # fmt: skip
+        candidates = _same_position(self.targets, self.hints, base_manifests)
+        candidates = [c for c in candidates if c not in resumed]
+        local = resumed | await _reuse_local(
+            resolver, index, candidates, self.hints, self.write, window
+        )
+        todo = [cid for cid in self.targets if cid not in local]
+        # a fan-out member's own share goes to the store at once, beside the source
+        mine: list[StoredChunk] = []
+        if own_share is not None and chunk_source is not None:
+            mine = [index[cid] for cid in todo if own_share(cid)]
+        sourced: dict[str, int] = {}
+        if chunk_source is not None:
+            base_dir = resolver.local_root
+            held = _held_at(base_manifests) if base_dir is not None else {}
+            taken = {c.id for c in mine}
+            async with asyncio.TaskGroup() as both:
+                both.create_task(self.from_store(mine, rate_limit))
+                sourced = await _from_source(
+                    chunk_source,
+                    resolver,
+                    index,
+                    [cid for cid in todo if cid not in taken],
+                    self.write,
+                    window,
+                    lambda cid: _local_base(base_dir, held, self.hints[cid], cid),
+                    rate_limit,
+                )
+        done = {c.id for c in mine} | set(sourced)
+        rest = [index[cid] for cid in todo if cid not in done]
+        await self.from_store(rest, rate_limit)
+        return _Gathered(resumed, local, sourced, mine + rest)
 
 
 @dataclass(frozen=True)
