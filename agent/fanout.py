@@ -21,7 +21,7 @@ from collections.abc import Iterable
 
 from agent.peers import Location, PeerSource
 from transfer.engine.chunkindex import StoredChunk
-from transfer.engine.pull import LocalBase
+from transfer.engine.pull import LocalBase, Supplied
 
 #: how long an owner holds a peer's request for a chunk it is still fetching
 WAIT_SECONDS = 30.0
@@ -131,9 +131,7 @@ class FanoutSource:
     def mine(self, cid: str) -> bool:
         return self.owner(cid) == self.me
 
-    async def __call__(
-        self, chunk: StoredChunk, base: LocalBase | None
-    ) -> tuple[bytes, int] | None:
+    async def __call__(self, chunk: StoredChunk, base: LocalBase | None) -> Supplied | None:
         owner = self.owner(chunk.id)
         if owner == self.me:
             return None

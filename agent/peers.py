@@ -27,7 +27,7 @@ from transfer.codec.encodings import RAW
 from transfer.engine import list_checkpoints
 from transfer.engine.catalog import load_manifest
 from transfer.engine.chunkindex import StoredChunk
-from transfer.engine.pull import LocalBase
+from transfer.engine.pull import LocalBase, Supplied
 from transfer.errors import FerryError
 from transfer.format.chunkid import chunk_id
 from transfer.format.names import check_name
@@ -147,11 +147,9 @@ class PeerSource:
         now = time.monotonic()
         return [p for p in self.peers if self._down_until.get(p, 0.0) <= now]
 
-    async def __call__(
-        self, chunk: StoredChunk, base: LocalBase | None
-    ) -> tuple[bytes, int] | None:
-        """The chunk's raw bytes (unverified: the caller checks the hash) and the bytes
-        moved, from the first live peer that has it."""
+    async def __call__(self, chunk: StoredChunk, base: LocalBase | None) -> Supplied | None:
+        """The chunk's raw bytes (unverified: the caller checks the hash), the bytes moved
+        and ``peer:<url>``, from the first live peer that has it."""
         for peer in self._live():
             got = await self.ask(peer, chunk, base)
             if got is not None:
@@ -181,7 +179,7 @@ class PeerSource:
 
     async def ask(
         self, peer: str, chunk: StoredChunk, base: LocalBase | None, *, wait: float = 0.0
-    ) -> tuple[bytes, int] | None:
+    ) -> Supplied | None:
         """The chunk from one peer, who may hold the request ``wait`` s for it to land (a
         fan-out restore: agent/fanout.py); None if it has not, or is down (then it is
         skipped for ``down_seconds``)."""
@@ -203,7 +201,7 @@ class PeerSource:
                     if len(body) > chunk.size:  # never buffer more than a chunk
                         break
             data = await asyncio.to_thread(_decoded, enc, body, chunk.size, base)
-            return None if data is None else (data, len(body))
+            return None if data is None else (data, len(body), f"peer:{peer}")
         except (aiohttp.ClientError, TimeoutError, OSError):
             self._down_until[peer] = time.monotonic() + self.down_seconds
             return None

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
+import functools
 import logging
 import os
 import secrets
@@ -75,7 +76,10 @@ class PrefetchJob:
     state: State = State.QUEUED
     bytes_total: int = 0
     bytes_done: int = 0
+    #: bytes moved per source, live: ``tier:<name>`` and ``peer`` (all peers)
     bytes_by_source: dict[str, int] = field(default_factory=dict)
+    #: ... and per peer agent, by URL (live)
+    bytes_by_peer: dict[str, int] = field(default_factory=dict)
     dest: str | None = None
     error: str | None = None
     created: float = field(default_factory=time.time)
@@ -109,6 +113,7 @@ class PrefetchJob:
             "bytes_total": self.bytes_total,
             "bytes_done": self.bytes_done,
             "bytes_by_source": dict(self.bytes_by_source),
+            "bytes_by_peer": dict(self.bytes_by_peer),
             "chunks_local": self.chunks_local,
             "chunks_resumed": self.chunks_resumed,
             "satisfied_by": self.satisfied_by,
@@ -429,6 +434,7 @@ class Prefetcher:
                 rate_limit=self.background_limit if record.background else None,
                 own_share=own_share,
                 on_landed=self.landing.land,
+                on_moved=functools.partial(_count_moved, record, source),
             )
         finally:
             self.landing.release(wanted)
@@ -444,6 +450,17 @@ class Prefetcher:
             record.bytes_by_source["peer"] = result.bytes_from_source
         record.chunks_local = result.chunks_local
         record.chunks_resumed = result.chunks_resumed
+
+
+def _count_moved(record: PrefetchJob, tier: str, origin: str, n: int) -> None:
+    """Live bytes per source: ``store`` is this tier's; ``peer:<url>`` a peer agent's."""
+    if origin.startswith("peer:"):
+        url = origin.removeprefix("peer:")
+        record.bytes_by_peer[url] = record.bytes_by_peer.get(url, 0) + n
+        origin = "peer"
+    elif origin == "store":
+        origin = tier
+    record.bytes_by_source[origin] = record.bytes_by_source.get(origin, 0) + n
 
 
 def _move_missing(source: Path, target: Path, manifests: list[Manifest]) -> None:

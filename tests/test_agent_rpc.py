@@ -390,6 +390,7 @@ def test_prefetch_prefers_peers_and_survives_a_peer_dying(local_url: str, tmp_pa
             assert tree_bytes(Path(done["dest"])) == tree_bytes(k0)
             assert done["bytes_by_source"]["peer"] > 0
             assert done["bytes_by_source"][f"tier:{local_url}"] == 0
+            assert done["bytes_by_peer"] == {url_a: done["bytes_by_source"]["peer"]}  # which
 
             # C: peer A dies after 3 chunks; C completes from the tier
             proxy = DyingProxy(url_a, budget=3)

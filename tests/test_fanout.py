@@ -63,6 +63,9 @@ def test_four_agents_prefetching_one_step_read_it_about_once_from_the_store(
         for status in done:
             assert status["state"] == "ready", status
             assert tree_bytes(Path(status["dest"])) == tree_bytes(src)
+            by_peer = status["bytes_by_peer"]  # which members served it, as they did
+            assert sum(by_peer.values()) == status["bytes_by_source"].get("peer", 0)
+            assert len(by_peer) == (3 - dead if fanout else 0), by_peer
         return (s3_proxy.stats.bytes_down - before) / one_copy
 
     alone = read_while(False, "alone")  # the baseline this fixes: every agent reads it all

@@ -119,6 +119,7 @@ async def pull(
     rate_limit: RateLimit | None = None,
     own_share: Callable[[str], bool] | None = None,
     on_landed: Callable[[str, tuple[Path, int, int]], None] | None = None,
+    on_moved: Callable[[str, int], None] | None = None,
 ) -> PullResult:
     """Restore a checkpoint into ``dest``. ``base_dir``: a local checkpoint of the job (e.g.
     the previous step) whose chunks are reused, after hash verification, instead of being
@@ -135,7 +136,9 @@ async def pull(
     the store and the chunk source). ``own_share``: in a fan-out restore (agent/fanout.py),
     the chunks this node fetches from the store itself, at once, while the chunk source is
     asked for the others. ``on_landed(id, (file, offset, size))``: told as each chunk is
-    written and verified in the staging dir (the fan-out serves it from there)."""
+    written and verified in the staging dir (the fan-out serves it from there).
+    ``on_moved(origin, n)``: told of the bytes as they move, ``"store"`` or the chunk
+    source's origin (live progress per source)."""
     options = options or TransferOptions()
     progress = progress or NoProgress()
     started = time.monotonic()
@@ -157,7 +160,7 @@ async def pull(
         with out, ThreadPoolExecutor(options.workers, thread_name_prefix="ferry-pull") as pool:
             run = _Restore(
                 ChunkResolver(store, index, pool, base_dir),
-                staging, files, targets, hints, out, progress, options, on_landed,
+                staging, files, targets, hints, out, progress, options, on_landed, on_moved,
             )  # fmt: skip
             got = await run.gather(base_manifests, chunk_source, own_share, rate_limit)
         await _to_thread_to_the_end(seal, staging.path, files, dest, fsync)
@@ -248,8 +251,10 @@ class _Restore:
         progress: Progress,
         options: TransferOptions,
         on_landed: Callable[[str, tuple[Path, int, int]], None] | None,
+        on_moved: Callable[[str, int], None] | None = None,
     ) -> None:
         self.resolver = resolver
+        self.on_moved = on_moved
         self.index = resolver.index
         self.staging = staging
         self.files = files
@@ -264,6 +269,8 @@ class _Restore:
 
     def _count(self, n: int) -> None:
         self.bytes_read += n
+        if self.on_moved is not None:
+            self.on_moved("store", n)
 
     def write(self, c: StoredChunk, data: Buffer) -> None:
         """(In a worker thread.) A verified chunk, to every position it has."""
@@ -338,6 +345,7 @@ class _Restore:
                     window,
                     lambda cid: _local_base(base_dir, held, self.hints[cid], cid),
                     rate_limit,
+                    self.on_moved,
                 )
         done = {c.id for c in mine} | set(sourced)
         rest = [index[cid] for cid in todo if cid not in done]
@@ -358,7 +366,10 @@ class LocalBase:
 
 #: asked for a chunk (and told what base this node holds for it, if any); returns the
 #: chunk's raw bytes and how many bytes it moved to get them, or None
-ChunkSource = Callable[[StoredChunk, LocalBase | None], Awaitable[tuple[bytes, int] | None]]
+#: what a chunk source returns: the chunk's bytes (unverified), the bytes it moved, and
+#: where they came from (e.g. ``peer:http://10.0.0.8:7070``)
+Supplied = tuple[bytes, int, str]
+ChunkSource = Callable[[StoredChunk, LocalBase | None], Awaitable[Supplied | None]]
 
 
 async def _manifests_named_by(store: Store, job: str, base_dir: Path) -> list[Manifest] | None:
@@ -384,6 +395,7 @@ async def _from_source(
     window: int,
     local_base: Callable[[str], LocalBase | None],
     rate_limit: RateLimit | None = None,
+    on_moved: Callable[[str, int], None] | None = None,
 ) -> dict[str, int]:
     """Ask ``source`` for each chunk (offering what this node holds at its position, so a
     peer can send a delta); write the ones whose bytes hash right. Returns {chunk id: bytes
@@ -391,6 +403,8 @@ async def _from_source(
     supplied: dict[str, int] = {}
     loop = asyncio.get_running_loop()
     todo = iter(ids)
+
+    moved = on_moved or (lambda origin, n: None)
 
     def check_and_write(chunk: StoredChunk, data: bytes) -> bool:
         if len(data) != chunk.size or chunk_id(data) != chunk.id:
@@ -409,6 +423,7 @@ async def _from_source(
                 resolver.pool, check_and_write, chunk, got[0]
             ):
                 supplied[cid] = got[1]
+                moved(got[2], got[1])
 
     async with asyncio.TaskGroup() as tasks:
         for _ in range(min(window, len(ids))):
