@@ -28,15 +28,20 @@ def _checkpoint(root: Path) -> Path:
 
 
 async def _prefetch_together(
-    tmp_path: Path, s3_url: str, tag: str, n: int, fanout: bool, dead: int = 0
+    tmp_path: Path, s3_url: str, tag: str, n: int, fanout: bool, dead: int = 0, idle: int = 0
 ) -> list[dict]:  # type: ignore[type-arg]
-    """``n`` agents prefetch step 10 at once (``dead`` more members named but not running)."""
+    """``n`` agents prefetch step 10 at once (``dead`` more members named but not running,
+    ``idle`` more running but never asked to prefetch)."""
     async with contextlib.AsyncExitStack() as stack:
         urls = []
         for i in range(n):
             hot = tmp_path / f"{tag}-{i}" / "hot"
             urls.append(await stack.enter_async_context(agent(hot, [s3_url], node=f"{tag}{i}")))
-        members = urls + [f"http://127.0.0.1:{free_port()}" for _ in range(dead)]
+        idlers = []
+        for i in range(idle):
+            hot = tmp_path / f"{tag}-idle-{i}" / "hot"
+            idlers.append(await stack.enter_async_context(agent(hot, [s3_url], node=f"i{i}")))
+        members = urls + idlers + [f"http://127.0.0.1:{free_port()}" for _ in range(dead)]
         clients = [await stack.enter_async_context(FerryClient(u, TOKEN)) for u in urls]
         ids = [
             await c.prefetch(JOB, 10, fanout=(members, u) if fanout else None)
@@ -57,15 +62,16 @@ def test_four_agents_prefetching_one_step_read_it_about_once_from_the_store(
     asyncio.run(push_series(s3_url, [src]))
     one_copy = sum(f.stat().st_size for f in src.iterdir())  # random data: stored raw
 
-    def read_while(fanout: bool, tag: str, dead: int = 0) -> float:
+    def read_while(fanout: bool, tag: str, dead: int = 0, idle: int = 0) -> float:
         before = s3_proxy.stats.bytes_down
-        done = asyncio.run(_prefetch_together(tmp_path, s3_url, tag, 4 - dead, fanout, dead))
+        n = 4 - dead - idle
+        done = asyncio.run(_prefetch_together(tmp_path, s3_url, tag, n, fanout, dead, idle))
         for status in done:
             assert status["state"] == "ready", status
             assert tree_bytes(Path(status["dest"])) == tree_bytes(src)
             by_peer = status["bytes_by_peer"]  # which members served it, as they did
             assert sum(by_peer.values()) == status["bytes_by_source"].get("peer", 0)
-            assert len(by_peer) == (3 - dead if fanout else 0), by_peer
+            assert len(by_peer) == (n - 1 if fanout else 0), by_peer
         return (s3_proxy.stats.bytes_down - before) / one_copy
 
     alone = read_while(False, "alone")  # the baseline this fixes: every agent reads it all
@@ -75,6 +81,9 @@ def test_four_agents_prefetching_one_step_read_it_about_once_from_the_store(
     # one member named but not there: its share falls to the next owner of each chunk,
     # who fetches it from the tier and serves it to the others
     assert read_while(True, "gap", dead=1) <= 1.3
+    # one member up but never asked to prefetch: it answers "not here" at once, and the
+    # others fetch its share themselves (each of the 3: 2/4 + 3 x 1/4 of a copy at most)
+    assert read_while(True, "idle", idle=1) <= 1.3 + 0.5
     print(f"\nS3 bytes read for 4 prefetches of one step: {alone:.2f}x one copy alone, "
           f"{together:.2f}x with fan-out")  # fmt: skip
 
