@@ -32,9 +32,7 @@ _GRACE_SECONDS = 3.0
 def owner_of(cid: str, members: tuple[str, ...]) -> str:
     """The member that fetches ``cid`` from the tiers (rendezvous hashing: adding or
     removing a member moves only that member's share)."""
-    return max(
-        members, key=lambda m: hashlib.blake2b(f"{cid}|{m}".encode(), digest_size=8).digest()
-    )
+    return max(members, key=lambda m: _score(cid, m))
 
 
 def _score(cid: str, member: str) -> bytes:
