@@ -1,0 +1,130 @@
+"""How far the agent's migration estimate is from the measured prefetch, in the five cases
+of issue 12: a node holding nothing, a node holding k, a peer-served node, a tier-served
+node, and the step already here. At first contact (a fresh agent: no rate measured yet)
+and after (the same agent, its meter calibrated by the first transfer).
+
+    python -m bench.estimate_cases [SERIES_DIR]
+
+SERIES_DIR holds step_*/ saves (default /work/series/full, 272 MB saves); its two newest
+are k and k+1. Starts SeaweedFS, pushes k, then k+1 as deltas of k, and runs agents in
+this process on loopback. Each case asks ``GET /v1/estimate`` for k+1, then times the
+prefetch (page cache dropped first); the second round removes the restored step and does
+it again. Error = predicted / measured - 1 (target: within +-25%).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import shutil
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from agent.client import FerryClient
+from bench._loopback import agent, loopback_s3
+from bench._measure import drop_caches
+from bench.store_cost import saves
+from transfer.engine import push
+from transfer.format.names import step_from_dirname
+from transfer.store import StoreOptions, open_store
+
+JOB = "bench"
+
+
+def link_tree(src: Path, dst: Path) -> None:
+    dst.mkdir(parents=True)
+    for f in src.iterdir():
+        os.link(f, dst / f.name)
+
+
+async def settled(hot: Path, name: str) -> None:
+    """Until the agent has flushed its last restore (settle.py runs after `ready`): a flush
+    still running would be timed as part of the next prefetch."""
+    marker = hot / JOB / f".{name}.ferry-unsynced"
+    for _ in range(600):
+        if not marker.exists():
+            return
+        await asyncio.sleep(0.05)
+
+
+async def measure(client: FerryClient, step: int) -> tuple[dict[str, Any], float, dict[str, Any]]:
+    est = await client.estimate(JOB, step)
+    drop_caches()
+    began = time.monotonic()
+    done = await client.wait_prefetch(await client.prefetch(JOB, step), poll=0.02)
+    if done["state"] != "ready":
+        raise SystemExit(f"prefetch failed: {done}")
+    return est, time.monotonic() - began, done
+
+
+@contextlib.asynccontextmanager
+async def node(
+    name: str, work: Path, tier: str, held: list[Path], **env: str
+) -> AsyncIterator[tuple[FerryClient, Path]]:
+    hot = work / name
+    for save in held:
+        link_tree(save, hot / JOB / save.name)
+    async with agent(name, hot, tier, **env) as client:
+        yield client, hot
+
+
+async def run(series: Path, work: Path, bucket: str) -> list[str]:
+    k, k1 = saves(series)[-2:]
+    base, step = step_from_dirname(k.name) or 0, step_from_dirname(k1.name) or 0
+    tier = f"s3://{bucket}/est"
+    store = open_store(tier, StoreOptions())
+    try:
+        await push(store, k, job=JOB, step=base, node="trainer", full=True)
+        await push(store, k1, job=JOB, step=step, node="trainer", base_dir=k)
+    finally:
+        await store.close()
+    rows = [
+        f"`python -m bench.estimate_cases {series}`: estimate of step {step} "
+        f"({sum(f.stat().st_size for f in k1.iterdir()) / 1e6:,.0f} MB) against the "
+        "measured prefetch",
+        "",
+        "| case | contact | source (estimate) | bytes predicted / moved | predicted s | "
+        "measured s | error |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    async with node("trainer", work, tier, [k, k1]) as (peer, _):
+        cases = [
+            ("holding nothing, tier", [], {}),
+            ("holding k, tier", [k], {}),
+            ("holding k, peer holds k and k+1", [k], {"FERRY_PEERS": peer.base_url}),
+            ("step already here", [k, k1], {}),
+        ]
+        for i, (label, held, env) in enumerate(cases):
+            async with node(f"case{i}", work, tier, held, **env) as (
+                client,
+                hot,
+            ):
+                for contact in ("first", "after"):
+                    est, took, done = await measure(client, step)
+                    moved = sum(done["bytes_by_source"].values())
+                    rows.append(
+                        f"| {label} | {contact} | {est['source']} | "
+                        f"{est['bytes_missing'] / 1e6:,.0f} / {moved / 1e6:,.0f} MB | "
+                        f"{est['seconds']:.2f} | {took:.2f} | {est['seconds'] / took - 1:+.0%} |"
+                    )
+                    await settled(hot, k1.name)
+                    if label != "step already here":
+                        shutil.rmtree(hot / JOB / k1.name)  # the second round moves it again
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("series", type=Path, nargs="?", default=Path("/work/series/full"))
+    args = ap.parse_args()
+    with loopback_s3("ferry-estcases-") as (work, ep):
+        rows = asyncio.run(run(args.series, work, ep.bucket))
+    print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    main()
