@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from agent.client import FerryClient
-from agent.fanout import owner_of
+from agent.fanout import WAIT_SECONDS, owner_of
 from tests.conftest import random_bytes, tree_bytes
 from tests.faultproxy import FaultProxy
 from tests.test_agent_rpc import TOKEN, agent, free_port, push_series
@@ -68,6 +68,7 @@ def test_four_agents_prefetching_one_step_read_it_about_once_from_the_store(
         done = asyncio.run(_prefetch_together(tmp_path, s3_url, tag, n, fanout, dead, idle))
         for status in done:
             assert status["state"] == "ready", status
+            assert status["seconds"] < WAIT_SECONDS, status  # nobody waited out a member
             assert tree_bytes(Path(status["dest"])) == tree_bytes(src)
             by_peer = status["bytes_by_peer"]  # which members served it, as they did
             assert sum(by_peer.values()) == status["bytes_by_source"].get("peer", 0)
@@ -81,9 +82,10 @@ def test_four_agents_prefetching_one_step_read_it_about_once_from_the_store(
     # one member named but not there: its share falls to the next owner of each chunk,
     # who fetches it from the tier and serves it to the others
     assert read_while(True, "gap", dead=1) <= 1.3
-    # one member up but never asked to prefetch: it answers "not here" at once, and the
-    # others fetch its share themselves (each of the 3: 2/4 + 3 x 1/4 of a copy at most)
-    assert read_while(True, "idle", idle=1) <= 1.3 + 0.5
+    # one member up but never asked to prefetch: it answers "not here" at once (nobody
+    # waits for it), and each of the others fetches its share itself: 3/4 of a copy for
+    # the 3 own shares, 3 x 1/4 for its share, ~1.5x; well under 3.0x, each on its own
+    assert read_while(True, "idle", idle=1) < 2.5
     print(f"\nS3 bytes read for 4 prefetches of one step: {alone:.2f}x one copy alone, "
           f"{together:.2f}x with fan-out")  # fmt: skip
 
