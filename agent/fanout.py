@@ -26,9 +26,7 @@ from transfer.engine.pull import LocalBase, Supplied
 #: how long an owner holds a peer's request for a chunk it is still fetching
 WAIT_SECONDS = 30.0
 _POLL_SECONDS = 0.02
-#: a member whose own fan-out prefetch is submitted but not yet expecting its chunks (still
-#: resolving manifests on a busy node) holds a peer's request this long for it to start
-_GRACE_SECONDS = 10.0
+_GRACE_SECONDS = 3.0
 
 
 def owner_of(cid: str, members: tuple[str, ...]) -> str:
