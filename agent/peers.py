@@ -56,6 +56,15 @@ class HotIndex:
         self._unpublished: dict[tuple[str, int], float] = {}  # -> when we last looked
         self._where: dict[str, Location] = {}
         self._lock = asyncio.Lock()
+        self._refreshed_at = -1e9
+
+    async def refresh_if_stale(self) -> None:
+        """Rescan unless a rescan ran within ``min_refresh`` s: for lookups that may miss
+        often (a delta base this node may not hold) and must not rescan on every miss."""
+        if time.monotonic() - self._refreshed_at >= self.min_refresh:
+            async with self._lock:
+                if time.monotonic() - self._refreshed_at >= self.min_refresh:
+                    await self._refresh_locked()
 
     async def locate(self, cid: str) -> Location | None:
         if cid not in self._where:
@@ -72,7 +81,7 @@ class HotIndex:
         self._where.pop(cid, None)
 
     async def _refresh_locked(self) -> None:
-        now = time.monotonic()
+        now = self._refreshed_at = time.monotonic()
         try:
             jobs = [e.name for e in os.scandir(self.hot_dir) if e.is_dir()]
         except FileNotFoundError:
@@ -244,9 +253,13 @@ async def encode_for_peer(
         return None
     if base_id is None or zstd_level is None:
         return RAW, data
-    # peek, never refresh: the chunk's own locate just refreshed the index, and a base this
-    # node does not hold must not cost every request a rescan under the index's lock
+    # peek first: the chunk's own locate refreshed the index on a miss. A chunk that a
+    # restore here just landed (fan-out) skipped that locate, so the base may be in the hot
+    # dir unindexed: rescan then, but at most every few seconds, never on every request
     there = index.peek(base_id)
+    if there is None:
+        await index.refresh_if_stale()
+        there = index.peek(base_id)
     base = await asyncio.to_thread(read_at, there) if there else None
     if base is None:
         return RAW, data

@@ -101,3 +101,44 @@ def test_the_split_is_the_same_on_every_member_and_even() -> None:
     fewer = members[:3]
     moved = sum(o != owner_of(c, fewer) for c, o in zip(ids, owners, strict=True))
     assert moved == owners.count(members[3])
+
+
+def test_a_landed_chunk_is_served_as_a_delta_against_the_askers_base(
+    local_url: str, tmp_path: Path
+) -> None:
+    """A fan-out owner serves a chunk its restore just landed (the route skips the hot
+    index for it); the asker names the chunk it holds at that position, and the owner, who
+    holds that base in its hot dir too, sends a delta, not the raw chunk, even though its
+    hot index was never consulted before."""
+    from agent.peers import HotIndex, encode_for_peer
+    from tests.conftest import adamw_series
+    from transfer.codec.encodings import RAW
+    from transfer.engine.catalog import load_manifest
+    from transfer.store import open_store
+
+    k20, k40 = adamw_series(tmp_path / "hot" / JOB, 2, seed=31)
+
+    async def go() -> None:
+        await push_series(local_url, [k20, k40])
+        store = open_store(local_url)
+        try:
+            old, new = [
+                next(f for f in (await load_manifest(store, JOB, s, "a")).files
+                     if f.path == "__0_0.distcp")
+                for s in (20, 40)
+            ]  # fmt: skip
+            index = HotIndex(tmp_path / "hot", ".metadata", [(local_url, store)])
+            (offset, landed), (_, base) = next(new.chunk_offsets()), next(old.chunk_offsets())
+            assert landed.id != base.id  # a full fine-tune: every chunk changed
+            where = (k40 / new.path, offset, landed.size)  # as a restore here landed it
+            enc, payload = await encode_for_peer(index, landed.id, base.id, 1, None, where) or (
+                "",
+                b"",
+            )
+            assert enc != RAW and len(payload) < 0.8 * landed.size, (enc, len(payload))
+            raw = await encode_for_peer(index, landed.id, "0" * 64, 1, None, where)
+            assert raw is not None and raw[0] == RAW  # a base it does not hold: raw
+        finally:
+            await store.close()
+
+    asyncio.run(go())

@@ -29,8 +29,8 @@ async def get_chunk(request: web.Request) -> web.Response:
         raise ValueError(f"wait must be within 0..{WAIT_SECONDS:g} seconds")
     level = request.app[CONFIG].transfer_options().zstd_level
     landing = request.app[LANDING]  # a restore running here (fan-out: agent/fanout.py)
-    where = landing.where(cid)
-    if where is None and await request.app[HOT_INDEX].locate(cid) is None and wait:
+    where = landing.where(cid) or await request.app[HOT_INDEX].locate(cid)
+    if where is None and wait:
         where = await landing.wait(cid, wait)
     found = await encode_for_peer(request.app[HOT_INDEX], cid, base, level, enc, where)
     if found is None:
