@@ -36,7 +36,7 @@ from transfer.engine.localcheck import local_copy_differences
 from transfer.engine.pull import ChunkSource, merge_parts
 from transfer.engine.ratelimit import RateLimit
 from transfer.engine.scan import SourceFile, check_unchanged, scan_checkpoint
-from transfer.engine.settle import STAGING_MARK, settle
+from transfer.engine.settle import settle, staging_path
 from transfer.engine.staging import discard_leftovers, sweep_stale_staging
 from transfer.errors import (
     CheckpointNotFoundError,
@@ -246,8 +246,12 @@ class Prefetcher:
                 await asyncio.to_thread(discard_leftovers, Path(record.dest))
         except TimeoutError:
             record.state, record.error = State.FAILED, f"deadline of {record.deadline_s}s passed"
-        except (FerryError, OSError, ValueError) as exc:
+        except FerryError as exc:
             record.state, record.error = State.FAILED, " ".join(str(exc).split())
+        except (OSError, ValueError) as exc:  # not one of ours: keep the trace for the log
+            log.warning("prefetch %s failed", record.id, exc_info=True)
+            text = " ".join(str(exc).split())
+            record.state, record.error = State.FAILED, f"{type(exc).__name__}: {text}"
         finally:
             if record.fanout is not None:
                 self.landing.end()
@@ -326,7 +330,7 @@ class Prefetcher:
         assert record.step is not None
         for entry, _ in merge_parts(manifests):  # fail before downloading anything
             _through_real_dirs(here, entry.path)
-        scratch = here.parent / f".{here.name}{STAGING_MARK}fill-{secrets.token_hex(4)}"
+        scratch = staging_path(here, "fill-")
         try:
             await self._restore(record, name, store, manifests, scratch, base=here)
             await asyncio.to_thread(_move_missing, scratch, here, manifests)
@@ -410,6 +414,7 @@ class Prefetcher:
         if self.on_restore is not None:
             self.on_restore(record.job, record.step)
         source = f"tier:{name}"
+        record.bytes_by_source.setdefault(source, 0)  # named even when it sends nothing
         record.eta_rate = self.meter.rate(source)
         chunk_source, own_share = self.chunk_source, None
         if record.fanout is not None and self.fanout_client is not None:
@@ -445,9 +450,7 @@ class Prefetcher:
             self.meter.record("peer", result.bytes_from_source, took)
         else:
             self.meter.record(source, result.bytes_transferred, took)
-        record.bytes_by_source[source] = result.bytes_transferred
-        if result.bytes_from_source:
-            record.bytes_by_source["peer"] = result.bytes_from_source
+        # bytes_by_source / bytes_by_peer were counted live by _count_moved
         record.chunks_local = result.chunks_local
         record.chunks_resumed = result.chunks_resumed
 

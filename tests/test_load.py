@@ -117,8 +117,8 @@ def test_many_prefetches_and_pushes_at_once(tmp_path: Path) -> None:
         sampler.join(30)
         peak = rss_mib(node.proc.pid, "VmHWM")
 
-    bad = [r for r in results if r["state"] != "ready"]
-    assert not bad, bad
+    bad = [f"{r['step']} {r['state']}: {r['error']!r}" for r in results if r["state"] != "ready"]
+    assert not bad, "; ".join(bad)
     for i, src in enumerate(sources):
         assert_same_tree(node.hot / "llm" / f"step_{10 * (i + 1):06d}", src)
 

@@ -35,6 +35,15 @@ from transfer.durable import fsync_dir
 
 UNSYNCED_MARK = ".ferry-unsynced"
 STAGING_MARK = ".ferry-staging-"  # hidden dirs of unfinished restores (swept at start)
+
+
+def staging_path(dest: Path, kind: str = "") -> Path:
+    """A new hidden name beside ``dest`` for work toward it: a restore's own staging
+    (``kind`` empty: resumable), or ``fill-`` / ``unsynced-`` scratch (swept, never
+    resumed). Only the staging sweep and ``leftovers`` parse these names."""
+    return dest.parent / f".{dest.name}{STAGING_MARK}{kind}{secrets.token_hex(4)}"
+
+
 _BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 
 
@@ -99,7 +108,7 @@ def settle(parent: Path) -> list[Path]:
                 except FileNotFoundError:
                     continue  # being evicted right now: its eviction drops it
             else:
-                doomed = parent / f".{dest.name}{STAGING_MARK}unsynced-{secrets.token_hex(4)}"
+                doomed = staging_path(dest, "unsynced-")
                 os.rename(dest, doomed)
                 fsync_dir(parent)
                 shutil.rmtree(doomed, ignore_errors=True)

@@ -16,7 +16,6 @@ import errno
 import fcntl
 import os
 import re
-import secrets
 import shutil
 import threading
 import time
@@ -31,6 +30,7 @@ from transfer.engine.settle import (
     fsync_tree,
     mark_unsynced,
     marker_path,
+    staging_path,
 )
 from transfer.engine.writeback import start_writeback
 from transfer.errors import AccessDeniedError, DestinationError, FerryError, StoreError
@@ -85,7 +85,7 @@ def open_staging(dest: Path) -> Staging:
             return Staging(leftover, True, fd)
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
-        path = dest.parent / f".{dest.name}{STAGING_MARK}{secrets.token_hex(4)}"
+        path = staging_path(dest)
         path.mkdir(mode=0o700)
     except OSError as exc:
         raise DestinationError(f"cannot create {dest}: {exc.strerror or exc}") from None
