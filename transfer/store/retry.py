@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import random
 import re
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TypeVar
-
-import botocore.exceptions
-import urllib3.exceptions
 
 from transfer.errors import StoreError
 
@@ -28,15 +26,24 @@ _TRANSIENT_CODES = {
     "InternalError",
     "ServiceUnavailable",
 }
-_TRANSIENT_TYPES = (
-    botocore.exceptions.HTTPClientError,  # connection closed, read timeout, torn stream
-    botocore.exceptions.ConnectionError,  # refused, connect timeout
-    botocore.exceptions.IncompleteReadError,
-    urllib3.exceptions.HTTPError,  # the same, raised while a body is read
-    TimeoutError,
-    ConnectionError,
-)
 T = TypeVar("T")
+
+
+def _transient_types() -> tuple[type[BaseException], ...]:
+    """Network failures, by type. botocore's are looked up only once it is loaded (an
+    exception of its types implies it is): reads never import it (store/s3objects.py)."""
+    found: tuple[type[BaseException], ...] = (TimeoutError, ConnectionError)
+    if "botocore" in sys.modules:
+        import botocore.exceptions
+        import urllib3.exceptions
+
+        found += (
+            botocore.exceptions.HTTPClientError,  # connection closed, read timeout, torn
+            botocore.exceptions.ConnectionError,  # refused, connect timeout
+            botocore.exceptions.IncompleteReadError,
+            urllib3.exceptions.HTTPError,  # the same, raised while a body is read
+        )
+    return found
 
 
 class ShortBodyError(Exception):
@@ -54,8 +61,13 @@ def _error_code(exc: BaseException) -> str | None:
 
 def is_transient(exc: BaseException) -> bool:
     """Worth another try: the server or the network failed, not the request."""
-    if isinstance(exc, (ShortBodyError, *_TRANSIENT_TYPES)):
+    if isinstance(exc, (ShortBodyError, *_transient_types())):
         return True
+    if "obstore" in sys.modules:
+        from transfer.store.s3objects import is_network_failure
+
+        if is_network_failure(exc):
+            return True
     status = http_status(exc)
     if status is None:
         return False
@@ -63,6 +75,12 @@ def is_transient(exc: BaseException) -> bool:
 
 
 def http_status(exc: BaseException) -> int | None:
+    if "obstore" in sys.modules:
+        from transfer.store.s3objects import status_of
+
+        status = status_of(exc)
+        if status is not None:
+            return status
     for cause in (exc, exc.__cause__, exc.__context__):
         response = getattr(cause, "response", None)
         if isinstance(response, dict):

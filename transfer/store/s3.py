@@ -31,7 +31,7 @@ from transfer.store.base import (
     check_key,
 )
 from transfer.store.retry import ATTEMPTS, RetryPolicy
-from transfer.store.s3client import S3Client
+from transfer.store.s3client import S3Client, S3Settings
 
 MIN_PART_SIZE = 5 << 20
 T = TypeVar("T")
@@ -192,16 +192,10 @@ class S3Store(Store):
         self.endpoint_url = endpoint_url
         self.attempts = attempts
         self._checksum = checksum
-        self.client = S3Client(
-            bucket,
-            endpoint_url=endpoint_url,
-            key=key,
-            secret=secret,
-            pool_size=pool_size,
-            connect_timeout=connect_timeout,
-            read_timeout=read_timeout,
-            retry=RetryPolicy(attempts),
+        settings = S3Settings(
+            bucket, endpoint_url, key, secret, pool_size, connect_timeout, read_timeout
         )
+        self.client = S3Client(settings, RetryPolicy(attempts))
         # one thread per pooled connection: more would only queue on the pool
         self._threads = ThreadPoolExecutor(pool_size, thread_name_prefix="s3")
 
@@ -232,20 +226,21 @@ class S3Store(Store):
         return {}
 
     async def check(self) -> None:
-        try:
-            await self.call("head_bucket", f"bucket {self.bucket!r}")
+        what = f"bucket {self.bucket!r}"
+        try:  # a list of the store's own prefix: needs only the permission reads need
+            await self.on_thread(lambda: self.client.list(self.full_key_prefix(), what))
         except NotFoundError as exc:
             raise NotFoundError(f"bucket {self.bucket!r} does not exist") from exc
 
+    def full_key_prefix(self) -> str:
+        return f"{self.prefix}/" if self.prefix else ""
+
     async def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
         full = self.full_key(key)
-        byte_range = None
-        if start is not None or end is not None:
-            lo = start or 0
-            if end is not None and end <= lo:
-                return b""
-            byte_range = f"bytes={lo}-{'' if end is None else end - 1}"
-        return await self.on_thread(lambda: self.client.get(full, f"get {key}", byte_range))
+        if (start is not None or end is not None) and end is not None and end <= (start or 0):
+            return b""
+        body = await self.on_thread(lambda: self.client.get(full, f"get {key}", start, end))
+        return bytes(body)
 
     async def put(self, key: str, data: bytes, *, create_only: bool = False) -> None:
         full = self.full_key(key)
@@ -259,25 +254,16 @@ class S3Store(Store):
         await self.on_thread(send)
 
     async def head(self, key: str) -> ObjectInfo:
-        resp = await self.call("head_object", f"head {key}", Key=self.full_key(key))
-        return ObjectInfo(key, int(resp["ContentLength"]))
+        full = self.full_key(key)
+        return ObjectInfo(key, await self.on_thread(lambda: self.client.head(full, f"head {key}")))
 
     async def list(self, prefix: str) -> list[ObjectInfo]:
         if prefix.rstrip("/"):
             check_key(prefix.rstrip("/"))
-        full = f"{self.prefix}/{prefix}" if self.prefix else prefix
-        strip = len(self.prefix) + 1 if self.prefix else 0
-        found: list[ObjectInfo] = []
-        token: dict[str, str] = {}
-        while True:
-            resp = await self.call("list_objects_v2", f"list {prefix!r}", Prefix=full, **token)
-            for obj in resp.get("Contents", []):
-                found.append(ObjectInfo(obj["Key"][strip:], int(obj["Size"])))
-            if not resp.get("IsTruncated"):
-                break
-            token = {"ContinuationToken": resp["NextContinuationToken"]}
-        found.sort(key=lambda o: o.key)
-        return found
+        full = self.full_key_prefix() + prefix
+        strip = len(self.full_key_prefix())
+        listed = await self.on_thread(lambda: self.client.list(full, f"list {prefix!r}"))
+        return sorted((ObjectInfo(k[strip:], size) for k, size in listed), key=lambda o: o.key)
 
     async def delete(self, key: str) -> None:
         with contextlib.suppress(NotFoundError):
