@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import os
 import shutil
 import time
 from collections.abc import AsyncIterator
@@ -27,18 +26,13 @@ from typing import Any
 from agent.client import FerryClient
 from bench._loopback import agent, loopback_s3
 from bench._measure import drop_caches
+from bench.data import link_tree
 from bench.store_cost import saves
 from transfer.engine import push
 from transfer.format.names import step_from_dirname
 from transfer.store import StoreOptions, open_store
 
 JOB = "bench"
-
-
-def link_tree(src: Path, dst: Path) -> None:
-    dst.mkdir(parents=True)
-    for f in src.iterdir():
-        os.link(f, dst / f.name)
 
 
 async def settled(hot: Path, name: str) -> None:

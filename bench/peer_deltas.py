@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import sys
 import time
 from pathlib import Path
@@ -25,17 +24,12 @@ from typing import Any
 from agent.client import FerryClient
 from bench._loopback import agent, loopback_s3
 from bench._measure import drop_caches
+from bench.data import link_tree
 from transfer.engine import push
 from transfer.format.names import step_from_dirname
 from transfer.store import StoreOptions, open_store
 
 JOB = "bench"
-
-
-def link_tree(src: Path, dst: Path) -> None:
-    dst.mkdir(parents=True)
-    for f in src.iterdir():
-        os.link(f, dst / f.name)
 
 
 async def timed_prefetch(client: FerryClient, step: int) -> tuple[float, dict[str, Any]]:

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from agent.client import FerryClient
 from tests.faultproxy import FaultProxy
 from tests.s3server import S3Endpoint, start_s3_server
 from transfer.store import StoreOptions, open_store
@@ -175,3 +176,10 @@ def _no_ambient_aws_profile(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> 
     monkeypatch.setenv("AWS_CONFIG_FILE", os.devnull)
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "xdg-state"))
+
+
+async def prefetched(client: FerryClient, step: int | str = "latest", job: str = "llm") -> dict:  # type: ignore[type-arg]
+    """Prefetch ``step`` through an agent's RPC and wait for it to be ready."""
+    done = await client.wait_prefetch(await client.prefetch(job, step), within_s=60)
+    assert done["state"] == "ready", done
+    return done

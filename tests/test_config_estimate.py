@@ -308,6 +308,28 @@ def test_meter_ewma_moves_toward_new_samples() -> None:
     assert meter.rate("local") == pytest.approx(200 * MiB, rel=1e-3)
 
 
+def test_estimate_range_follows_how_steady_a_source_has_been() -> None:
+    """The range is the rate +- twice the spread of past samples: wide before two samples,
+    narrow for a steady source, wide again once it turns erratic."""
+    meter = BandwidthMeter()
+    first = estimate_migration({"tier:x": 400 * MiB}, meter, bytes_total=1, gpus=1,
+                               gpu_hour_price=0)  # fmt: skip
+    assert first.seconds_low < first.seconds < first.seconds_high
+    assert first.seconds_high / first.seconds == pytest.approx(2.0)  # DEFAULT_SPREAD 0.25
+    for _ in range(12):
+        meter.record("tier:x", 200 * MiB, 1.0)
+    steady = estimate_migration({"tier:x": 400 * MiB}, meter, bytes_total=1, gpus=1,
+                                gpu_hour_price=0)  # fmt: skip
+    assert steady.seconds == pytest.approx(2.0)
+    assert steady.seconds_high - steady.seconds_low < 0.05 * steady.seconds
+    for rate in (100, 300, 100, 300, 100, 300):
+        meter.record("tier:x", rate * MiB, 1.0)
+    erratic = estimate_migration({"tier:x": 400 * MiB}, meter, bytes_total=1, gpus=1,
+                                 gpu_hour_price=0)  # fmt: skip
+    assert erratic.seconds_high - erratic.seconds_low > 0.5 * erratic.seconds
+    assert erratic.seconds_low < erratic.seconds < erratic.seconds_high
+
+
 def test_migration_cost_and_cooldown() -> None:
     meter = BandwidthMeter()
     meter.record("peer", 1_000_000_000, 2.0)  # 0.5 GB/s, same as the default, but measured

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.client import FerryClient
-from tests.conftest import adamw_series, tree_bytes
+from tests.conftest import adamw_series, prefetched, tree_bytes
 from tests.test_agent_rpc import TOKEN, agent, push_series
 from transfer.engine.ratelimit import RateLimit
 
@@ -25,12 +25,6 @@ async def _replicated(client: FerryClient, job: str, step: int) -> dict[str, Any
             return entry  # type: ignore[no-any-return]
         await asyncio.sleep(0.05)
     raise AssertionError(f"step {step} never replicated: {entry}")
-
-
-async def _prefetch(client: FerryClient, step: int | str = "latest") -> dict[str, Any]:
-    done = await client.wait_prefetch(await client.prefetch("llm", step), within_s=60)
-    assert done["state"] == "ready", done
-    return done
 
 
 def test_a_standby_holds_each_new_step_before_the_scheduler_asks(
@@ -55,7 +49,7 @@ def test_a_standby_holds_each_new_step_before_the_scheduler_asks(
             assert 0 < moved < 0.8 * sum(len(v) for v in tree_bytes(k40).values())  # deltas
 
             # the scale-down decision: the step is already here, checked in no time
-            done = await _prefetch(b)
+            done = await prefetched(b)
             assert (done["step"], done["satisfied_by"]) == (40, "replica")
             assert sum(done["bytes_by_source"].values()) == 0
             assert tree_bytes(Path(done["dest"])) == tree_bytes(k40)
@@ -70,7 +64,7 @@ def test_a_standby_holds_each_new_step_before_the_scheduler_asks(
             agent(tmp_path / "c", [local_url], "c") as url_c,
             FerryClient(url_c, TOKEN) as c,
         ):
-            cold = await _prefetch(c, 40)
+            cold = await prefetched(c, 40)
         assert cold["satisfied_by"] == "restored" and done["seconds"] < cold["seconds"]
 
     asyncio.run(go())

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
 
+from agent import probe
 from agent.appkeys import CONFIG, METER, PART_SIZES, PREFETCHER, PUSHQUEUE, TIERS
 from agent.holdings import local_checkpoints
 from agent.middleware import parse_step_arg
@@ -23,6 +25,7 @@ from transfer.engine.catalog import (
 )
 from transfer.engine.chunkindex import ChunkIndex
 from transfer.engine.estimate import estimate_migration
+from transfer.engine.pull import LocalBase, local_bases
 from transfer.errors import CheckpointNotFoundError, FerryError, StoreError
 from transfer.format.manifest import Manifest
 from transfer.format.names import check_name
@@ -133,21 +136,20 @@ async def get_estimate(request: web.Request) -> web.Response:
         total = sum(f.size for m in manifests for f in m.files)
         here = _held_here(request.app, job, manifests[0].step)
         if here is not None:  # nothing moves: a replica is checked by stat, a copy re-hashed
-            source, moving, bases = here, {"local": 0 if here == "replica" else total}, 0
+            basis = "measured" if request.app[METER].measured("local") else "default"
+            sourcing = _Sourcing(here, {"local": 0 if here == "replica" else total}, 0, basis)
         else:
-            content, bases = _to_move(manifests, held_ids)
-            source = f"tier:{name}"
-            moving = {source: content + bases}
+            sourcing = await _source_of(request.app, name, store, manifests, held_ids)
         est = estimate_migration(
-            moving,
+            sourcing.moving,
             request.app[METER],
             bytes_total=total,
             gpus=gpus,
             gpu_hour_price=price,
         )
         doc = est.to_dict()
-        doc.update(job=job, step=manifests[0].step, node=config.node, source=source)
-        doc["bytes_bases"] = bases
+        doc.update(job=job, step=manifests[0].step, node=config.node, source=sourcing.source)
+        doc.update(bytes_bases=sourcing.bases, rate_basis=sourcing.rate_basis)
         return web.json_response(doc)
     which = "latest" if step is None else str(step)
     if unreachable:
@@ -155,6 +157,63 @@ async def get_estimate(request: web.Request) -> web.Response:
             f"no reachable tier holds job {job!r} step {which}; " + "; ".join(unreachable)
         )
     raise CheckpointNotFoundError(f"no tier holds job {job!r} step {which}")
+
+
+@dataclass(frozen=True)
+class _Sourcing:
+    source: str  # "peer:<url>" or "tier:<name>"
+    moving: dict[str, int]  # meter source -> bytes
+    bases: int  # of those, delta bases a node without them fetches too
+    rate_basis: str  # "measured" (by transfers or an earlier probe), "probe" (now), "default"
+
+
+async def _source_of(
+    app: web.Application, tier: str, store: Store, manifests: list[Manifest], held: set[str]
+) -> _Sourcing:
+    """Where a prefetch would get the chunks this node lacks and what it would move from
+    there: the first peer that serves a sample of them (as deltas against what this node
+    holds at their positions, as a prefetch asks), else the tier. A source the meter has
+    not measured yet is probed (agent/probe.py)."""
+    index = ChunkIndex()
+    for m in manifests:
+        index.add_manifest(m)
+    needed = {c.id for m in manifests for f in m.files for c in f.chunks if c.id not in held}
+    meter, peers = app[METER], app[PREFETCHER].fanout_client
+    if app[CONFIG].peers and peers is not None and needed:
+        bases = await _bases_held(app, store, manifests)
+        picked = probe.sample(index, needed, standalone=False)
+        for peer in peers.peers:
+            got = await probe.probe_peer(peers, peer, picked, bases)
+            if got is not None:
+                basis = "measured" if meter.measured("peer") else "probe"
+                if basis == "probe":
+                    meter.record("peer", got.moved, got.seconds)
+                raw = sum(c.size for cid in needed if (c := index.get(cid)) is not None)
+                return _Sourcing(f"peer:{peer}", {"peer": round(raw * got.ratio)}, 0, basis)
+    source = f"tier:{tier}"
+    basis = "measured" if meter.measured(source) else "default"
+    if basis == "default" and needed:
+        got = await probe.probe_tier(store, probe.sample(index, needed, standalone=True))
+        if got is not None and meter.record(source, got.moved, got.seconds):
+            basis = "probe"
+    content, bases_moved = _to_move(manifests, held)
+    return _Sourcing(source, {source: content + bases_moved}, bases_moved, basis)
+
+
+async def _bases_held(
+    app: web.Application, store: Store, manifests: list[Manifest]
+) -> dict[str, LocalBase]:
+    """What this node's newest earlier step holds at each chunk's position."""
+    config, job, step = app[CONFIG], manifests[0].job, manifests[0].step
+    held = local_checkpoints(config.hot_dir, job, config.commit_marker)
+    base = next((c for c in held if c.step < step), None)
+    if base is None:
+        return {}
+    try:
+        base_manifests = await resolve_manifests(store, job, base.step)
+    except FerryError:
+        return {}
+    return local_bases(base.path, base_manifests, manifests)
 
 
 def _held_here(app: web.Application, job: str, step: int) -> str | None:

@@ -22,6 +22,10 @@ DEFAULT_RATES: Mapping[str, float] = {"local": 1.0e9, "peer": 0.5e9, "tier": 0.2
 #: halve or double the estimate.
 EWMA_ALPHA = 0.3
 
+#: The relative spread assumed for a source with fewer than two samples (a probe, or one
+#: transfer): its estimate is given as -33%..+100% (seconds_low..seconds_high).
+DEFAULT_SPREAD = 0.25
+
 #: Samples below these sizes measure request latency, not bandwidth.
 MIN_SAMPLE_BYTES = 1 * MiB
 MIN_SAMPLE_SECONDS = 0.010
@@ -45,6 +49,8 @@ class BandwidthMeter:
 
     def __init__(self) -> None:
         self._rates: dict[str, float] = {}
+        #: EWMA of each sample's relative distance from the average before it
+        self._spread: dict[str, float] = {}
 
     def record(self, source: str, nbytes: int, seconds: float) -> bool:
         """Add a measurement; returns False if it was too small to count."""
@@ -55,8 +61,19 @@ class BandwidthMeter:
             return False
         rate = nbytes / seconds
         old = self._rates.get(source)
+        if old is not None:
+            miss = abs(rate - old) / old
+            spread = self._spread.get(source)
+            self._spread[source] = (
+                miss if spread is None else EWMA_ALPHA * miss + (1 - EWMA_ALPHA) * spread
+            )
         self._rates[source] = rate if old is None else EWMA_ALPHA * rate + (1 - EWMA_ALPHA) * old
         return True
+
+    def spread(self, source: str) -> float:
+        """How far a transfer's rate typically lands from the average (relative), or
+        DEFAULT_SPREAD before two samples."""
+        return self._spread.get(source, DEFAULT_SPREAD)
 
     def rate(self, source: str) -> float:
         """The measured average, or the kind's DEFAULT_RATES entry before any sample."""
@@ -79,6 +96,10 @@ class MigrationEstimate:
     seconds: float
     gpus: int
     gpu_hour_price: float
+    #: the likely range of ``seconds``: each source's rate +- twice its spread (at least
+    #: a quarter of its rate)
+    seconds_low: float = 0.0
+    seconds_high: float = 0.0
     #: GPU time idle while the checkpoint moves: seconds/3600 x gpus x price
     cost: float = field(init=False)
     cooldown_seconds: float = field(init=False)
@@ -113,15 +134,22 @@ def estimate_migration(
     # (missing may exceed bytes_total: a delta-coded step restored onto a node without its
     # base fetches the base's chunks too)
     missing = sum(bytes_by_source.values())
-    times = [n / meter.rate(s) for s, n in bytes_by_source.items() if n]
-    seconds = (max(times, default=0.0) if parallel else sum(times)) if times else 0.0
+    moving = [(n, meter.rate(s), 2 * meter.spread(s)) for s, n in bytes_by_source.items() if n]
+    combine = max if parallel else sum
+
+    def total(rate_factor: float, sign: int) -> float:
+        times = [n / (rate * max(0.25, 1 + sign * k * rate_factor)) for n, rate, k in moving]
+        return float(combine(times)) if times else 0.0
+
     return MigrationEstimate(
         bytes_total=bytes_total,
         bytes_missing=missing,
         bytes_by_source=dict(bytes_by_source),
-        seconds=seconds,
+        seconds=total(0.0, 1),
         gpus=gpus,
         gpu_hour_price=gpu_hour_price,
+        seconds_low=total(1.0, 1),
+        seconds_high=total(1.0, -1),
     )
 
 

@@ -460,6 +460,17 @@ def _local_base(
     return LocalBase(there[0], read)
 
 
+def local_bases(
+    base_dir: Path, base_manifests: list[Manifest], manifests: list[Manifest]
+) -> dict[str, LocalBase]:
+    """For each chunk of ``manifests``, what ``base_dir`` holds at its position if that
+    differs (a source may send the chunk as a delta against it)."""
+    held = _held_at(base_manifests)
+    _, hints = _plan_targets([f for f, _ in merge_parts(manifests)])
+    found = {cid: _local_base(base_dir, held, hint, cid) for cid, hint in hints.items()}
+    return {cid: base for cid, base in found.items() if base is not None}
+
+
 def _same_position(
     targets: dict[str, list[tuple[int, int]]],
     hints: dict[str, tuple[str, int]],

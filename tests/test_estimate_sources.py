@@ -1,0 +1,64 @@
+"""Issue 12, item 4: the estimate names the source a prefetch would use (a peer before the
+tier), measures a source it has not seen at first contact with a probe instead of assuming
+a constant, and gives a range. Real agents on loopback, a real store, real AdamW-shaped
+saves; each estimate is checked against the prefetch that follows it."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+from pathlib import Path
+
+from agent.client import FerryClient
+from tests.conftest import adamw_series, prefetched
+from tests.test_agent_rpc import TOKEN, agent, peer_agent, push_series
+
+
+def test_the_estimate_names_the_peer_that_will_serve_and_probes_it_first(
+    local_url: str, tmp_path: Path
+) -> None:
+    """Node B holds step 20 (training wrote it there: no transfer has measured anything)
+    and has peer A, which holds 20 and 40. The estimate for 40 names A, says it probed A,
+    and predicts the bytes the prefetch then moves from A within 25% (the peer sends
+    deltas against B's chunks, not the tier's stored form)."""
+    hot_a = tmp_path / "node-a"
+    k20, k40 = adamw_series(hot_a / "llm", 2, seed=21)
+
+    async def go() -> None:
+        await push_series(local_url, [k20, k40])
+        shutil.copytree(k20, tmp_path / "b" / "llm" / k20.name, copy_function=os.link)
+        async with (
+            peer_agent(hot_a, [local_url], [], "a") as url_a,
+            peer_agent(tmp_path / "b", [local_url], [url_a], "b") as url_b,
+            FerryClient(url_b, TOKEN) as b,
+        ):
+            est = await b.estimate("llm", 40)
+            assert (est["source"], est["rate_basis"]) == (f"peer:{url_a}", "probe"), est
+            assert est["bytes_bases"] == 0 and set(est["bytes_by_source"]) == {"peer"}
+            assert est["seconds_low"] < est["seconds"] < est["seconds_high"]
+            done = await prefetched(b, 40)
+            moved = sum(done["bytes_by_source"].values())
+            assert done["bytes_by_source"]["peer"] > 0.9 * moved
+            assert abs(est["bytes_missing"] - moved) <= 0.25 * moved, (est, moved)
+            again = await b.estimate("llm", 40)  # held now: nothing moves
+            assert again["source"] == "local"
+
+    asyncio.run(go())
+
+
+def test_a_tier_seen_for_the_first_time_is_probed_then_measured_by_transfers(
+    local_url: str, tmp_path: Path
+) -> None:
+    (k20,) = adamw_series(tmp_path / "src", 1, seed=22)
+
+    async def go() -> None:
+        await push_series(local_url, [k20])
+        async with agent(tmp_path / "c", [local_url], "c") as url, FerryClient(url, TOKEN) as c:
+            first = await c.estimate("llm", 20)
+            assert (first["source"], first["rate_basis"]) == (f"tier:{local_url}", "probe")
+            again = await c.estimate("llm", 20)  # the probe's rate is kept: no second probe
+            assert again["rate_basis"] == "measured"
+            assert again["seconds"] == first["seconds"]
+
+    asyncio.run(go())
