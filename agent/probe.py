@@ -3,9 +3,10 @@ would, so an estimate has a measured rate instead of a constant (issue 12: at fi
 the ETA assumed 200 MB/s, and named the tier when a peer would serve the chunks, encoding
 them on its own CPU: -45% off).
 
-A probe moves the largest chunks up to ``PROBE_BYTES`` (16 MiB: 4 chunks at the default
-size), concurrently, as a restore's workers do; the rate it measures is fed to the agent's
-BandwidthMeter like any transfer's, so later estimates use it until transfers refine it.
+A probe moves chunks up to ``PROBE_BYTES`` (20 MiB: 5 chunks at the default size): one to
+open the connection, then the others concurrently, timed, as a restore's workers do. Its
+rate stands in for the source's in the agent's BandwidthMeter until the first transfer from
+there replaces it (a probe writes nothing to disk: it runs a little fast).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from transfer.errors import FerryError
 from transfer.format.layout import pack_key
 from transfer.store.base import Store
 
-PROBE_BYTES = 16 << 20
+PROBE_BYTES = 20 << 20
 
 
 @dataclass(frozen=True)
@@ -37,14 +38,19 @@ class Probe:
         return self.moved / self.raw if self.raw else 1.0
 
 
-def sample(index: ChunkIndex, needed: set[str], standalone: bool) -> list[StoredChunk]:
-    """The largest chunks a restore would move (``standalone``: only those that decode
-    without a base: a tier probe has no base to decode deltas against)."""
-    found = [c for cid in needed if (c := index.get(cid)) is not None and c.size]
-    if standalone:
-        found = [c for c in found if c.base is None]
+def sample(index: ChunkIndex, needed: set[str], bases: dict[str, LocalBase]) -> list[StoredChunk]:
+    """Chunks a restore would move, up to PROBE_BYTES, in id order (ids are hashes: a fair
+    mix of keyframes and deltas); a delta only if this node holds its base at its position
+    (a probe fetches no bases)."""
+    found = [
+        c
+        for cid in sorted(needed)
+        if (c := index.get(cid)) is not None
+        and c.size
+        and (c.base is None or (cid in bases and bases[cid].id == c.base))
+    ]
     picked, total = [], 0
-    for c in sorted(found, key=lambda c: (-c.size, c.id)):
+    for c in found:
         if total >= PROBE_BYTES:
             break
         picked.append(c)
@@ -52,21 +58,31 @@ def sample(index: ChunkIndex, needed: set[str], standalone: bool) -> list[Stored
     return picked
 
 
-async def probe_tier(store: Store, chunks: list[StoredChunk]) -> Probe | None:
-    """Fetch and decode ``chunks`` from the tier; None if it fails (the estimate then
-    falls back to the meter's default)."""
+async def probe_tier(
+    store: Store, chunks: list[StoredChunk], bases: dict[str, LocalBase]
+) -> Probe | None:
+    """Fetch and decode ``chunks`` from the tier (deltas against this node's bytes at
+    their positions); None if that fails (the estimate then keeps the meter's default)."""
+
+    def decode(c: StoredChunk, payload: bytes) -> None:
+        base = bases[c.id].read() if c.base is not None else None
+        decode_verified(c, payload, base)
 
     async def one(c: StoredChunk) -> None:
         payload = await store.get(pack_key(c.pack_id), c.offset, c.offset + c.stored)
-        await asyncio.to_thread(decode_verified, c, payload, None)
+        await asyncio.to_thread(decode, c, payload)
 
-    began = time.monotonic()
+    if not chunks:
+        return None
     try:
-        await asyncio.gather(*(one(c) for c in chunks))
+        await one(chunks[0])  # untimed: opens the connection a restore would find open
+        timed = chunks[1:] or chunks
+        began = time.monotonic()
+        await asyncio.gather(*(one(c) for c in timed))
     except FerryError:
         return None
     took = time.monotonic() - began
-    return Probe(sum(c.stored for c in chunks), sum(c.size for c in chunks), took)
+    return Probe(sum(c.stored for c in timed), sum(c.size for c in timed), took)
 
 
 async def probe_peer(
@@ -77,10 +93,13 @@ async def probe_peer(
 ) -> Probe | None:
     """Ask ``peer`` for ``chunks`` (as deltas against what this node holds at their
     positions, as a prefetch would); None unless it serves every one of them."""
+    if not chunks or await peers.ask(peer, chunks[0], bases.get(chunks[0].id)) is None:
+        return None  # (untimed: it also opens the connection a restore would find open)
+    timed = chunks[1:] or chunks
     began = time.monotonic()
-    got = await asyncio.gather(*(peers.ask(peer, c, bases.get(c.id)) for c in chunks))
+    got = await asyncio.gather(*(peers.ask(peer, c, bases.get(c.id)) for c in timed))
     took = time.monotonic() - began
     if any(g is None for g in got):
         return None
     moved = sum(g[1] for g in got if g is not None)
-    return Probe(moved, sum(c.size for c in chunks), took)
+    return Probe(moved, sum(c.size for c in timed), took)

@@ -9,7 +9,8 @@ SERIES_DIR holds step_*/ saves (default /work/series/full, 272 MB saves); its tw
 are k and k+1. Starts SeaweedFS, pushes k, then k+1 as deltas of k, and runs agents in
 this process on loopback. Each case asks ``GET /v1/estimate`` for k+1, then times the
 prefetch (page cache dropped first); the second round removes the restored step and does
-it again. Error = predicted / measured - 1 (target: within +-25%).
+it again. Error = predicted / measured - 1 (target: within +-25%); "in range": the
+measured time falls within the estimate's seconds_low..seconds_high.
 """
 
 from __future__ import annotations
@@ -81,9 +82,9 @@ async def run(series: Path, work: Path, bucket: str) -> list[str]:
         f"({sum(f.stat().st_size for f in k1.iterdir()) / 1e6:,.0f} MB) against the "
         "measured prefetch",
         "",
-        "| case | contact | source (estimate) | bytes predicted / moved | predicted s | "
-        "measured s | error |",
-        "|---|---|---|---|---|---|---|",
+        "| case | contact | source (estimate) | rate from | bytes predicted / moved | "
+        "predicted s (range) | measured s | error | in range |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     async with node("trainer", work, tier, [k, k1]) as (peer, _):
         cases = [
@@ -100,10 +101,12 @@ async def run(series: Path, work: Path, bucket: str) -> list[str]:
                 for contact in ("first", "after"):
                     est, took, done = await measure(client, step)
                     moved = sum(done["bytes_by_source"].values())
+                    low, high = est["seconds_low"], est["seconds_high"]
                     rows.append(
-                        f"| {label} | {contact} | {est['source']} | "
+                        f"| {label} | {contact} | {est['source']} | {est['rate_basis']} | "
                         f"{est['bytes_missing'] / 1e6:,.0f} / {moved / 1e6:,.0f} MB | "
-                        f"{est['seconds']:.2f} | {took:.2f} | {est['seconds'] / took - 1:+.0%} |"
+                        f"{est['seconds']:.2f} ({low:.2f}-{high:.2f}) | {took:.2f} | "
+                        f"{est['seconds'] / took - 1:+.0%} | {'yes' if low <= took <= high else 'no'} |"  # noqa: E501
                     )
                     await settled(hot, k1.name)
                     if label != "step already here":

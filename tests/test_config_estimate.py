@@ -330,6 +330,20 @@ def test_estimate_range_follows_how_steady_a_source_has_been() -> None:
     assert erratic.seconds_low < erratic.seconds < erratic.seconds_high
 
 
+def test_a_probe_rate_is_used_until_the_first_transfer_replaces_it() -> None:
+    """A probe (a few chunks, no disk writes) runs faster than a restore: its rate stands
+    in at first contact and is replaced, not averaged, by the first transfer's."""
+    meter = BandwidthMeter()
+    assert meter.record("tier:x", 300 * MiB, 1.0, provisional=True)
+    assert meter.measured("tier:x") and meter.rate("tier:x") == 300 * MiB
+    assert not meter.record("tier:x", 900 * MiB, 1.0, provisional=True)  # one probe only
+    meter.record("tier:x", 200 * MiB, 1.0)
+    assert meter.rate("tier:x") == 200 * MiB  # replaced
+    meter.record("tier:x", 100 * MiB, 1.0)
+    assert meter.rate("tier:x") == pytest.approx(0.3 * 100 * MiB + 0.7 * 200 * MiB)
+    assert not meter.record("tier:x", 900 * MiB, 1.0, provisional=True)
+
+
 def test_migration_cost_and_cooldown() -> None:
     meter = BandwidthMeter()
     meter.record("peer", 1_000_000_000, 2.0)  # 0.5 GB/s, same as the default, but measured

@@ -179,22 +179,22 @@ async def _source_of(
         index.add_manifest(m)
     needed = {c.id for m in manifests for f in m.files for c in f.chunks if c.id not in held}
     meter, peers = app[METER], app[PREFETCHER].fanout_client
+    bases = await _bases_held(app, store, manifests) if needed else {}
     if app[CONFIG].peers and peers is not None and needed:
-        bases = await _bases_held(app, store, manifests)
-        picked = probe.sample(index, needed, standalone=False)
+        picked = probe.sample(index, needed, bases)
         for peer in peers.peers:
             got = await probe.probe_peer(peers, peer, picked, bases)
             if got is not None:
                 basis = "measured" if meter.measured("peer") else "probe"
                 if basis == "probe":
-                    meter.record("peer", got.moved, got.seconds)
+                    meter.record("peer", got.moved, got.seconds, provisional=True)
                 raw = sum(c.size for cid in needed if (c := index.get(cid)) is not None)
                 return _Sourcing(f"peer:{peer}", {"peer": round(raw * got.ratio)}, 0, basis)
     source = f"tier:{tier}"
     basis = "measured" if meter.measured(source) else "default"
     if basis == "default" and needed:
-        got = await probe.probe_tier(store, probe.sample(index, needed, standalone=True))
-        if got is not None and meter.record(source, got.moved, got.seconds):
+        got = await probe.probe_tier(store, probe.sample(index, needed, bases), bases)
+        if got is not None and meter.record(source, got.moved, got.seconds, provisional=True):
             basis = "probe"
     content, bases_moved = _to_move(manifests, held)
     return _Sourcing(source, {source: content + bases_moved}, bases_moved, basis)

@@ -51,9 +51,13 @@ class BandwidthMeter:
         self._rates: dict[str, float] = {}
         #: EWMA of each sample's relative distance from the average before it
         self._spread: dict[str, float] = {}
+        #: sources whose rate is a probe's: the first transfer replaces it
+        self._provisional: set[str] = set()
 
-    def record(self, source: str, nbytes: int, seconds: float) -> bool:
-        """Add a measurement; returns False if it was too small to count."""
+    def record(self, source: str, nbytes: int, seconds: float, provisional: bool = False) -> bool:
+        """Add a measurement; returns False if it was too small to count. ``provisional``:
+        a probe's (a few chunks, no disk writes): used until the first transfer's
+        measurement replaces it, never averaged with it."""
         _kind(source)
         if nbytes < 0 or not seconds >= 0:
             raise ValueError(f"invalid sample: {nbytes} bytes in {seconds} s")
@@ -61,6 +65,16 @@ class BandwidthMeter:
             return False
         rate = nbytes / seconds
         old = self._rates.get(source)
+        if provisional:
+            if old is not None:
+                return False  # measured already: a probe adds nothing
+            self._rates[source] = rate
+            self._provisional.add(source)
+            return True
+        if source in self._provisional:  # the first transfer replaces the probe's rate
+            self._provisional.discard(source)
+            self._rates[source] = rate
+            return True
         if old is not None:
             miss = abs(rate - old) / old
             spread = self._spread.get(source)
