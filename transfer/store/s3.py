@@ -234,7 +234,7 @@ class S3Store(Store):
     async def check(self) -> None:
         what = f"bucket {self.bucket!r}"
         try:  # a list of the store's own prefix: needs only the permission reads need
-            await self.on_thread(lambda: self.client.list(self.full_key_prefix(), what))
+            await self.on_thread(lambda: self.client.check(self.full_key_prefix(), what))
         except NotFoundError as exc:
             raise NotFoundError(f"bucket {self.bucket!r} does not exist") from exc
 

@@ -149,6 +149,12 @@ class S3Client:
 
         return self._retrying(what, lambda: s3objects.list_prefix(self._objects(), full_prefix))
 
+    def check(self, full_prefix: str, what: str) -> None:
+        """Raises unless the bucket can be listed (one request)."""
+        from transfer.store import s3objects
+
+        self._retrying(what, lambda: s3objects.reachable(self._objects(), full_prefix))
+
     def close(self) -> None:
         with self._lock:
             writer, self._writer, self._reader = self._writer, None, None

@@ -186,3 +186,9 @@ def list_prefix(store: S3Store, prefix: str) -> list[tuple[str, int]]:
     for batch in obstore.list(store, prefix=directory or None):
         found += [(o["path"], int(o["size"])) for o in batch if o["path"].startswith(prefix)]
     return found
+
+
+def reachable(store: S3Store, prefix: str) -> None:
+    """Raises if the bucket cannot be listed (missing, denied, down): one page of a list,
+    whatever the store holds."""
+    next(iter(obstore.list(store, prefix=prefix or None, chunk_size=1)), None)
