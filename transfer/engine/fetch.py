@@ -180,14 +180,14 @@ class _Fetch:
 
     def read_and_finish(
         self, reader: RangeReader, r: _Range, buf: memoryview
-    ) -> tuple[memoryview, list[StoredChunk]]:
+    ) -> tuple[int, list[StoredChunk]]:
         """In a reader thread: receive one range and finish what can be finished here.
-        Returns (the bytes received: in ``buf`` or the reader's own buffer, chunks left to
-        the loop: their payloads stay there)."""
+        Returns (bytes received, chunks left to the loop: their payloads stay in ``buf``)."""
         if self.rate_limit is not None:
             self.rate_limit.take(len(buf))
         with self.resolver.clock.timing("receive"):
-            view = reader.read(pack_key(r.pack_id), r.start, buf)
+            got = reader.read_into(pack_key(r.pack_id), r.start, buf)
+        view = buf[:got]
         left: list[StoredChunk] = []
         for c in r.chunks:
             lo = c.offset - r.start
@@ -198,7 +198,7 @@ class _Fetch:
                 if self.on_bad is None:
                     raise
                 self.on_bad(c, str(exc))
-        return view, left
+        return got, left
 
     def finish(self, c: StoredChunk, payload: Buffer, base: Buffer | None) -> None:
         """Decode, verify, sink (in a thread)."""
@@ -248,7 +248,7 @@ class _Fetch:
 
     async def run_threaded(self, reader: RangeReader, ranges: list[_Range], readers: int) -> None:
         pending = iter(ranges)
-        running: set[concurrent.futures.Future[tuple[memoryview, list[StoredChunk]]]] = set()
+        running: set[concurrent.futures.Future[tuple[int, list[StoredChunk]]]] = set()
         pool = concurrent.futures.ThreadPoolExecutor(readers, thread_name_prefix="ferry-get")
 
         # one receive buffer per worker, sized for the longest range and reused for every
@@ -269,10 +269,10 @@ class _Fetch:
                 except (NotFoundError, RangeNotSatisfiableError) as exc:
                     self.unreadable(r, exc)
                     continue
-                self.resolver.on_bytes_read(len(got))
+                self.resolver.on_bytes_read(got)
                 for c in left:
                     lo = c.offset - r.start
-                    await self.one(c, got[lo : lo + c.stored])  # decode reads the buffer
+                    await self.one(c, buf[lo : lo + c.stored])  # decode reads the buffer
 
         try:
             await _run_workers(worker, readers)

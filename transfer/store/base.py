@@ -87,11 +87,6 @@ class RangeReader(ABC):
         """Fill ``buf`` with the object's bytes from ``start``; returns how many it had
         there (fewer than ``len(buf)`` only at the object's end)."""
 
-    def read(self, key: str, start: int, buf: memoryview) -> memoryview:
-        """The object's bytes from ``start``, up to ``len(buf)``: in ``buf``, or in a buffer
-        of the reader's own when its client already holds them in one (no copy)."""
-        return buf[: self.read_into(key, start, buf)]
-
     def close(self) -> None:  # noqa: B027  # optional hook
         """Release connections."""
 

@@ -162,12 +162,6 @@ class _S3Ranges(RangeReader):
         store = self._store
         return store.client.read_into(store.full_key(key), start, buf, f"get {key}")
 
-    def read(self, key: str, start: int, buf: memoryview) -> memoryview:
-        # obstore received the body into a buffer of its own: decode reads it there
-        store = self._store
-        body = store.client.get(store.full_key(key), f"get {key}", start, start + len(buf))
-        return memoryview(body)
-
 
 class S3Store(Store):
     min_part_size = MIN_PART_SIZE
