@@ -9,7 +9,7 @@ from agent.config import AgentConfig
 from agent.fanout import Landing
 from agent.holds import StepHolds
 from agent.metrics import Metrics
-from agent.peers import HotIndex
+from agent.peers import HotIndex, PeerSource
 from agent.prefetch import Prefetcher
 from agent.pushqueue import PushQueue
 from agent.retention import RetentionRunner
@@ -39,6 +39,8 @@ HOLDS = web.AppKey("holds", StepHolds)
 RETENTION = web.AppKey("retention", RetentionRunner)
 
 HOT_INDEX = web.AppKey("hot_index", HotIndex)
+
+PEERS = web.AppKey("peers", PeerSource)
 
 LANDING = web.AppKey("landing", Landing)
 

@@ -640,6 +640,10 @@ def _run_agent(args: argparse.Namespace) -> int:
     except FerryError as exc:
         print(f"ferry agent: error: {exc}", file=sys.stderr)
         return 1
+    except OSError as exc:  # its state dir or hot dir unusable: one line, not a traceback
+        where = f": {exc.filename}" if exc.filename else ""
+        print(f"ferry agent: error: cannot start: {exc.strerror or exc}{where}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -10,6 +10,7 @@ documents the routes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 
@@ -23,6 +24,7 @@ from agent.appkeys import (
     METER,
     METRICS,
     PART_SIZES,
+    PEERS,
     PINS,
     PREFETCHER,
     PUSHQUEUE,
@@ -49,6 +51,7 @@ from transfer.engine.estimate import BandwidthMeter
 from transfer.engine.orphans import abort_orphaned_uploads
 from transfer.errors import FerryError
 from transfer.store import StoreOptions, open_store
+from transfer.store.base import Store
 
 log = logging.getLogger(__name__)
 
@@ -67,96 +70,141 @@ def create_app(config: AgentConfig, token: str) -> web.Application:
     app[METRICS] = Metrics()
     app[PINS] = {}
     app[PART_SIZES] = {}
-    app.cleanup_ctx.append(_resources)
+    app.cleanup_ctx.extend([_tiers, _peers, _services])
     app.add_routes([route for module in ROUTE_MODULES for route in module.ROUTES])
     return app
 
 
-async def _resources(app: web.Application):  # type: ignore[no-untyped-def]
+async def _tiers(app: web.Application):  # type: ignore[no-untyped-def]
+    """The configured stores, closed at the end (or when a later start-up step fails)."""
     config = app[CONFIG]
     options = StoreOptions(endpoint_url=config.endpoint_url)
-    tiers = [(url, open_store(url, options)) for url in config.tiers]
+    tiers: list[tuple[str, Store]] = []
     app[TIERS] = tiers
-    app[HOT_INDEX] = HotIndex(config.hot_dir, config.commit_marker, tiers)
-    # one client for the configured peers and for the members of fan-out restores
-    peers = PeerSource(config.peers, app[TOKEN])
-    queue = app[PUSHQUEUE] = PushQueue.from_config(config, tiers)
-    holds = app[HOLDS] = StepHolds()
-    app[PREFETCHER] = Prefetcher(
-        config.hot_dir,
-        config.commit_marker,
-        tiers,
-        config.transfer_options(),
-        app[METER],
-        concurrency=config.prefetch_concurrency,
-        chunk_source=peers if config.peers else None,
-        fanout_client=peers,
-        on_restore=queue.exclude,
-        expected_nodes=config.expected_nodes,
-        holds=holds,
-        pin_holder=f"prefetch-{config.node}",
-        background_rate=config.standby_max_rate or None,
-    )
-    app[LANDING] = app[PREFETCHER].landing
-    standby = app[STANDBY] = Standby(
-        app[PREFETCHER],
-        tiers,
-        hot_dir=config.hot_dir,
-        commit_marker=config.commit_marker,
-        expected_nodes=config.expected_nodes,
-        poll_seconds=config.standby_poll_seconds,
-        jobs=config.standby_jobs,
-    )
-    if config.orphan_upload_seconds:
-        for name, store in tiers:
-            try:
-                aborted = await abort_orphaned_uploads(store, config.orphan_upload_seconds)
-            except FerryError as exc:  # a tier that is down now must not stop the agent
-                log.warning("could not check %s for orphaned uploads: %s", name, exc)
-                continue
-            if aborted:
-                event(log, "orphan_uploads_aborted", tier=name, uploads=aborted)
-    await queue.start()
-    stop = asyncio.Event()
-    background = [
-        asyncio.create_task(
-            watch_hot_dir(config.hot_dir, config.commit_marker, queue.on_committed, stop=stop),
-            name="hot-dir-watcher",
-        ),
-        asyncio.create_task(standby.loop(stop), name="standby"),
-    ]
-    if config.retention is not None:
-        runner = app[RETENTION] = RetentionRunner(
-            config.retention,
-            node=config.node,
-            hot_dir=config.hot_dir,
-            commit_marker=config.commit_marker,
-            tiers=tiers,
-            journal=queue.journal,
-            holds=holds,
-            pins=functools.partial(active_pins, app),
-            busy=queue.busy_steps,
-            metrics=app[METRICS],
-            options=config.transfer_options(),
-        )
-        queue.on_pushed = runner.poke
-        background.append(asyncio.create_task(runner.loop(stop), name="retention"))
+    try:
+        for url in config.tiers:
+            tiers.append((url, open_store(url, options)))
+        yield
+    finally:
+        for _, store in tiers:
+            await store.close()
+
+
+async def _peers(app: web.Application):  # type: ignore[no-untyped-def]
+    """One client for the configured peers and for the members of fan-out restores, and
+    the index of this node's hot chunks that peers ask for."""
+    config = app[CONFIG]
+    app[HOT_INDEX] = HotIndex(config.hot_dir, config.commit_marker, app[TIERS])
+    app[PEERS] = PeerSource(config.peers, app[TOKEN])
     try:
         yield
     finally:
-        stop.set()
-        await asyncio.gather(  # one shared deadline for every drain
-            # the watcher returns within one poll; a retention run in progress (perhaps
-            # copying a step to a colder tier) is cancelled at the deadline, which leaves
-            # every store consistent
-            drain_tasks(background, config.drain_seconds),
-            app[PREFETCHER].drain(config.drain_seconds),
-            queue.drain(config.drain_seconds),
+        await app[PEERS].close()
+
+
+async def _services(app: web.Application):  # type: ignore[no-untyped-def]
+    """The push queue, prefetcher, standby replication, retention and the hot-dir watcher:
+    each registers its own release as it starts, so a failed start releases exactly what
+    started; a normal stop drains the running ones under one shared deadline."""
+    config, tiers = app[CONFIG], app[TIERS]
+    async with contextlib.AsyncExitStack() as started:
+        await _abort_orphaned_uploads(config, tiers)
+        queue = app[PUSHQUEUE] = PushQueue.from_config(config, tiers)
+        started.callback(queue.close)
+        app[HOLDS] = StepHolds()
+        prefetcher = app[PREFETCHER] = _prefetcher(app, queue)
+        app[LANDING] = prefetcher.landing
+        standby = app[STANDBY] = Standby(
+            prefetcher,
+            tiers,
+            hot_dir=config.hot_dir,
+            commit_marker=config.commit_marker,
+            expected_nodes=config.expected_nodes,
+            poll_seconds=config.standby_poll_seconds,
+            jobs=config.standby_jobs,
         )
-        queue.close()
-        await peers.close()
-        for _, store in tiers:
-            await store.close()
+        await queue.start()
+        stop = asyncio.Event()
+        background: list[asyncio.Task[None]] = []
+        started.push_async_callback(
+            _drain, config.drain_seconds, stop, background, prefetcher, queue
+        )
+        watcher = watch_hot_dir(config.hot_dir, config.commit_marker, queue.on_committed, stop=stop)
+        background.append(asyncio.create_task(watcher, name="hot-dir-watcher"))
+        background.append(asyncio.create_task(standby.loop(stop), name="standby"))
+        if config.retention is not None:
+            runner = app[RETENTION] = _retention(app, queue)
+            queue.on_pushed = runner.poke
+            background.append(asyncio.create_task(runner.loop(stop), name="retention"))
+        yield
+
+
+def _prefetcher(app: web.Application, queue: PushQueue) -> Prefetcher:
+    config = app[CONFIG]
+    return Prefetcher(
+        config.hot_dir,
+        config.commit_marker,
+        app[TIERS],
+        config.transfer_options(),
+        app[METER],
+        concurrency=config.prefetch_concurrency,
+        chunk_source=app[PEERS] if config.peers else None,
+        fanout_client=app[PEERS],
+        on_restore=queue.exclude,
+        expected_nodes=config.expected_nodes,
+        holds=app[HOLDS],
+        pin_holder=f"prefetch-{config.node}",
+        background_rate=config.standby_max_rate or None,
+    )
+
+
+def _retention(app: web.Application, queue: PushQueue) -> RetentionRunner:
+    config, tiers = app[CONFIG], app[TIERS]
+    assert config.retention is not None
+    return RetentionRunner(
+        config.retention,
+        node=config.node,
+        hot_dir=config.hot_dir,
+        commit_marker=config.commit_marker,
+        tiers=tiers,
+        journal=queue.journal,
+        holds=app[HOLDS],
+        pins=functools.partial(active_pins, app),
+        busy=queue.busy_steps,
+        metrics=app[METRICS],
+        options=config.transfer_options(),
+    )
+
+
+async def _abort_orphaned_uploads(config: AgentConfig, tiers: list[tuple[str, Store]]) -> None:
+    if not config.orphan_upload_seconds:
+        return
+    for name, store in tiers:
+        try:
+            aborted = await abort_orphaned_uploads(store, config.orphan_upload_seconds)
+        except FerryError as exc:  # a tier that is down now must not stop the agent
+            log.warning("could not check %s for orphaned uploads: %s", name, exc)
+            continue
+        if aborted:
+            event(log, "orphan_uploads_aborted", tier=name, uploads=aborted)
+
+
+async def _drain(
+    seconds: float,
+    stop: asyncio.Event,
+    background: list[asyncio.Task[None]],
+    prefetcher: Prefetcher,
+    queue: PushQueue,
+) -> None:
+    stop.set()
+    await asyncio.gather(  # one shared deadline for every drain
+        # the watcher returns within one poll; a retention run in progress (perhaps copying
+        # a step to a colder tier) is cancelled at the deadline, which leaves every store
+        # consistent
+        drain_tasks(background, seconds),
+        prefetcher.drain(seconds),
+        queue.drain(seconds),
+    )
 
 
 __all__ = ["create_app"]

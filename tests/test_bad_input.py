@@ -400,3 +400,43 @@ async def _checkpoints(url: str) -> list:  # type: ignore[type-arg]
         return await list_checkpoints(store, "j")
     finally:
         await store.close()
+
+
+def test_an_agent_that_cannot_start_says_why_and_leaves_nothing_running(
+    s3_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its state dir is a regular file, so the push journal cannot open, after the start-up
+    sweep has already used the S3 tier: `ferry agent` fails in one line, and what had
+    started is released (agent/rpc.py: each resource its own cleanup), so none of the
+    store's threads outlives the attempt."""
+    import threading
+    import time
+
+    token = tmp_path / "token"
+    token.write_text("t0ken")
+    token.chmod(0o600)
+    hot = tmp_path / "hot"
+    hot.mkdir()
+    (hot / "state").write_text("not a directory")
+    for key, value in {
+        "FERRY_NODE": "a",
+        "FERRY_HOT_DIR": str(hot),
+        "FERRY_STATE_DIR": str(hot / "state"),
+        "FERRY_TIERS": s3_url,
+        "FERRY_TOKEN_FILE": str(token),
+        "FERRY_LISTEN": "127.0.0.1:0",
+    }.items():
+        monkeypatch.setenv(key, value)
+    before = {t.ident for t in threading.enumerate()}
+    err = ferry_fails(capsys, "agent")
+    assert "state" in err and "Traceback" not in err, err
+    assert len(err.strip().splitlines()) == 1, err
+
+    def store_threads() -> list[str]:
+        return [t.name for t in threading.enumerate()
+                if t.ident not in before and t.is_alive() and t.name.startswith("s3")]  # fmt: skip
+
+    deadline = time.monotonic() + 5  # released without waiting: they exit on their own
+    while store_threads() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not store_threads()
