@@ -110,12 +110,14 @@ class Commands:
         return [self.startup(t) for t in ("ferry", *tools)]
 
     def startup(self, tool: str) -> list[str]:
-        """The smallest command that loads all of ``tool``'s code."""
+        """The smallest command that loads all of ``tool``'s code for a download (ferry:
+        the CLI, the pull, and its S3 client for reads; botocore, its writer, loads on a
+        push's first write)."""
         if tool == "ferry":
             code = (
-                "import agent.cli, transfer.engine.pull, transfer.engine.push, "
-                "transfer.store.s3, botocore.session; "
-                "botocore.session.get_session().create_client('s3', region_name='us-east-1')"
+                "import agent.cli, transfer.engine.pull, transfer.store.s3, "
+                "transfer.store.s3objects as o; from transfer.store.s3client import S3Settings;"
+                " o.make_store(S3Settings('b', 'http://127.0.0.1:9'))"
             )
             return [*self.ferry[:1], "-c", code]
         if tool == "s5cmd":
