@@ -344,6 +344,15 @@ def test_a_probe_rate_is_used_until_the_first_transfer_replaces_it() -> None:
     assert not meter.record("tier:x", 900 * MiB, 1.0, provisional=True)
 
 
+def test_a_prefetch_that_moves_nothing_still_costs_its_start() -> None:
+    """A replica's prefetch moves no byte but is not free: the fixed part is in the
+    estimate and in its range (half to twice it)."""
+    meter = BandwidthMeter()
+    est = estimate_migration({"local": 0}, meter, bytes_total=5, gpus=1, gpu_hour_price=0,
+                             fixed_seconds=0.05)  # fmt: skip
+    assert (est.seconds, est.seconds_low, est.seconds_high) == pytest.approx((0.05, 0.025, 0.1))
+
+
 def test_migration_cost_and_cooldown() -> None:
     meter = BandwidthMeter()
     meter.record("peer", 1_000_000_000, 2.0)  # 0.5 GB/s, same as the default, but measured

@@ -24,7 +24,7 @@ from transfer.engine.catalog import (
     open_catalog,
 )
 from transfer.engine.chunkindex import ChunkIndex
-from transfer.engine.estimate import estimate_migration
+from transfer.engine.estimate import PREFETCH_START_SECONDS, estimate_migration
 from transfer.engine.pull import LocalBase, local_bases
 from transfer.errors import CheckpointNotFoundError, FerryError, StoreError
 from transfer.format.manifest import Manifest
@@ -146,6 +146,7 @@ async def get_estimate(request: web.Request) -> web.Response:
             bytes_total=total,
             gpus=gpus,
             gpu_hour_price=price,
+            fixed_seconds=PREFETCH_START_SECONDS,
         )
         doc = est.to_dict()
         doc.update(job=job, step=manifests[0].step, node=config.node, source=sourcing.source)

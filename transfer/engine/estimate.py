@@ -35,6 +35,11 @@ MIN_SAMPLE_SECONDS = 0.010
 #: not reclaimed before the migrated job has settled.
 COOLDOWN_MARGIN_SECONDS = 300.0
 
+#: What a prefetch costs besides its bytes (the RPC, scheduling, checking what is already
+#: there): a standby's replica, which moves nothing, took 0.05 s to prefetch here
+#: (``python -m bench.estimate_cases``, the replica rows).
+PREFETCH_START_SECONDS = 0.05
+
 
 def _kind(source: str) -> str:
     """``"tier:s3://b/x"`` -> ``"tier"``; ``"peer"`` -> ``"peer"``."""
@@ -134,8 +139,10 @@ def estimate_migration(
     gpus: int,
     gpu_hour_price: float,
     parallel: bool = False,
+    fixed_seconds: float = 0.0,
 ) -> MigrationEstimate:
-    """Time and GPU cost to bring the missing bytes to a node.
+    """Time and GPU cost to bring the missing bytes to a node (plus ``fixed_seconds``,
+    taken as anywhere from half to twice that in the range).
 
     Sequential by default: sources are drained cheapest first and share the node's NIC and
     disk, so their times add up; ``parallel`` takes the slowest source instead (an upper
@@ -153,7 +160,8 @@ def estimate_migration(
 
     def total(rate_factor: float, sign: int) -> float:
         times = [n / (rate * max(0.25, 1 + sign * k * rate_factor)) for n, rate, k in moving]
-        return float(combine(times)) if times else 0.0
+        fixed = fixed_seconds * (1.0 if not rate_factor else 0.5 if sign > 0 else 2.0)
+        return fixed + (float(combine(times)) if times else 0.0)
 
     return MigrationEstimate(
         bytes_total=bytes_total,
