@@ -176,31 +176,12 @@ def load_config(
     validate everything and return the config; raises ConfigError with a one-line reason.
     ``create_token``: a token_file that does not exist yet is created with a random token
     (``ferry agent``: the example config then runs as printed)."""
-    raw: dict[str, object] = {}
-    if path is not None:
-        try:
-            with path.open("rb") as f:
-                raw = tomllib.load(f)
-        except OSError as exc:
-            raise ConfigError(f"cannot read config {path}: {exc.strerror or exc}") from exc
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"{path}: invalid TOML: {exc}") from exc
-
+    raw = _read_toml(path) if path is not None else {}
     retention_raw = raw.pop("retention", None)
     transfer_raw = raw.pop("transfer", {})
-    if not isinstance(transfer_raw, dict):
-        raise ConfigError("transfer: expected a table ([transfer])")
     sources: dict[str, str] = {}
     top = _typed(raw, _TOP_KEYS, env, "", ENV_PREFIX, sources)
-    tr = _typed(transfer_raw, _TRANSFER_KEYS, env, "transfer.", ENV_PREFIX + "TRANSFER_", sources)
-
-    chosen: dict[str, Any] = {k: _at_least(f"transfer.{k}", v, 0) for k, v in tr.items()}
-    transfer = TransferSettings(**chosen)
-    try:
-        transfer.to_options()
-    except ValueError as exc:
-        raise ConfigError(f"transfer: {exc}") from exc
-
+    transfer = _transfer_settings(transfer_raw, env, sources)
     if "hot_dir" not in top:
         raise ConfigError("hot_dir is required (in the config file or FERRY_HOT_DIR)")
     config = AgentConfig(
@@ -240,6 +221,33 @@ def load_config(
         config.read_token()  # fail at startup, not on the first request
         _warn_if_shared(config.token_file)
     return config
+
+
+def _read_toml(path: Path) -> dict[str, object]:
+    try:
+        with path.open("rb") as f:
+            return tomllib.load(f)
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {path}: {exc.strerror or exc}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: invalid TOML: {exc}") from exc
+
+
+def _transfer_settings(
+    raw: object, env: Mapping[str, str], sources: dict[str, str]
+) -> TransferSettings:
+    """The [transfer] table overlaid with FERRY_TRANSFER_*, checked as the options it
+    makes."""
+    if not isinstance(raw, dict):
+        raise ConfigError("transfer: expected a table ([transfer])")
+    tr = _typed(raw, _TRANSFER_KEYS, env, "transfer.", ENV_PREFIX + "TRANSFER_", sources)
+    chosen: dict[str, Any] = {k: _at_least(f"transfer.{k}", v, 0) for k, v in tr.items()}
+    transfer = TransferSettings(**chosen)
+    try:
+        transfer.to_options()
+    except ValueError as exc:
+        raise ConfigError(f"transfer: {exc}") from exc
+    return transfer
 
 
 def effective_config(config: AgentConfig) -> list[tuple[str, object, str]]:

@@ -90,35 +90,7 @@ async def plan_hot(
     plan.bytes_before = sum(sizes.values())
     durable = _DurabilityCheck(tiers, journal, node)
 
-    # rank within its job: 0 is the newest (local_checkpoints lists newest first)
-    rank = {}
-    for job in {c.job for c in held}:
-        for i, c in enumerate(c for c in held if c.job == job):
-            rank[(c.job, c.step)] = i
-    # a step in use protects the newest step below it too: a push or prefetch of a step
-    # reads that one as its delta base
-    protected = set(protected)
-    for job, step in list(protected):
-        below = [c.step for c in held if c.job == job and c.step < step]
-        if below:
-            protected.add((job, max(below)))
-    decisions: dict[Key, tuple[str, str]] = {}
-    evictable: list[LocalCheckpoint] = []
-    for c in held:
-        key = (c.job, c.step)
-        if rank[key] < MIN_KEEP_LAST:
-            decisions[key] = ("keep", "newest two")
-        elif key in protected:
-            decisions[key] = ("keep", "in use or pinned")
-        else:
-            why_not = await durable.why_not_evictable(c)
-            if why_not:
-                decisions[key] = ("keep", why_not)
-            elif rank[key] < keep_last:
-                decisions[key] = ("keep", "keep_last")
-                evictable.append(c)
-            else:
-                decisions[key] = ("evict", "beyond keep_last; " + durable.where[key])
+    decisions, evictable = await _by_rank(held, _with_bases(protected, held), keep_last, durable)
     remaining = sum(sizes[k] for k, (a, _) in decisions.items() if a == "keep")
     # bytes to free on the filesystem, counting what keep_last already evicts
     shortfall = 0
@@ -145,6 +117,47 @@ async def plan_hot(
         for c in held
     ]
     return plan
+
+
+def _with_bases(protected: Collection[Key], held: list[LocalCheckpoint]) -> set[Key]:
+    """A step in use protects the newest step below it too: a push or prefetch of a step
+    reads that one as its delta base."""
+    found = set(protected)
+    for job, step in protected:
+        below = [c.step for c in held if c.job == job and c.step < step]
+        if below:
+            found.add((job, max(below)))
+    return found
+
+
+async def _by_rank(
+    held: list[LocalCheckpoint],
+    protected: set[Key],
+    keep_last: int,
+    durable: _DurabilityCheck,
+) -> tuple[dict[Key, tuple[str, str]], list[LocalCheckpoint]]:
+    """Each step's decision by its rank within its job (0: the newest), and the steps kept
+    only by keep_last (what a budget or min_free may still evict, oldest first)."""
+    rank = {}
+    for job in {c.job for c in held}:  # local_checkpoints lists newest first
+        for i, c in enumerate(c for c in held if c.job == job):
+            rank[(c.job, c.step)] = i
+    decisions: dict[Key, tuple[str, str]] = {}
+    evictable: list[LocalCheckpoint] = []
+    for c in held:
+        key = (c.job, c.step)
+        if rank[key] < MIN_KEEP_LAST:
+            decisions[key] = ("keep", "newest two")
+        elif key in protected:
+            decisions[key] = ("keep", "in use or pinned")
+        elif why_not := await durable.why_not_evictable(c):
+            decisions[key] = ("keep", why_not)
+        elif rank[key] < keep_last:
+            decisions[key] = ("keep", "keep_last")
+            evictable.append(c)
+        else:
+            decisions[key] = ("evict", "beyond keep_last; " + durable.where[key])
+    return decisions, evictable
 
 
 async def apply_hot(plan: HotPlan, journal: Journal, protected: Collection[Key]) -> HotPlan:

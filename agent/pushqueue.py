@@ -35,7 +35,7 @@ from agent.config import AgentConfig
 from agent.journal import DURABLE, Journal
 from agent.logs import event
 from agent.metrics import Metrics
-from transfer.engine import TransferOptions, list_checkpoints, push
+from transfer.engine import PushResult, TransferOptions, list_checkpoints, push
 from transfer.engine.scan import scan_checkpoint
 from transfer.errors import (
     AlreadyExistsError,
@@ -242,23 +242,7 @@ class PushQueue:
                 return  # draining: the rest stays staged for the next start
             self._current = (item.job, item.step, name)
             try:
-                result = await push(
-                    store,
-                    item.path,
-                    job=item.job,
-                    step=item.step,
-                    node=self.node,
-                    options=self.options,
-                    resume_chunks=self.journal.resumable_chunks(item.job, item.step, name),
-                    on_pack_durable=functools.partial(
-                        self.journal.record_packs, item.job, item.step, name
-                    ),
-                    resume_parts=self.journal.landed_parts(item.job, item.step, name),
-                    on_part_receipt=functools.partial(
-                        self.journal.record_part, item.job, item.step, name
-                    ),
-                )
-                await self._complete_if_all_pushed(store, item.job, item.step)
+                result = await self._push_to(name, store, item)
             except SourceChangedError as exc:  # nothing committed: push it once it settles
                 self._current = None
                 self._wait_for_quiet(item, durable, exc)
@@ -274,15 +258,7 @@ class PushQueue:
                 continue
             finally:
                 self._current = None
-            self.journal.record_durable(item.job, item.step, name, result.to_dict())
-            event(log, "push", job=item.job, step=item.step, tier=name, outcome="durable",
-                  bytes_raw=result.bytes_raw, bytes_written=result.bytes_transferred,
-                  seconds=round(result.seconds, 3), base_step=result.base_step)  # fmt: skip
-            tier = self.stats.tiers[name]
-            tier.pushes_ok += 1
-            tier.bytes_transferred += result.bytes_transferred
-            tier.last_push_seconds = result.seconds
-            tier.last_written_ratio = result.bytes_transferred / max(result.bytes_raw, 1)
+            self._record_durable(name, item, result)
         if failed and item.attempt < self.max_attempts and not self._closing:
             delay = self.retry_seconds * 2 ** (item.attempt - 1)
             retry = _Item(item.job, item.step, item.path, item.attempt + 1)
@@ -292,6 +268,36 @@ class PushQueue:
         self._queued.discard(key)
         if self.on_pushed is not None:
             self.on_pushed()
+
+    async def _push_to(self, name: str, store: Store, item: _Item) -> PushResult:
+        """One push of the step to one tier, resuming what the journal says an earlier
+        attempt made durable; then the step's completion marker, if it is whole."""
+        job, step = item.job, item.step
+        result = await push(
+            store,
+            item.path,
+            job=job,
+            step=step,
+            node=self.node,
+            options=self.options,
+            resume_chunks=self.journal.resumable_chunks(job, step, name),
+            on_pack_durable=functools.partial(self.journal.record_packs, job, step, name),
+            resume_parts=self.journal.landed_parts(job, step, name),
+            on_part_receipt=functools.partial(self.journal.record_part, job, step, name),
+        )
+        await self._complete_if_all_pushed(store, job, step)
+        return result
+
+    def _record_durable(self, name: str, item: _Item, result: PushResult) -> None:
+        self.journal.record_durable(item.job, item.step, name, result.to_dict())
+        event(log, "push", job=item.job, step=item.step, tier=name, outcome="durable",
+              bytes_raw=result.bytes_raw, bytes_written=result.bytes_transferred,
+              seconds=round(result.seconds, 3), base_step=result.base_step)  # fmt: skip
+        tier = self.stats.tiers[name]
+        tier.pushes_ok += 1
+        tier.bytes_transferred += result.bytes_transferred
+        tier.last_push_seconds = result.seconds
+        tier.last_written_ratio = result.bytes_transferred / max(result.bytes_raw, 1)
 
     async def _check_quiet(self, item: _Item) -> None:
         """Pass once the step's files looked the same ``quiet_seconds`` apart: their mtimes

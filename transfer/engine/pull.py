@@ -8,12 +8,13 @@ renamed into place at the end and removed on any failure.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import shutil
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cache
@@ -125,14 +126,11 @@ async def pull(
     the previous step) whose chunks are reused, after hash verification, instead of being
     downloaded, and which supplies delta chunks' bases. ``base_manifests``: base_dir's
     committed manifests, when known: then only the chunks they place at the same position
-    are looked for there (without them every chunk's position is read and hashed, and on a
-    fully fine-tuned model, where every chunk changed, that is a whole cold read of the old
-    checkpoint, for nothing, before the first byte is downloaded; the delta path reads each
-    base again anyway). ``chunk_source``: asked for every chunk neither base_dir nor a
-    repeat supplies, before the store (e.g. peer agents); what it returns is used only when
-    it hashes to the chunk id. ``fsync``: flush every file before the rename (else the
-    restore is renamed into place with a durable marker and settled later:
-    transfer/engine/settle.py). ``rate_limit``: a cap on the bytes moved per second (from
+    are looked for there (``_same_position``). ``chunk_source``: asked for every chunk
+    neither base_dir nor a repeat supplies, before the store (e.g. peer agents); what it
+    returns is used only when it hashes to the chunk id. ``fsync``: flush every file before
+    the rename (else the restore is renamed into place with a durable marker and settled
+    later: transfer/engine/settle.py). ``rate_limit``: a cap on the bytes moved per second (from
     the store and the chunk source). ``own_share``: in a fan-out restore (agent/fanout.py),
     the chunks this node fetches from the store itself, at once, while the chunk source is
     asked for the others. ``on_landed(id, (file, offset, size))``: told as each chunk is
@@ -150,7 +148,7 @@ async def pull(
     targets, hints = _plan_targets(files)
 
     staging = await _to_thread_to_the_end(open_staging, dest)
-    try:
+    async with _kept_if_resumable(staging):
         await _to_thread_to_the_end(create_files, staging, files, targets)
         progress.start(sum(f.size for f in files), "pull")
         # with --fsync, writeback started per chunk overlaps the final flush with the
@@ -164,6 +162,16 @@ async def pull(
             )  # fmt: skip
             got = await run.gather(base_manifests, chunk_source, own_share, rate_limit)
         await _to_thread_to_the_end(seal, staging.path, files, dest, fsync)
+    progress.finish()
+    return run.result(manifests, got, base_dir, dest, time.monotonic() - started)
+
+
+@contextlib.asynccontextmanager
+async def _kept_if_resumable(staging: Staging) -> AsyncIterator[None]:
+    """A restore that fails keeps its staging directory if the same pull may resume from
+    it (staging.worth_resuming), else removes it; the lock is released either way."""
+    try:
+        yield
     except BaseException as exc:
         if worth_resuming(exc):
             log.warning("kept the partial restore in %s: the same pull resumes from it (%s)",
@@ -173,30 +181,6 @@ async def pull(
         raise
     finally:
         staging.release()
-    progress.finish()
-    resolver = run.resolver
-    chunks_total = sum(len(f.chunks) for f in files)
-    return PullResult(
-        job=job,
-        step=manifests[0].step,
-        nodes=[m.node for m in manifests],
-        files=len(files),
-        bytes_raw=sum(f.size for f in files),
-        bytes_transferred=run.bytes_read,
-        chunks_total=chunks_total,
-        chunks_deduped=chunks_total - len(got.fetched),
-        chunks_local=len(got.local) - len(got.resumed),
-        chunks_resumed=len(got.resumed),
-        base_dir=str(base_dir) if base_dir is not None else None,
-        bases_local=resolver.local_hits - len(got.local),  # (local counts the resumed too)
-        bytes_from_source=sum(got.sourced.values()),
-        chunks_delta=sum(1 for c in got.fetched if c.base),
-        chunks_raw=sum(1 for c in got.fetched if not c.base),
-        encode_seconds=round(resolver.clock.seconds("decode", "hash"), 3),
-        stage_seconds=resolver.clock.to_dict(),
-        seconds=time.monotonic() - started,
-        dest=str(staging.path.parent / dest.name),
-    )
 
 
 Targets = dict[str, list[tuple[int, int]]]  # chunk id -> [(file index, offset)] to write it
@@ -303,6 +287,38 @@ class _Restore:
             sink=self.write,
             hints=self.hints,
             rate_limit=rate_limit,
+        )
+
+    def result(
+        self,
+        manifests: list[Manifest],
+        got: _Gathered,
+        base_dir: Path | None,
+        dest: Path,
+        seconds: float,
+    ) -> PullResult:
+        resolver, files = self.resolver, self.files
+        chunks_total = sum(len(f.chunks) for f in files)
+        return PullResult(
+            job=manifests[0].job,
+            step=manifests[0].step,
+            nodes=[m.node for m in manifests],
+            files=len(files),
+            bytes_raw=sum(f.size for f in files),
+            bytes_transferred=self.bytes_read,
+            chunks_total=chunks_total,
+            chunks_deduped=chunks_total - len(got.fetched),
+            chunks_local=len(got.local) - len(got.resumed),
+            chunks_resumed=len(got.resumed),
+            base_dir=str(base_dir) if base_dir is not None else None,
+            bases_local=resolver.local_hits - len(got.local),  # (local counts the resumed too)
+            bytes_from_source=sum(got.sourced.values()),
+            chunks_delta=sum(1 for c in got.fetched if c.base),
+            chunks_raw=sum(1 for c in got.fetched if not c.base),
+            encode_seconds=round(resolver.clock.seconds("decode", "hash"), 3),
+            stage_seconds=resolver.clock.to_dict(),
+            seconds=seconds,
+            dest=str(self.staging.path.parent / dest.name),
         )
 
     async def gather(
@@ -477,7 +493,10 @@ def _same_position(
     base_manifests: list[Manifest] | None,
 ) -> list[str]:
     """The target chunks worth looking for in base_dir: all of them, or with its manifests
-    known, those it holds at the position where we would look."""
+    known, those it holds at the position where we would look. (Without them every chunk's
+    position is read and hashed, and on a fully fine-tuned model, where every chunk changed,
+    that is a whole cold read of the old checkpoint, for nothing, before the first byte is
+    downloaded; the delta path reads each base again anyway.)"""
     if base_manifests is None:
         return list(targets)
     held = _held_at(base_manifests)

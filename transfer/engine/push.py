@@ -100,101 +100,109 @@ async def push(
     check_name("node", node)
     check_step(step)
     started = time.monotonic()
-    sources = await asyncio.to_thread(scan_checkpoint, ckpt_dir)
-    # a save whose commit marker names files not (fully) there yet is never pushed
-    await asyncio.to_thread(dcp.check_complete, ckpt_dir, {f.path: f.size for f in sources})
+    sources = await asyncio.to_thread(_complete_sources, ckpt_dir)
     await open_catalog(store, create=True)
     # one push of a part at a time: a second one waits, then finds it committed
     async with push_lease(store, job, step, node):
         others = await _other_parts(store, job, step, node)
         if (why := _clash(sources, others)) is not None:
             raise _clash_error(job, step, node, why)
-        index = await ChunkIndex.load(store, job, options.dedupe_steps)
         base = None
         if options.delta and not full:
             base = await choose_base(
-                store,
-                ckpt_dir,
-                job=job,
-                step=step,
-                node=node,
-                base_step=base_step,
+                store, ckpt_dir, job=job, step=step, node=node, base_step=base_step,
                 base_dir=base_dir,
-            )
-            if base is not None:
-                index.add_manifest(base.manifest)
-        for chunk in await _still_stored(store, resume_chunks, resume_parts or {}):
-            index.add(chunk)
+            )  # fmt: skip
+        index = await _known_chunks(store, job, options, base, resume_chunks, resume_parts)
         run = _PushRun(store, options, index, progress, base, on_pack_durable, on_part_receipt)
         with ThreadPoolExecutor(options.workers, thread_name_prefix="ferry-push") as pool:
             run.pool = pool
             run.resolver = ChunkResolver(store, index, pool, base.local_dir if base else None)
             placed = await run.encode_all(sources)
-        try:
-            # what was read must be what is on disk now, or the manifest would commit a torn copy
-            await asyncio.to_thread(check_unchanged, ckpt_dir, sources)
-        except SourceChangedError:
-            await run.abandon()
-            raise
-        file_ids = [c.id for chunks in placed for c in chunks]
-        in_files = set(file_ids)
-        bases = [b for b in index.closure(file_ids) if b.id not in in_files]
-        pack_ids, refs, base_refs = build_refs(placed, bases)
-        files = tuple(
-            FileEntry(src.path, src.size, src.mode, file_refs)
-            for src, file_refs in zip(sources, refs, strict=True)
-        )
-        manifest = Manifest(
-            job=job,
-            step=step,
-            node=node,
-            created_at=datetime.now(UTC).isoformat(timespec="seconds"),
-            chunk_size=options.chunk_size,
-            packs=pack_ids,
-            files=files,
-            bases=base_refs,
-        )
+        await run.check_unchanged(ckpt_dir, sources)
+        manifest = _manifest(job, step, node, options, sources, placed, index)
         if (why := _clash(manifest, others)) is not None:
             await run.writer_abort()  # nobody will reference what we wrote
             raise _clash_error(job, step, node, why)
-        blob = manifest.to_json()
-        await _check_reused_packs(store, set(pack_ids) - set(run.new_packs), run)
-        already = False
-        try:
-            await store.put(layout.manifest_key(job, step, node), blob, create_only=True)
-            run.bytes_stored += len(blob)
-        except AlreadyExistsError:
-            existing = await load_manifest(store, job, step, node)
-            if existing.same_content(manifest):
-                # Idempotent re-push, or our own earlier attempt whose reply was lost (then the
-                # existing manifest may reference the packs we just wrote: keep them).
-                already = True
-            else:
-                await run.writer_abort()  # our new packs are referenced by nobody
-                raise FerryError(
-                    f"{job} step {step} node {node} is already committed with different content; "
-                    "push it under a new step"
-                ) from None
+        already = await _commit(store, manifest, run)
         progress.finish()
-        return PushResult(
-            job=job,
-            step=step,
-            node=node,
-            files=len(files),
-            bytes_raw=manifest.bytes_raw,
-            bytes_transferred=run.bytes_stored,
-            chunks_total=run.chunks_total,
-            chunks_new=run.chunks_new,
-            chunks_deduped=run.chunks_total - run.chunks_new,
-            chunks_delta=run.chunks_delta,
-            chunks_raw=run.chunks_new - run.chunks_delta,
-            encode_seconds=round(run.encode_seconds, 3),
-            base_step=base.manifest.step if base else None,
-            base_local=bool(base and base.local_dir and run.resolver and run.resolver.local_hits),
-            packs=len(run.new_packs),
-            seconds=time.monotonic() - started,
-            already_committed=already,
-        )
+        return run.result(manifest, already, time.monotonic() - started)
+
+
+def _complete_sources(ckpt_dir: Path) -> list[SourceFile]:
+    """The save's files; a save whose commit marker names files not (fully) there yet is
+    never pushed."""
+    sources = scan_checkpoint(ckpt_dir)
+    dcp.check_complete(ckpt_dir, {f.path: f.size for f in sources})
+    return sources
+
+
+async def _known_chunks(
+    store: Store,
+    job: str,
+    options: TransferOptions,
+    base: BasePlan | None,
+    resume_chunks: Iterable[StoredChunk],
+    resume_parts: Mapping[str, Sequence[PartReceipt]] | None,
+) -> ChunkIndex:
+    """What the push can reuse: the job's recent stored chunks (dedupe), the base's, and
+    those an interrupted attempt of this push left durable."""
+    index = await ChunkIndex.load(store, job, options.dedupe_steps)
+    if base is not None:
+        index.add_manifest(base.manifest)
+    for chunk in await _still_stored(store, resume_chunks, resume_parts or {}):
+        index.add(chunk)
+    return index
+
+
+def _manifest(
+    job: str,
+    step: int,
+    node: str,
+    options: TransferOptions,
+    sources: Sequence[SourceFile],
+    placed: list[list[StoredChunk]],
+    index: ChunkIndex,
+) -> Manifest:
+    """The manifest of the pushed files: their chunks, and the delta bases those need."""
+    file_ids = [c.id for chunks in placed for c in chunks]
+    in_files = set(file_ids)
+    bases = [b for b in index.closure(file_ids) if b.id not in in_files]
+    pack_ids, refs, base_refs = build_refs(placed, bases)
+    return Manifest(
+        job=job,
+        step=step,
+        node=node,
+        created_at=datetime.now(UTC).isoformat(timespec="seconds"),
+        chunk_size=options.chunk_size,
+        packs=pack_ids,
+        files=tuple(
+            FileEntry(src.path, src.size, src.mode, file_refs)
+            for src, file_refs in zip(sources, refs, strict=True)
+        ),
+        bases=base_refs,
+    )
+
+
+async def _commit(store: Store, manifest: Manifest, run: _PushRun) -> bool:
+    """Write the manifest, create-only, once every pack it names is there; True if the same
+    content was committed already (a re-push, or our own attempt whose reply was lost)."""
+    job, step, node = manifest.job, manifest.step, manifest.node
+    await _check_reused_packs(store, set(manifest.packs) - set(run.new_packs), run)
+    blob = manifest.to_json()
+    try:
+        await store.put(layout.manifest_key(job, step, node), blob, create_only=True)
+        run.bytes_stored += len(blob)
+        return False
+    except AlreadyExistsError:
+        existing = await load_manifest(store, job, step, node)
+        if existing.same_content(manifest):
+            return True  # (then it may reference the packs we just wrote: keep them)
+        await run.writer_abort()  # our new packs are referenced by nobody
+        raise FerryError(
+            f"{job} step {step} node {node} is already committed with different content; "
+            "push it under a new step"
+        ) from None
 
 
 class _PushRun:
@@ -253,6 +261,37 @@ class _PushRun:
         resumed attempt: the step is committed with other content)."""
         if self._writer is not None:
             await self._writer.abort(keep_reported=False)
+
+    async def check_unchanged(self, ckpt_dir: Path, sources: list[SourceFile]) -> None:
+        """What was read must be what is on disk now, or the manifest would commit a torn
+        copy: if not, abandon what this push wrote and raise SourceChangedError."""
+        try:
+            await asyncio.to_thread(check_unchanged, ckpt_dir, sources)
+        except SourceChangedError:
+            await self.abandon()
+            raise
+
+    def result(self, manifest: Manifest, already: bool, seconds: float) -> PushResult:
+        base = self.base
+        return PushResult(
+            job=manifest.job,
+            step=manifest.step,
+            node=manifest.node,
+            files=len(manifest.files),
+            bytes_raw=manifest.bytes_raw,
+            bytes_transferred=self.bytes_stored,
+            chunks_total=self.chunks_total,
+            chunks_new=self.chunks_new,
+            chunks_deduped=self.chunks_total - self.chunks_new,
+            chunks_delta=self.chunks_delta,
+            chunks_raw=self.chunks_new - self.chunks_delta,
+            encode_seconds=round(self.encode_seconds, 3),
+            base_step=base.manifest.step if base else None,
+            base_local=bool(base and base.local_dir and self.resolver and self.resolver.local_hits),
+            packs=len(self.new_packs),
+            seconds=seconds,
+            already_committed=already,
+        )
 
     async def encode_all(self, sources: list[SourceFile]) -> list[list[StoredChunk]]:
         size = self.options.chunk_size

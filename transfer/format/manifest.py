@@ -198,30 +198,12 @@ def parse_manifest(raw: bytes) -> Manifest:
     files_doc = doc.get("files")
     if not isinstance(files_doc, list) or len(files_doc) > MAX_FILES:
         raise FormatError(f"manifest: 'files' must be a list of at most {MAX_FILES}")
-    files: list[FileEntry] = []
+    files = [_parse_file(i, f, len(packs), version, chunk_size) for i, f in enumerate(files_doc)]
     seen: set[str] = set()
-    for i, fdoc in enumerate(files_doc):
-        if not isinstance(fdoc, dict):
-            raise FormatError(f"manifest file #{i}: must be an object")
-        path = check_relative_path(fdoc.get("path"))
-        if path in seen:
-            raise FormatError(f"manifest lists {path!r} twice")
-        seen.add(path)
-        where = f"manifest file {path!r}"
-        size = _int(fdoc, "size", where, 0, MAX_FILE_BYTES)
-        mode = _int(fdoc, "mode", where, 0, 0o7777) & 0o777  # never setuid/setgid/sticky
-        chunks_doc = fdoc.get("chunks")
-        if not isinstance(chunks_doc, list):
-            raise FormatError(f"{where}: 'chunks' must be a list")
-        chunks = tuple(_parse_chunk(c, where, len(packs), version) for c in chunks_doc)
-        if sum(c.size for c in chunks) != size:
-            raise FormatError(f"{where}: chunk sizes do not add up to the file size {size}")
-        # fixed-size chunks at fixed offsets: all but the last are exactly chunk_size
-        if any(c.size != chunk_size for c in chunks[:-1]) or (
-            chunks and not 0 < chunks[-1].size <= chunk_size
-        ):
-            raise FormatError(f"{where}: chunks do not follow the chunk_size {chunk_size} rule")
-        files.append(FileEntry(path=path, size=size, mode=mode, chunks=chunks))
+    for f in files:
+        if f.path in seen:
+            raise FormatError(f"manifest lists {f.path!r} twice")
+        seen.add(f.path)
     _check_no_file_dir_clash(seen)
     bases_doc = doc.get("bases", [])
     if not isinstance(bases_doc, list) or (bases_doc and version < 2):
@@ -233,6 +215,27 @@ def parse_manifest(raw: bytes) -> Manifest:
     manifest = Manifest(job, step, node, created_at, chunk_size, packs, tuple(files), bases, extra)
     chain_depths(manifest)  # every base resolves, no cycles, bounded chains
     return manifest
+
+
+def _parse_file(i: int, fdoc: object, packs: int, version: int, chunk_size: int) -> FileEntry:
+    if not isinstance(fdoc, dict):
+        raise FormatError(f"manifest file #{i}: must be an object")
+    path = check_relative_path(fdoc.get("path"))
+    where = f"manifest file {path!r}"
+    size = _int(fdoc, "size", where, 0, MAX_FILE_BYTES)
+    mode = _int(fdoc, "mode", where, 0, 0o7777) & 0o777  # never setuid/setgid/sticky
+    chunks_doc = fdoc.get("chunks")
+    if not isinstance(chunks_doc, list):
+        raise FormatError(f"{where}: 'chunks' must be a list")
+    chunks = tuple(_parse_chunk(c, where, packs, version) for c in chunks_doc)
+    if sum(c.size for c in chunks) != size:
+        raise FormatError(f"{where}: chunk sizes do not add up to the file size {size}")
+    # fixed-size chunks at fixed offsets: all but the last are exactly chunk_size
+    if any(c.size != chunk_size for c in chunks[:-1]) or (
+        chunks and not 0 < chunks[-1].size <= chunk_size
+    ):
+        raise FormatError(f"{where}: chunks do not follow the chunk_size {chunk_size} rule")
+    return FileEntry(path=path, size=size, mode=mode, chunks=chunks)
 
 
 def chain_depths(manifest: Manifest) -> dict[str, int]:

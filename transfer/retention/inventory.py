@@ -140,6 +140,21 @@ async def take_inventory(
             todo.append(read(c.job, c.step, c.node))
     await asyncio.gather(*todo)
 
+    await _mark_complete(store, steps, expected_nodes)
+    pack_sizes = {
+        pack_id: obj.size
+        for obj in await store.list(layout.PACKS_PREFIX)
+        if (pack_id := layout.parse_pack_key(obj.key)) is not None
+    }
+    pins = await read_pins(store, now=now)
+    return Inventory(store.url, steps, pack_sizes, pins)
+
+
+async def _mark_complete(
+    store: Store, steps: dict[Key, StepEntry], expected_nodes: Sequence[str]
+) -> None:
+    """Which steps are whole: their completion marker, or every expected node's part (a job
+    that never wrote markers is single-node: any part is the whole step)."""
     markers = {
         parsed
         for obj in await store.list(layout.COMPLETE_PREFIX)
@@ -150,16 +165,8 @@ async def take_inventory(
         entry.has_marker = entry.key in markers
         if expected_nodes:
             entry.complete = entry.has_marker or set(expected_nodes) <= set(entry.parts)
-        else:  # a job that never wrote markers is single-node: any part is the whole step
+        else:
             entry.complete = entry.has_marker or entry.job not in jobs_with_markers
-
-    pack_sizes = {
-        pack_id: obj.size
-        for obj in await store.list(layout.PACKS_PREFIX)
-        if (pack_id := layout.parse_pack_key(obj.key)) is not None
-    }
-    pins = await read_pins(store, now=now)
-    return Inventory(store.url, steps, pack_sizes, pins)
 
 
 async def read_pins(store: Store, *, now: float) -> dict[Key, float]:
