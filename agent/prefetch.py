@@ -354,7 +354,11 @@ class Prefetcher:
             ) is not None:
                 record.satisfied_by = how  # restored here, verified, untouched since
                 return
+            began = time.monotonic()
             problems = await local_copy_differences(here.path, manifests)
+            if not problems:  # a whole re-hash: what the estimate of a held step is made of
+                held_bytes = sum(f.size for m in manifests for f in m.files)
+                self.meter.record("local", held_bytes, time.monotonic() - began)
             if any(not p.endswith(": missing") for p in problems):
                 raise DestinationError(
                     f"{here.path} exists and is not the committed checkpoint "

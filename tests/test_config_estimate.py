@@ -296,6 +296,8 @@ def test_meter_measures_and_ignores_tiny_samples() -> None:
     assert meter.rate("peer") == 100 * MiB
     assert meter.snapshot() == {"peer": 100 * MiB}
     assert meter.rate("tier:s3://b") == DEFAULT_RATES["tier"]  # other sources unaffected
+    # a local re-hash has no request latency: a short one is a measurement too
+    assert meter.record("local", 100 * MiB, 0.005) and meter.rate("local") == 20_000 * MiB
 
 
 def test_meter_ewma_moves_toward_new_samples() -> None:

@@ -43,6 +43,11 @@ def test_the_estimate_names_the_peer_that_will_serve_and_probes_it_first(
             assert abs(est["bytes_missing"] - moved) <= 0.25 * moved, (est, moved)
             again = await b.estimate("llm", 40)  # held now: nothing moves
             assert again["source"] == "local"
+            # step 20 was written here, not restored: its prefetch re-hashes it, and that
+            # calibrates what checking a held step costs
+            assert (await b.estimate("llm", 20))["rate_basis"] == "default"
+            assert (await prefetched(b, 20))["satisfied_by"] == "held"
+            assert (await b.estimate("llm", 20))["rate_basis"] == "measured"
 
     asyncio.run(go())
 

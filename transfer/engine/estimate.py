@@ -66,7 +66,9 @@ class BandwidthMeter:
         _kind(source)
         if nbytes < 0 or not seconds >= 0:
             raise ValueError(f"invalid sample: {nbytes} bytes in {seconds} s")
-        if nbytes < MIN_SAMPLE_BYTES or seconds < MIN_SAMPLE_SECONDS or math.isinf(seconds):
+        # (a local re-hash has no request latency to mistake for bandwidth: any time counts)
+        too_quick = seconds < (MIN_SAMPLE_SECONDS if _kind(source) != "local" else 1e-6)
+        if nbytes < MIN_SAMPLE_BYTES or too_quick or math.isinf(seconds):
             return False
         rate = nbytes / seconds
         old = self._rates.get(source)
