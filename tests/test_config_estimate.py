@@ -339,6 +339,7 @@ def test_a_probe_rate_is_used_until_the_first_transfer_replaces_it() -> None:
     assert meter.record("tier:x", 300 * MiB, 1.0, provisional=True)
     assert meter.measured("tier:x") and meter.rate("tier:x") == 300 * MiB
     assert not meter.record("tier:x", 900 * MiB, 1.0, provisional=True)  # one probe only
+    assert BandwidthMeter().record("tier:y", 8 * MiB, 0.004, provisional=True)  # small: counts
     meter.record("tier:x", 200 * MiB, 1.0)
     assert meter.rate("tier:x") == 200 * MiB  # replaced
     meter.record("tier:x", 100 * MiB, 1.0)

@@ -66,8 +66,10 @@ class BandwidthMeter:
         _kind(source)
         if nbytes < 0 or not seconds >= 0:
             raise ValueError(f"invalid sample: {nbytes} bytes in {seconds} s")
-        # (a local re-hash has no request latency to mistake for bandwidth: any time counts)
-        too_quick = seconds < (MIN_SAMPLE_SECONDS if _kind(source) != "local" else 1e-6)
+        # a local re-hash has no request latency to mistake for bandwidth, and a probe is
+        # small on purpose (its request latency is part of what it measures): any time counts
+        exact = provisional or _kind(source) == "local"
+        too_quick = seconds < (1e-6 if exact else MIN_SAMPLE_SECONDS)
         if nbytes < MIN_SAMPLE_BYTES or too_quick or math.isinf(seconds):
             return False
         rate = nbytes / seconds
