@@ -46,6 +46,14 @@ def _transient_types() -> tuple[type[BaseException], ...]:
     return found
 
 
+class ReplyError(Exception):
+    """An HTTP error reply from a client that does not type it (obstore): its status."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+
+
 class ShortBodyError(Exception):
     """A reply body shorter than announced or than the range it claims to hold (a torn or
     tampered read): transient."""
@@ -63,11 +71,6 @@ def is_transient(exc: BaseException) -> bool:
     """Worth another try: the server or the network failed, not the request."""
     if isinstance(exc, (ShortBodyError, *_transient_types())):
         return True
-    if "obstore" in sys.modules:
-        from transfer.store.s3objects import is_network_failure
-
-        if is_network_failure(exc):
-            return True
     status = http_status(exc)
     if status is None:
         return False
@@ -75,12 +78,8 @@ def is_transient(exc: BaseException) -> bool:
 
 
 def http_status(exc: BaseException) -> int | None:
-    if "obstore" in sys.modules:
-        from transfer.store.s3objects import status_of
-
-        status = status_of(exc)
-        if status is not None:
-            return status
+    if isinstance(exc, ReplyError):
+        return exc.status
     for cause in (exc, exc.__cause__, exc.__context__):
         response = getattr(cause, "response", None)
         if isinstance(response, dict):

@@ -237,7 +237,7 @@ class S3Store(Store):
 
     async def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
         full = self.full_key(key)
-        if (start is not None or end is not None) and end is not None and end <= (start or 0):
+        if end is not None and end <= (start or 0):
             return b""
         body = await self.on_thread(lambda: self.client.get(full, f"get {key}", start, end))
         return bytes(body)

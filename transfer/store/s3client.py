@@ -16,7 +16,6 @@ or slow MinIO and SeaweedFS; each PUT carries an explicit CRC32 or Content-MD5 i
 
 from __future__ import annotations
 
-import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -35,14 +34,10 @@ T = TypeVar("T")
 
 
 def map_error(exc: BaseException, what: str, attempts: int = 1) -> StoreError:
-    """A botocore/urllib3 failure as the store's error class, in one line."""
+    """A client's failure as the store's error class, in one line."""
     status = http_status(exc)
-    # botocore's own retries are off; its "(reached max retries: 0)" would only mislead, and
-    # obstore appends a debug dump of its error chain
-    text = str(exc).replace(" (reached max retries: 0)", "").split("Debug source:")[0]
-    text = " ".join(text.split())
-    if len(text) > 300:
-        text = text[:297] + "..."
+    # botocore's own retries are off; its "(reached max retries: 0)" would only mislead
+    text = " ".join(str(exc).replace(" (reached max retries: 0)", "").split())
     if status == 412:
         return AlreadyExistsError(f"{what}: already exists")
     if status == 416:
@@ -52,11 +47,6 @@ def map_error(exc: BaseException, what: str, attempts: int = 1) -> StoreError:
     if status in (401, 403):
         return AccessDeniedError(f"{what}: access denied ({text}); check the AWS credentials")
     detail = f"{type(exc).__name__}: {text}"
-    if "obstore" in sys.modules:
-        from transfer.store.s3objects import describe_network_failure, is_network_failure
-
-        if is_network_failure(exc):
-            detail = describe_network_failure(exc)
     if attempts > 1:
         return StoreError(f"{what}: failed {attempts} times, the store may be down ({detail})")
     return StoreError(f"{what}: {detail}")

@@ -8,21 +8,25 @@ threads, off the GIL). Why writes stay on botocore: obstore has no part-level mu
 and our resumable uploads need ListParts and per-part receipts.
 
 Everything here is blocking and is called from the store's threads through the client's one
-RetryPolicy: obstore's own retries are off. Its failures are classified by ``status_of``:
-obstore types the common cases (not found, denied) and reports the rest as a GenericError
-whose text carries the HTTP status, or none for a network failure (which is transient).
+RetryPolicy: obstore's own retries are off. Its failures leave this module as the types the
+policy knows (``_typed_errors``): obstore types the common cases (not found, denied) and
+reports the rest as a GenericError whose text carries the HTTP status (-> ReplyError), or
+none for a network failure (-> ConnectionError, transient, in one line).
 """
 
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import re
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, ParamSpec, TypeVar
 
 import obstore
 from obstore.exceptions import (
     AlreadyExistsError,
+    BaseError,
     GenericError,
     PermissionDeniedError,
     PreconditionError,
@@ -30,7 +34,8 @@ from obstore.exceptions import (
 )
 from obstore.store import S3Store
 
-from transfer.store.retry import ShortBodyError
+from transfer.errors import StoreError
+from transfer.store.retry import ReplyError, ShortBodyError
 
 if TYPE_CHECKING:
     from obstore.store import S3Config  # only in obstore's stubs
@@ -125,7 +130,7 @@ class _BotocoreCredentials:
         return creds
 
 
-def status_of(exc: BaseException) -> int | None:
+def _status_of(exc: BaseException) -> int | None:
     """The HTTP status an obstore failure reports (None: none, e.g. the network failed)."""
     if isinstance(exc, FileNotFoundError):
         return 404
@@ -141,12 +146,32 @@ def status_of(exc: BaseException) -> int | None:
     return None
 
 
-def is_network_failure(exc: BaseException) -> bool:
-    """An obstore failure without an HTTP reply: refused, reset, timed out, torn body."""
-    return isinstance(exc, GenericError) and status_of(exc) is None
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
-def describe_network_failure(exc: BaseException) -> str:
+def _typed_errors(call: Callable[P, R]) -> Callable[P, R]:
+    """obstore's failures as the types the retry policy and the client's error mapping know:
+    an HTTP error reply as ReplyError (its status), one without a reply (refused, reset,
+    timed out, torn body) as ConnectionError, described in one line."""
+
+    @functools.wraps(call)
+    def typed(*args: P.args, **kwargs: P.kwargs) -> R:
+        try:
+            return call(*args, **kwargs)
+        except (BaseError, FileNotFoundError) as exc:
+            status = _status_of(exc)
+            if status is not None:
+                text = " ".join(str(exc).split("Debug source:")[0].split())
+                raise ReplyError(status, text[:300]) from exc
+            if isinstance(exc, GenericError):
+                raise ConnectionError(_describe_network_failure(exc)) from exc
+            raise
+
+    return typed
+
+
+def _describe_network_failure(exc: BaseException) -> str:
     """One line for a failure without an HTTP reply (obstore's own text ends in a dump of
     its Rust error chain)."""
     text = str(exc)
@@ -157,6 +182,7 @@ def describe_network_failure(exc: BaseException) -> str:
     return f"{what}{where}" + (f" ({os_message.group(1)})" if os_message else "")
 
 
+@_typed_errors
 def get(store: S3Store, key: str, start: int | None = None, end: int | None = None) -> Any:
     """The object, or its bytes ``start``..``end`` (end exclusive, None: to the end), as a
     buffer; a reply shorter than the range it claims to hold is a ShortBodyError."""
@@ -168,16 +194,18 @@ def get(store: S3Store, key: str, start: int | None = None, end: int | None = No
     body = result.bytes()
     got_lo, got_hi = result.range
     if got_lo != lo:  # a server that ignored the Range header: not the bytes asked for
-        raise ShortBodyError(f"get {key}: asked for bytes from {lo}, got from {got_lo}")
+        raise StoreError(f"get {key}: asked for bytes from {lo}, got from {got_lo}")
     if len(body) != got_hi - got_lo:  # torn, or a middlebox that cut it
         raise ShortBodyError(f"get {key}: {len(body)} bytes for the range {got_lo}-{got_hi}")
     return body
 
 
+@_typed_errors
 def head(store: S3Store, key: str) -> int:
     return int(obstore.head(store, key)["size"])
 
 
+@_typed_errors
 def list_prefix(store: S3Store, prefix: str) -> list[tuple[str, int]]:
     """(key, size) of every object whose key starts with ``prefix``. obstore lists whole
     path segments, so a prefix that ends inside a segment lists its directory, filtered."""
@@ -188,6 +216,7 @@ def list_prefix(store: S3Store, prefix: str) -> list[tuple[str, int]]:
     return found
 
 
+@_typed_errors
 def reachable(store: S3Store, prefix: str) -> None:
     """Raises if the bucket cannot be listed (missing, denied, down): one page of a list,
     whatever the store holds."""
