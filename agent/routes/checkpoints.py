@@ -12,7 +12,7 @@ from aiohttp import web
 
 from agent import probe
 from agent.appkeys import CONFIG, METER, PART_SIZES, PREFETCHER, PUSHQUEUE, TIERS
-from agent.holdings import local_checkpoints
+from agent.holdings import LocalCheckpoint, local_checkpoints
 from agent.middleware import parse_step_arg
 from agent.routes.pins import pinned
 from transfer.engine import list_checkpoints, resolve_manifests
@@ -25,7 +25,7 @@ from transfer.engine.catalog import (
 )
 from transfer.engine.chunkindex import ChunkIndex
 from transfer.engine.estimate import PREFETCH_START_SECONDS, estimate_migration
-from transfer.engine.pull import LocalBase, local_bases
+from transfer.engine.pull import local_bases
 from transfer.errors import CheckpointNotFoundError, FerryError, StoreError
 from transfer.format.manifest import Manifest
 from transfer.format.names import check_name
@@ -127,19 +127,19 @@ async def get_estimate(request: web.Request) -> web.Response:
             if wanted is None and config.expected_nodes:
                 wanted = await latest_complete_step(store, job, config.expected_nodes)
             manifests = await resolve_manifests(store, job, wanted)
-            held_ids = await _held_chunk_ids(request.app, store, job, manifests[0].step)
+            total = sum(f.size for m in manifests for f in m.files)
+            here = _held_here(request.app, job, manifests[0].step)
+            if here is not None:  # nothing moves: a replica is checked by stat, a copy re-hashed
+                basis = "measured" if request.app[METER].measured("local") else "default"
+                sourcing = _Sourcing(here, {"local": 0 if here == "replica" else total}, 0, basis)
+            else:
+                held = await _held_manifests(request.app, store, job, manifests[0].step)
+                sourcing = await _source_of(request.app, name, store, manifests, held)
         except CheckpointNotFoundError:
             continue
         except StoreError as exc:  # the next tier may answer (as a prefetch would use it)
             unreachable.append(f"{name}: {' '.join(str(exc).split())}")
             continue
-        total = sum(f.size for m in manifests for f in m.files)
-        here = _held_here(request.app, job, manifests[0].step)
-        if here is not None:  # nothing moves: a replica is checked by stat, a copy re-hashed
-            basis = "measured" if request.app[METER].measured("local") else "default"
-            sourcing = _Sourcing(here, {"local": 0 if here == "replica" else total}, 0, basis)
-        else:
-            sourcing = await _source_of(request.app, name, store, manifests, held_ids)
         est = estimate_migration(
             sourcing.moving,
             request.app[METER],
@@ -169,18 +169,25 @@ class _Sourcing:
 
 
 async def _source_of(
-    app: web.Application, tier: str, store: Store, manifests: list[Manifest], held: set[str]
+    app: web.Application,
+    tier: str,
+    store: Store,
+    manifests: list[Manifest],
+    held: dict[LocalCheckpoint, list[Manifest]],
 ) -> _Sourcing:
     """Where a prefetch would get the chunks this node lacks and what it would move from
     there: the first peer that serves a sample of them (as deltas against what this node
     holds at their positions, as a prefetch asks), else the tier. A source the meter has
     not measured yet is probed (agent/probe.py)."""
+    held_ids = {c.id for parts in held.values() for m in parts for c in m.all_chunks()}
     index = ChunkIndex()
     for m in manifests:
         index.add_manifest(m)
-    needed = {c.id for m in manifests for f in m.files for c in f.chunks if c.id not in held}
+    needed = {c.id for m in manifests for f in m.files for c in f.chunks if c.id not in held_ids}
+    # what the newest earlier step held here has at each chunk's position
+    base = next((c for c in held if c.step < manifests[0].step), None)
+    bases = local_bases(base.path, held[base], manifests) if base and needed else {}
     meter, peers = app[METER], app[PREFETCHER].fanout_client
-    bases = await _bases_held(app, store, manifests) if needed else {}
     if app[CONFIG].peers and peers is not None and needed:
         picked = probe.sample(index, needed, bases)
         for peer in peers.peers:
@@ -197,24 +204,8 @@ async def _source_of(
         got = await probe.probe_tier(store, probe.sample(index, needed, bases), bases)
         if got is not None and meter.record(source, got.moved, got.seconds, provisional=True):
             basis = "probe"
-    content, bases_moved = _to_move(manifests, held)
+    content, bases_moved = _to_move(index, needed, held_ids)
     return _Sourcing(source, {source: content + bases_moved}, bases_moved, basis)
-
-
-async def _bases_held(
-    app: web.Application, store: Store, manifests: list[Manifest]
-) -> dict[str, LocalBase]:
-    """What this node's newest earlier step holds at each chunk's position."""
-    config, job, step = app[CONFIG], manifests[0].job, manifests[0].step
-    held = local_checkpoints(config.hot_dir, job, config.commit_marker)
-    base = next((c for c in held if c.step < step), None)
-    if base is None:
-        return {}
-    try:
-        base_manifests = await resolve_manifests(store, job, base.step)
-    except FerryError:
-        return {}
-    return local_bases(base.path, base_manifests, manifests)
 
 
 def _held_here(app: web.Application, job: str, step: int) -> str | None:
@@ -226,13 +217,9 @@ def _held_here(app: web.Application, job: str, step: int) -> str | None:
     return None
 
 
-def _to_move(manifests: list[Manifest], held: set[str]) -> tuple[int, int]:
-    """Stored bytes a prefetch moves: (the chunks this node lacks, the delta bases they need
-    that it lacks too: a node without the previous step fetches those as well)."""
-    index = ChunkIndex()
-    for m in manifests:
-        index.add_manifest(m)
-    needed = {c.id for m in manifests for f in m.files for c in f.chunks if c.id not in held}
+def _to_move(index: ChunkIndex, needed: set[str], held: set[str]) -> tuple[int, int]:
+    """Stored bytes a prefetch moves: (the ``needed`` chunks, the delta bases they need that
+    this node lacks too: a node without the previous step fetches those as well)."""
     bases: set[str] = set()
     for cid in needed:
         cur = index.get(cid)
@@ -245,21 +232,26 @@ def _to_move(manifests: list[Manifest], held: set[str]) -> tuple[int, int]:
     return sum(stored[c] for c in needed if c in stored), sum(stored[c] for c in bases)
 
 
-async def _held_chunk_ids(app: web.Application, store: Store, job: str, step: int) -> set[str]:
-    """Chunk ids of the checkpoints of ``job`` up to ``step`` that this node holds, as their
-    committed manifests describe them (a local copy was verified when it was pulled, or is
-    the source a push was made from)."""
+async def _held_manifests(
+    app: web.Application, store: Store, job: str, step: int
+) -> dict[LocalCheckpoint, list[Manifest]]:
+    """The steps of ``job`` up to ``step`` this node holds, newest first, with their
+    committed manifests (a local copy was verified when it was pulled, or is the source a
+    push was made from); an unreadable manifest is left out: its chunks count as missing."""
     config = app[CONFIG]
-    held = {c.step for c in local_checkpoints(config.hot_dir, job, config.commit_marker)}
-    ids: set[str] = set()
-    for c in await list_checkpoints(store, job):
-        if c.step in held and c.step <= step:
+    here = [c for c in local_checkpoints(config.hot_dir, job, config.commit_marker)
+            if c.step <= step]  # fmt: skip
+    found: dict[LocalCheckpoint, list[Manifest]] = {c: [] for c in here}
+    by_step = {c.step: c for c in here}
+    for part in await list_checkpoints(store, job):
+        if part.step in by_step:
             try:
-                manifest = await load_manifest(store, job, c.step, c.node)
+                found[by_step[part.step]].append(
+                    await load_manifest(store, job, part.step, part.node)
+                )
             except FerryError:
-                continue  # unreadable: count its chunks as missing
-            ids.update(chunk.id for chunk in manifest.all_chunks())
-    return ids
+                continue
+    return found
 
 
 ROUTES = [
