@@ -4,6 +4,11 @@ again reuses those packs instead of uploading them a second time; each part abou
 appends its receipt (``{"part": [pack id, receipt]}``), so the rerun can complete the pack
 the kill left unfinished with every part that landed. The log is removed when the push commits.
 
+Nothing here is fsynced, as in the agent's journal (SQLite, synchronous=NORMAL): a killed
+process keeps every line it wrote (the page cache survives it), and a power cut that loses
+the tail only costs re-sending those packs. An fsync per pack ran on the event loop and, on
+ext4, waited for the packs' own dirty data: 0.5 s of a 1.69 GB local push's 8 s.
+
 One file per (store, job, step, node, source directory) under ``$XDG_STATE_HOME/ckpt-ferry``
 (default ``~/.local/state/ckpt-ferry``). A torn last line (a kill while appending) is skipped:
 losing a record only costs an upload, and push checks that each pack still exists.
@@ -78,17 +83,13 @@ class PushLog:
         self._write(json.dumps([dataclasses.astuple(c) for c in chunks]))
 
     def append_part(self, pack_id: str, receipt: PartReceipt) -> None:
-        """Record the receipt of a part about to be sent. Not fsynced (one per part: a kill
-        of the process keeps it; a power cut losing it only costs re-sending a part)."""
-        self._write(json.dumps({"part": [pack_id, receipt]}), durable=False)
+        """Record the receipt of a part about to be sent."""
+        self._write(json.dumps({"part": [pack_id, receipt]}))
 
-    def _write(self, line: str, *, durable: bool = True) -> None:
+    def _write(self, line: str) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         with open(self.path, "a") as fh:
             fh.write(line + "\n")
-            fh.flush()
-            if durable:
-                os.fsync(fh.fileno())
 
     def remove(self) -> None:
         self.path.unlink(missing_ok=True)

@@ -127,9 +127,9 @@ def encode(
     """Return (encoding, payload). ``base``: the base chunk's bytes, to try delta coding;
     ``delta_pays`` may turn a delta down (the writer's keyframe policy). ``zstd_level=None``
     stores raw."""
-    raw = bytes(data)
+    raw = memoryview(data)  # slices of it are views: no copy of the chunk
     if zstd_level is None or not raw:
-        return RAW, raw
+        return RAW, bytes(raw)
     candidates = (DELTA_CANDIDATES + PLAIN_CANDIDATES) if base else PLAIN_CANDIDATES
     enc = candidates[0]
     if len(candidates) > 1:
@@ -143,7 +143,7 @@ def encode(
     packed = _compressor(zstd_level).compress(_transform(enc, raw, base))
     if len(packed) <= len(raw) * (1 - MIN_SAVING):
         return enc, packed
-    return RAW, raw
+    return RAW, bytes(raw)
 
 
 def encode_as(enc: str, data: Buffer, zstd_level: int, base: Buffer | None = None) -> bytes:

@@ -13,6 +13,7 @@ keeps memory bounded.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -34,11 +35,32 @@ class _OpenPack:
     size: int = 0  # bytes assigned to this pack so far
     flushed: int = 0  # bytes handed to part uploads
     next_part: int = 1
-    buffer: bytearray = field(default_factory=bytearray)
+    # payloads not yet handed to a part, by reference: a part is joined from them in one
+    # copy (appending to a bytearray, slicing a part off it and shifting the rest were three,
+    # all on the event loop's thread)
+    pending: collections.deque[memoryview] = field(default_factory=collections.deque)
+    pending_bytes: int = 0
     upload: asyncio.Task[Upload] | None = None
     parts: list[asyncio.Task[None]] = field(default_factory=list)
     members: list[tuple[object, PackLocation]] = field(default_factory=list)
     reported: int = 0  # members already told to on_pack_durable
+
+    def take(self, nbytes: int | None = None) -> bytes:
+        """The first ``nbytes`` pending bytes (all by default), as one part."""
+        need = self.pending_bytes if nbytes is None else nbytes
+        pieces = []
+        while need:
+            head = self.pending[0]
+            if len(head) <= need:
+                pieces.append(self.pending.popleft())
+                need -= len(head)
+            else:
+                pieces.append(head[:need])
+                self.pending[0] = head[need:]
+                need = 0
+        data = b"".join(pieces)
+        self.pending_bytes -= len(data)
+        return data
 
 
 class PackWriter:
@@ -84,13 +106,14 @@ class PackWriter:
             pack = self._current = _OpenPack(new_pack_id())
         location = PackLocation(pack.pack_id, pack.size, len(payload))
         pack.members.append((tag, location))
-        pack.buffer += payload
+        pack.pending.append(memoryview(payload))
+        pack.pending_bytes += len(payload)
         pack.size += len(payload)
         if pack.size >= self._pack_size:
             self._current = None  # later chunks go to a new pack while this one drains
             await self._close(pack)
         else:
-            while len(pack.buffer) >= self._part_size:  # parts of exactly part_size bytes
+            while pack.pending_bytes >= self._part_size:  # parts of exactly part_size bytes
                 await self._flush_part(pack, self._part_size)
         return location
 
@@ -120,10 +143,8 @@ class PackWriter:
                     await self._store.delete(pack_key(pack_id))
 
     async def _flush_part(self, pack: _OpenPack, nbytes: int | None = None) -> None:
-        """Send the first ``nbytes`` of the buffer (all of it by default) as the next part."""
-        with memoryview(pack.buffer) as view:
-            data = bytes(view[:nbytes])
-        del pack.buffer[: len(data)]
+        """Send the first ``nbytes`` pending bytes (all of them by default) as the next part."""
+        data = pack.take(nbytes)
         number, offset = pack.next_part, pack.flushed
         pack.next_part += 1
         pack.flushed += len(data)
@@ -151,11 +172,11 @@ class PackWriter:
     async def _close(self, pack: _OpenPack) -> None:
         if pack.upload is None:
             # Everything fits in one part: a single PUT beats create + part + complete.
-            data, pack.buffer = bytes(pack.buffer), bytearray()
+            data = pack.take()
             await self._slots.acquire()
             self._closing.append(self._tasks.create_task(self._put_whole(pack, data)))
             return
-        if pack.buffer:
+        if pack.pending_bytes:
             await self._flush_part(pack)
         self._closing.append(self._tasks.create_task(self._complete(pack)))
 

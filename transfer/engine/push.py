@@ -348,7 +348,7 @@ class _PushRun:
             slots[fi][ci] = await self._place(cid, data, src.path, offset)
             self.progress.advance(length)
 
-    async def _place(self, cid: str, data: bytes, path: str, offset: int) -> StoredChunk:
+    async def _place(self, cid: str, data: Buffer, path: str, offset: int) -> StoredChunk:
         """Where chunk ``cid`` lives: already stored, being stored by this push, or new."""
         self.chunks_total += 1
         known = self.index.get(cid)
@@ -384,7 +384,7 @@ class _PushRun:
             log.warning("base chunk %s unavailable, storing a keyframe: %s", base_ref.id, exc)
             return None
 
-    async def _store_new(self, cid: str, data: bytes, path: str, offset: int) -> StoredChunk:
+    async def _store_new(self, cid: str, data: Buffer, path: str, offset: int) -> StoredChunk:
         loop = asyncio.get_running_loop()
         base = await self._base_bytes(cid, path, offset)
         pays = delta_policy(self.index, base[0], self.options) if base else None
@@ -487,13 +487,13 @@ async def _still_stored(
     return [c for c in chunks if c.offset + c.stored <= length[c.pack_id]]
 
 
-def _read_and_hash(src: SourceFile, offset: int, length: int) -> tuple[bytes, str]:
+def _read_and_hash(src: SourceFile, offset: int, length: int) -> tuple[bytearray, str]:
     data = read_range(src.abspath, offset, length)
     return data, chunk_id(data)
 
 
 def _encode_timed(
-    data: bytes, level: int | None, base: Buffer | None, pays: DeltaPolicy | None
+    data: Buffer, level: int | None, base: Buffer | None, pays: DeltaPolicy | None
 ) -> tuple[str, bytes, float]:
     began = time.perf_counter()
     enc, payload = encode(data, level, base, pays)

@@ -78,18 +78,20 @@ def check_unchanged(root: Path, sources: list[SourceFile]) -> None:
         raise SourceChangedError(f"{min(now)} appeared in {root} while it was being pushed")
 
 
-def read_range(path: Path, offset: int, length: int) -> bytes:
+def read_range(path: Path, offset: int, length: int) -> bytearray:
     """Exactly ``length`` bytes at ``offset`` (a file shrinking under us is an error)."""
+    out = bytearray(length)
     fd = os.open(path, os.O_RDONLY)
     try:
-        out = bytearray()
-        while len(out) < length:
-            piece = os.pread(fd, length - len(out), offset + len(out))
-            if not piece:
-                raise SourceChangedError(
-                    f"{path} shrank while it was being read (still being written?)"
-                )
-            out += piece
-        return bytes(out)
+        with memoryview(out) as view:
+            got = 0
+            while got < length:
+                n = os.preadv(fd, [view[got:]], offset + got)
+                if not n:
+                    raise SourceChangedError(
+                        f"{path} shrank while it was being read (still being written?)"
+                    )
+                got += n
+        return out
     finally:
         os.close(fd)
