@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from agent.cli import main as ferry
 from tests.conftest import adamw_series, open_test_store, tree_bytes
-from transfer.codec import KNOWN_ENCODINGS, decode, encode, encode_as, needs_base
+from transfer.codec import KNOWN_ENCODINGS, decode, encode, encode_as, needs_base, plane_width
 from transfer.engine import TransferOptions, pull, push
 from transfer.engine.catalog import list_checkpoints, load_manifest
 from transfer.engine.settle import settle
@@ -328,6 +328,20 @@ def test_the_codec_asks_the_policy_and_falls_back_to_the_best_plain_encoding() -
     ((delta, keyframe),) = asked
     assert 0 < delta < keyframe < len(data)  # estimates of the whole chunk, from samples
     assert needs_base(encode(data, 1, base.tobytes(), lambda d, k: True)[0])
+
+
+@pytest.mark.parametrize("width", [1, 2, 4])
+def test_a_width_hint_narrows_the_candidates_and_the_fallback_keeps_to_it(width: int) -> None:
+    rng = np.random.default_rng(6)
+    base = rng.normal(0, 0.02, 64 * 1024).astype(np.float32)
+    data = (base + rng.normal(0, 1e-6, base.size).astype(np.float32)).tobytes()
+    enc, payload = encode(data, 1, base.tobytes(), width=width)
+    assert needs_base(enc) and plane_width(enc) == width
+    assert decode(enc, payload, len(data), base.tobytes()) == data
+    enc, payload = encode(data, 1, base.tobytes(), lambda d, k: False, width)  # refused
+    assert not needs_base(enc) and plane_width(enc) == width
+    assert decode(enc, payload, len(data)) == data
+    assert plane_width(encode(data, 1)[0]) == 4  # unhinted, fp32 data picks its planes
 
 
 def test_the_policy_weighs_the_saving_and_the_cold_restore() -> None:

@@ -5,20 +5,24 @@ Callers run them in worker threads; zstandard and numpy release the GIL for the 
 
 from transfer.codec.encodings import (
     KNOWN_ENCODINGS,
+    RAW,
     DeltaPolicy,
     check_encoding,
     decode,
     encode,
     encode_as,
     needs_base,
+    plane_width,
 )
 
 __all__ = [
     "KNOWN_ENCODINGS",
+    "RAW",
     "DeltaPolicy",
     "check_encoding",
     "decode",
     "encode",
     "encode_as",
     "needs_base",
+    "plane_width",
 ]

@@ -118,25 +118,39 @@ def _sample_sizes(
 DeltaPolicy = Callable[[int, int], bool]
 
 
+def plane_width(enc: str) -> int:
+    """The element width an encoding splits into byte planes (1: none)."""
+    return _steps(enc)[1]
+
+
+def _candidates(base: Buffer | None, width: int | None) -> tuple[str, ...]:
+    candidates = (DELTA_CANDIDATES + PLAIN_CANDIDATES) if base else PLAIN_CANDIDATES
+    if width is None:
+        return candidates
+    return tuple(enc for enc in candidates if plane_width(enc) == width)
+
+
 def encode(
     data: Buffer,
     zstd_level: int | None,
     base: Buffer | None = None,
     delta_pays: DeltaPolicy | None = None,
+    width: int | None = None,
 ) -> tuple[str, bytes]:
     """Return (encoding, payload). ``base``: the base chunk's bytes, to try delta coding;
-    ``delta_pays`` may turn a delta down (the writer's keyframe policy). ``zstd_level=None``
-    stores raw."""
+    ``delta_pays`` may turn a delta down (the writer's keyframe policy). ``width``: try only
+    the candidates of that plane width (a writer that knows the neighbouring chunks' choice:
+    the samples then cost a third). ``zstd_level=None`` stores raw."""
     raw = memoryview(data)  # slices of it are views: no copy of the chunk
     if zstd_level is None or not raw:
         return RAW, bytes(raw)
-    candidates = (DELTA_CANDIDATES + PLAIN_CANDIDATES) if base else PLAIN_CANDIDATES
+    candidates = _candidates(base, width)
     enc = candidates[0]
     if len(candidates) > 1:
         sizes, sampled = _sample_sizes(raw, base, candidates, zstd_level)
         enc = min(candidates, key=sizes.__getitem__)  # ties: the earlier one
         if needs_base(enc) and delta_pays is not None:
-            plain = min(PLAIN_CANDIDATES, key=sizes.__getitem__)
+            plain = min((c for c in candidates if not needs_base(c)), key=sizes.__getitem__)
             scale = len(raw) / sampled
             if not delta_pays(int(sizes[enc] * scale), int(sizes[plain] * scale)):
                 enc = plain

@@ -115,9 +115,14 @@ class ChunkResolver:
         if self.local_root is None or hint is None:
             return None
         loop = asyncio.get_running_loop()
-        data = await loop.run_in_executor(
-            self.pool, read_local_chunk, self.local_root, hint[0], hint[1], size, cid
-        )
+        return await loop.run_in_executor(self.pool, self.read_local, cid, size, hint)
+
+    def read_local(self, cid: str, size: int, hint: Hint) -> bytearray | None:
+        """``cid``'s bytes from the local copy at ``hint``, verified; None if not there (in a
+        worker thread)."""
+        if self.local_root is None:
+            return None
+        data = read_local_chunk(self.local_root, hint[0], hint[1], size, cid)
         if data is not None:
             self.count_local_hit()
         return data
