@@ -10,6 +10,7 @@ from agent.fanout import Landing
 from agent.holds import StepHolds
 from agent.metrics import Metrics
 from agent.peers import HotIndex, PeerSource
+from agent.pins import LocalPins
 from agent.prefetch import Prefetcher
 from agent.pushqueue import PushQueue
 from agent.retention import RetentionRunner
@@ -28,7 +29,7 @@ METER = web.AppKey("meter", BandwidthMeter)
 
 METRICS = web.AppKey("metrics", Metrics)
 
-PINS = web.AppKey("pins", dict)
+PINS = web.AppKey("pins", LocalPins)
 
 PART_SIZES = web.AppKey("part_sizes", dict)
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
+from agent.hotdir import HotDir
 from transfer.errors import FerryError, FormatError
 from transfer.format.names import check_name
 from transfer.options import TransferOptions, TransferSettings
@@ -115,6 +116,11 @@ class AgentConfig:
     @property
     def listen_port(self) -> int:
         return _parse_listen(self.listen)[1]
+
+    @property
+    def hot(self) -> HotDir:
+        """The hot dir's layout: its checkpoints, and which are committed."""
+        return HotDir(self.hot_dir, self.commit_marker)
 
     def transfer_options(self) -> TransferOptions:
         return self.transfer.to_options()

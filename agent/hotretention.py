@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-from agent.holdings import LocalCheckpoint, local_checkpoints
+from agent.hotdir import HotDir, LocalCheckpoint, is_hidden
 from agent.journal import Journal
 from agent.logs import event
 from transfer.engine import list_checkpoints
@@ -70,8 +70,7 @@ class HotPlan:
 
 
 async def plan_hot(
-    hot_dir: Path,
-    commit_marker: str,
+    hot: HotDir,
     *,
     node: str,
     keep_last: int,
@@ -83,9 +82,7 @@ async def plan_hot(
 ) -> HotPlan:
     keep_last = max(keep_last, MIN_KEEP_LAST)
     plan = HotPlan(budget_bytes=budget_bytes)
-    held: list[LocalCheckpoint] = []
-    for job in _jobs(hot_dir):
-        held += local_checkpoints(hot_dir, job, commit_marker)
+    held = hot.all_checkpoints()
     sizes = {(c.job, c.step): await asyncio.to_thread(_tree_bytes, c.path) for c in held}
     plan.bytes_before = sum(sizes.values())
     durable = _DurabilityCheck(tiers, journal, node)
@@ -96,7 +93,7 @@ async def plan_hot(
     shortfall = 0
     if min_free_bytes is not None:
         evicting = sum(sizes[k] for k, (a, _) in decisions.items() if a == "evict")
-        shortfall = min_free_bytes - _free_bytes(hot_dir) - evicting
+        shortfall = min_free_bytes - _free_bytes(hot.root) - evicting
     plan.min_free_bytes = min_free_bytes
 
     def short() -> bool:
@@ -180,12 +177,12 @@ async def apply_hot(plan: HotPlan, journal: Journal, protected: Collection[Key])
     return plan
 
 
-def sweep_evictions(hot_dir: Path) -> list[Path]:
+def sweep_evictions(hot: HotDir) -> list[Path]:
     """Delete directories an eviction renamed but did not finish deleting (a crash)."""
     swept = []
-    for job in _jobs(hot_dir):
-        for entry in (hot_dir / job).iterdir():
-            if entry.name.startswith(".") and EVICTING_MARK in entry.name and entry.is_dir():
+    for job in hot.jobs():
+        for entry in hot.job_path(job).iterdir():
+            if is_hidden(entry.name) and EVICTING_MARK in entry.name and entry.is_dir():
                 shutil.rmtree(entry, ignore_errors=True)
                 swept.append(entry)
     return swept
@@ -270,17 +267,6 @@ def _differs_from_pushed(path: Path, manifest: Manifest) -> str | None:
         if f.mtime_ns / 1e9 > committed_at + 1:  # created_at has whole seconds
             return f"{name} was written to after the push"
     return None
-
-
-def _jobs(hot_dir: Path) -> list[str]:
-    try:
-        return sorted(
-            e.name
-            for e in os.scandir(hot_dir)
-            if e.is_dir(follow_symlinks=False) and not e.name.startswith(".")
-        )
-    except FileNotFoundError:
-        return []
 
 
 def _free_bytes(path: Path) -> int:

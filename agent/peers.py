@@ -21,7 +21,7 @@ from pathlib import Path
 
 import aiohttp
 
-from agent.holdings import local_checkpoints
+from agent.hotdir import HotDir
 from transfer.codec import KNOWN_ENCODINGS, check_encoding, decode, encode, encode_as, needs_base
 from transfer.codec.encodings import RAW
 from transfer.engine import list_checkpoints
@@ -30,7 +30,6 @@ from transfer.engine.chunkindex import StoredChunk
 from transfer.engine.pull import LocalBase, Supplied
 from transfer.errors import FerryError
 from transfer.format.chunkid import chunk_id
-from transfer.format.names import check_name
 from transfer.store.base import Store
 
 Location = tuple[Path, int, int]  # file, offset, size
@@ -45,11 +44,9 @@ class HotIndex:
     push is running) is retried after ``min_refresh`` s, not on every miss."""
 
     def __init__(
-        self, hot_dir: Path, commit_marker: str, tiers: list[tuple[str, Store]],
-        min_refresh: float = 2.0,
-    ) -> None:  # fmt: skip
+        self, hot_dir: HotDir, tiers: list[tuple[str, Store]], min_refresh: float = 2.0
+    ) -> None:
         self.hot_dir = hot_dir
-        self.commit_marker = commit_marker
         self.tiers = tiers
         self.min_refresh = min_refresh
         self._known: set[tuple[str, int]] = set()
@@ -82,21 +79,12 @@ class HotIndex:
 
     async def _refresh_locked(self) -> None:
         now = self._refreshed_at = time.monotonic()
-        try:
-            jobs = [e.name for e in os.scandir(self.hot_dir) if e.is_dir()]
-        except FileNotFoundError:
-            return
-        for job in jobs:
-            try:
-                check_name("job", job)
-            except FerryError:
+        for held in self.hot_dir.all_checkpoints():
+            key = (held.job, held.step)
+            if key in self._known or now - self._unpublished.get(key, -1e9) < self.min_refresh:
                 continue
-            for held in local_checkpoints(self.hot_dir, job, self.commit_marker):
-                key = (job, held.step)
-                if key in self._known or now - self._unpublished.get(key, -1e9) < self.min_refresh:
-                    continue
-                if not await self._add(job, held.step, held.path):
-                    self._unpublished[key] = now
+            if not await self._add(held.job, held.step, held.path):
+                self._unpublished[key] = now
 
     async def _add(self, job: str, step: int, path: Path) -> bool:
         for _, store in self.tiers:

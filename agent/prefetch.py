@@ -24,8 +24,8 @@ from typing import Any
 
 from agent.drain import drain_tasks
 from agent.fanout import FanoutSource, Landing
-from agent.holdings import local_checkpoints, step_dir_name
 from agent.holds import StepHolds
+from agent.hotdir import HotDir
 from agent.logs import event
 from agent.peers import PeerSource
 from transfer.durable import fsync_dir
@@ -146,8 +146,7 @@ class Prefetcher:
 
     def __init__(
         self,
-        hot_dir: Path,
-        commit_marker: str,
+        hot_dir: HotDir,
         tiers: list[tuple[str, Store]],
         options: TransferOptions,
         meter: BandwidthMeter,
@@ -180,7 +179,6 @@ class Prefetcher:
         # must not push it back as this node's part
         self.on_restore = on_restore
         self.hot_dir = hot_dir
-        self.commit_marker = commit_marker
         self.tiers = tiers
         self.options = options
         self.meter = meter
@@ -192,10 +190,7 @@ class Prefetcher:
     def _sweep(self) -> list[Path]:
         """Staging dirs of prefetches a killed agent left behind (none can be running yet),
         and restores made before a reboot that never reached the disk (settle.py)."""
-        try:
-            jobs = [d for d in self.hot_dir.iterdir() if d.is_dir() and not d.name.startswith(".")]
-        except FileNotFoundError:
-            return []
+        jobs = [self.hot_dir.job_path(job) for job in self.hot_dir.jobs()]
         for d in jobs:
             for torn in settle(d):
                 log.warning("removed %s: restored before the last reboot, never flushed", torn)
@@ -268,7 +263,7 @@ class Prefetcher:
 
     def _settle(self, record: PrefetchJob) -> None:
         try:
-            settle(self.hot_dir / record.job)
+            settle(self.hot_dir.job_path(record.job))
         except OSError as exc:  # retried at the next prefetch or start
             log.warning("could not flush the restore of %s: %s", record.job, exc)
 
@@ -341,9 +336,9 @@ class Prefetcher:
         self, record: PrefetchJob, name: str, store: Store, manifests: list[Manifest]
     ) -> None:
         assert record.step is not None
-        dest = self.hot_dir / record.job / step_dir_name(record.step)
+        dest = self.hot_dir.step_path(record.job, record.step)
         record.dest = str(dest)
-        held = local_checkpoints(self.hot_dir, record.job, self.commit_marker)
+        held = self.hot_dir.checkpoints(record.job)
         here = next((c for c in held if c.step == record.step), None)
         if here is not None:
             # already here (written by training on this node, or an earlier prefetch):

@@ -18,6 +18,7 @@ from typing import Any
 
 from agent.config import RetentionSettings
 from agent.holds import Key, StepHolds
+from agent.hotdir import HotDir
 from agent.hotretention import apply_hot, plan_hot, sweep_evictions
 from agent.journal import Journal
 from agent.logs import event
@@ -36,8 +37,7 @@ class RetentionRunner:
         settings: RetentionSettings,
         *,
         node: str,
-        hot_dir: Any,
-        commit_marker: str,
+        hot_dir: HotDir,
         tiers: Sequence[tuple[str, Store]],
         journal: Journal,
         holds: StepHolds,
@@ -50,7 +50,6 @@ class RetentionRunner:
         self.options = options or TransferOptions()
         self.node = node
         self.hot_dir = hot_dir
-        self.commit_marker = commit_marker
         self.tiers = list(tiers)
         self.journal = journal
         self.holds = holds
@@ -96,7 +95,6 @@ class RetentionRunner:
             report: dict[str, Any] = {"started_at": now, "dry_run": dry_run, "node": self.node}
             hot = await plan_hot(
                 self.hot_dir,
-                self.commit_marker,
                 node=self.node,
                 keep_last=self.settings.hot_keep_last,
                 budget_bytes=self.settings.hot_budget_bytes,

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 
 from aiohttp import web
@@ -40,11 +39,11 @@ from agent.logs import event
 from agent.metrics import Metrics
 from agent.middleware import auth_middleware, error_middleware
 from agent.peers import HotIndex, PeerSource
+from agent.pins import LocalPins
 from agent.prefetch import Prefetcher
 from agent.pushqueue import PushQueue
 from agent.retention import RetentionRunner
 from agent.routes import checkpoints, peers, pins, prefetch, retention, standby, status
-from agent.routes.pins import active_pins
 from agent.standby import Standby
 from agent.watcher import watch_hot_dir
 from transfer.engine.estimate import BandwidthMeter
@@ -68,7 +67,7 @@ def create_app(config: AgentConfig, token: str) -> web.Application:
     app[TOKEN] = token
     app[METER] = BandwidthMeter()
     app[METRICS] = Metrics()
-    app[PINS] = {}
+    app[PINS] = LocalPins()
     app[PART_SIZES] = {}
     app.cleanup_ctx.extend([_tiers, _peers, _services])
     app.add_routes([route for module in ROUTE_MODULES for route in module.ROUTES])
@@ -94,7 +93,7 @@ async def _peers(app: web.Application):  # type: ignore[no-untyped-def]
     """One client for the configured peers and for the members of fan-out restores, and
     the index of this node's hot chunks that peers ask for."""
     config = app[CONFIG]
-    app[HOT_INDEX] = HotIndex(config.hot_dir, config.commit_marker, app[TIERS])
+    app[HOT_INDEX] = HotIndex(config.hot, app[TIERS])
     app[PEERS] = PeerSource(config.peers, app[TOKEN])
     try:
         yield
@@ -117,8 +116,7 @@ async def _services(app: web.Application):  # type: ignore[no-untyped-def]
         standby = app[STANDBY] = Standby(
             prefetcher,
             tiers,
-            hot_dir=config.hot_dir,
-            commit_marker=config.commit_marker,
+            hot_dir=config.hot,
             expected_nodes=config.expected_nodes,
             poll_seconds=config.standby_poll_seconds,
             jobs=config.standby_jobs,
@@ -129,7 +127,7 @@ async def _services(app: web.Application):  # type: ignore[no-untyped-def]
         started.push_async_callback(
             _drain, config.drain_seconds, stop, background, prefetcher, queue
         )
-        watcher = watch_hot_dir(config.hot_dir, config.commit_marker, queue.on_committed, stop=stop)
+        watcher = watch_hot_dir(config.hot, queue.on_committed, stop=stop)
         background.append(asyncio.create_task(watcher, name="hot-dir-watcher"))
         background.append(asyncio.create_task(standby.loop(stop), name="standby"))
         if config.retention is not None:
@@ -142,8 +140,7 @@ async def _services(app: web.Application):  # type: ignore[no-untyped-def]
 def _prefetcher(app: web.Application, queue: PushQueue) -> Prefetcher:
     config = app[CONFIG]
     return Prefetcher(
-        config.hot_dir,
-        config.commit_marker,
+        config.hot,
         app[TIERS],
         config.transfer_options(),
         app[METER],
@@ -164,12 +161,11 @@ def _retention(app: web.Application, queue: PushQueue) -> RetentionRunner:
     return RetentionRunner(
         config.retention,
         node=config.node,
-        hot_dir=config.hot_dir,
-        commit_marker=config.commit_marker,
+        hot_dir=config.hot,
         tiers=tiers,
         journal=queue.journal,
         holds=app[HOLDS],
-        pins=functools.partial(active_pins, app),
+        pins=app[PINS].active,
         busy=queue.busy_steps,
         metrics=app[METRICS],
         options=config.transfer_options(),

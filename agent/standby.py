@@ -18,10 +18,9 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from agent.holdings import local_checkpoints
+from agent.hotdir import HotDir
 from agent.logs import event
 from agent.prefetch import FINAL, Prefetcher, PrefetchJob, State
 from transfer.engine import list_checkpoints
@@ -65,8 +64,7 @@ class Standby:
         prefetcher: Prefetcher,
         tiers: list[tuple[str, Store]],
         *,
-        hot_dir: Path,
-        commit_marker: str,
+        hot_dir: HotDir,
         expected_nodes: tuple[str, ...] = (),
         poll_seconds: float = 5.0,
         jobs: tuple[str, ...] = (),
@@ -74,7 +72,6 @@ class Standby:
         self.prefetcher = prefetcher
         self.tiers = tiers
         self.hot_dir = hot_dir
-        self.commit_marker = commit_marker
         self.expected_nodes = expected_nodes
         self.poll_seconds = poll_seconds
         self.jobs: dict[str, StandbyJob] = {}
@@ -132,7 +129,7 @@ class Standby:
         newest = await self._newest_durable(entry.job)
         if newest is None or (entry.replicated_step or -1) >= newest:
             return
-        held = {c.step for c in local_checkpoints(self.hot_dir, entry.job, self.commit_marker)}
+        held = {c.step for c in self.hot_dir.checkpoints(entry.job)}
         if newest in held and not self.prefetcher.is_replica(entry.job, newest):
             entry.replicated_step = newest  # training wrote it here: nothing to replicate
             return

@@ -17,66 +17,34 @@ import asyncio
 import contextlib
 import inspect
 import logging
-import os
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from pathlib import Path
 
-from transfer.errors import FormatError
-from transfer.format.names import check_name, step_from_dirname
+from agent.hotdir import HotDir, StepDir
 
 log = logging.getLogger(__name__)
 
 OnCommitted = Callable[[str, int, Path], Awaitable[None] | None]
 
 
-@dataclass(frozen=True, slots=True)
-class Committed:
-    job: str
-    step: int
-    path: Path
-
-
 def scan_hot_dir(
-    hot_dir: Path, commit_marker: str, known: frozenset[Path] = frozenset()
-) -> tuple[set[Path], list[Committed]]:
-    """(every step directory present, the committed ones not in ``known``), oldest step first.
-
-    Hidden entries are skipped: the agent's state dir and pull staging dirs
-    (``.<name>.ferry-staging-*``) live beside checkpoints. So are job directories whose name
-    is not a valid job name (they could not become store keys).
-    """
+    hot: HotDir, known: frozenset[Path] = frozenset()
+) -> tuple[set[Path], list[StepDir]]:
+    """(every step directory present, the committed ones not in ``known``), oldest step
+    first. Hidden entries and directories that are no job's are skipped (hotdir.py)."""
     present: set[Path] = set()
-    found: list[Committed] = []
-    try:
-        jobs = [e for e in os.scandir(hot_dir) if _visible_dir(e)]
-    except FileNotFoundError:
-        return present, found  # training has not created it yet
-    for job_entry in jobs:
-        try:
-            job = check_name("job", job_entry.name)
-            steps = [e for e in os.scandir(job_entry.path) if _visible_dir(e)]
-        except (FormatError, OSError):  # gone, unreadable, or not a job: skip this poll
-            continue
-        for entry in steps:
-            step = step_from_dirname(entry.name)
-            if step is None:
-                continue
-            path = Path(entry.path)
-            present.add(path)
-            if path not in known and os.path.isfile(path / commit_marker):
-                found.append(Committed(job, step, path))
+    found: list[StepDir] = []
+    for job in hot.jobs():
+        for step_dir in hot.step_dirs(job):
+            present.add(step_dir.path)
+            if step_dir.path not in known and hot.is_committed(step_dir.path):
+                found.append(step_dir)
     found.sort(key=lambda c: (c.step, c.job))
     return present, found
 
 
-def _visible_dir(entry: os.DirEntry[str]) -> bool:
-    return not entry.name.startswith(".") and entry.is_dir(follow_symlinks=False)
-
-
 async def watch_hot_dir(
-    hot_dir: Path,
-    commit_marker: str,
+    hot: HotDir,
     on_committed: OnCommitted,
     *,
     poll_seconds: float = 1.0,
@@ -88,11 +56,9 @@ async def watch_hot_dir(
     reported: set[Path] = set()
     while not stop.is_set():
         try:
-            present, found = await asyncio.to_thread(
-                scan_hot_dir, hot_dir, commit_marker, frozenset(reported)
-            )
+            present, found = await asyncio.to_thread(scan_hot_dir, hot, frozenset(reported))
         except OSError as exc:
-            log.warning("cannot scan hot dir %s: %s", hot_dir, exc)
+            log.warning("cannot scan hot dir %s: %s", hot.root, exc)
             present, found = set(reported), []
         # Forget deleted directories, so one re-created under the same name is reported again.
         reported &= present

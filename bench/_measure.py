@@ -6,6 +6,7 @@ tree byte for byte against its source.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import os
@@ -17,6 +18,19 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import blake3
+
+
+def local_corpus_args(doc: str | None, argv: list[str] | None) -> argparse.Namespace:
+    """The arguments of a benchmark on one variant of the real-training corpus, on a local
+    disk (bench.local_push, bench.local_restore)."""
+    ap = argparse.ArgumentParser(description=(doc or "").splitlines()[0])
+    ap.add_argument("--corpus", type=Path, required=True, help="python -m bench.corpus DIR")
+    ap.add_argument("--variant", default="full")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--workdir", type=Path, default=None, help="on the disk to measure")
+    results = Path(__file__).resolve().parent / "results"
+    ap.add_argument("--out-dir", type=Path, default=results)
+    return ap.parse_args(argv)
 
 
 def tree_digest(root: Path) -> dict[str, tuple[int, str]]:

@@ -15,7 +15,6 @@ writes bench/results/local_restore.{json,md}.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import shlex
 import shutil
@@ -32,19 +31,18 @@ if str(REPO) not in sys.path:
 
 from bench import data  # noqa: E402
 from bench._env import write_results  # noqa: E402
-from bench._measure import check_same, drop_caches, tree_digest  # noqa: E402
+from bench._measure import (  # noqa: E402
+    check_same,
+    drop_caches,
+    local_corpus_args,
+    tree_digest,
+)
 
 MB = 1e6
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    ap.add_argument("--corpus", type=Path, required=True, help="python -m bench.corpus DIR")
-    ap.add_argument("--variant", default="full")
-    ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--workdir", type=Path, default=None, help="on the disk to measure")
-    ap.add_argument("--out-dir", type=Path, default=REPO / "bench" / "results")
-    args = ap.parse_args(argv)
+    args = local_corpus_args(__doc__, argv)
     command = shlex.join(["python", "-m", "bench.local_restore", *(argv or sys.argv[1:])])
     k, k1 = (args.corpus / args.variant / f"step_{s:06d}" for s in (20, 40))
     work = Path(tempfile.mkdtemp(prefix="ferry-local-", dir=args.workdir))

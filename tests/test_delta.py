@@ -139,6 +139,53 @@ def test_corrupt_local_base_falls_back_to_the_store(
     assert tree_bytes(out) == tree_bytes(k1)
 
 
+def test_push_reads_a_local_base_whole_only_for_the_chunks_it_delta_codes(
+    local_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The base's sample spans decide; a chunk stored on its own never reads (or hashes)
+    the rest of its base. A local copy that is not the base (damaged) is caught when a
+    delta is chosen, and the base comes from the store: the delta is still right."""
+    from transfer.engine.resolver import ChunkResolver
+
+    whole_reads: list[str] = []
+    real = ChunkResolver.read_local
+
+    def counting(self: ChunkResolver, cid: str, size: int, hint: tuple[str, int]) -> object:
+        whole_reads.append(cid)
+        return real(self, cid, size, hint)
+
+    monkeypatch.setattr(ChunkResolver, "read_local", counting)
+    opts = TransferOptions(chunk_size=MiB, part_size=5 * MiB, pack_size=10 * MiB)
+    rng = np.random.default_rng(3)
+    noise = [tmp_path / "noise" / f"step_{s:06d}" for s in (20, 40)]
+    for d in noise:  # nothing in common: a delta never pays
+        d.mkdir(parents=True)
+        (d / "__0_0.distcp").write_bytes(rng.bytes(3 * MiB))
+        (d / ".metadata").write_bytes(b"dcp")
+    k0, k1 = adamw_series(tmp_path / "hot", 2, frozen=0.5)
+
+    async def go() -> None:
+        store = open_test_store(local_url)
+        for s, d in zip((20, 40), noise, strict=True):
+            await push(store, d, job="noise", step=s, node="n", options=opts)
+        assert whole_reads == []  # three keyframes: no base read past its samples
+        await push(store, k0, job="d", step=20, node="n", options=opts)
+        _damage(k0 / "__0_0.distcp", MiB // 2)  # the local copy is no longer the base
+        r = await push(store, k1, job="d", step=40, node="n", options=opts)
+        assert r.chunks_delta > 0 and len(whole_reads) >= r.chunks_delta
+        out = tmp_path / "out"
+        await pull(store, out, job="d", step=40, options=opts)
+        assert tree_bytes(out) == tree_bytes(k1)
+
+    asyncio.run(go())
+
+
+def _damage(path: Path, offset: int) -> None:
+    with open(path, "r+b") as fh:
+        fh.seek(offset)
+        fh.write(b"\xff" * 64)
+
+
 def test_missing_base_pack_fails_clearly_and_leaves_nothing(
     local_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

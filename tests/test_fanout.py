@@ -13,6 +13,7 @@ import pytest
 
 from agent.client import FerryClient
 from agent.fanout import WAIT_SECONDS, owner_of
+from agent.hotdir import HotDir
 from tests.conftest import random_bytes, tree_bytes
 from tests.faultproxy import FaultProxy
 from tests.test_agent_rpc import TOKEN, agent, free_port, push_series
@@ -127,7 +128,7 @@ def test_a_landed_chunk_is_served_as_a_delta_against_the_askers_base(
                      if f.path == "__0_0.distcp")
                 for s in (20, 40)
             ]  # fmt: skip
-            index = HotIndex(tmp_path / "hot", ".metadata", [(local_url, store)])
+            index = HotIndex(HotDir(tmp_path / "hot", ".metadata"), [(local_url, store)])
             (offset, landed), (_, base) = next(new.chunk_offsets()), next(old.chunk_offsets())
             assert landed.id != base.id  # a full fine-tune: every chunk changed
             where = (k40 / new.path, offset, landed.size)  # as a restore here landed it

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+from agent.hotdir import HotDir
 from agent.journal import Journal
 from agent.pushqueue import PushQueue, completion_key
 from agent.watcher import watch_hot_dir
@@ -72,7 +73,7 @@ async def agent(queue: PushQueue, hot: Path) -> AsyncIterator[None]:
     stop = asyncio.Event()
     await queue.start()
     watcher = asyncio.create_task(
-        watch_hot_dir(hot, MARKER, queue.on_committed, poll_seconds=POLL, stop=stop)
+        watch_hot_dir(HotDir(hot, MARKER), queue.on_committed, poll_seconds=POLL, stop=stop)
     )
     try:
         yield
@@ -113,7 +114,7 @@ def test_watcher_reports_each_committed_step_dir_once(tmp_path: Path) -> None:
     async def go() -> None:
         stop = asyncio.Event()
         task = asyncio.create_task(
-            watch_hot_dir(hot, MARKER, on_committed, poll_seconds=POLL, stop=stop)
+            watch_hot_dir(HotDir(hot, MARKER), on_committed, poll_seconds=POLL, stop=stop)
         )
         await until(lambda: len(seen) == 1)
         await asyncio.sleep(4 * POLL)

@@ -18,6 +18,7 @@ import pytest
 
 from agent.client import FerryClient
 from agent.holds import StepHolds
+from agent.hotdir import HotDir
 from agent.hotretention import EVICTING_MARK, plan_hot, sweep_evictions
 from agent.journal import Journal
 from tests.conftest import adamw_series, open_test_store
@@ -204,8 +205,7 @@ def test_steps_in_use_and_their_bases_are_protected(local_url: str, tmp_path: Pa
         holds = StepHolds()
         with holds.hold((JOB, 60)):  # e.g. a prefetch reading step 60: 40 is its base
             plan = await plan_hot(
-                hot,
-                ".metadata",
+                HotDir(hot, ".metadata"),
                 node="a",
                 keep_last=2,
                 budget_bytes=None,
@@ -225,7 +225,7 @@ def test_a_crash_mid_eviction_is_swept(tmp_path: Path) -> None:
     (d,) = adamw_series(hot / JOB, 1)
     half = d.with_name(f".{d.name}{EVICTING_MARK}dead")
     d.rename(half)
-    assert sweep_evictions(hot) == [half] and not half.exists()
+    assert sweep_evictions(HotDir(hot, ".metadata")) == [half] and not half.exists()
 
 
 def test_hot_dir_on_a_small_tmpfs_keeps_min_free(local_url: str, tmp_path: Path) -> None:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from agent.hotdir import HotDir
 from agent.hotretention import plan_hot
 from agent.journal import Journal
 from tests.conftest import random_bytes, tree_bytes, write_file
@@ -153,8 +154,7 @@ def test_a_hot_copy_that_differs_from_its_pushed_copy_is_not_evicted(tmp_path: P
         # step 1 grows after its push (a writer that was not done)
         await asyncio.to_thread(_append, steps[0] / "__0_0.distcp", b"more")
         plan = await plan_hot(
-            hot,
-            ".metadata",
+            HotDir(hot, ".metadata"),
             node="n1",
             keep_last=2,
             budget_bytes=None,

@@ -11,10 +11,9 @@ from typing import Any
 from aiohttp import web
 
 from agent import probe
-from agent.appkeys import CONFIG, METER, PART_SIZES, PREFETCHER, PUSHQUEUE, TIERS
-from agent.holdings import LocalCheckpoint, local_checkpoints
+from agent.appkeys import CONFIG, METER, PART_SIZES, PINS, PREFETCHER, PUSHQUEUE, TIERS
+from agent.hotdir import LocalCheckpoint
 from agent.middleware import parse_step_arg
-from agent.routes.pins import pinned
 from transfer.engine import list_checkpoints, resolve_manifests
 from transfer.engine.catalog import (
     CheckpointInfo,
@@ -67,7 +66,7 @@ async def get_checkpoints(request: web.Request) -> web.Response:
                 entry["bytes"] += await _part_size(request.app, name, store, c)
     for job, steps in jobs.items():
         prefetcher = request.app[PREFETCHER]
-        for held in local_checkpoints(config.hot_dir, job, config.commit_marker):
+        for held in config.hot.checkpoints(job):
             if held.step in steps:
                 steps[held.step]["local"] = True
                 steps[held.step]["replica"] = prefetcher.is_replica(job, held.step)
@@ -78,7 +77,7 @@ async def get_checkpoints(request: web.Request) -> web.Response:
                 [await is_complete(store, job, entry["step"], config.expected_nodes)
                  for name, store in readable if name in entry["tiers"]]
             )  # fmt: skip
-            entry["pinned"] = pinned(request.app, job, entry["step"])
+            entry["pinned"] = request.app[PINS].pinned(job, entry["step"])
             entry["pushes"] = {  # this node's background pushes: staged/durable/failed
                 row["tier"]: row["state"]
                 for row in request.app[PUSHQUEUE].states()
@@ -211,7 +210,7 @@ async def _source_of(
 def _held_here(app: web.Application, job: str, step: int) -> str | None:
     """ "replica" or "local" when this node holds the step already, else None."""
     config = app[CONFIG]
-    for held in local_checkpoints(config.hot_dir, job, config.commit_marker):
+    for held in config.hot.checkpoints(job):
         if held.step == step:
             return "replica" if app[PREFETCHER].is_replica(job, step) else "local"
     return None
@@ -239,7 +238,7 @@ async def _held_manifests(
     committed manifests (a local copy was verified when it was pulled, or is the source a
     push was made from); an unreadable manifest is left out: its chunks count as missing."""
     config = app[CONFIG]
-    here = [c for c in local_checkpoints(config.hot_dir, job, config.commit_marker)
+    here = [c for c in config.hot.checkpoints(job)
             if c.step <= step]  # fmt: skip
     found: dict[LocalCheckpoint, list[Manifest]] = {c: [] for c in here}
     by_step = {c.step: c for c in here}

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import time
 
 from aiohttp import web
 
@@ -18,11 +17,6 @@ log = logging.getLogger(__name__)
 MAX_PIN_SECONDS = 7 * 24 * 3600
 
 
-def pinned(app: web.Application, job: str, step: int) -> bool:
-    expiry = app[PINS].get((job, step))
-    return expiry is not None and expiry > time.time()
-
-
 async def post_pin(request: web.Request) -> web.Response:
     body = await json_body(request)
     job = check_name("job", body.get("job"))
@@ -30,8 +24,7 @@ async def post_pin(request: web.Request) -> web.Response:
     ttl = body.get("ttl_s", 3600)
     if not finite_number(ttl, 0, MAX_PIN_SECONDS):
         raise ValueError(f"ttl_s must be within 0..{MAX_PIN_SECONDS} (pins expire)")
-    expiry = time.time() + ttl
-    request.app[PINS][(job, step)] = expiry
+    expiry = request.app[PINS].pin(job, step, ttl)
     # In every tier's store too, so that no node's retention deletes it there. A pin that
     # did not reach a tier is an error: the caller must not rely on it.
     failed = []
@@ -54,18 +47,13 @@ async def delete_pin(request: web.Request) -> web.Response:
     step = parse_step_arg(request.query.get("step"))
     if step is None:
         raise ValueError("step is required")
-    request.app[PINS].pop((job, step), None)
+    request.app[PINS].unpin(job, step)
     for name, store in request.app[TIERS]:
         try:
             await unpin(store, job, step, _pin_holder(request.app))
         except FerryError as exc:  # the store pin expires on its own
             log.warning("could not unpin %s step %s in %s: %s", job, step, name, exc)
     return web.json_response({"job": job, "step": step, "pinned": False})
-
-
-def active_pins(app: web.Application) -> set[tuple[str, int]]:
-    now = time.time()
-    return {key for key, expiry in app[PINS].items() if expiry > now}
 
 
 ROUTES = [

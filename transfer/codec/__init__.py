@@ -8,11 +8,14 @@ from transfer.codec.encodings import (
     RAW,
     DeltaPolicy,
     check_encoding,
+    choose,
     decode,
     encode,
     encode_as,
+    encode_chosen,
     needs_base,
     plane_width,
+    sample_spans,
 )
 
 __all__ = [
@@ -20,9 +23,12 @@ __all__ = [
     "RAW",
     "DeltaPolicy",
     "check_encoding",
+    "choose",
     "decode",
     "encode",
     "encode_as",
+    "encode_chosen",
     "needs_base",
     "plane_width",
+    "sample_spans",
 ]

@@ -14,7 +14,7 @@ costs nothing extra. A reader refuses names it does not know.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import zstandard
 
@@ -110,7 +110,7 @@ def _transform(enc: str, data: Buffer, base: Buffer | None) -> Buffer:
     return out
 
 
-def _sample_spans(size: int) -> list[tuple[int, int]]:
+def sample_spans(size: int) -> list[tuple[int, int]]:
     """Where to sample a chunk: all of it when small, else 64 KiB at 1/4 and 3/4."""
     if size <= 2 * SAMPLE_BYTES:
         return [(0, size)]
@@ -135,16 +135,20 @@ def _planes_of(piece: Buffer, enc: str) -> list[memoryview]:
 
 
 def _sample_sizes(
-    data: Buffer, base: Buffer | None, candidates: tuple[str, ...], level: int
+    data: Buffer,
+    base_samples: Sequence[Buffer] | None,
+    candidates: tuple[str, ...],
+    level: int,
 ) -> tuple[dict[str, int], int]:
-    """Compressed size of samples of ``data`` under each candidate, and the bytes sampled."""
+    """Compressed size of samples of ``data`` under each candidate, and the bytes sampled.
+    ``base_samples``: the base's bytes at the same spans (XOR aligns them)."""
     cctx = _compressor(min(level, 1))
-    spans = _sample_spans(len(data))
+    spans = sample_spans(len(data))
     sizes: dict[str, int] = {}
     for enc in candidates:
         size = 0
-        for lo, hi in spans:  # the base is sampled at the same offsets: XOR aligns them
-            piece_base = base[lo:hi] if base is not None else None
+        for i, (lo, hi) in enumerate(spans):
+            piece_base = base_samples[i] if base_samples is not None else None
             piece = _transform(enc, data[lo:hi], piece_base)
             size += sum(len(cctx.compress(plane)) for plane in _planes_of(piece, enc))
         sizes[enc] = size
@@ -161,8 +165,8 @@ def plane_width(enc: str) -> int:
     return _steps(enc)[1]
 
 
-def _candidates(base: Buffer | None, width: int | None) -> tuple[str, ...]:
-    candidates = (DELTA_CANDIDATES + PLAIN_CANDIDATES) if base else PLAIN_CANDIDATES
+def _candidates(delta: bool, width: int | None) -> tuple[str, ...]:
+    candidates = (DELTA_CANDIDATES + PLAIN_CANDIDATES) if delta else PLAIN_CANDIDATES
     if width is None:
         return candidates
     return tuple(enc for enc in candidates if plane_width(enc) == width)
@@ -179,23 +183,47 @@ def encode(
     ``delta_pays`` may turn a delta down (the writer's keyframe policy). ``width``: try only
     the candidates of that plane width (a writer that knows the neighbouring chunks' choice:
     the samples then cost a third). ``zstd_level=None`` stores raw."""
-    raw = memoryview(data)  # slices of it are views: no copy of the chunk
-    if zstd_level is None or not raw:
-        return RAW, bytes(raw)
-    candidates = _candidates(base, width)
+    if zstd_level is None or not len(data):
+        return RAW, bytes(data)
+    spans = sample_spans(len(data))
+    samples = [memoryview(base)[lo:hi] for lo, hi in spans] if base else None
+    enc = choose(data, zstd_level, samples, delta_pays, width)
+    return encode_chosen(enc, data, zstd_level, base)
+
+
+def choose(
+    data: Buffer,
+    zstd_level: int,
+    base_samples: Sequence[Buffer] | None = None,
+    delta_pays: DeltaPolicy | None = None,
+    width: int | None = None,
+) -> str:
+    """The encoding for ``data``, decided on samples (see ``encode``). ``base_samples``: the
+    base chunk's bytes at ``sample_spans(len(data))``, to try delta coding: a writer can read
+    only those, and the whole base only when a delta is chosen."""
+    candidates = _candidates(base_samples is not None, width)
     enc = candidates[0]
     if len(candidates) > 1:
-        sizes, sampled = _sample_sizes(raw, base, candidates, zstd_level)
+        view = memoryview(data)  # slices of it are views: no copy of the chunk
+        sizes, sampled = _sample_sizes(view, base_samples, candidates, zstd_level)
         enc = min(candidates, key=sizes.__getitem__)  # ties: the earlier one
         if needs_base(enc) and delta_pays is not None:
             plain = min((c for c in candidates if not needs_base(c)), key=sizes.__getitem__)
-            scale = len(raw) / sampled
+            scale = len(view) / sampled
             if not delta_pays(int(sizes[enc] * scale), int(sizes[plain] * scale)):
                 enc = plain
-    packed = _compressor(zstd_level).compress(_transform(enc, raw, base))
-    if len(packed) <= len(raw) * (1 - MIN_SAVING):
+    return enc
+
+
+def encode_chosen(
+    enc: str, data: Buffer, zstd_level: int, base: Buffer | None = None
+) -> tuple[str, bytes]:
+    """(encoding, payload) of ``data`` in ``enc`` (its base's bytes when it is a delta), or
+    raw when that saves less than MIN_SAVING (random data costs nothing extra)."""
+    packed = encode_as(enc, data, zstd_level, base)
+    if len(packed) <= len(data) * (1 - MIN_SAVING):
         return enc, packed
-    return RAW, bytes(raw)
+    return RAW, bytes(data)
 
 
 def encode_as(enc: str, data: Buffer, zstd_level: int, base: Buffer | None = None) -> bytes:
@@ -205,7 +233,7 @@ def encode_as(enc: str, data: Buffer, zstd_level: int, base: Buffer | None = Non
         return bytes(data)
     if needs_base(enc) and base is None:
         raise ValueError(f"encoding {enc!r} needs a base")
-    return _compressor(zstd_level).compress(_transform(enc, bytes(data), base))
+    return _compressor(zstd_level).compress(_transform(enc, memoryview(data), base))
 
 
 def decode(

@@ -23,7 +23,16 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import NamedTuple, cast
 
-from transfer.codec import RAW, DeltaPolicy, encode, needs_base, plane_width
+from transfer.codec import (
+    RAW,
+    DeltaPolicy,
+    choose,
+    encode,
+    encode_chosen,
+    needs_base,
+    plane_width,
+    sample_spans,
+)
 from transfer.codec.transforms import Buffer
 from transfer.engine import dcp
 from transfer.engine.base import BasePlan, choose_base
@@ -364,7 +373,7 @@ class _PushRun:
         if base_ref is None or not may_delta(self.index, base_ref.id, self.options):
             return None  # keyframe: keeps every restore within max_chain decode steps
         pays = delta_policy(self.index, base_ref.id, self.options)
-        return _DeltaPlan(base_ref.id, (path, offset), pays)
+        return _DeltaPlan(base_ref.id, base_ref.size, (path, offset), pays)
 
     def _prepare(
         self, src: SourceFile, offset: int, length: int, delta: _DeltaPlan | None
@@ -380,19 +389,44 @@ class _PushRun:
         chunk = _Chunk(cid, data)
         if self.index.get(cid) is not None or cid in self._pending:
             return chunk  # stored already: nothing to encode
-        base = None
-        if delta is not None:
-            assert self.resolver is not None
-            base = self.resolver.read_local(delta.base_id, length, delta.hint)
-            if base is None:
-                return chunk  # the base must come from the store: _store_new fetches it
-        chunk.encoded = _encode(
-            data, self.options.zstd_level, base, delta, self.clock_encode,
-            self._width_hint(src.path, offset),
-        )  # fmt: skip
-        if chunk.encoded[0] != RAW:
+        width = self._width_hint(src.path, offset)
+        if delta is None:
+            chunk.encoded = _encode(
+                data, self.options.zstd_level, None, None, self.clock_encode, width
+            )
+        else:
+            chunk.encoded = self._encode_against_local(data, delta, width)
+        if chunk.encoded is not None and chunk.encoded[0] != RAW:
             self._widths[src.path] = plane_width(chunk.encoded[0])
-        return chunk
+        return chunk  # not encoded: the base must come from the store (_store_new)
+
+    def _encode_against_local(
+        self, data: Buffer, delta: _DeltaPlan, width: int | None
+    ) -> tuple[str, bytes, str | None] | None:
+        """Encode with the base's local copy, reading only its sample spans to choose, and
+        all of it (verified) only when a delta is chosen: the keyframe policy keys about
+        two thirds of a full fine-tune's chunks, whose base is then never read or hashed.
+        None when the local copy is missing or is not the base."""
+        assert self.resolver is not None and self.options.zstd_level is not None
+        level = self.options.zstd_level
+        if delta.base_size != len(data):
+            return None  # the file changed size: the store path aligns what it can
+        spans = sample_spans(len(data))
+        samples = self.resolver.read_local_samples(delta.hint, spans)
+        if samples is None:
+            return None
+        began = time.perf_counter()
+        enc = choose(data, level, samples, delta.pays, width)
+        spent = time.perf_counter() - began
+        base = None
+        if needs_base(enc):
+            base = self.resolver.read_local(delta.base_id, delta.base_size, delta.hint)
+            if base is None:
+                return None
+        began = time.perf_counter()
+        enc, payload = encode_chosen(enc, data, level, base)
+        self.clock_encode(spent + time.perf_counter() - began)
+        return enc, payload, delta.base_id if needs_base(enc) else None
 
     def _width_hint(self, path: str, offset: int) -> int | None:
         """The plane width this file's chunks were coded with, so the codec samples only
@@ -456,6 +490,7 @@ class _DeltaPlan(NamedTuple):
     when ``pays`` (the keyframe policy) agrees."""
 
     base_id: str
+    base_size: int
     hint: tuple[str, int]
     pays: DeltaPolicy
 

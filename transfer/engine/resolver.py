@@ -54,6 +54,27 @@ def read_local_into(root: Path, rel: str, offset: int, buf: memoryview) -> bool:
         os.close(fd)
 
 
+def read_local_spans(
+    root: Path, rel: str, offset: int, spans: list[tuple[int, int]]
+) -> list[bytearray] | None:
+    """The bytes at ``offset + lo .. offset + hi`` of ``root/rel`` for each span, unverified
+    (a writer's samples of a base, which only steer its choice); None if any is not there."""
+    try:  # rel comes from a validated manifest: it cannot leave root
+        fd = os.open(root / rel, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        pieces = [bytearray(hi - lo) for lo, hi in spans]
+        for (lo, _), piece in zip(spans, pieces, strict=True):
+            if os.preadv(fd, [piece], offset + lo) != len(piece):
+                return None
+        return pieces
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
 def decode_verified(
     chunk: StoredChunk,
     payload: Buffer,
@@ -126,6 +147,15 @@ class ChunkResolver:
         if data is not None:
             self.count_local_hit()
         return data
+
+    def read_local_samples(
+        self, hint: Hint, spans: list[tuple[int, int]]
+    ) -> list[bytearray] | None:
+        """Unverified bytes of the local copy at ``hint`` for each span (see
+        read_local_spans); None without a local copy."""
+        if self.local_root is None:
+            return None
+        return read_local_spans(self.local_root, hint[0], hint[1], spans)
 
     def count_local_hit(self) -> None:
         with self._hits_lock:  # called from reader threads too

@@ -1,0 +1,52 @@
+"""The hot dir's layout (agent/hotdir.py): which entries are checkpoints, which are
+committed. Every module that looks at the hot dir goes through it."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from agent.hotdir import HotDir, step_dir_name
+from transfer.errors import FormatError
+
+
+def _step(root: Path, job: str, step: int, *, committed: bool = True) -> Path:
+    path = root / job / step_dir_name(step)
+    path.mkdir(parents=True)
+    (path / "__0_0.distcp").write_bytes(b"x")
+    if committed:
+        (path / ".metadata").write_bytes(b"m")
+    return path
+
+
+def test_checkpoints_are_visible_committed_step_dirs_newest_first(tmp_path: Path) -> None:
+    hot = HotDir(tmp_path, ".metadata")
+    for step in (20, 100, 60):
+        _step(tmp_path, "job-a", step)
+    _step(tmp_path, "job-a", 120, committed=False)  # training is still writing it
+    (tmp_path / "job-a" / ".step_000140.ferry-staging-1").mkdir()  # a pull in progress
+    (tmp_path / "job-a" / "notes").mkdir()  # no step's name
+    os.symlink(tmp_path / "job-a" / "step_000020", tmp_path / "job-a" / "step_000200")
+    assert [c.step for c in hot.checkpoints("job-a")] == [100, 60, 20]
+    assert sorted(d.step for d in hot.step_dirs("job-a")) == [20, 60, 100, 120]
+    assert hot.checkpoints("job-b") == []  # no directory yet
+    assert hot.step_path("job-a", 7) == tmp_path / "job-a" / "step_000007"
+
+
+def test_jobs_skip_hidden_symlinked_and_misnamed_directories(tmp_path: Path) -> None:
+    hot = HotDir(tmp_path, ".metadata")
+    _step(tmp_path, "job-a", 1)
+    _step(tmp_path, ".ferry", 1)  # the agent's state dir
+    (tmp_path / "bad name!").mkdir()
+    os.symlink(tmp_path / "job-a", tmp_path / "job-link")
+    (tmp_path / "job-file").write_text("not a directory")
+    assert hot.jobs() == ["job-a"]
+    assert [(c.job, c.step) for c in hot.all_checkpoints()] == [("job-a", 1)]
+    assert HotDir(tmp_path / "missing", ".metadata").jobs() == []
+
+
+def test_a_job_name_that_would_leave_the_hot_dir_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(FormatError, match="invalid job name"):
+        HotDir(tmp_path, ".metadata").job_path("../elsewhere")
