@@ -1,6 +1,7 @@
-"""zstd level 1 as shipped against the writer's tuned level 1 (encodings.LEVEL1_PARAMS), on
-byte planes of real checkpoint chunks: keyframes (planes of the save) and deltas (planes of
-the save XOR its base). Size, encode and decode speed, one thread, rounds alternated.
+"""zstd level 1 as shipped against the writer's tuned level 1 (encodings.LEVEL1_PARAMS), and
+levels 3 and 9 (do higher levels pay on planes?), on byte planes of real checkpoint chunks:
+keyframes (planes of the save) and deltas (planes of the save XOR its base). Size, encode
+and decode speed, one thread, rounds alternated.
 
     python -m bench.zstd_params [--corpus /work/corpus] [--variant full] [--rounds 5]
 
@@ -63,6 +64,9 @@ def main() -> None:
     candidates = {
         "zstd level 1": zstandard.ZstdCompressor(level=1, write_content_size=True),
         "tuned level 1": make_compressor(1),
+        # does a higher level pay on the planes? (issue 14: tighter deltas)
+        "zstd level 3": zstandard.ZstdCompressor(level=3, write_content_size=True),
+        "zstd level 9": zstandard.ZstdCompressor(level=9, write_content_size=True),
     }
     dctx = zstandard.ZstdDecompressor()
     speeds: dict[tuple[str, str], list[tuple[float, float]]] = {}
