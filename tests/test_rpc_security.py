@@ -108,6 +108,7 @@ def test_oversized_bodies_get_413(node: Node, path: str) -> None:
 schema = schemathesis.openapi.from_path(str(SPEC))
 
 
+@pytest.mark.slow  # ~20 s: every route's examples against a live agent
 @schema.parametrize()
 @settings(
     max_examples=FUZZ_EXAMPLES,
