@@ -41,13 +41,13 @@ def test_the_estimate_names_the_peer_that_will_serve_and_probes_it_first(
             moved = sum(done["bytes_by_source"].values())
             assert done["bytes_by_source"]["peer"] > 0.9 * moved
             assert abs(est["bytes_missing"] - moved) <= 0.25 * moved, (est, moved)
-            again = await b.estimate("llm", 40)  # held now: nothing moves
-            assert again["source"] == "local"
-            # step 20 was written here, not restored: its prefetch re-hashes it, and that
-            # calibrates what checking a held step costs
-            assert (await b.estimate("llm", 20))["rate_basis"] == "default"
-            assert (await prefetched(b, 20))["satisfied_by"] == "held"
+            again = await b.estimate("llm", 40)  # held now: nothing moves, a re-check
+            assert (again["source"], again["rate_basis"]) == ("local", "probe")
+            assert again["bytes_by_source"] == {"local": again["bytes_total"]}
+            # the probe's rate stands until a re-check measures one: step 20 was written
+            # here, not restored, so its prefetch re-hashes it
             assert (await b.estimate("llm", 20))["rate_basis"] == "measured"
+            assert (await prefetched(b, 20))["satisfied_by"] == "held"
 
     asyncio.run(go())
 
