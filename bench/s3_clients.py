@@ -4,8 +4,8 @@ the same server (SeaweedFS on loopback), on the two things a restore pays for:
 - **start-up**: a fresh process that imports the client, makes it and lists a prefix (the
   first S3 answer a ``ferry pull`` waits for), page cache dropped before each run;
 - **ranged reads**: every 8 MiB range (the pull's ``part_size``) of 1 GiB of objects, from
-  ``--threads`` threads into reused buffers, as the pull's readers do: botocore through our
-  ``S3Client.read_into`` (socket straight into the buffer); obstore's ``get_range`` plus the
+  ``--threads`` threads into reused buffers, as the pull's readers do: botocore's body read
+  straight into the buffer; obstore's ``get_range`` plus the
   copy into the buffer (its bytes live in a Rust buffer) and without that copy.
 
 The measurement behind moving the reads to obstore (transfer/store/s3objects.py)::
@@ -121,7 +121,13 @@ def main() -> None:
             boto.call("put_object", "put", Key=f"{PREFIX}{i}", Body=os.urandom(OBJECT_BYTES))
 
         def via_botocore(key: str, start: int, buf: memoryview) -> int:
-            return boto.read_into(key, start, buf, "get")
+            reply = boto.call(
+                "get_object", "get", Key=key, Range=f"bytes={start}-{start + len(buf) - 1}"
+            )
+            got, body = 0, reply["Body"]
+            while got < len(buf) and (n := body.readinto(buf[got:])):
+                got += n
+            return got
 
         def via_obstore(key: str, start: int, buf: memoryview) -> int:
             got = obstore.get_range(ob, key, start=start, length=len(buf))

@@ -4,6 +4,14 @@ Durability discipline (what NFS close-to-open semantics and power loss both need
 hidden temp file in the target directory, fsync it, then publish it with ``link`` (create-only,
 atomic even on NFS) or ``rename`` (replace), then fsync the directory. Readers never see a
 partial object, and hidden temp files are ignored by ``list``. All file I/O runs in threads.
+
+Retries: every read, list, delete and whole-object write goes through the store's
+RetryPolicy (transfer/store/retry.py, the one the S3 client uses): an NFS mount answers
+ESTALE, ETIMEDOUT or EIO while its server fails over. A whole-object write is retried from
+the start (a new temp file, the data written and fsynced again); a failed fsync is never
+retried on the same file: the kernel may have dropped the pages it could not write, and a
+second fsync would report success (PostgreSQL's "fsyncgate"), so an upload's commit is
+tried once.
 """
 
 from __future__ import annotations
@@ -14,7 +22,9 @@ import errno
 import os
 import secrets
 import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from transfer.durable import fsync_dir
 from transfer.errors import AccessDeniedError, AlreadyExistsError, NotFoundError, StoreError
@@ -28,8 +38,10 @@ from transfer.store.base import (
     Upload,
     check_key,
 )
+from transfer.store.retry import RetryPolicy
 
 _TMP_MARK = ".tmp-"
+T = TypeVar("T")
 
 
 def _temp_path(final: Path) -> Path:
@@ -53,18 +65,34 @@ def _publish(tmp: Path, final: Path, create_only: bool) -> None:
     fsync_dir(final.parent)
 
 
-def _map_os_error(exc: OSError, what: str) -> StoreError:
+def _map_os_error(exc: BaseException, what: str, tries: int = 1) -> StoreError:
+    if isinstance(exc, StoreError):
+        return exc
+    if not isinstance(exc, OSError):
+        raise exc  # not an I/O failure but a bug: let it out as it is
     if isinstance(exc, FileNotFoundError):
         return NotFoundError(f"{what}: not found")
     if isinstance(exc, PermissionError):
         return AccessDeniedError(f"{what}: permission denied")
     if exc.errno == errno.ENOSPC:
         return StoreError(f"{what}: no space left on device")
-    return StoreError(f"{what}: {exc.strerror or exc}")
+    reason = exc.strerror or str(exc)
+    if tries > 1:
+        return StoreError(f"{what}: failed {tries} times, the mount may be down ({reason})")
+    return StoreError(f"{what}: {reason}")
+
+
+def _same_bytes(path: Path, data: bytes) -> bool:
+    try:
+        with open(path, "rb") as fh:
+            return fh.read(len(data) + 1) == data
+    except OSError:
+        return False
 
 
 class LocalUpload(Upload):
     def __init__(self, store: LocalStore, key: str) -> None:
+        self._store = store
         self.key = key
         self._final = store.path_of(key)
         self._tmp = _temp_path(self._final)
@@ -104,10 +132,7 @@ class LocalUpload(Upload):
     async def write_part(
         self, number: int, offset: int, data: bytes, receipt: PartReceipt | None = None
     ) -> None:
-        try:
-            await asyncio.to_thread(self._pwrite, offset, data)
-        except OSError as exc:
-            raise _map_os_error(exc, f"write {self.key}") from exc
+        await self._store.run(f"write {self.key}", lambda: self._pwrite(offset, data))
 
     async def complete(self, *, create_only: bool = False) -> None:
         def finish() -> None:
@@ -142,8 +167,10 @@ class LocalRangeReader(RangeReader):
         self._store = store
 
     def read_into(self, key: str, start: int, buf: memoryview) -> int:
-        try:
-            fd = os.open(self._store.path_of(key), os.O_RDONLY)
+        path = self._store.path_of(key)
+
+        def read() -> int:
+            fd = os.open(path, os.O_RDONLY)
             try:
                 got = 0
                 while got < len(buf):
@@ -154,16 +181,26 @@ class LocalRangeReader(RangeReader):
                 return got
             finally:
                 os.close(fd)
-        except OSError as exc:
-            raise _map_os_error(exc, f"read {key}") from exc
+
+        return self._store.run_retried(f"read {key}", read)
 
 
 class LocalStore(Store):
     """Objects are files under ``root``; a key's '/' separators are directories."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, retry: RetryPolicy | None = None) -> None:
         self.root = root
         self.url = str(root)
+        self.retry = retry or RetryPolicy()
+
+    def run_retried(self, what: str, work: Callable[[], T]) -> T:
+        """``work()`` (blocking), retried while it fails transiently; a failure comes out
+        as a StoreError naming ``what``."""
+        return self.retry.run(work, lambda exc, tries: _map_os_error(exc, what, tries))
+
+    async def run(self, what: str, work: Callable[[], T]) -> T:
+        """run_retried on a worker thread."""
+        return await asyncio.to_thread(self.run_retried, what, work)
 
     def path_of(self, key: str) -> Path:
         return self.root / check_key(key)
@@ -191,18 +228,18 @@ class LocalStore(Store):
                     out += piece
                 return bytes(out)
 
-        try:
-            return await asyncio.to_thread(read)
-        except OSError as exc:
-            raise _map_os_error(exc, f"read {key}") from exc
+        return await self.run(f"read {key}", read)
 
     def range_reader(self) -> RangeReader:
         return LocalRangeReader(self)
 
     async def put(self, key: str, data: bytes, *, create_only: bool = False) -> None:
         final = self.path_of(key)
+        tries = 0
 
         def write() -> None:
+            nonlocal tries
+            tries += 1
             final.parent.mkdir(parents=True, exist_ok=True)
             tmp = _temp_path(final)
             try:
@@ -213,18 +250,21 @@ class LocalStore(Store):
             except BaseException:
                 tmp.unlink(missing_ok=True)
                 raise
-            _publish(tmp, final, create_only)
+            try:
+                _publish(tmp, final, create_only)
+            except AlreadyExistsError:
+                # a retry finding our own earlier try's object (it landed, then the
+                # directory's fsync failed) has succeeded
+                if tries > 1 and _same_bytes(final, data):
+                    fsync_dir(final.parent)
+                    return
+                raise
 
-        try:
-            await asyncio.to_thread(write)
-        except OSError as exc:
-            raise _map_os_error(exc, f"write {key}") from exc
+        await self.run(f"write {key}", write)
 
     async def head(self, key: str) -> ObjectInfo:
-        try:
-            st = await asyncio.to_thread(os.stat, self.path_of(key))
-        except OSError as exc:
-            raise _map_os_error(exc, f"stat {key}") from exc
+        path = self.path_of(key)
+        st = await self.run(f"stat {key}", lambda: os.stat(path))
         return ObjectInfo(key, st.st_size)
 
     async def list(self, prefix: str) -> list[ObjectInfo]:
@@ -251,10 +291,7 @@ class LocalStore(Store):
             found.sort(key=lambda o: o.key)
             return found
 
-        try:
-            return await asyncio.to_thread(walk)
-        except OSError as exc:
-            raise _map_os_error(exc, f"list {prefix!r}") from exc
+        return await self.run(f"list {prefix!r}", walk)
 
     async def delete(self, key: str) -> None:
         path = self.path_of(key)
@@ -264,11 +301,9 @@ class LocalStore(Store):
             fsync_dir(path.parent)
 
         try:
-            await asyncio.to_thread(remove)
-        except FileNotFoundError:
-            return
-        except OSError as exc:
-            raise _map_os_error(exc, f"delete {key}") from exc
+            await self.run(f"delete {key}", remove)
+        except NotFoundError:
+            return  # its directory is gone too
 
     async def list_uploads(self, prefix: str) -> PendingUploads:
         """Temp files of unfinished writes (hidden ``.<name>.tmp-*`` beside their target)."""
@@ -288,11 +323,11 @@ class LocalStore(Store):
                                 found.append(PendingUpload(key, name, path.stat().st_mtime))
             return found
 
-        return await asyncio.to_thread(walk) if start.is_dir() else []
+        return await self.run(f"list uploads {prefix!r}", walk) if start.is_dir() else []
 
     async def abort_upload(self, pending: PendingUpload) -> None:
         tmp = self.path_of(pending.key).with_name(pending.upload_id)
-        await asyncio.to_thread(tmp.unlink, True)
+        await self.run(f"abort {pending.key}", lambda: tmp.unlink(missing_ok=True))
 
     async def begin_upload(self, key: str) -> Upload:
         upload = LocalUpload(self, key)

@@ -1,10 +1,12 @@
-"""Which S3 failures are worth another try, and how long to wait before it: one policy for
-every S3 request (control calls, ranged reads, part uploads). botocore's own retries are
-off, so this is the only layer (stacked retry layers multiplied into a minute of retries per
-request against a store that was down)."""
+"""Which store failures are worth another try, and how long to wait before it: one policy
+for every request of every backend (S3: control calls, ranged reads, part uploads; a local
+or NFS directory: reads, lists, deletes, whole-object writes). botocore's and obstore's own
+retries are off, so this is the only layer (stacked retry layers multiplied into a minute of
+retries per request against a store that was down)."""
 
 from __future__ import annotations
 
+import errno
 import random
 import re
 import sys
@@ -26,6 +28,12 @@ _TRANSIENT_CODES = {
     "InternalError",
     "ServiceUnavailable",
 }
+#: A file system's failures worth another try: what an NFS mount answers while its server
+#: fails over or the network drops (soft mounts give EIO on a timeout). Retrying them on a
+#: local disk costs a few seconds before the same error, so one rule serves both.
+_TRANSIENT_ERRNOS = frozenset(
+    {errno.ESTALE, errno.ETIMEDOUT, errno.EIO, errno.EAGAIN, errno.EINTR, errno.ENOLCK}
+)
 T = TypeVar("T")
 
 
@@ -70,6 +78,8 @@ def _error_code(exc: BaseException) -> str | None:
 def is_transient(exc: BaseException) -> bool:
     """Worth another try: the server or the network failed, not the request."""
     if isinstance(exc, (ShortBodyError, *_transient_types())):
+        return True
+    if isinstance(exc, OSError) and exc.errno in _TRANSIENT_ERRNOS:
         return True
     status = http_status(exc)
     if status is None:

@@ -4,9 +4,10 @@ any other protocol fsspec knows (``memory://NAME``: an in-process store)."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import unquote, urlparse
+from urllib.parse import ParseResult, unquote, urlparse
 
 from transfer.store.base import Store
 from transfer.store.local import LocalStore
@@ -27,36 +28,45 @@ def open_store(url: str, options: StoreOptions | None = None) -> Store:
         # an unset $STORE: never turn the current directory into a store
         raise ValueError("the store URL is empty (is the variable that should hold it set?)")
     parsed = urlparse(url)
-    if parsed.scheme == "s3":
-        if not parsed.netloc:
-            raise ValueError(f"store URL {url!r} names no bucket (s3://bucket/prefix)")
-        endpoint = (
-            options.endpoint_url
-            or os.environ.get("AWS_ENDPOINT_URL_S3")
-            or os.environ.get("AWS_ENDPOINT_URL")
-        )
-        # imported only for an s3:// URL: s3fs and aiobotocore take ~0.4 s to import, more
-        # than a whole pull of a small local checkpoint
-        from transfer.store.s3 import S3Store
-
-        return S3Store(
-            parsed.netloc,
-            parsed.path,
-            endpoint_url=endpoint,
-            pool_size=options.pool_size,
-            checksum=options.checksum,
-        )
-    if parsed.scheme == "file":
-        if parsed.netloc not in ("", "localhost"):
-            raise ValueError(f"file URL {url!r} names a remote host")
-        return LocalStore(Path(unquote(parsed.path)).absolute())
-    if parsed.scheme in ("",) or (len(parsed.scheme) == 1 and os.name == "nt"):
-        return LocalStore(Path(url).expanduser().absolute())
-    return _fsspec_store(url, parsed.scheme)
+    if len(parsed.scheme) == 1 and os.name == "nt":  # C:\... is a path, not a scheme
+        return _path_store(url, parsed, options)
+    return SCHEMES.get(parsed.scheme, _fsspec_store)(url, parsed, options)
 
 
-def _fsspec_store(url: str, scheme: str) -> Store:
+def _s3_store(url: str, parsed: ParseResult, options: StoreOptions) -> Store:
+    if not parsed.netloc:
+        raise ValueError(f"store URL {url!r} names no bucket (s3://bucket/prefix)")
+    endpoint = (
+        options.endpoint_url
+        or os.environ.get("AWS_ENDPOINT_URL_S3")
+        or os.environ.get("AWS_ENDPOINT_URL")
+    )
+    # imported only for an s3:// URL: its clients take a while to import, more than a
+    # whole pull of a small local checkpoint
+    from transfer.store.s3 import S3Store
+
+    return S3Store(
+        parsed.netloc,
+        parsed.path,
+        endpoint_url=endpoint,
+        pool_size=options.pool_size,
+        checksum=options.checksum,
+    )
+
+
+def _file_store(url: str, parsed: ParseResult, options: StoreOptions) -> Store:
+    if parsed.netloc not in ("", "localhost"):
+        raise ValueError(f"file URL {url!r} names a remote host")
+    return LocalStore(Path(unquote(parsed.path)).absolute())
+
+
+def _path_store(url: str, parsed: ParseResult, options: StoreOptions) -> Store:
+    return LocalStore(Path(url).expanduser().absolute())
+
+
+def _fsspec_store(url: str, parsed: ParseResult, options: StoreOptions) -> Store:
     """Any other scheme fsspec knows (``memory://``, or gcs/az/... with their package)."""
+    scheme = parsed.scheme
     import fsspec  # only for these schemes
 
     from transfer.store.fsspecstore import FsspecStore
@@ -74,3 +84,12 @@ def _fsspec_store(url: str, scheme: str) -> Store:
     if not root.strip("/"):
         raise ValueError(f"store URL {url!r} names no path ({scheme}://NAME)")
     return FsspecStore(fs, root, url.rstrip("/"))
+
+
+#: A store URL's scheme -> the backend that opens it (a plain path has none); any other
+#: scheme goes to fsspec. Adding a backend: its module, and its line here.
+SCHEMES: dict[str, Callable[[str, ParseResult, StoreOptions], Store]] = {
+    "": _path_store,
+    "file": _file_store,
+    "s3": _s3_store,
+}
