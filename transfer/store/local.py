@@ -38,6 +38,7 @@ from transfer.store.base import (
     Upload,
     check_key,
 )
+from transfer.store.directio import open_direct, write_at
 from transfer.store.retry import RetryPolicy
 
 _TMP_MARK = ".tmp-"
@@ -97,6 +98,7 @@ class LocalUpload(Upload):
         self._final = store.path_of(key)
         self._tmp = _temp_path(self._final)
         self._fd: int | None = None
+        self._direct_fd: int | None = None  # the same file, O_DIRECT (store/directio.py)
         # complete() and abort() may race with each other and with part writes whose
         # threads outlive a cancelled task: whoever takes the fd closes it, exactly once,
         # and only after in-flight writes are done (a reused fd number must never be hit)
@@ -104,22 +106,24 @@ class LocalUpload(Upload):
         self._writing = 0
 
     def _take_fd(self) -> int | None:
+        """The upload's descriptor, now the caller's to close (its O_DIRECT twin is closed
+        here), or None if another caller took it."""
         with self._fd_cond:
             self._fd_cond.wait_for(lambda: self._writing == 0)
             fd, self._fd = self._fd, None
+            direct, self._direct_fd = self._direct_fd, None
+        if direct is not None:
+            os.close(direct)
         return fd
 
     def _pwrite(self, offset: int, data: bytes) -> None:
         with self._fd_cond:
-            fd = self._fd
+            fd, direct = self._fd, self._direct_fd
             if fd is None:
                 raise StoreError(f"upload of {self.key} is closed")
             self._writing += 1
         try:
-            view = memoryview(data)
-            pos = 0
-            while pos < len(view):
-                pos += os.pwrite(fd, view[pos:], offset + pos)
+            write_at(fd, direct, offset, data)
         finally:
             with self._fd_cond:
                 self._writing -= 1
@@ -128,6 +132,12 @@ class LocalUpload(Upload):
     def _open(self) -> None:
         self._final.parent.mkdir(parents=True, exist_ok=True)
         self._fd = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            self._direct_fd = open_direct(self._tmp)
+        except BaseException:
+            os.close(self._fd)
+            self._tmp.unlink(missing_ok=True)
+            raise
 
     async def write_part(
         self, number: int, offset: int, data: bytes, receipt: PartReceipt | None = None

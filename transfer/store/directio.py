@@ -1,0 +1,80 @@
+"""Writes that bypass the page cache (``O_DIRECT``), for files written once, fsynced and
+not read back soon: a local or NFS store's packs.
+
+Why: a buffered write copies every byte into freshly allocated page-cache pages, which the
+kernel then writes back and the commit's fsync waits for anyway. On the 2-core benchmark
+VM that copy was 25% of a local delta push's CPU samples (``copy_folio_from_iter_atomic``,
+~2.5 CPU s for 1.27 GB of packs), more than zstd. A direct write moves the bytes from one
+reused, page-aligned buffer straight to the device (one user-space copy into it, at
+memcpy speed); the fsync then has only metadata left. Measured (a local delta push of a
+1.69 GB save, warm page cache, 4 alternated rounds each): the push's system time 3.3-3.9
+-> 1.3-1.5 CPU s, wall 5.9-6.3 -> 5.0-5.2 s.
+
+O_DIRECT needs the file offset, the length and the memory address aligned (to the
+device's logical block; a page, ALIGN, satisfies every Linux file system). Only the aligned
+interior of a write goes direct; its unaligned head and tail (a pack's last few bytes) go
+through the buffered descriptor. A block is therefore only ever written one way, and the
+kernel keeps the two views coherent. Where the file system refuses O_DIRECT (tmpfs) every
+write is buffered.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import threading
+from pathlib import Path
+
+ALIGN = 4096
+#: one aligned buffer per writer thread (its pages are touched only as far as parts reach);
+#: a part goes through it in slices this big. A local delta push of a 1.69 GB save, warm,
+#: alternated: 4 MiB slices 5.32-6.09 s, 16 MiB 4.99-5.16 s (fewer, larger device writes)
+SLICE = 16 << 20
+_buffers = threading.local()
+
+
+def open_direct(path: Path) -> int | None:
+    """A second, O_DIRECT descriptor for writing ``path`` (which exists), or None where the
+    file system or platform does not do direct I/O."""
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        return None
+    try:
+        return os.open(path, os.O_WRONLY | os.O_NOFOLLOW | flag)
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:
+            return None
+        raise
+
+
+def write_at(buffered_fd: int, direct_fd: int | None, offset: int, data: bytes) -> None:
+    """All of ``data`` at ``offset``: the aligned interior through ``direct_fd`` (when
+    given), the rest through ``buffered_fd``."""
+    view = memoryview(data).cast("B")
+    end = offset + len(view)
+    lo = min(end, -(-offset // ALIGN) * ALIGN)
+    hi = max(lo, end // ALIGN * ALIGN)
+    if direct_fd is None or hi == lo:
+        _pwrite_all(buffered_fd, view, offset)
+        return
+    _pwrite_all(buffered_fd, view[: lo - offset], offset)
+    buf = _aligned_buffer()
+    for pos in range(lo, hi, SLICE):
+        n = min(SLICE, hi - pos)
+        buf[:n] = view[pos - offset : pos - offset + n]
+        _pwrite_all(direct_fd, buf[:n], pos)
+    _pwrite_all(buffered_fd, view[hi - offset :], hi)
+
+
+def _aligned_buffer() -> memoryview:
+    buf: memoryview | None = getattr(_buffers, "buf", None)
+    if buf is None:
+        buf = _buffers.buf = memoryview(mmap.mmap(-1, SLICE))  # anonymous maps are page-aligned
+    return buf
+
+
+def _pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:], offset + done)
