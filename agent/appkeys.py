@@ -6,6 +6,7 @@ from __future__ import annotations
 from aiohttp import web
 
 from agent.config import AgentConfig
+from agent.estimate import BandwidthMeter
 from agent.fanout import Landing
 from agent.holds import StepHolds
 from agent.metrics import Metrics
@@ -15,7 +16,6 @@ from agent.prefetch import Prefetcher
 from agent.pushqueue import PushQueue
 from agent.retention import RetentionRunner
 from agent.standby import Standby
-from transfer.engine.estimate import BandwidthMeter
 
 CONFIG = web.AppKey("config", AgentConfig)
 

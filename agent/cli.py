@@ -592,7 +592,7 @@ async def _cmd_estimate(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
 
 
 def _plan(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
-    from transfer.engine.estimate import badput_fraction, optimal_interval_steps
+    from agent.estimate import badput_fraction, optimal_interval_steps
 
     mtbi = args.mtbi_hours * 3600
     best = optimal_interval_steps(args.save_seconds, args.step_seconds, mtbi)

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.drain import drain_tasks
+from agent.estimate import BandwidthMeter
 from agent.fanout import FanoutSource, Landing
 from agent.holds import StepHolds
 from agent.hotdir import HotDir
@@ -31,7 +32,6 @@ from agent.peers import PeerSource
 from transfer.durable import fsync_dir
 from transfer.engine import TransferOptions, pull, resolve_manifests
 from transfer.engine.catalog import latest_complete_step
-from transfer.engine.estimate import BandwidthMeter
 from transfer.engine.localcheck import local_copy_differences
 from transfer.engine.pull import ChunkSource, merge_parts
 from transfer.engine.ratelimit import RateLimit

@@ -34,6 +34,7 @@ from agent.appkeys import (
 )
 from agent.config import AgentConfig
 from agent.drain import drain_tasks
+from agent.estimate import BandwidthMeter
 from agent.holds import StepHolds
 from agent.logs import event
 from agent.metrics import Metrics
@@ -46,7 +47,6 @@ from agent.retention import RetentionRunner
 from agent.routes import checkpoints, peers, pins, prefetch, retention, standby, status
 from agent.standby import Standby
 from agent.watcher import watch_hot_dir
-from transfer.engine.estimate import BandwidthMeter
 from transfer.engine.orphans import abort_orphaned_uploads
 from transfer.errors import FerryError
 from transfer.store import StoreOptions, open_store

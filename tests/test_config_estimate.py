@@ -18,8 +18,7 @@ from agent.config import (
     example_toml,
     load_config,
 )
-from transfer.engine import TransferOptions
-from transfer.engine.estimate import (
+from agent.estimate import (
     DEFAULT_RATES,
     BandwidthMeter,
     badput_fraction,
@@ -28,6 +27,7 @@ from transfer.engine.estimate import (
     optimal_interval,
     optimal_interval_steps,
 )
+from transfer.engine import TransferOptions
 
 MiB = 1 << 20
 

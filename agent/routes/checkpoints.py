@@ -13,6 +13,7 @@ from aiohttp import web
 
 from agent import probe
 from agent.appkeys import CONFIG, METER, PART_SIZES, PINS, PREFETCHER, PUSHQUEUE, TIERS
+from agent.estimate import PREFETCH_START_SECONDS, estimate_migration
 from agent.hotdir import LocalCheckpoint
 from agent.middleware import parse_step_arg
 from transfer.engine import list_checkpoints, resolve_manifests
@@ -24,7 +25,6 @@ from transfer.engine.catalog import (
     open_catalog,
 )
 from transfer.engine.chunkindex import ChunkIndex
-from transfer.engine.estimate import PREFETCH_START_SECONDS, estimate_migration
 from transfer.engine.pull import local_bases
 from transfer.errors import CheckpointNotFoundError, FerryError, StoreError
 from transfer.format.manifest import Manifest

@@ -35,9 +35,9 @@ from transfer.codec import (
 )
 from transfer.codec.transforms import Buffer
 from transfer.engine import dcp
-from transfer.engine.base import BasePlan, choose_base
 from transfer.engine.catalog import list_checkpoints, load_manifest, open_catalog
 from transfer.engine.chunkindex import ChunkIndex, StoredChunk, build_refs
+from transfer.engine.deltabase import BasePlan, choose_base
 from transfer.engine.errors import first_error
 from transfer.engine.keyframes import delta_policy, may_delta
 from transfer.engine.packer import PackLocation, PackWriter
