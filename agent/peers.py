@@ -15,7 +15,6 @@ instead of raw. On a full fine-tune every chunk changes, so raw chunks from a pe
 from __future__ import annotations
 
 import asyncio
-import os
 import time
 from pathlib import Path
 
@@ -28,6 +27,7 @@ from transfer.engine import list_checkpoints
 from transfer.engine.catalog import load_manifest
 from transfer.engine.chunkindex import StoredChunk
 from transfer.engine.pull import LocalBase, Supplied
+from transfer.engine.resolver import read_file_into
 from transfer.errors import FerryError
 from transfer.format.chunkid import chunk_id
 from transfer.store.base import Store
@@ -106,20 +106,16 @@ class HotIndex:
         return False
 
 
-def read_verified(where: Location, cid: str) -> bytes | None:
+def read_verified(where: Location, cid: str) -> bytearray | None:
     data = read_at(where)
     return data if data is not None and chunk_id(data) == cid else None
 
 
-def read_at(where: Location) -> bytes | None:
+def read_at(where: Location) -> bytearray | None:
     """The bytes at ``where``, unverified (a delta's base: the receiver's check covers it)."""
     path, offset, size = where
-    try:
-        with open(path, "rb") as fh:
-            data = os.pread(fh.fileno(), size, offset)
-    except OSError:
-        return None
-    return data if len(data) == size else None
+    data = bytearray(size)
+    return data if read_file_into(Path(path), offset, memoryview(data)) else None
 
 
 class PeerSource:
@@ -228,7 +224,7 @@ async def encode_for_peer(
     zstd_level: int | None,
     enc: str | None = None,
     where: Location | None = None,
-) -> tuple[str, bytes] | None:
+) -> tuple[str, bytes | bytearray] | None:
     """A chunk this node holds, as (encoding, payload) for a peer: against ``base_id`` when
     this node holds that chunk too, else raw. ``enc``: the encoding the store chose for it
     (the receiver knows it from the manifest), used as is instead of trying every

@@ -50,3 +50,20 @@ def test_jobs_skip_hidden_symlinked_and_misnamed_directories(tmp_path: Path) -> 
 def test_a_job_name_that_would_leave_the_hot_dir_is_refused(tmp_path: Path) -> None:
     with pytest.raises(FormatError, match="invalid job name"):
         HotDir(tmp_path, ".metadata").job_path("../elsewhere")
+
+
+def test_a_peer_never_reads_a_chunk_through_a_symlink(tmp_path: Path) -> None:
+    """What a peer serves comes from the hot dir's own files: a symlink planted in it (to a
+    file outside, say) is never followed, as the restore's reads of a local copy."""
+    from agent.peers import read_at, read_verified
+    from transfer.format.chunkid import chunk_id
+
+    real = tmp_path / "real"
+    real.write_bytes(b"0123456789")
+    link = tmp_path / "link"
+    link.symlink_to(real)
+    assert read_at((str(real), 2, 5)) == b"23456"
+    assert read_verified((str(real), 0, 10), chunk_id(b"0123456789")) == b"0123456789"
+    assert read_verified((str(real), 0, 10), chunk_id(b"something else")) is None
+    assert read_at((str(link), 2, 5)) is None
+    assert read_at((str(real), 8, 5)) is None  # short: not every byte is there

@@ -42,8 +42,14 @@ def read_local_chunk(
 def read_local_into(root: Path, rel: str, offset: int, buf: memoryview) -> bool:
     """Fill ``buf`` from ``root/rel`` at ``offset``, unverified: True if every byte was there.
     For a delta chunk's base: the decoded chunk's own hash check covers the base too."""
-    try:  # rel comes from a validated manifest: it cannot leave root
-        fd = os.open(root / rel, os.O_RDONLY | os.O_NOFOLLOW)
+    return read_file_into(root / rel, offset, buf)  # rel: validated, it cannot leave root
+
+
+def read_file_into(path: Path, offset: int, buf: memoryview) -> bool:
+    """Fill ``buf`` from ``path`` at ``offset`` (never through a symlink), unverified: True
+    if every byte was there. The one way the node's local copies are read."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     except OSError:
         return False
     try:
