@@ -13,10 +13,10 @@ from transfer.codec.encodings import (
     encode,
     encode_as,
     encode_chosen,
-    needs_base,
     plane_width,
     sample_spans,
 )
+from transfer.format.manifest import needs_base  # the grammar's base rule lives in the format
 
 __all__ = [
     "KNOWN_ENCODINGS",

@@ -21,6 +21,7 @@ import zstandard
 from transfer.codec._planes import join, split
 from transfer.codec.transforms import Buffer
 from transfer.errors import FormatError, UnknownEncodingError
+from transfer.format.manifest import needs_base
 
 RAW = "raw"
 ZSTD = "zstd"
@@ -74,10 +75,6 @@ def check_encoding(enc: str) -> None:
             f"chunk encoding {enc!r} is unknown to this reader (knows {sorted(KNOWN_ENCODINGS)});"
             " upgrade ckpt-ferry"
         )
-
-
-def needs_base(enc: str) -> bool:
-    return enc.split("+", 1)[0] == "xor"
 
 
 def _steps(enc: str) -> tuple[bool, int]:

@@ -29,6 +29,13 @@ MAX_FILES = 1_000_000
 MAX_MANIFEST_BYTES = 512 << 20
 
 
+def needs_base(enc: str) -> bool:
+    """The encoding grammar's one rule the format checks (the names themselves are the
+    codec's, transfer/codec/encodings.py): a pipeline that starts with ``xor`` decodes
+    against a base chunk, and only such a chunk names one."""
+    return enc.split("+", 1)[0] == "xor"
+
+
 @dataclass(frozen=True, slots=True)
 class ChunkRef:
     """One chunk of a file: its content id, decoded size, and where its encoded bytes are."""
@@ -148,8 +155,7 @@ def _parse_chunk(doc: object, where: str, n_packs: int, version: int) -> ChunkRe
     base = doc.get("base")
     if base is not None and (version < 2 or not is_chunk_id(base) or base == cid):
         raise FormatError(f"{where}: chunk {cid} has an invalid base {base!r}")
-    # encoding grammar (see transfer.codec): a pipeline starting with "xor" needs a base
-    if (enc.split("+", 1)[0] == "xor") != (base is not None):
+    if needs_base(enc) != (base is not None):
         raise FormatError(f"{where}: chunk {cid}: encoding {enc!r} and base disagree")
     return ChunkRef(
         id=cid,  # type: ignore[arg-type]  # checked by is_chunk_id
