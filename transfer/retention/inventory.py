@@ -4,7 +4,6 @@ age and packs), pack sizes, and pins. One listing per prefix plus one GET per ma
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -12,6 +11,7 @@ from datetime import UTC, datetime
 from transfer.engine.catalog import list_checkpoints, load_manifest
 from transfer.errors import FerryError, FormatError
 from transfer.format import layout
+from transfer.retention.pins import pin_expiry
 from transfer.store.base import Store
 
 Key = tuple[str, int]  # (job, step)
@@ -178,10 +178,8 @@ async def read_pins(store: Store, *, now: float) -> dict[Key, float]:
         if parsed is None:
             continue
         job, step, _holder = parsed
-        try:
-            doc = json.loads(await store.get(obj.key))
-            expires = float(doc["expires_at"])
-        except (FerryError, ValueError, KeyError, TypeError):
+        expires = await pin_expiry(store, obj.key)
+        if expires is None:
             expires = now + 3600.0
         if expires > now:
             pins[(job, step)] = max(expires, pins.get((job, step), 0.0))

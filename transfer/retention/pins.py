@@ -34,15 +34,23 @@ async def unpin(store: Store, job: str, step: int, holder: str) -> None:
     await store.delete(layout.pin_key(job, step, holder))
 
 
+async def pin_expiry(store: Store, key: str) -> float | None:
+    """When the pin object at ``key`` expires; None if it is gone or unreadable (callers
+    decide what that means: retention treats it as pinned)."""
+    try:
+        return float(json.loads(await store.get(key))["expires_at"])
+    except (FerryError, ValueError, KeyError, TypeError):
+        return None
+
+
 async def drop_expired_pins(store: Store, now: float) -> int:
     """Delete pin objects whose expiry has passed (housekeeping; they protect nothing)."""
     dropped = 0
     for obj in await store.list(layout.PINS_PREFIX):
         if layout.parse_pin_key(obj.key) is None:
             continue
-        try:
-            expires = float(json.loads(await store.get(obj.key))["expires_at"])
-        except (FerryError, ValueError, KeyError, TypeError):
+        expires = await pin_expiry(store, obj.key)
+        if expires is None:
             continue  # gone, or unreadable: read_pins treats it as pinned; leave it for a human
         if expires <= now:
             await store.delete(obj.key)
