@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from transfer.errors import CheckpointNotFoundError, FerryError
 from transfer.format.names import check_name, step_from_dirname
-from transfer.options import TransferOptions, TransferSettings
+from transfer.options import CHECKSUMS, TransferOptions, TransferSettings
 
 if TYPE_CHECKING:  # the commands import what they need when they run: `ferry --help` is fast
     from transfer.engine.progress import Progress
@@ -33,8 +33,8 @@ def _add_store_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--endpoint-url", help="S3 endpoint (default: $AWS_ENDPOINT_URL)")
     p.add_argument(
         "--checksum",
-        choices=["crc32", "md5", "none"],
-        default="crc32",
+        choices=CHECKSUMS,
+        default=CHECKSUMS[0],
         help="per-part integrity header sent to S3 (default crc32)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
@@ -558,10 +558,8 @@ async def _run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
 
     store = open_store(
         args.store_url,
-        StoreOptions(
-            endpoint_url=args.endpoint_url,
-            pool_size=max(getattr(args, "window", 16) + 4, 16),
-            checksum=args.checksum,
+        StoreOptions.for_window(
+            getattr(args, "window", 16), endpoint_url=args.endpoint_url, checksum=args.checksum
         ),
     )
     try:

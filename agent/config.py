@@ -25,7 +25,7 @@ from urllib.parse import urlsplit
 from agent.hotdir import HotDir
 from transfer.errors import FerryError, FormatError
 from transfer.format.names import check_name
-from transfer.options import TransferOptions, TransferSettings
+from transfer.options import CHECKSUMS, TransferOptions, TransferSettings
 from transfer.retention import TierPolicy, parse_duration, parse_size
 from transfer.retention.repack import RepackPolicy
 
@@ -83,6 +83,9 @@ class AgentConfig:
     #: nodes whose parts make up a complete step; empty means a single-node job
     expected_nodes: tuple[str, ...] = ()
     endpoint_url: str | None = None
+    #: per-part integrity header sent to S3: crc32, md5 (lets an interrupted push salvage
+    #: unfinished packs on SeaweedFS) or none
+    checksum: str = CHECKSUMS[0]
     max_body_bytes: int = 1 * MiB
     prefetch_concurrency: int = 2
     drain_seconds: float = 30.0
@@ -149,6 +152,7 @@ _TOP_KEYS: dict[str, type] = {
     "peers": list,
     "expected_nodes": list,
     "endpoint_url": str,
+    "checksum": str,
     "max_body_bytes": int,
     "prefetch_concurrency": int,
     "drain_seconds": float,
@@ -202,6 +206,7 @@ def load_config(
         endpoint_url=_http_url("endpoint_url", top["endpoint_url"])
         if "endpoint_url" in top
         else None,
+        checksum=_one_of("checksum", top.get("checksum", CHECKSUMS[0]), CHECKSUMS),
         max_body_bytes=_int_at_least("max_body_bytes", top.get("max_body_bytes", 1 * MiB), 1),
         prefetch_concurrency=_int_at_least(
             "prefetch_concurrency", top.get("prefetch_concurrency", 2), 1
@@ -573,6 +578,8 @@ peers = []
 expected_nodes = []
 # S3 endpoint (default: $AWS_ENDPOINT_URL). e.g. "http://127.0.0.1:9000"
 # endpoint_url = "http://127.0.0.1:9000"
+# Per-part integrity header sent to S3: "crc32", "md5" or "none".
+checksum = "crc32"
 # Largest accepted API request body.
 max_body_bytes = 1048576
 # Prefetches (scheduler-requested pulls) running at once.

@@ -77,7 +77,9 @@ def create_app(config: AgentConfig, token: str) -> web.Application:
 async def _tiers(app: web.Application):  # type: ignore[no-untyped-def]
     """The configured stores, closed at the end (or when a later start-up step fails)."""
     config = app[CONFIG]
-    options = StoreOptions(endpoint_url=config.endpoint_url)
+    options = StoreOptions.for_window(
+        config.transfer.window, endpoint_url=config.endpoint_url, checksum=config.checksum
+    )
     tiers: list[tuple[str, Store]] = []
     app[TIERS] = tiers
     try:

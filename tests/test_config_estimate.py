@@ -442,3 +442,20 @@ def test_optimal_interval_steps() -> None:
 def test_invalid_inputs_raise(call: Callable[[], object]) -> None:
     with pytest.raises(ValueError):
         call()
+
+
+def test_the_checksum_and_the_pool_reach_the_agent_as_the_cli() -> None:
+    """Both front doors size the store's pool to the window and choose the checksum the
+    same way (the agent had neither: a 32-connection pool and always crc32)."""
+    from transfer.options import CHECKSUMS
+    from transfer.store import StoreOptions
+
+    base = {"FERRY_HOT_DIR": "/hot"}
+    assert load_config(None, base).checksum == CHECKSUMS[0] == "crc32"
+    config = load_config(None, {**base, "FERRY_CHECKSUM": "md5", "FERRY_TRANSFER_WINDOW": "40"})
+    assert config.checksum == "md5"
+    with pytest.raises(ConfigError, match="checksum: 'sha1' is not one of crc32, md5, none"):
+        load_config(None, {**base, "FERRY_CHECKSUM": "sha1"})
+    options = StoreOptions.for_window(config.transfer.window, checksum=config.checksum)
+    assert (options.pool_size, options.checksum) == (44, "md5")
+    assert StoreOptions.for_window(2).pool_size == 16  # never below the control calls' need

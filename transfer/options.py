@@ -7,6 +7,10 @@ import os
 from dataclasses import dataclass, field, fields
 from typing import Any, cast
 
+#: The per-part integrity headers a store may send with a write (S3: x-amz-checksum-crc32
+#: or Content-MD5; a local store has its fsync and ignores it), first the default.
+CHECKSUMS = ("crc32", "md5", "none")
+
 
 @dataclass(frozen=True)
 class TransferOptions:

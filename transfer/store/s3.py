@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from transfer.errors import NotFoundError, StoreError
+from transfer.options import CHECKSUMS
 from transfer.store.base import (
     ObjectInfo,
     PartReceipt,
@@ -182,8 +183,8 @@ class S3Store(Store):
         read_timeout: float = 60.0,
         attempts: int = ATTEMPTS,
     ) -> None:
-        if checksum not in ("crc32", "md5", "none"):
-            raise ValueError(f"unknown checksum {checksum!r} (crc32, md5, none)")
+        if checksum not in CHECKSUMS:
+            raise ValueError(f"unknown checksum {checksum!r} ({', '.join(CHECKSUMS)})")
         if pool_size < 1:
             raise ValueError("pool_size must be at least 1")
         self.bucket = bucket

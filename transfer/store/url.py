@@ -21,6 +21,14 @@ class StoreOptions:
     pool_size: int = 32
     checksum: str = "crc32"
 
+    @classmethod
+    def for_window(
+        cls, window: int, *, endpoint_url: str | None = None, checksum: str = "crc32"
+    ) -> StoreOptions:
+        """Options whose connection pool fits a transfer of ``window`` parts in flight, plus
+        a few control calls (the CLI and the agent size it the same way)."""
+        return cls(endpoint_url, max(window + 4, 16), checksum)
+
 
 def open_store(url: str, options: StoreOptions | None = None) -> Store:
     options = options or StoreOptions()
