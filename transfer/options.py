@@ -94,6 +94,9 @@ class TransferSettings:
     window: int = _knob(_DEFAULT_TRANSFER.window, "parts/ranges in flight")
     workers: int = _knob(_DEFAULT_TRANSFER.workers, "hash/codec threads (default: cores)")
     zstd_level: int = _knob(_DEFAULT_TRANSFER.zstd_level or 0, "zstd level; 0 stores raw")
+    dedupe_steps: int = _knob(
+        _DEFAULT_TRANSFER.dedupe_steps, "a push dedupes against the job's newest this many steps"
+    )
     max_chain: int = _knob(
         _DEFAULT_TRANSFER.max_chain, "most decode steps a restore may need (else a keyframe)"
     )
@@ -125,6 +128,7 @@ class TransferSettings:
             window=self.window,
             workers=self.workers,
             zstd_level=self.zstd_level or None,
+            dedupe_steps=self.dedupe_steps,
             max_chain=self.max_chain,
             delta_min_saving=self.delta_min_saving,
             max_cold_cost=self.max_cold_cost,
