@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from transfer.errors import (
@@ -90,12 +90,33 @@ async def resolve_manifests(
     return [await load_manifest(store, c.job, c.step, c.node) for c in entries if c.step == chosen]
 
 
-async def is_complete(store: Store, job: str, step: int, expected_nodes: Sequence[str]) -> bool:
-    """Whether every node's part of (job, step) is in ``store`` (its completion marker
-    exists). A job without expected nodes is single-node: any committed part is complete."""
-    if not expected_nodes:
+def step_is_complete(
+    parts: Collection[str],
+    has_marker: bool,
+    expected_nodes: Sequence[str],
+    job_writes_markers: bool,
+) -> bool:
+    """The one rule for "is this step whole" (the prefetcher, the listing and retention all
+    ask it): its completion marker, or every expected node's part (the node that would have
+    written the marker may have died just after its own part); without expected nodes (a
+    single-node view), any part, unless the job writes markers: then it is a multi-node job
+    and one part is not the step."""
+    if has_marker:
         return True
-    return await store.exists(layout.completion_key(job, step))
+    if expected_nodes:
+        return set(expected_nodes) <= set(parts)
+    return not job_writes_markers
+
+
+async def is_complete(store: Store, job: str, step: int, expected_nodes: Sequence[str]) -> bool:
+    """step_is_complete for (job, step) in ``store``, asking only what the rule needs."""
+    if await store.exists(layout.completion_key(job, step)):
+        return True
+    if expected_nodes:
+        parts = {c.node for c in await list_checkpoints(store, job) if c.step == step}
+        return step_is_complete(parts, False, expected_nodes, True)
+    writes_markers = bool(await store.list(f"{layout.COMPLETE_PREFIX}{job}/"))
+    return step_is_complete((), False, expected_nodes, writes_markers)
 
 
 async def latest_complete_step(store: Store, job: str, expected_nodes: Sequence[str]) -> int:

@@ -8,7 +8,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
-from transfer.engine.catalog import list_checkpoints, load_manifest
+from transfer.engine.catalog import list_checkpoints, load_manifest, step_is_complete
 from transfer.errors import FerryError, FormatError
 from transfer.format import layout
 from transfer.retention.pins import pin_expiry
@@ -163,10 +163,9 @@ async def _mark_complete(
     jobs_with_markers = {job for job, _ in markers}
     for entry in steps.values():
         entry.has_marker = entry.key in markers
-        if expected_nodes:
-            entry.complete = entry.has_marker or set(expected_nodes) <= set(entry.parts)
-        else:
-            entry.complete = entry.has_marker or entry.job not in jobs_with_markers
+        entry.complete = step_is_complete(
+            entry.parts, entry.has_marker, expected_nodes, entry.job in jobs_with_markers
+        )
 
 
 async def read_pins(store: Store, *, now: float) -> dict[Key, float]:
