@@ -81,3 +81,24 @@ def test_a_local_upload_goes_direct_and_reads_back_byte_exact(tmp_path: Path) ->
         asyncio.run(store.get("packs/p", 4 * part - 10, 4 * part + 10))
         == data[4 * part - 10 : 4 * part + 10]
     )
+
+
+def test_reads_from_the_disk_make_writes_buffered_until_they_stop(tmp_path: Path) -> None:
+    """A cold source being read: direct writes would compete with those reads."""
+    path = tmp_path / "source"
+    path.write_bytes(random.Random(1).randbytes(8 << 20))
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # out of the page cache
+        reads = directio.DeviceReads()
+        assert not reads.busy()
+        before = reads._read_bytes()
+        os.pread(fd, 8 << 20, 0)
+        if reads._read_bytes() == before:
+            pytest.skip("this file system reads no block device (tmpfs?)")
+        assert reads.busy()
+        os.pread(fd, 8 << 20, 0)  # now from the page cache
+        assert not reads.busy()
+    finally:
+        os.close(fd)

@@ -13,8 +13,9 @@ memcpy speed); the fsync then has only metadata left. Measured (a local delta pu
 O_DIRECT needs the file offset, the length and the memory address aligned (to the
 device's logical block; a page, ALIGN, satisfies every Linux file system). Only the aligned
 interior of a write goes direct; its unaligned head and tail (a pack's last few bytes) go
-through the buffered descriptor. A block is therefore only ever written one way, and the
-kernel keeps the two views coherent. Where the file system refuses O_DIRECT (tmpfs) every
+through the buffered descriptor (and every write while the process reads from its disks:
+DeviceReads). A block is therefore only ever written one way, and the kernel keeps the two
+views coherent. Where the file system refuses O_DIRECT (tmpfs) every
 write is buffered.
 """
 
@@ -34,6 +35,42 @@ SLICE = 16 << 20
 _buffers = threading.local()
 
 
+class DeviceReads:
+    """Whether this process is reading from its disks right now: then direct writes would
+    compete with those reads (a cold push reading its source), where buffered ones wait
+    for the commit's fsync and let the reads go first. Measured: a cold local delta push
+    took 6.6 s buffered and 7.5 s direct (median of 6, alternated), a warm one 6.0 s and
+    5.0 s. ``/proc/self/io``'s ``read_bytes`` counts what the process made the block
+    layer read (page-cache hits excluded); where it cannot be read, never busy."""
+
+    #: more read from disk than this since the previous look: busy
+    BUSY_BYTES = 1 << 20
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._last = self._read_bytes()
+
+    def busy(self) -> bool:
+        now = self._read_bytes()
+        with self._lock:
+            grew, self._last = now - self._last, max(now, self._last)
+        return grew > self.BUSY_BYTES
+
+    @staticmethod
+    def _read_bytes() -> int:
+        try:
+            with open("/proc/self/io", "rb") as fh:
+                for line in fh:
+                    if line.startswith(b"read_bytes:"):
+                        return int(line.split()[1])
+        except (OSError, ValueError):
+            pass
+        return 0
+
+
+device_reads = DeviceReads()
+
+
 def open_direct(path: Path) -> int | None:
     """A second, O_DIRECT descriptor for writing ``path`` (which exists), or None where the
     file system or platform does not do direct I/O."""
@@ -50,12 +87,13 @@ def open_direct(path: Path) -> int | None:
 
 def write_at(buffered_fd: int, direct_fd: int | None, offset: int, data: bytes) -> None:
     """All of ``data`` at ``offset``: the aligned interior through ``direct_fd`` (when
-    given), the rest through ``buffered_fd``."""
+    given, and while this process is not reading from disk: DeviceReads), the rest through
+    ``buffered_fd``."""
     view = memoryview(data).cast("B")
     end = offset + len(view)
     lo = min(end, -(-offset // ALIGN) * ALIGN)
     hi = max(lo, end // ALIGN * ALIGN)
-    if direct_fd is None or hi == lo:
+    if direct_fd is None or hi == lo or device_reads.busy():
         _pwrite_all(buffered_fd, view, offset)
         return
     _pwrite_all(buffered_fd, view[: lo - offset], offset)
