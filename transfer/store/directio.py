@@ -98,16 +98,25 @@ def write_at(buffered_fd: int, direct_fd: int | None, offset: int, data: bytes) 
         return
     _pwrite_all(buffered_fd, view[: lo - offset], offset)
     buf = _aligned_buffer()
-    for pos in range(lo, hi, SLICE):
-        n = min(SLICE, hi - pos)
-        buf[:n] = view[pos - offset : pos - offset + n]
-        _pwrite_all(direct_fd, buf[:n], pos)
+    pos = lo
+    try:
+        while pos < hi:
+            n = min(SLICE, hi - pos)
+            buf[:n] = view[pos - offset : pos - offset + n]
+            _pwrite_all(direct_fd, buf[:n], pos)
+            pos += n
+    except OSError as exc:
+        # a device whose blocks are larger than ALIGN refuses the write before doing any
+        # of it: the rest goes buffered
+        if exc.errno != errno.EINVAL:
+            raise
+        _pwrite_all(buffered_fd, view[pos - offset : hi - offset], pos)
     _pwrite_all(buffered_fd, view[hi - offset :], hi)
 
 
 def _aligned_buffer() -> memoryview:
     buf: memoryview | None = getattr(_buffers, "buf", None)
-    if buf is None:
+    if buf is None or len(buf) < SLICE:
         buf = _buffers.buf = memoryview(mmap.mmap(-1, SLICE))  # anonymous maps are page-aligned
     return buf
 
