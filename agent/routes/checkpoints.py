@@ -19,7 +19,7 @@ from agent.middleware import parse_step_arg
 from transfer.engine import list_checkpoints, resolve_manifests
 from transfer.engine.catalog import (
     CheckpointInfo,
-    is_complete,
+    complete_steps,
     latest_complete_step,
     load_manifest,
     open_catalog,
@@ -71,13 +71,14 @@ async def get_checkpoints(request: web.Request) -> web.Response:
             if held.step in steps:
                 steps[held.step]["local"] = True
                 steps[held.step]["replica"] = prefetcher.is_replica(job, held.step)
+        # whole on some tier (catalog.step_is_complete), asked once per tier, not per step
+        whole = {
+            name: await complete_steps(store, job, config.expected_nodes)
+            for name, store in readable
+            if any(name in entry["tiers"] for entry in steps.values())
+        }
         for entry in steps.values():
-            # complete = the create-only marker the last node's push wrote (not a count of
-            # manifests: a node may still be uploading a part nobody has listed yet)
-            entry["complete"] = any(
-                [await is_complete(store, job, entry["step"], config.expected_nodes)
-                 for name, store in readable if name in entry["tiers"]]
-            )  # fmt: skip
+            entry["complete"] = any(entry["step"] in whole.get(n, ()) for n in entry["tiers"])
             entry["pinned"] = request.app[PINS].pinned(job, entry["step"])
             entry["pushes"] = {  # this node's background pushes: staged/durable/failed
                 row["tier"]: row["state"]

@@ -108,22 +108,33 @@ def step_is_complete(
     return not job_writes_markers
 
 
+async def complete_steps(store: Store, job: str, expected_nodes: Sequence[str]) -> set[int]:
+    """The steps of ``job`` in ``store`` that are whole by step_is_complete, from one listing
+    of its parts and one of its completion markers."""
+    parts: dict[int, set[str]] = {}
+    for c in await list_checkpoints(store, job):
+        parts.setdefault(c.step, set()).add(c.node)
+    markers = {
+        parsed[1]
+        for obj in await store.list(f"{layout.COMPLETE_PREFIX}{job}/")
+        if (parsed := layout.parse_completion_key(obj.key)) is not None and parsed[0] == job
+    }
+    return {
+        step
+        for step, nodes in parts.items()
+        if step_is_complete(nodes, step in markers, expected_nodes, bool(markers))
+    }
+
+
 async def is_complete(store: Store, job: str, step: int, expected_nodes: Sequence[str]) -> bool:
-    """step_is_complete for (job, step) in ``store``, asking only what the rule needs."""
-    if await store.exists(layout.completion_key(job, step)):
-        return True
-    if expected_nodes:
-        parts = {c.node for c in await list_checkpoints(store, job) if c.step == step}
-        return step_is_complete(parts, False, expected_nodes, True)
-    writes_markers = bool(await store.list(f"{layout.COMPLETE_PREFIX}{job}/"))
-    return step_is_complete((), False, expected_nodes, writes_markers)
+    """Whether (job, step) is whole in ``store`` (complete_steps, for one step)."""
+    return step in await complete_steps(store, job, expected_nodes)
 
 
 async def latest_complete_step(store: Store, job: str, expected_nodes: Sequence[str]) -> int:
     """The newest step of ``job`` that is complete in ``store``: an incomplete multi-node
     checkpoint (a node still uploading, or dead) is never "latest"."""
-    steps = sorted({c.step for c in await list_checkpoints(store, job)}, reverse=True)
-    for step in steps:
-        if await is_complete(store, job, step, expected_nodes):
-            return step
-    raise CheckpointNotFoundError(f"no complete checkpoint of job {job!r} in {store.url}")
+    whole = await complete_steps(store, job, expected_nodes)
+    if not whole:
+        raise CheckpointNotFoundError(f"no complete checkpoint of job {job!r} in {store.url}")
+    return max(whole)
