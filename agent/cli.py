@@ -210,7 +210,7 @@ def _human(n: float) -> str:
 
 
 async def _cmd_push(store: Store, args: argparse.Namespace) -> tuple[dict[str, Any], str]:
-    from agent.pushlog import PushLog, default_state_dir
+    from agent.journal import cli_push_journal, default_state_dir
     from transfer.engine import push
 
     step = args.step if args.step is not None else step_from_dirname(args.ckpt_dir.name)
@@ -220,24 +220,24 @@ async def _cmd_push(store: Store, args: argparse.Namespace) -> tuple[dict[str, A
     if not args.node and not os.environ.get("FERRY_NODE"):
         await _warn_if_new_part(store, args.job, step, node)
     # a push killed half way and run again reuses the packs it had made durable
-    log = PushLog.for_push(default_state_dir(), store.url, args.job, step, node, args.ckpt_dir)
-    r = await push(
-        store,
-        args.ckpt_dir,
-        job=args.job,
-        step=step,
-        node=node,
-        options=_transfer_options(args),
-        progress=_progress(args),
-        base_step=args.base_step,
-        base_dir=args.base_dir,
-        full=args.full,
-        resume_chunks=log.chunks(),
-        on_pack_durable=log.append,
-        resume_parts=log.parts(),
-        on_part_receipt=log.append_part,
-    )
-    log.remove()
+    journal = cli_push_journal(default_state_dir(), store.url, args.job, step, node, args.ckpt_dir)
+    try:
+        r = await push(
+            store,
+            args.ckpt_dir,
+            job=args.job,
+            step=step,
+            node=node,
+            options=_transfer_options(args),
+            progress=_progress(args),
+            base_step=args.base_step,
+            base_dir=args.base_dir,
+            full=args.full,
+            resume=journal.resume(args.job, step, store.url),
+        )
+        journal.remove()  # committed: its manifest references every pack
+    finally:
+        journal.close()
     rate = r.bytes_raw / r.seconds / 1e6 if r.seconds else 0.0
     note = " (already committed, identical)" if r.already_committed else ""
     line = (

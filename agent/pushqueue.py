@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import json
 import logging
 import time
@@ -280,10 +279,7 @@ class PushQueue:
             step=step,
             node=self.node,
             options=self.options,
-            resume_chunks=self.journal.resumable_chunks(job, step, name),
-            on_pack_durable=functools.partial(self.journal.record_packs, job, step, name),
-            resume_parts=self.journal.landed_parts(job, step, name),
-            on_part_receipt=functools.partial(self.journal.record_part, job, step, name),
+            resume=self.journal.resume(job, step, name),
         )
         await self._complete_if_all_pushed(store, job, step)
         return result

@@ -172,7 +172,7 @@ def store_objects(url: str) -> list[str]:
 @pytest.fixture(autouse=True)
 def _no_ambient_aws_profile(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     # Never let a developer's ~/.aws config leak into a test, nor a test's push resume
-    # logs (agent/pushlog.py) into the developer's ~/.local/state.
+    # logs (agent/journal.py) into the developer's ~/.local/state.
     monkeypatch.setenv("AWS_CONFIG_FILE", os.devnull)
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "xdg-state"))

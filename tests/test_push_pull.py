@@ -23,8 +23,9 @@ from tests.conftest import (
     write_file,
 )
 from transfer.engine import TransferOptions, pull, push
+from transfer.engine.chunkindex import StoredChunk
 from transfer.format.layout import MANIFESTS_PREFIX, PACKS_PREFIX
-from transfer.store.base import Store, Upload
+from transfer.store.base import PartReceipt, Store, Upload
 
 SMALL = ["--chunk-size-mib", "1", "--part-size-mib", "5", "--pack-size-mib", "10"]
 
@@ -325,28 +326,45 @@ def test_truncated_pack_is_reported_by_verify(
     assert any("truncated" in b["reason"] for b in doc["bad_chunks"])
 
 
+class MemoryResumeLog:
+    """A resume log (transfer.engine.ResumeLog) in memory, as a caller would journal it."""
+
+    def __init__(self) -> None:
+        self.packs: list[StoredChunk] = []
+        self.receipts: dict[str, list[PartReceipt]] = {}
+
+    def chunks(self) -> list[StoredChunk]:
+        return list(self.packs)
+
+    def parts(self) -> dict[str, list[PartReceipt]]:
+        return {pack_id: list(r) for pack_id, r in self.receipts.items()}
+
+    def pack_durable(self, chunks: list[StoredChunk]) -> None:
+        self.packs.extend(chunks)
+
+    def part_sent(self, pack_id: str, receipt: PartReceipt) -> None:
+        self.receipts.setdefault(pack_id, []).append(receipt)
+
+
 def test_an_interrupted_push_resumes_from_its_journaled_packs(
     store_url: str, tmp_path: Path
 ) -> None:
     src = make_checkpoint(tmp_path / "ck", shard_bytes=30_000_000)
     opts = TransferOptions(chunk_size=1 << 20, part_size=5 << 20, pack_size=5 << 20, window=2)
-    journal: list = []  # type: ignore[type-arg]
+    log = MemoryResumeLog()
 
     async def attempt(die_after: int | None) -> object:
         store = WatchingStore(open_test_store(store_url), die_after_parts=die_after)
         try:
-            return await push(
-                store, src, job="r", step=1, node="n", options=opts,
-                resume_chunks=list(journal), on_pack_durable=journal.extend,
-            )  # fmt: skip
+            return await push(store, src, job="r", step=1, node="n", options=opts, resume=log)
         finally:
             await store.close()
 
     with pytest.raises(ConnectionError):
         asyncio.run(attempt(die_after=4))
-    assert journal, "some packs became durable before the failure"
+    assert log.packs, "some packs became durable before the failure"
     assert not [k for k in store_objects(store_url) if k.startswith(MANIFESTS_PREFIX)]
-    reused = sum(c.size for c in {c.id: c for c in journal}.values())
+    reused = sum(c.size for c in {c.id: c for c in log.packs}.values())
     raw = sum(len(b) for b in tree_bytes(src).values())
     resumed = asyncio.run(attempt(die_after=None))
     assert resumed.chunks_deduped > 0  # type: ignore[attr-defined]

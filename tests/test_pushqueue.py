@@ -8,8 +8,12 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from dataclasses import astuple
 from pathlib import Path
 
 from agent.hotdir import HotDir
@@ -345,10 +349,43 @@ def test_journal_keeps_durable_packs_of_an_unfinished_push_until_it_commits(
     journal = Journal(tmp_path / "j.sqlite3", "n")
     journal.record_staged("job", 5, tmp_path, ["t1"])
     chunk = StoredChunk("a" * 64, 10, "zstd", "b" * 32, 0, 7, None)
-    journal.record_packs("job", 5, "t1", [chunk])
+    journal.resume("job", 5, "t1").pack_durable([chunk])
     journal.close()
     reopened = Journal(tmp_path / "j.sqlite3", "n")  # survives a restart
-    assert reopened.resumable_chunks("job", 5, "t1") == [chunk]
-    assert reopened.resumable_chunks("job", 5, "t2") == []
+    assert reopened.resume("job", 5, "t1").chunks() == [chunk]
+    assert reopened.resume("job", 5, "t2").chunks() == []
     reopened.record_durable("job", 5, "t1", {"bytes_raw": 10})
-    assert reopened.resumable_chunks("job", 5, "t1") == []
+    assert reopened.resume("job", 5, "t1").chunks() == []
+
+
+def test_push_resume_log_survives_a_torn_tail(tmp_path: Path) -> None:
+    """``ferry push``'s resume log: a process killed while appending the next record keeps
+    the ones it committed (a torn tail is ignored), and the log goes once the push commits."""
+    from agent.journal import cli_push_journal
+    from transfer.engine.chunkindex import StoredChunk
+
+    chunk = StoredChunk("a" * 64, 5, "raw", "b" * 32, 0, 5)
+    args = (tmp_path, "s3://b/p", "llm", 10, "n", tmp_path / "step_000010")
+    script = f"""if True:
+        import os, signal
+        from pathlib import Path
+        from agent.journal import cli_push_journal
+        from transfer.engine.chunkindex import StoredChunk
+        state = Path(r"{tmp_path}")
+        journal = cli_push_journal(state, "s3://b/p", "llm", 10, "n", state / "step_000010")
+        journal.resume("llm", 10, "s3://b/p").pack_durable([StoredChunk{astuple(chunk)!r}])
+        os.kill(os.getpid(), signal.SIGKILL)
+    """
+    repo = Path(__file__).resolve().parents[1]
+    killed = subprocess.run([sys.executable, "-c", script], cwd=repo, capture_output=True)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr
+    (wal,) = (tmp_path / "pushes").glob("*.sqlite3-wal")  # where the kill left the record
+    with open(wal, "ab") as fh:
+        fh.write(os.urandom(100))  # killed while appending the next record
+    journal = cli_push_journal(*args)
+    assert journal.resume("llm", 10, "s3://b/p").chunks() == [chunk]
+    journal.remove()
+    assert not journal.path.exists() and not list((tmp_path / "pushes").iterdir())
+    again = cli_push_journal(*args)
+    assert again.resume("llm", 10, "s3://b/p").chunks() == []
+    again.close()

@@ -3,6 +3,7 @@
 from transfer.engine.catalog import CheckpointInfo, list_checkpoints, resolve_manifests
 from transfer.engine.pull import PullResult, pull
 from transfer.engine.push import PushResult, push
+from transfer.engine.resume import ResumeLog
 from transfer.engine.verify import VerifyResult, verify
 from transfer.options import TransferOptions
 
@@ -10,6 +11,7 @@ __all__ = [
     "CheckpointInfo",
     "PullResult",
     "PushResult",
+    "ResumeLog",
     "TransferOptions",
     "VerifyResult",
     "list_checkpoints",

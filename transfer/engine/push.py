@@ -44,6 +44,7 @@ from transfer.engine.packer import PackLocation, PackWriter
 from transfer.engine.progress import NoProgress, Progress
 from transfer.engine.pushlease import push_lease
 from transfer.engine.resolver import ChunkResolver
+from transfer.engine.resume import ResumeLog
 from transfer.engine.scan import SourceFile, check_unchanged, read_range, scan_checkpoint
 from transfer.errors import AlreadyExistsError, FerryError, NotFoundError, SourceChangedError
 from transfer.format import layout
@@ -96,18 +97,14 @@ async def push(
     base_step: int | None = None,
     base_dir: Path | None = None,
     full: bool = False,
-    resume_chunks: Iterable[StoredChunk] = (),
-    on_pack_durable: Callable[[list[StoredChunk]], None] | None = None,
-    resume_parts: Mapping[str, Sequence[PartReceipt]] | None = None,
-    on_part_receipt: Callable[[str, PartReceipt], None] | None = None,
+    resume: ResumeLog | None = None,
 ) -> PushResult:
     """Push ``ckpt_dir`` as (job, step, node). ``full`` forces a keyframe (no delta base);
     ``base_dir`` is a local copy of the base checkpoint (default: a sibling directory named
-    for the base step). ``resume_chunks``: chunks an interrupted attempt of this same push
-    already made durable (from ``on_pack_durable``, journaled by the caller); those whose
-    pack still exists are reused instead of uploaded again, and those in the landed parts of
-    a pack it left unfinished too, once that upload is completed with what landed
-    (``resume_parts``: the receipts ``on_part_receipt`` was told, by pack id)."""
+    for the base step). ``resume``: this push's resume log (resume.py), which an interrupted
+    attempt filled: the chunks it made durable are reused where their pack still exists, and
+    those in the landed parts of a pack it left unfinished too, once that upload is
+    completed with what landed; this attempt records its own packs and parts there."""
     options = options or TransferOptions()
     progress = progress or NoProgress()
     check_name("job", job)
@@ -127,8 +124,8 @@ async def push(
                 store, ckpt_dir, job=job, step=step, node=node, base_step=base_step,
                 base_dir=base_dir,
             )  # fmt: skip
-        index = await _known_chunks(store, job, options, base, resume_chunks, resume_parts)
-        run = _PushRun(store, options, index, progress, base, on_pack_durable, on_part_receipt)
+        index = await _known_chunks(store, job, options, base, resume)
+        run = _PushRun(store, options, index, progress, base, resume)
         with ThreadPoolExecutor(options.workers, thread_name_prefix="ferry-push") as pool:
             run.pool = pool
             run.resolver = ChunkResolver(store, index, pool, base.local_dir if base else None)
@@ -156,16 +153,16 @@ async def _known_chunks(
     job: str,
     options: TransferOptions,
     base: BasePlan | None,
-    resume_chunks: Iterable[StoredChunk],
-    resume_parts: Mapping[str, Sequence[PartReceipt]] | None,
+    resume: ResumeLog | None,
 ) -> ChunkIndex:
     """What the push can reuse: the job's recent stored chunks (dedupe), the base's, and
     those an interrupted attempt of this push left durable."""
     index = await ChunkIndex.load(store, job, options.dedupe_steps)
     if base is not None:
         index.add_manifest(base.manifest)
-    for chunk in await _still_stored(store, resume_chunks, resume_parts or {}):
-        index.add(chunk)
+    if resume is not None:
+        for chunk in await _still_stored(store, resume.chunks(), resume.parts()):
+            index.add(chunk)
     return index
 
 
@@ -229,11 +226,9 @@ class _PushRun:
         index: ChunkIndex,
         progress: Progress,
         base: BasePlan | None,
-        on_pack_durable: Callable[[list[StoredChunk]], None] | None = None,
-        on_part_receipt: Callable[[str, PartReceipt], None] | None = None,
+        resume: ResumeLog | None = None,
     ) -> None:
-        self.on_pack_durable = on_pack_durable
-        self.on_part_receipt = on_part_receipt
+        self.resume = resume
         self.store = store
         self.options = options
         self.index = index
@@ -257,14 +252,14 @@ class _PushRun:
         self.bytes_stored += nbytes
 
     def _pack_durable(self, pack_id: str, members: list[tuple[object, PackLocation]]) -> None:
-        assert self.on_pack_durable is not None
+        assert self.resume is not None
         chunks = []
         for tag, where in members:
             t = cast(_Tag, tag)
             chunks.append(
                 StoredChunk(t.cid, t.size, t.enc, pack_id, where.offset, where.stored, t.base)
             )
-        self.on_pack_durable(chunks)
+        self.resume.pack_durable(chunks)
 
     async def abandon(self) -> None:
         """Give up before the commit: packs whose chunks a caller journaled stay for a
@@ -325,8 +320,8 @@ class _PushRun:
                     pack_size=self.options.pack_size,
                     window=self.options.window,
                     on_bytes_stored=self._stored,
-                    on_pack_durable=self._pack_durable if self.on_pack_durable else None,
-                    on_part_receipt=self.on_part_receipt,
+                    on_pack_durable=self._pack_durable if self.resume else None,
+                    on_part_receipt=self.resume.part_sent if self.resume else None,
                 )
                 # one more worker than threads, so a thread is never idle waiting on the loop
                 workers = [
