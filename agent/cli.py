@@ -43,7 +43,14 @@ def _add_store_args(p: argparse.ArgumentParser) -> None:
 def _add_transfer_args(p: argparse.ArgumentParser) -> None:
     for name, kind, default, help_text in TransferSettings.knobs():
         flag = "--" + name.replace("_", "-")
-        p.add_argument(flag, type=kind, default=default, help=f"{help_text} (default {default})")
+        if kind is bool:  # a switch: --delta / --no-delta
+            on = f"{help_text} (default {'on' if default else 'off'})"
+            p.add_argument(flag, action="store_true", default=default, help=on)
+            p.add_argument("--no-" + flag[2:], dest=name, action="store_false", help=f"{flag} off")
+        else:
+            p.add_argument(
+                flag, type=kind, default=default, help=f"{help_text} (default {default})"
+            )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,7 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         help="local copy of the base checkpoint (default: a sibling step dir)",
     )
-    p.add_argument("--full", action="store_true", help="store a keyframe: no delta base")
+    p.add_argument(
+        "--full",
+        dest="delta",
+        action="store_false",
+        help="store a keyframe: no delta base (as --no-delta)",
+    )
     _add_store_args(p)
     _add_transfer_args(p)
 
@@ -232,7 +244,6 @@ async def _cmd_push(store: Store, args: argparse.Namespace) -> tuple[dict[str, A
             progress=_progress(args),
             base_step=args.base_step,
             base_dir=args.base_dir,
-            full=args.full,
             resume=journal.resume(args.job, step, store.url),
         )
         journal.remove()  # committed: its manifest references every pack

@@ -252,7 +252,9 @@ def _transfer_settings(
     if not isinstance(raw, dict):
         raise ConfigError("transfer: expected a table ([transfer])")
     tr = _typed(raw, _TRANSFER_KEYS, env, "transfer.", ENV_PREFIX + "TRANSFER_", sources)
-    chosen: dict[str, Any] = {k: _at_least(f"transfer.{k}", v, 0) for k, v in tr.items()}
+    chosen: dict[str, Any] = {
+        k: v if isinstance(v, bool) else _at_least(f"transfer.{k}", v, 0) for k, v in tr.items()
+    }
     transfer = TransferSettings(**chosen)
     try:
         transfer.to_options()
@@ -541,7 +543,7 @@ def _example_transfer_table() -> str:
     """The [transfer] keys with their defaults and what each does (from TransferSettings)."""
     lines = []
     for name, _, default, help_text in TransferSettings.knobs():
-        line = f"{name} = {default}"
+        line = f"{name} = {str(default).lower() if isinstance(default, bool) else default}"
         if name == "workers":  # the default is this machine's cores: not a value to copy
             line = f"# {line}"
         lines.append(f"{line:<25} # {help_text}")

@@ -259,6 +259,17 @@ delta_min_saving = 0.5
         load_config(write(tmp_path, bad), env={})
 
 
+def test_a_switch_in_the_transfer_table_is_true_or_false(tmp_path: Path) -> None:
+    on = load_config(write(tmp_path, 'hot_dir = "/x"\n[transfer]\ndelta = true\n'), env={})
+    assert on.transfer_options().delta is True
+    off = load_config(None, env={"FERRY_HOT_DIR": "/x", "FERRY_TRANSFER_DELTA": "0"})
+    assert off.transfer_options().delta is False
+    with pytest.raises(ConfigError, match=r"transfer\.delta: expected true or false"):
+        load_config(write(tmp_path, 'hot_dir = "/x"\n[transfer]\ndelta = 1\n'), env={})
+    with pytest.raises(ConfigError, match="FERRY_TRANSFER_DELTA: expected true or false"):
+        load_config(None, env={"FERRY_HOT_DIR": "/x", "FERRY_TRANSFER_DELTA": "maybe"})
+
+
 def test_every_transfer_tunable_is_a_cli_flag_a_config_key_and_in_the_example() -> None:
     """Declared once (TransferSettings): the CLI, the config and the example follow it."""
     from agent.cli import build_parser
@@ -266,9 +277,13 @@ def test_every_transfer_tunable_is_a_cli_flag_a_config_key_and_in_the_example() 
     example = example_toml()
     for name, kind, default, _ in TransferSettings.knobs():
         flag = "--" + name.replace("_", "-")
-        args = build_parser().parse_args(["push", "d", "s", "--job", "j", flag, str(default)])
+        if kind is bool:  # a switch: --name / --no-name
+            given, in_toml = [flag if default else "--no-" + flag[2:]], str(default).lower()
+        else:
+            given, in_toml = [flag, str(default)], str(default)
+        args = build_parser().parse_args(["push", "d", "s", "--job", "j", *given])
         assert getattr(args, name) == default and isinstance(getattr(args, name), kind)
-        assert f"{name} = {default}" in example, name
+        assert f"{name} = {in_toml}" in example, name
 
 
 # --- bandwidth and migration estimates ---------------------------------------------------

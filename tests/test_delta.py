@@ -17,7 +17,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from agent.cli import main as ferry
+from agent.config import load_config
+from agent.pushqueue import PushQueue
 from tests.conftest import adamw_series, open_test_store, tree_bytes
+from tests.test_pushqueue import agent, until
 from transfer.codec import KNOWN_ENCODINGS, decode, encode, encode_as, needs_base, plane_width
 from transfer.engine import TransferOptions, pull, push
 from transfer.engine.catalog import list_checkpoints, load_manifest
@@ -238,6 +241,64 @@ def test_full_forces_a_keyframe(
     push_json(capsys, "push", str(k0), local_url, "--job", "d", "--node", "n", *SMALL)
     r = push_json(capsys, "push", str(k1), local_url, "--job", "d", "--node", "n", "--full")
     assert r["chunks_delta"] == 0 and r["base_step"] is None
+
+
+def _push_with_the_agent(
+    saves: list[Path], url: str, job: str, delta: bool, where: str, tmp_path: Path
+) -> list[dict]:  # type: ignore[type-arg]
+    """The agent's push queue, made from a config that sets ``delta`` in the file or in the
+    environment, pushing each save as it lands in the hot dir."""
+    hot, config_file = tmp_path / f"hot-{job}", tmp_path / f"{job}.toml"
+    text = (
+        f'node = "n"\nhot_dir = "{hot}"\nstate_dir = "{tmp_path / f"state-{job}"}"\n'
+        f'tiers = ["{url}"]\nquiet_seconds = 0\n[transfer]\n'
+        "chunk_size_mib = 1\npart_size_mib = 5\npack_size_mib = 10\n"
+    )
+    env = {}
+    if where == "file":
+        text += f"delta = {str(delta).lower()}\n"
+    else:
+        env["FERRY_TRANSFER_DELTA"] = str(delta).lower()
+    config_file.write_text(text)
+    config = load_config(config_file, env=env)
+    assert config.sources["transfer.delta"].startswith(where)
+
+    async def go() -> list[dict]:  # type: ignore[type-arg]
+        queue = PushQueue.from_config(config, [(url, open_test_store(url))])
+        async with agent(queue, hot):
+            for pushed, save in enumerate(saves, 1):
+                shutil.copytree(save, hot / job / f".{save.name}")
+                (hot / job / f".{save.name}").rename(hot / job / save.name)  # whole, committed
+                await until(lambda n=pushed: queue.idle and len(queue.states()) == n)
+            return [row["result"] for row in reversed(queue.states())]
+
+    return asyncio.run(go())
+
+
+@pytest.mark.parametrize("door", ["cli", "agent file", "agent env"])
+def test_delta_off_is_reachable_from_both_front_doors(
+    door: str, local_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``delta``, declared once (TransferSettings), switched off from the CLI (``--no-delta``),
+    the agent's [transfer] table or ``FERRY_TRANSFER_DELTA``: the second save is stored with
+    no delta-coded chunk, where the same pushes with it on code some."""
+    saves = adamw_series(tmp_path / "saves", 2)
+    for delta in (True, False):
+        job = "on" if delta else "off"
+        if door == "cli":
+            argv = ["--job", job, "--node", "n", *SMALL, "--delta" if delta else "--no-delta"]
+            results = [push_json(capsys, "push", str(save), local_url, *argv) for save in saves]
+        else:
+            results = _push_with_the_agent(saves, local_url, job, delta, door[6:], tmp_path)
+        assert [r["step"] for r in results] == [20, 40]
+        coded = push_json(capsys, "ls", local_url, "--job", job)["checkpoints"]
+        if delta:
+            assert results[1]["chunks_delta"] > 0 and results[1]["base_step"] == 20
+            assert coded[1]["delta_chunks"] > 0
+        else:
+            assert [r["chunks_delta"] for r in results] == [0, 0]
+            assert results[1]["base_step"] is None and results[1]["chunks_deduped"] > 0
+            assert [c["delta_chunks"] for c in coded] == [0, 0]
 
 
 def test_a_pull_cancelled_at_any_moment_leaves_nothing_or_what_the_next_pull_resumes(

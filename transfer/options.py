@@ -78,7 +78,7 @@ MiB = 1 << 20
 _DEFAULT_TRANSFER = TransferOptions()
 
 
-def _knob(default: int | float, help: str) -> Any:
+def _knob(default: int | float | bool, help: str) -> Any:
     return field(default=default, metadata={"help": help})
 
 
@@ -97,6 +97,9 @@ class TransferSettings:
     dedupe_steps: int = _knob(
         _DEFAULT_TRANSFER.dedupe_steps, "a push dedupes against the job's newest this many steps"
     )
+    delta: bool = _knob(
+        _DEFAULT_TRANSFER.delta, "delta-code changed chunks against the previous step"
+    )
     max_chain: int = _knob(
         _DEFAULT_TRANSFER.max_chain, "most decode steps a restore may need (else a keyframe)"
     )
@@ -111,11 +114,12 @@ class TransferSettings:
     memory_mib: int = _knob(0, "cap on transfer buffers (shrinks window); 0: none")
 
     @staticmethod
-    def knobs() -> list[tuple[str, type, int | float, str]]:
-        """(name, type, default, help) of every tunable, in declaration order."""
-        kinds = {"int": int, "float": float}
+    def knobs() -> list[tuple[str, type, int | float | bool, str]]:
+        """(name, type, default, help) of every tunable, in declaration order; the type is
+        int, float or bool (a switch: ``--name`` / ``--no-name``, ``true`` / ``false``)."""
+        kinds = {"int": int, "float": float, "bool": bool}
         return [
-            (f.name, kinds[str(f.type)], cast(int | float, f.default), f.metadata["help"])
+            (f.name, kinds[str(f.type)], cast(int | float | bool, f.default), f.metadata["help"])
             for f in fields(TransferSettings)
         ]
 
@@ -129,6 +133,7 @@ class TransferSettings:
             workers=self.workers,
             zstd_level=self.zstd_level or None,
             dedupe_steps=self.dedupe_steps,
+            delta=self.delta,
             max_chain=self.max_chain,
             delta_min_saving=self.delta_min_saving,
             max_cold_cost=self.max_cold_cost,
