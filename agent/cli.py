@@ -22,6 +22,8 @@ if TYPE_CHECKING:  # the commands import what they need when they run: `ferry --
     from transfer.engine.progress import Progress
     from transfer.store.base import Store
 
+    _Commands = argparse._SubParsersAction[argparse.ArgumentParser]
+
 
 def _default_node() -> str:
     import socket
@@ -56,7 +58,13 @@ def _add_transfer_args(p: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ferry", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
+    for add in (_add_push, _add_pull, _add_listings, _add_agent, _add_estimate, _add_plan,
+                _add_demo, _add_retention, _add_pins, _add_verify):  # fmt: skip
+        add(sub)
+    return parser
 
+
+def _add_push(sub: _Commands) -> None:
     p = sub.add_parser("push", help="push a checkpoint directory to a store")
     p.add_argument("ckpt_dir", type=Path)
     p.add_argument("store_url")
@@ -78,6 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_store_args(p)
     _add_transfer_args(p)
 
+
+def _add_pull(sub: _Commands) -> None:
     p = sub.add_parser("pull", help="pull a checkpoint from a store into a new directory")
     p.add_argument("store_url")
     p.add_argument("dest_dir", type=Path)
@@ -99,6 +109,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_store_args(p)
     _add_transfer_args(p)
 
+
+def _add_listings(sub: _Commands) -> None:
     p = sub.add_parser("ls", help="list committed checkpoints")
     p.add_argument("store_url")
     p.add_argument("--job")
@@ -111,10 +123,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--job", help="only this job's steps (totals stay store-wide)")
     _add_store_args(p)
 
+
+def _add_agent(sub: _Commands) -> None:
     p = sub.add_parser("agent", help="run the node agent (RPC; prefetch, estimates, pins)")
     p.add_argument("--config", type=Path, help="TOML file; every key also FERRY_<KEY>")
     p.add_argument("--print-example-config", action="store_true")
 
+
+def _add_estimate(sub: _Commands) -> None:
     p = sub.add_parser("estimate", help="ask an agent what moving a checkpoint there costs")
     p.add_argument("agent_url", help="e.g. http://node-b:7070")
     p.add_argument("--token-file", type=Path, required=True)
@@ -124,6 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gpu-hour-price", type=float, default=0.0)
     p.add_argument("--json", action="store_true")
 
+
+def _add_plan(sub: _Commands) -> None:
     p = sub.add_parser("plan", help="badput and the checkpoint interval that minimises it")
     p.add_argument("--save-seconds", type=float, required=True, help="training stall per save")
     p.add_argument("--step-seconds", type=float, required=True, help="one training step")
@@ -134,9 +152,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--restart-seconds", type=float, default=0.0)
     p.add_argument("--json", action="store_true")
 
+
+def _add_demo(sub: _Commands) -> None:
     p = sub.add_parser("demo", help="run the whole flow on generated checkpoints")
     p.add_argument("--workdir", type=Path, help="keep everything here (default: a temp dir)")
 
+
+def _add_retention(sub: _Commands) -> None:
     p = sub.add_parser(
         "retention", help="apply a retention policy to a store: expire, demote, collect garbage"
     )
@@ -173,6 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="print the plan; change nothing")
     _add_store_args(p)
 
+
+def _add_pins(sub: _Commands) -> None:
     for name, text in (
         ("pin", "keep a step in a store: no retention deletes it until the pin expires"),
         ("unpin", "remove a pin set with `ferry pin` (or by an agent, with its --holder)"),
@@ -192,13 +216,14 @@ def build_parser() -> argparse.ArgumentParser:
             )
         _add_store_args(p)
 
+
+def _add_verify(sub: _Commands) -> None:
     p = sub.add_parser("verify", help="re-hash every stored chunk; exit 1 naming bad ones")
     p.add_argument("store_url")
     p.add_argument("--job")
     p.add_argument("--step", type=int)
     _add_store_args(p)
     _add_transfer_args(p)
-    return parser
 
 
 def _transfer_options(args: argparse.Namespace) -> TransferOptions:

@@ -553,7 +553,11 @@ def _example_transfer_table() -> str:
 def example_toml() -> str:
     """A commented example that runs as printed (``mkdir -p ckpt/hot ckpt/store`` first) on
     one node; the production values are in the comments (a test keeps it honest)."""
-    return f"""\
+    return _EXAMPLE_TOML.format(transfer=_example_transfer_table())
+
+
+# example_toml()'s text; {transfer} is the [transfer] table, made from TransferSettings
+_EXAMPLE_TOML = """\
 # ckpt-ferry node agent: `ferry agent --config ferry.toml`, from this file's directory
 # (relative paths are relative to where the agent starts). As printed it is a one-node
 # setup on this machine: checkpoints under ckpt/hot are pushed to the store ckpt/store.
@@ -605,7 +609,7 @@ standby_poll_seconds = 5.0
 standby_max_rate = "250MB"
 
 [transfer]
-{_example_transfer_table()}
+{transfer}
 
 # Without this table the agent never deletes anything. With it: every interval_seconds and
 # after each push, the hot dir and each tier are trimmed to their policy (docs/RETENTION.md).
