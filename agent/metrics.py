@@ -10,7 +10,7 @@ COUNTER, GAUGE = "counter", "gauge"
 
 #: name -> (type, help). Counters only ever grow (across one agent process).
 CATALOG: dict[str, tuple[str, str]] = {
-    # prefetch and peers (agent/rpc.py)
+    # prefetch and peers (agent/routes/status.py, prefetch.py, peers.py)
     "ferry_prefetch_started_total": (COUNTER, "prefetches requested"),
     "ferry_prefetch_queue_depth": (GAUGE, "prefetches queued or running"),
     "ferry_prefetch_total": (GAUGE, "prefetches the agent remembers, by current state"),
