@@ -31,7 +31,7 @@ from agent.logs import event
 from agent.peers import PeerSource
 from transfer.durable import fsync_dir
 from transfer.engine import TransferOptions, pull, resolve_manifests
-from transfer.engine.catalog import latest_complete_step
+from transfer.engine.catalog import resolve_checkpoint
 from transfer.engine.localcheck import local_copy_differences
 from transfer.engine.pull import ChunkSource, merge_parts
 from transfer.engine.ratelimit import RateLimit
@@ -275,10 +275,9 @@ class Prefetcher:
         requested = record.step
         for name, store in self.tiers:
             try:
-                step = requested
-                if step is None and self.expected_nodes:
-                    step = await latest_complete_step(store, record.job, self.expected_nodes)
-                manifests = await resolve_manifests(store, record.job, step)
+                manifests = await resolve_checkpoint(
+                    store, record.job, requested, self.expected_nodes
+                )
                 record.step = manifests[0].step
                 lock = self._dest_locks.setdefault((record.job, record.step), asyncio.Lock())
                 async with lock, self._store_pin(store, record):

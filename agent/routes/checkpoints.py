@@ -16,13 +16,13 @@ from agent.appkeys import CONFIG, METER, PART_SIZES, PINS, PREFETCHER, PUSHQUEUE
 from agent.estimate import PREFETCH_START_SECONDS, estimate_migration
 from agent.hotdir import LocalCheckpoint
 from agent.middleware import parse_step_arg
-from transfer.engine import list_checkpoints, resolve_manifests
+from transfer.engine import list_checkpoints
 from transfer.engine.catalog import (
     CheckpointInfo,
     complete_steps,
-    latest_complete_step,
     load_manifest,
     open_catalog,
+    resolve_checkpoint,
 )
 from transfer.engine.chunkindex import ChunkIndex
 from transfer.engine.pull import local_bases
@@ -124,10 +124,7 @@ async def get_estimate(request: web.Request) -> web.Response:
     unreachable: list[str] = []
     for name, store in request.app[TIERS]:
         try:
-            wanted = step
-            if wanted is None and config.expected_nodes:
-                wanted = await latest_complete_step(store, job, config.expected_nodes)
-            manifests = await resolve_manifests(store, job, wanted)
+            manifests = await resolve_checkpoint(store, job, step, config.expected_nodes)
             total = sum(f.size for m in manifests for f in m.files)
             here = _held_here(request.app, job, manifests[0].step)
             if here is not None:  # nothing moves: a replica is checked by stat, a copy re-hashed

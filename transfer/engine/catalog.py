@@ -138,3 +138,14 @@ async def latest_complete_step(store: Store, job: str, expected_nodes: Sequence[
     if not whole:
         raise CheckpointNotFoundError(f"no complete checkpoint of job {job!r} in {store.url}")
     return max(whole)
+
+
+async def resolve_checkpoint(
+    store: Store, job: str, step: int | None, expected_nodes: Sequence[str]
+) -> list[Manifest]:
+    """The manifests of the checkpoint a prefetch (or an estimate of one) means by ``step``:
+    ``None`` is the newest step that is complete (latest_complete_step) when the job's nodes
+    are known, else the newest step with any part (resolve_manifests)."""
+    if step is None and expected_nodes:
+        step = await latest_complete_step(store, job, expected_nodes)
+    return await resolve_manifests(store, job, step)
