@@ -429,6 +429,7 @@ class Prefetcher:
                 dest,
                 job=record.job,
                 step=record.step,
+                manifests=manifests,  # resolved once, by _fetch: not read again
                 options=self.options,
                 progress=_JobProgress(record),
                 base_dir=base,

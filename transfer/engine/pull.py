@@ -111,6 +111,7 @@ async def pull(
     job: str,
     step: int | None,
     node: str | None = None,
+    manifests: list[Manifest] | None = None,
     options: TransferOptions | None = None,
     progress: Progress | None = None,
     base_dir: Path | None = None,
@@ -122,31 +123,29 @@ async def pull(
     on_landed: Callable[[str, tuple[Path, int, int]], None] | None = None,
     on_moved: Callable[[str, int], None] | None = None,
 ) -> PullResult:
-    """Restore a checkpoint into ``dest``. ``base_dir``: a local checkpoint of the job (e.g.
-    the previous step) whose chunks are reused, after hash verification, instead of being
-    downloaded, and which supplies delta chunks' bases. ``base_manifests``: base_dir's
-    committed manifests, when known: then only the chunks they place at the same position
-    are looked for there (``_same_position``). ``chunk_source``: asked for every chunk
-    neither base_dir nor a repeat supplies, before the store (e.g. peer agents); what it
-    returns is used only when it hashes to the chunk id. ``fsync``: flush every file before
-    the rename (else the restore is renamed into place with a durable marker and settled
-    later: transfer/engine/settle.py). ``rate_limit``: a cap on the bytes moved per second (from
-    the store and the chunk source). ``own_share``: in a fan-out restore (agent/fanout.py),
-    the chunks this node fetches from the store itself, at once, while the chunk source is
-    asked for the others. ``on_landed(id, (file, offset, size))``: told as each chunk is
-    written and verified in the staging dir (the fan-out serves it from there).
-    ``on_moved(origin, n)``: told of the bytes as they move, ``"store"`` or the chunk
-    source's origin (live progress per source)."""
+    """Restore a checkpoint into ``dest``. ``manifests``: its manifests, when the caller has
+    resolved them already (catalog.resolve_checkpoint): they are not read again.
+    ``base_dir``: a local checkpoint of the job (e.g. the previous step) whose chunks are
+    reused, after hash verification, instead of being downloaded, and which supplies delta
+    chunks' bases. ``base_manifests``: base_dir's committed manifests, when known: then only
+    the chunks they place at the same position are looked for there (``_same_position``).
+    ``chunk_source``: asked for every chunk neither base_dir nor a repeat supplies, before
+    the store (e.g. peer agents); what it returns is used only when it hashes to the chunk
+    id. ``fsync``: flush every file before the rename (else the restore is renamed into
+    place with a durable marker and settled later: transfer/engine/settle.py).
+    ``rate_limit``: a cap on the bytes moved per second (from the store and the chunk
+    source). ``own_share``: in a fan-out restore (agent/fanout.py), the chunks this node
+    fetches from the store itself, at once, while the chunk source is asked for the others.
+    ``on_landed(id, (file, offset, size))``: told as each chunk is written and verified in
+    the staging dir (the fan-out serves it from there). ``on_moved(origin, n)``: told of the
+    bytes as they move, ``"store"`` or the chunk source's origin (live progress per source)."""
     options = options or TransferOptions()
     progress = progress or NoProgress()
     started = time.monotonic()
-    manifests = await resolve_manifests(store, job, step, node)
+    manifests = manifests or await resolve_manifests(store, job, step, node)
     if base_dir is not None and base_manifests is None:
         base_manifests = await _manifests_named_by(store, job, base_dir)
-    files = [f for f, _ in merge_parts(manifests)]
-    index = _checked_index(manifests)
-    targets, hints = _plan_targets(files)
-
+    files, index, targets, hints = _plan(manifests)
     staging = await _to_thread_to_the_end(open_staging, dest)
     async with _kept_if_resumable(staging):
         await _to_thread_to_the_end(create_files, staging, files, targets)
@@ -184,6 +183,14 @@ async def _kept_if_resumable(staging: Staging) -> AsyncIterator[None]:
 
 
 Targets = dict[str, list[tuple[int, int]]]  # chunk id -> [(file index, offset)] to write it
+Hints = dict[str, tuple[str, int]]  # chunk id -> its first (path, offset)
+
+
+def _plan(manifests: list[Manifest]) -> tuple[list[FileEntry], ChunkIndex, Targets, Hints]:
+    """The one file list of every part, the checked chunk index, and where each chunk is
+    written and first found (_plan_targets)."""
+    files = [f for f, _ in merge_parts(manifests)]
+    return (files, _checked_index(manifests), *_plan_targets(files))
 
 
 def _checked_index(manifests: list[Manifest]) -> ChunkIndex:
@@ -197,12 +204,12 @@ def _checked_index(manifests: list[Manifest]) -> ChunkIndex:
     return index
 
 
-def _plan_targets(files: list[FileEntry]) -> tuple[Targets, dict[str, tuple[str, int]]]:
+def _plan_targets(files: list[FileEntry]) -> tuple[Targets, Hints]:
     """Where each chunk is written, and its first position (path, offset): the hint for
     finding it, or its base, in a local copy. All-zero chunks are left out: the staging
     files start zero-filled (sparse)."""
     targets: Targets = defaultdict(list)
-    hints: dict[str, tuple[str, int]] = {}
+    hints: Hints = {}
     for fi, f in enumerate(files):
         for offset, c in f.chunk_offsets():
             if c.id != _zero_chunk_id(c.size):
@@ -230,7 +237,7 @@ class _Restore:
         staging: Staging,
         files: list[FileEntry],
         targets: Targets,
-        hints: dict[str, tuple[str, int]],
+        hints: Hints,
         out: StagingFiles,
         progress: Progress,
         options: TransferOptions,
@@ -489,7 +496,7 @@ def local_bases(
 
 def _same_position(
     targets: dict[str, list[tuple[int, int]]],
-    hints: dict[str, tuple[str, int]],
+    hints: Hints,
     base_manifests: list[Manifest] | None,
 ) -> list[str]:
     """The target chunks worth looking for in base_dir: all of them, or with its manifests
@@ -507,7 +514,7 @@ async def _reuse_local(
     resolver: ChunkResolver,
     index: ChunkIndex,
     candidates: list[str],
-    hints: dict[str, tuple[str, int]],
+    hints: Hints,
     write: Callable[[StoredChunk, Buffer], None],
     window: int,
     root: Path | None = None,
