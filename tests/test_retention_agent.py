@@ -22,7 +22,7 @@ from agent.hotdir import HotDir
 from agent.hotretention import EVICTING_MARK, plan_hot, sweep_evictions
 from agent.journal import Journal
 from tests.conftest import adamw_series, open_test_store
-from tests.test_agent_rpc import TOKEN, agent
+from tests.harness import TOKEN, agent
 from transfer.engine import list_checkpoints
 
 JOB = "llm"
