@@ -1,20 +1,27 @@
 """The node's hot directory, ``<hot_dir>/<job>/step_<N>/``: where training saves and
 prefetches land. One home for its layout: which entries are checkpoints (visible
 directories with a job's and a step's name, no symlinks), which are committed (the commit
-marker is there), and how a step's directory is named.
+marker is there), how a step's directory is named, and how one is evicted (renamed to a
+hidden ``.<name>.evicting-*`` first, so training and prefetch never see half a directory;
+what a crash leaves of that is swept at start).
 
-Hidden entries (a leading dot) are never checkpoints: the agent's state dir, pull staging
-dirs (``.<name>.ferry-staging-*``), eviction leftovers and settle markers live beside them.
+Hidden entries (a leading dot: ``is_hidden``) are never checkpoints: the agent's state dir,
+pull staging dirs (``.<name>.ferry-staging-*``), eviction leftovers and settle markers live
+beside them.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 from transfer.errors import FerryError
 from transfer.format.names import check_name, step_from_dirname
+
+EVICTING_MARK = ".evicting-"  # in a step dir's hidden name while an eviction deletes it
 
 
 @dataclass(frozen=True)
@@ -82,6 +89,25 @@ class HotDir:
         """Committed step directories of every job."""
         return [c for job in self.jobs() for c in self.checkpoints(job)]
 
+    def evict(self, step_dir: Path) -> None:
+        """Delete a step directory: renamed to a hidden name first (atomic: training and
+        prefetch never see half a directory), then deleted. A crash in between leaves the
+        hidden ``.<name>.evicting-<hex>`` directory, which ``sweep_evictions`` deletes."""
+        hidden = step_dir.with_name(f".{step_dir.name}{EVICTING_MARK}{secrets.token_hex(4)}")
+        os.rename(step_dir, hidden)
+        shutil.rmtree(hidden)
+
+    def sweep_evictions(self) -> list[Path]:
+        """Delete the directories an eviction renamed but did not finish deleting (a
+        crash); returns them."""
+        swept = []
+        for job in self.jobs():
+            for entry in _dirs(self.job_path(job)):
+                if is_hidden(entry.name) and EVICTING_MARK in entry.name:
+                    shutil.rmtree(entry.path, ignore_errors=True)
+                    swept.append(Path(entry.path))
+        return swept
+
 
 def step_dir_name(step: int) -> str:
     return f"step_{step:06d}"
@@ -92,9 +118,14 @@ def is_hidden(name: str) -> bool:
 
 
 def _visible_dirs(path: Path, *, strict: bool = False) -> list[os.DirEntry[str]]:
-    """Directories in ``path`` that are neither hidden nor symlinks; none if it does not
-    exist (training has not made it yet). Unreadable: an OSError when ``strict`` (the hot
-    dir itself: the watcher says so), else none (a job's dir: skipped this poll)."""
+    """Directories in ``path`` that are neither hidden nor symlinks (see ``_dirs``)."""
+    return [e for e in _dirs(path, strict=strict) if not is_hidden(e.name)]
+
+
+def _dirs(path: Path, *, strict: bool = False) -> list[os.DirEntry[str]]:
+    """Directories in ``path`` that are not symlinks; none if it does not exist (training
+    has not made it yet). Unreadable: an OSError when ``strict`` (the hot dir itself: the
+    watcher says so), else none (a job's dir: skipped this poll)."""
     try:
         entries = list(os.scandir(path))
     except FileNotFoundError:
@@ -103,4 +134,4 @@ def _visible_dirs(path: Path, *, strict: bool = False) -> list[os.DirEntry[str]]
         if strict:
             raise
         return []
-    return [e for e in entries if not is_hidden(e.name) and e.is_dir(follow_symlinks=False)]
+    return [e for e in entries if e.is_dir(follow_symlinks=False)]

@@ -7,9 +7,8 @@ A step is evictable when a colder tier holds it (this node's part, or every part
 checkpoint restored here, checked structurally), or when it expired there: this node pushed
 or restored it once and no tier has it any more, so the tiers' policies let it go. Steps
 in use (a prefetch writes or reads them, a push is pending or reads one as its delta base),
-pinned steps and uncommitted directories are never touched. Eviction renames the directory
-to a hidden name first (atomic: training and prefetch never see half a directory), then
-deletes it; a crash in between leaves a hidden ``*.evicting-*`` directory, swept at start.
+pinned steps and uncommitted directories are never touched. How a directory is evicted
+(atomically, crash-safe) is the hot dir's: ``HotDir.evict`` and ``HotDir.sweep_evictions``.
 """
 
 from __future__ import annotations
@@ -18,14 +17,12 @@ import asyncio
 import contextlib
 import logging
 import os
-import secrets
-import shutil
 from collections.abc import Collection, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
 
-from agent.hotdir import HotDir, LocalCheckpoint, is_hidden
+from agent.hotdir import HotDir, LocalCheckpoint
 from agent.journal import Journal
 from agent.logs import event
 from transfer.engine import list_checkpoints
@@ -38,7 +35,6 @@ from transfer.store.base import Store
 
 log = logging.getLogger(__name__)
 
-EVICTING_MARK = ".evicting-"
 MIN_KEEP_LAST = 2
 Key = tuple[str, int]
 
@@ -157,7 +153,9 @@ async def _by_rank(
     return decisions, evictable
 
 
-async def apply_hot(plan: HotPlan, journal: Journal, protected: Collection[Key]) -> HotPlan:
+async def apply_hot(
+    hot: HotDir, plan: HotPlan, journal: Journal, protected: Collection[Key]
+) -> HotPlan:
     """Evict what the plan says (re-checking that nothing took a hold meanwhile)."""
     for s in plan.steps:
         if s.action != "evict":
@@ -166,7 +164,7 @@ async def apply_hot(plan: HotPlan, journal: Journal, protected: Collection[Key])
             plan.errors.append(f"{s.job} step {s.step} came into use; kept")
             continue
         try:
-            await asyncio.to_thread(_evict, Path(s.path))
+            await asyncio.to_thread(hot.evict, Path(s.path))
         except OSError as exc:
             plan.errors.append(f"could not evict {s.path}: {exc}")
             continue
@@ -175,17 +173,6 @@ async def apply_hot(plan: HotPlan, journal: Journal, protected: Collection[Key])
         event(log, "hot_evicted", job=s.job, step=s.step, path=s.path, bytes=s.bytes,
               reason=s.reason)  # fmt: skip
     return plan
-
-
-def sweep_evictions(hot: HotDir) -> list[Path]:
-    """Delete directories an eviction renamed but did not finish deleting (a crash)."""
-    swept = []
-    for job in hot.jobs():
-        for entry in hot.job_path(job).iterdir():
-            if is_hidden(entry.name) and EVICTING_MARK in entry.name and entry.is_dir():
-                shutil.rmtree(entry, ignore_errors=True)
-                swept.append(entry)
-    return swept
 
 
 class _DurabilityCheck:
@@ -281,9 +268,3 @@ def _tree_bytes(root: Path) -> int:
             with contextlib.suppress(FileNotFoundError):
                 total += os.lstat(os.path.join(dirpath, name)).st_size
     return total
-
-
-def _evict(path: Path) -> None:
-    hidden = path.with_name(f".{path.name}{EVICTING_MARK}{secrets.token_hex(4)}")
-    os.rename(path, hidden)
-    shutil.rmtree(hidden)

@@ -19,7 +19,7 @@ from typing import Any
 from agent.config import RetentionSettings
 from agent.holds import Key, StepHolds
 from agent.hotdir import HotDir
-from agent.hotretention import apply_hot, plan_hot, sweep_evictions
+from agent.hotretention import apply_hot, plan_hot
 from agent.journal import Journal
 from agent.logs import event
 from agent.metrics import Metrics
@@ -59,7 +59,7 @@ class RetentionRunner:
         self.last: dict[str, Any] | None = None
         self._wake = asyncio.Event()
         self._lock = asyncio.Lock()
-        swept = sweep_evictions(hot_dir)
+        swept = hot_dir.sweep_evictions()
         if swept:
             log.info("removed %d half-evicted directories", len(swept))
 
@@ -104,7 +104,7 @@ class RetentionRunner:
                 protected=self._protected(),
             )
             if not dry_run:
-                hot = await apply_hot(hot, self.journal, self._protected())
+                hot = await apply_hot(self.hot_dir, hot, self.journal, self._protected())
             report["hot"] = hot.to_dict()
             tiers = [
                 Tier(store, self.settings.tier_policy(i)) for i, (_, store) in enumerate(self.tiers)

@@ -29,7 +29,7 @@ import numpy as np
 import pytest
 
 from agent.client import FerryClient
-from tests.test_agent_rpc import free_port
+from tests.harness import reserve_port
 from transfer.engine import TransferOptions, list_checkpoints, pull, push
 from transfer.store import StoreOptions, open_store
 
@@ -135,7 +135,7 @@ def make_node(
     if not token_file.exists():
         token_file.write_text(TOKEN + "\n")
         token_file.chmod(0o600)
-    port = port or free_port()
+    port = port or reserve_port()
     hot = tmp_path / f"hot-{name}"
     hot.mkdir(exist_ok=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith("FERRY_")}
@@ -242,7 +242,7 @@ def prefetch_ids(stdout: str) -> dict[str, str]:
 
 
 def test_scheduler_scale_down_onto_two_survivors(s3_url: str, tmp_path: Path) -> None:
-    ports = {name: free_port() for name in "abc"}
+    ports = {name: reserve_port() for name in "abc"}
     urls = {name: f"http://127.0.0.1:{p}" for name, p in ports.items()}
     nodes = {
         name: make_node(

@@ -12,79 +12,24 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from pathlib import Path
 
 import aiohttp
 import pytest
-from aiohttp import web
 
 from agent.cli import main as ferry
 from agent.client import FerryClient, RpcError
-from agent.config import load_config
-from agent.rpc import create_app
 from tests.conftest import adamw_series, tree_bytes
-from transfer.engine import TransferOptions, push
+from tests.harness import (
+    TOKEN,
+    DyingProxy,
+    agent,
+    peer_agent,
+    prefetch_through,
+    push_series,
+    reserve_port,
+)
 from transfer.store import open_store
-
-TOKEN = "s3cret-token"
-OPTS = TransferOptions(chunk_size=1 << 20, part_size=5 << 20, pack_size=10 << 20)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-@asynccontextmanager
-async def agent(
-    hot: Path,
-    tiers: list[str],
-    node: str = "b",
-    peers: tuple[str, ...] = (),
-    extra_env: dict[str, str] | None = None,
-    config_text: str | None = None,
-) -> AsyncIterator[str]:
-    """A real agent app on a loopback port; yields its base URL. ``config_text``: a TOML
-    config file (for what the environment cannot say, like retention tiers)."""
-    port = free_port()
-    env = {
-        "FERRY_NODE": node,
-        "FERRY_HOT_DIR": str(hot),
-        "FERRY_TIERS": ",".join(tiers),
-        "FERRY_PEERS": ",".join(peers),
-        "FERRY_LISTEN": f"127.0.0.1:{port}",
-        "FERRY_TRANSFER_CHUNK_SIZE_MIB": "1",
-        "FERRY_TRANSFER_PART_SIZE_MIB": "5",
-        "FERRY_TRANSFER_PACK_SIZE_MIB": "10",
-        "FERRY_QUIET_SECONDS": "0.2",
-        **(extra_env or {}),
-    }
-    if "AWS_ENDPOINT_URL" in os.environ:
-        env["FERRY_ENDPOINT_URL"] = os.environ["AWS_ENDPOINT_URL"]
-    config_file = None
-    if config_text is not None:
-        config_file = hot.parent / f"ferry-{node}.toml"
-        config_file.write_text(config_text)
-    runner = web.AppRunner(create_app(load_config(config_file, env), TOKEN))
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()
-
-
-async def push_series(store_url: str, dirs: list[Path], node: str = "a") -> None:
-    store = open_store(store_url)
-    try:
-        for d in dirs:
-            step = int(d.name.split("_")[1])
-            await push(store, d, job="llm", step=step, node=node, options=OPTS)
-    finally:
-        await store.close()
 
 
 def test_auth_is_required_everywhere_but_health(local_url: str, tmp_path: Path) -> None:
@@ -224,7 +169,7 @@ def test_ferry_agent_process_serves_and_stops_on_sigterm(
     asyncio.run(push_series(local_url, [k0]))
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN + "\n")
-    port = free_port()
+    port = reserve_port()
     env = dict(
         os.environ,
         FERRY_NODE="proc",
@@ -279,7 +224,7 @@ def test_the_printed_example_config_runs_as_printed(tmp_path: Path) -> None:
     (tmp_path / "ferry.toml").write_text(printed.stdout)
     (tmp_path / "ckpt" / "hot").mkdir(parents=True)
     (tmp_path / "ckpt" / "store").mkdir()
-    port = free_port()  # the one value changed: 7070 may be taken on a shared machine
+    port = reserve_port()  # the one value changed: 7070 may be taken on a shared machine
     proc = subprocess.Popen(
         [*ferry_cmd, "agent", "--config", "ferry.toml"],
         cwd=tmp_path, env={**env, "FERRY_LISTEN": f"127.0.0.1:{port}"},
@@ -318,61 +263,6 @@ def test_plan_finds_youngs_interval(capsys: pytest.CaptureFixture[str]) -> None:
     doc = json.loads(capsys.readouterr().out)
     assert doc["optimal_interval_steps"] == 569  # sqrt(2 x 30 s x 6 h) = 1138 s = 569 steps
     assert doc["optimal_badput"] < doc["current_badput"]
-
-
-def peer_agent(hot: Path, tiers: list[str], peers: list[str], node: str):  # type: ignore[no-untyped-def]
-    """agent() with peers configured."""
-    return agent(hot, tiers, node, tuple(peers))
-
-
-class DyingProxy:
-    """A real HTTP proxy in front of a peer that forwards ``budget`` chunk requests and then
-    goes away (its port closes), as a node that dies in the middle of a prefetch does."""
-
-    def __init__(self, target: str, budget: int) -> None:
-        self.target, self.budget, self.served = target, budget, 0
-        self.port = free_port()
-        self.runner: web.AppRunner | None = None
-
-    async def handle(self, request: web.Request) -> web.Response:
-        if self.served >= self.budget:
-            asyncio.get_running_loop().call_soon(asyncio.ensure_future, self.stop())
-            raise web.HTTPServiceUnavailable()
-        self.served += 1
-        async with (
-            aiohttp.ClientSession() as s,
-            s.get(
-                self.target + request.path,
-                headers={"Authorization": request.headers["Authorization"]},
-            ) as r,
-        ):
-            return web.Response(status=r.status, body=await r.read())
-
-    async def start(self) -> str:
-        app = web.Application()
-        app.router.add_get("/v1/chunks/{id}", self.handle)
-        self.runner = web.AppRunner(app)
-        await self.runner.setup()
-        await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
-        return f"http://127.0.0.1:{self.port}"
-
-    async def stop(self) -> None:
-        if self.runner is not None:
-            runner, self.runner = self.runner, None
-            await runner.cleanup()
-
-
-async def prefetch_through(proxy: DyingProxy, hot: Path, tiers: list[str], node: str) -> dict:  # type: ignore[type-arg]
-    """Prefetch the latest "llm" onto a new agent whose only peer is ``proxy``."""
-    url_proxy = await proxy.start()
-    try:
-        async with (
-            peer_agent(hot, tiers, [url_proxy], node) as url,
-            FerryClient(url, TOKEN) as client,
-        ):
-            return await client.wait_prefetch(await client.prefetch("llm"), within_s=60)
-    finally:
-        await proxy.stop()
 
 
 def test_prefetch_prefers_peers_and_survives_a_peer_dying(local_url: str, tmp_path: Path) -> None:

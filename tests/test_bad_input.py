@@ -12,7 +12,7 @@ import pytest
 from agent.cli import main as ferry
 from agent.client import FerryClient
 from tests.conftest import make_checkpoint, open_test_store, store_objects, tree_bytes, write_file
-from tests.test_agent_rpc import TOKEN, agent, push_series
+from tests.harness import TOKEN, agent, push_series
 from transfer.format.layout import PACKS_PREFIX, manifest_key
 
 SMALL = ["--chunk-size-mib", "1", "--part-size-mib", "5", "--pack-size-mib", "10"]

@@ -16,7 +16,7 @@ from aiohttp import web
 from agent.cli import main as ferry
 from agent.client import FerryClient
 from tests.conftest import adamw_series, make_checkpoint, open_test_store, tree_bytes
-from tests.test_agent_rpc import TOKEN, DyingProxy, agent, prefetch_through, push_series
+from tests.harness import TOKEN, DyingProxy, agent, prefetch_through, push_series
 from transfer.engine.catalog import load_manifest
 from transfer.format.layout import pack_key
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from agent.client import FerryClient
 from tests.conftest import adamw_series, prefetched
-from tests.test_agent_rpc import TOKEN, agent, peer_agent, push_series
+from tests.harness import TOKEN, agent, peer_agent, push_series
 
 
 def test_the_estimate_names_the_peer_that_will_serve_and_probes_it_first(

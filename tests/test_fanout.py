@@ -16,7 +16,7 @@ from agent.fanout import WAIT_SECONDS, owner_of
 from agent.hotdir import HotDir
 from tests.conftest import random_bytes, tree_bytes
 from tests.faultproxy import FaultProxy
-from tests.test_agent_rpc import TOKEN, agent, free_port, push_series
+from tests.harness import TOKEN, agent, push_series, reserve_port
 from tests.test_pushqueue import save
 
 JOB = "llm"
@@ -42,7 +42,7 @@ async def _prefetch_together(
         for i in range(idle):
             hot = tmp_path / f"{tag}-idle-{i}" / "hot"
             idlers.append(await stack.enter_async_context(agent(hot, [s3_url], node=f"i{i}")))
-        members = urls + idlers + [f"http://127.0.0.1:{free_port()}" for _ in range(dead)]
+        members = urls + idlers + [f"http://127.0.0.1:{reserve_port()}" for _ in range(dead)]
         clients = [await stack.enter_async_context(FerryClient(u, TOKEN)) for u in urls]
         ids = [
             await c.prefetch(JOB, 10, fanout=(members, u) if fanout else None)

@@ -18,11 +18,11 @@ import pytest
 
 from agent.client import FerryClient
 from agent.holds import StepHolds
-from agent.hotdir import HotDir
-from agent.hotretention import EVICTING_MARK, plan_hot, sweep_evictions
+from agent.hotdir import EVICTING_MARK, HotDir
+from agent.hotretention import plan_hot
 from agent.journal import Journal
 from tests.conftest import adamw_series, open_test_store
-from tests.test_agent_rpc import TOKEN, agent
+from tests.harness import TOKEN, agent
 from transfer.engine import list_checkpoints
 
 JOB = "llm"
@@ -225,7 +225,7 @@ def test_a_crash_mid_eviction_is_swept(tmp_path: Path) -> None:
     (d,) = adamw_series(hot / JOB, 1)
     half = d.with_name(f".{d.name}{EVICTING_MARK}dead")
     d.rename(half)
-    assert sweep_evictions(HotDir(hot, ".metadata")) == [half] and not half.exists()
+    assert HotDir(hot, ".metadata").sweep_evictions() == [half] and not half.exists()
 
 
 def test_hot_dir_on_a_small_tmpfs_keeps_min_free(local_url: str, tmp_path: Path) -> None:

@@ -10,7 +10,7 @@ from typing import Any
 
 from agent.client import FerryClient
 from tests.conftest import adamw_series, prefetched, tree_bytes
-from tests.test_agent_rpc import TOKEN, agent, push_series
+from tests.harness import TOKEN, agent, push_series
 from transfer.engine.ratelimit import RateLimit
 
 FAST = {"FERRY_STANDBY_POLL_SECONDS": "0.1", "FERRY_STANDBY_MAX_RATE": "0"}
