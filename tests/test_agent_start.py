@@ -14,7 +14,7 @@ from agent import rpc
 from agent.config import load_config
 from agent.daemon import serve
 from agent.pushqueue import JOURNAL_FILE
-from tests.test_agent_rpc import TOKEN, free_port
+from tests.harness import TOKEN, reserve_port
 from transfer.store import StoreOptions
 from transfer.store.base import Store
 
@@ -46,7 +46,7 @@ def test_a_failed_start_releases_exactly_what_started(
         "FERRY_HOT_DIR": str(hot),
         "FERRY_STATE_DIR": str(tmp_path / "state"),
         "FERRY_TIERS": ",".join(str(d) for d in tiers),
-        "FERRY_LISTEN": f"127.0.0.1:{free_port()}",
+        "FERRY_LISTEN": f"127.0.0.1:{reserve_port()}",
     }
     config = load_config(None, env)
     opened: list[str] = []
