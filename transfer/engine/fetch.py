@@ -25,7 +25,7 @@ import concurrent.futures
 import os
 import threading
 from collections import defaultdict
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +36,7 @@ from transfer.engine.ratelimit import RateLimit
 from transfer.engine.resolver import ChunkResolver, Hint, read_local_into
 from transfer.errors import IntegrityError, NotFoundError, RangeNotSatisfiableError
 from transfer.format.layout import pack_key
-from transfer.store.base import RangeReader
+from transfer.store.base import RangeReader, RangeStream
 
 _MAX_GAP = 256 << 10  # read through gaps this small rather than issue another request
 
@@ -82,6 +82,13 @@ READERS_PER_CORE = 2
 #: peak RSS, 16 MiB 7.6-7.9 s and 205 MB, 32 MiB 7.4-7.7 s and 330 MB.
 READ_RANGE_BYTES = 16 << 20
 
+#: The cap on one ranged GET from a reader that streams (RangeReader.stream: each chunk is
+#: received into one chunk's room and finished before the next arrives, so the range's
+#: length costs no memory). Longer requests cost SeaweedFS less per byte: reading the
+#: corpus's 2.7 GB of packs from 4 threads, server CPU 4.1-5.0 s in 16 MiB ranges against
+#: 3.9 s in 64 MiB ones.
+STREAM_RANGE_BYTES = 64 << 20
+
 Sink = Callable[[StoredChunk, Buffer], None]
 BadChunk = Callable[[StoredChunk, str], None]
 
@@ -103,16 +110,20 @@ async def fetch_chunks(
     Without ``on_bad`` the first bad chunk raises IntegrityError; with it, bad chunks are
     reported and the rest are still checked.
     """
-    ranges = plan_ranges(chunks, max(part_size, READ_RANGE_BYTES))
-    if not ranges:
+    chunks = list(chunks)
+    if not chunks:
         return
     reader = await asyncio.to_thread(resolver.store.range_reader)
+    streaming = reader is not None and await asyncio.to_thread(reader.streams)
+    cap = STREAM_RANGE_BYTES if streaming else max(part_size, READ_RANGE_BYTES)
+    ranges = plan_ranges(chunks, cap)
     fetch = _Fetch(resolver, sink, hints or {}, on_bad, rate_limit)
     if reader is None:
         await fetch.run_async(ranges, window)
     else:
         readers = min(window, READERS_PER_CORE * (os.cpu_count() or 1))
-        await fetch.run_threaded(reader, ranges, min(readers, len(ranges)))
+        room = max(c.stored for c in chunks) if streaming else None
+        await fetch.run_threaded(reader, ranges, min(readers, len(ranges)), room)
 
 
 class _ThreadBuffers(threading.local):
@@ -180,25 +191,75 @@ class _Fetch:
 
     def read_and_finish(
         self, reader: RangeReader, r: _Range, buf: memoryview
-    ) -> tuple[int, list[StoredChunk]]:
+    ) -> tuple[int, list[tuple[StoredChunk, Buffer]]]:
         """In a reader thread: receive one range and finish what can be finished here.
-        Returns (bytes received, chunks left to the loop: their payloads stay in ``buf``)."""
+        Returns (bytes received, chunks left to the loop with their payloads)."""
         if self.rate_limit is not None:
-            self.rate_limit.take(len(buf))
+            self.rate_limit.take(r.end - r.start)
+        stream = reader.stream(pack_key(r.pack_id), r.start, r.end)
+        if stream is None:
+            with self.resolver.clock.timing("receive"):
+                got = reader.read_into(pack_key(r.pack_id), r.start, buf)
+            view = buf[:got]
+            at = r.start
+            pieces = ((c, view[c.offset - at : c.offset - at + c.stored]) for c in r.chunks)
+            return got, self._finish_all(pieces, copy=False)
+        with stream:
+            return self._finish_streamed(reader, stream, r, buf)
+
+    def _finish_streamed(
+        self, reader: RangeReader, stream: RangeStream, r: _Range, buf: memoryview
+    ) -> tuple[int, list[tuple[StoredChunk, Buffer]]]:
+        """Each chunk's payload received into ``buf`` (one chunk's room) as the reply
+        streams past, finished before the next arrives."""
+        received = 0
+        pos = r.start
+
+        def pieces() -> Iterator[tuple[StoredChunk, Buffer]]:
+            nonlocal received, pos
+            for c in r.chunks:
+                if c.offset < pos:  # overlaps the one before (a corrupt index): on its own
+                    yield c, self._read_alone(reader, c)
+                    continue
+                while pos < c.offset:  # a small gap between chunks: read through it
+                    gap = buf[: min(len(buf), c.offset - pos)]
+                    n = self._fill(stream, gap)
+                    received += n
+                    pos += n
+                    if n < len(gap):
+                        break
+                view = buf[: c.stored]
+                n = self._fill(stream, view)
+                received += n
+                pos += n
+                yield c, view[:n]
+
+        left = self._finish_all(pieces(), copy=True)  # (receives as it goes)
+        return received, left
+
+    def _read_alone(self, reader: RangeReader, c: StoredChunk) -> Buffer:
+        data = memoryview(bytearray(c.stored))
+        return data[: reader.read_into(pack_key(c.pack_id), c.offset, data)]
+
+    def _fill(self, stream: RangeStream, view: memoryview) -> int:
         with self.resolver.clock.timing("receive"):
-            got = reader.read_into(pack_key(r.pack_id), r.start, buf)
-        view = buf[:got]
-        left: list[StoredChunk] = []
-        for c in r.chunks:
-            lo = c.offset - r.start
+            return stream.fill(view)
+
+    def _finish_all(
+        self, pieces: Iterable[tuple[StoredChunk, Buffer]], *, copy: bool
+    ) -> list[tuple[StoredChunk, Buffer]]:
+        """Finish each (chunk, payload) here; those left to the loop come back (their
+        payloads copied when ``copy``: the buffer is about to be reused)."""
+        left: list[tuple[StoredChunk, Buffer]] = []
+        for c, payload in pieces:
             try:
-                if not self.finish_in_thread(c, view[lo : lo + c.stored]):
-                    left.append(c)
+                if not self.finish_in_thread(c, payload):
+                    left.append((c, bytes(payload) if copy else payload))
             except IntegrityError as exc:
                 if self.on_bad is None:
                     raise
                 self.on_bad(c, str(exc))
-        return got, left
+        return left
 
     def finish(self, c: StoredChunk, payload: Buffer, base: Buffer | None) -> None:
         """Decode, verify, sink (in a thread)."""
@@ -246,19 +307,24 @@ class _Fetch:
 
         await _run_workers(worker, min(window, len(ranges)))
 
-    async def run_threaded(self, reader: RangeReader, ranges: list[_Range], readers: int) -> None:
+    async def run_threaded(
+        self, reader: RangeReader, ranges: list[_Range], readers: int, room: int | None
+    ) -> None:
+        """``room``: the receive buffer's size when the reader streams (one chunk's payload
+        at a time), else None: each range is received whole."""
         pending = iter(ranges)
-        running: set[concurrent.futures.Future[tuple[int, list[StoredChunk]]]] = set()
+        running: set[concurrent.futures.Future[tuple[int, list[tuple[StoredChunk, Buffer]]]]]
+        running = set()
         pool = concurrent.futures.ThreadPoolExecutor(readers, thread_name_prefix="ferry-get")
 
-        # one receive buffer per worker, sized for the longest range and reused for every
-        # range: growing it range by range re-allocated (and zero-filled) 15 times per pull
-        longest = max(r.end - r.start for r in ranges)
+        # one receive buffer per worker, sized once and reused for every range: growing it
+        # range by range re-allocated (and zero-filled) 15 times per pull
+        longest = room or max(r.end - r.start for r in ranges)
 
         async def worker() -> None:
             buf = memoryview(b"")
             for r in pending:
-                need = r.end - r.start
+                need = longest if room else r.end - r.start
                 if len(buf) < need:
                     buf = memoryview(bytearray(longest))
                 job = pool.submit(self.read_and_finish, reader, r, buf[:need])
@@ -270,9 +336,8 @@ class _Fetch:
                     self.unreadable(r, exc)
                     continue
                 self.resolver.on_bytes_read(got)
-                for c in left:
-                    lo = c.offset - r.start
-                    await self.one(c, buf[lo : lo + c.stored])  # decode reads the buffer
+                for c, payload in left:
+                    await self.one(c, payload)  # decode reads the payload (maybe in buf)
 
         try:
             await _run_workers(worker, readers)

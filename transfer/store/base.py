@@ -87,8 +87,38 @@ class RangeReader(ABC):
         """Fill ``buf`` with the object's bytes from ``start``; returns how many it had
         there (fewer than ``len(buf)`` only at the object's end)."""
 
+    def streams(self) -> bool:
+        """True when ``stream`` answers (a reader may then plan long ranges)."""
+        return False
+
+    def stream(self, key: str, start: int, end: int) -> RangeStream | None:
+        """Bytes ``start``..``end`` of the object as one request read piece by piece, or
+        None where each read is a request of its own (then use ``read_into``). Why: a
+        reader can take a long range in one request (cheaper per byte for the server)
+        without holding a buffer the size of it."""
+        return None
+
     def close(self) -> None:  # noqa: B027  # optional hook
         """Release connections."""
+
+
+class RangeStream(ABC):
+    """One ranged read's bytes, in order (RangeReader.stream); retried from where it stood
+    when the connection fails. A context manager: leave it to release the request."""
+
+    @abstractmethod
+    def fill(self, buf: memoryview) -> int:
+        """Fill ``buf`` with the next bytes; how many there were (fewer only at the
+        object's end)."""
+
+    def __enter__(self) -> RangeStream:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:  # noqa: B027  # optional hook
+        """Give up the rest (an unread remainder closes its connection)."""
 
 
 class Store(ABC):

@@ -55,11 +55,13 @@ def _transient_types() -> tuple[type[BaseException], ...]:
 
 
 class ReplyError(Exception):
-    """An HTTP error reply from a client that does not type it (obstore): its status."""
+    """An HTTP error reply from a client that does not type it (obstore, s3ranges): its
+    status, and the S3 error code when the reply named one."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, code: str | None = None) -> None:
         super().__init__(message)
         self.status = status
+        self.code = code
 
 
 class ShortBodyError(Exception):
@@ -68,6 +70,8 @@ class ShortBodyError(Exception):
 
 
 def _error_code(exc: BaseException) -> str | None:
+    if isinstance(exc, ReplyError):
+        return exc.code
     response = getattr(exc, "response", None)
     if isinstance(response, dict):
         code = response.get("Error", {}).get("Code")

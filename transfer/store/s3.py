@@ -27,6 +27,7 @@ from transfer.store.base import (
     PendingUpload,
     PendingUploads,
     RangeReader,
+    RangeStream,
     Store,
     Upload,
     check_key,
@@ -162,6 +163,13 @@ class _S3Ranges(RangeReader):
     def read_into(self, key: str, start: int, buf: memoryview) -> int:
         store = self._store
         return store.client.read_into(store.full_key(key), start, buf, f"get {key}")
+
+    def streams(self) -> bool:
+        return self._store.client.streams()
+
+    def stream(self, key: str, start: int, end: int) -> RangeStream | None:
+        store = self._store
+        return store.client.stream(store.full_key(key), start, end, f"get {key}")
 
 
 class S3Store(Store):

@@ -16,6 +16,7 @@ or slow MinIO and SeaweedFS; each PUT carries an explicit CRC32 or Content-MD5 i
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,6 +29,7 @@ from transfer.errors import (
     RangeNotSatisfiableError,
     StoreError,
 )
+from transfer.store.base import RangeStream
 from transfer.store.retry import RetryPolicy, http_status
 
 T = TypeVar("T")
@@ -67,6 +69,20 @@ class S3Settings:
     read_timeout: float = 60.0
 
 
+def region_of(endpoint_url: str | None) -> str:
+    """The region requests are signed for: the environment's, else (AWS itself) the
+    configured profile's; a custom endpoint accepts any."""
+    region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
+    if region or endpoint_url:
+        return region or "us-east-1"
+    import botocore.session  # the region of the configured profile
+
+    return botocore.session.get_session().get_config_variable("region") or "us-east-1"
+
+
+_UNSET: Any = object()
+
+
 class S3Client:
     """Thread-safe; each transport is made on first use (a command that never reads, or
     never writes, does not load that one)."""
@@ -77,6 +93,7 @@ class S3Client:
         self.retry = retry
         self._writer: Any = None
         self._reader: Any = None
+        self._ranges: Any = _UNSET
         self._lock = threading.Lock()
 
     def _botocore(self) -> Any:
@@ -110,6 +127,19 @@ class S3Client:
     def _retrying(self, what: str, attempt: Callable[[], T]) -> T:
         return self.retry.run(attempt, lambda exc, tries: map_error(exc, what, tries))
 
+    def _ranged(self) -> Any:
+        """The ranged-read transport (s3ranges.HttpRanges), or None: obstore's."""
+        with self._lock:
+            if self._ranges is _UNSET:
+                from transfer.store.s3ranges import make_ranges
+
+                st = self.settings
+                self._ranges = make_ranges(
+                    st.endpoint_url, st.bucket, st.key, st.secret, region_of(st.endpoint_url),
+                    st.connect_timeout, st.read_timeout,
+                )  # fmt: skip
+            return self._ranges
+
     def get(
         self, full_key: str, what: str, start: int | None = None, end: int | None = None
     ) -> Any:
@@ -123,9 +153,28 @@ class S3Client:
         """Bytes of the object from ``start`` into ``buf``; how many it had there."""
         if not len(buf):
             return 0
+        ranges = self._ranged()
+        if ranges is not None:  # received straight into buf
+            return self._retrying(what, lambda: int(ranges.read_into(full_key, start, buf)))
         body = self.get(full_key, what, start, start + len(buf))
         buf[: len(body)] = memoryview(body)
         return len(body)
+
+    def streams(self) -> bool:
+        """True when ranged reads stream (``stream`` answers)."""
+        return self._ranged() is not None
+
+    def stream(self, full_key: str, start: int, end: int, what: str) -> RangeStream | None:
+        """Bytes ``start``..``end`` as one request read piece by piece (a RangeStream), or
+        None where the reads stay on obstore (one request per read)."""
+        ranges = self._ranged()
+        if ranges is None:
+            return None
+        from transfer.store.s3ranges import ResumingStream
+
+        return ResumingStream(
+            ranges, full_key, start, end, lambda attempt: self._retrying(what, attempt)
+        )
 
     def head(self, full_key: str, what: str) -> int:
         """The object's size."""
@@ -148,8 +197,11 @@ class S3Client:
     def close(self) -> None:
         with self._lock:
             writer, self._writer, self._reader = self._writer, None, None
+            ranges, self._ranges = self._ranges, _UNSET
         if writer is not None:
             writer.close()
+        if ranges is not None and ranges is not _UNSET:
+            ranges.close()
 
 
 def _make_client(settings: S3Settings) -> Any:

@@ -36,6 +36,7 @@ from obstore.store import S3Store
 
 from transfer.errors import StoreError
 from transfer.store.retry import ReplyError, ShortBodyError
+from transfer.store.s3client import region_of
 
 if TYPE_CHECKING:
     from obstore.store import S3Config  # only in obstore's stubs
@@ -56,7 +57,7 @@ _NETWORK = {
 
 def make_store(settings: S3Settings) -> S3Store:
     endpoint_url = settings.endpoint_url
-    config: S3Config = {"region": _region(endpoint_url)}
+    config: S3Config = {"region": region_of(endpoint_url)}
     if endpoint_url:
         config["endpoint"] = endpoint_url  # path-style, as botocore does for a custom endpoint
     else:
@@ -95,15 +96,6 @@ def _static_credentials(key: str | None, secret: str | None) -> S3Config | None:
     if os.environ.get("AWS_SESSION_TOKEN"):
         found["session_token"] = os.environ["AWS_SESSION_TOKEN"]
     return found
-
-
-def _region(endpoint_url: str | None) -> str:
-    region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
-    if region or endpoint_url:
-        return region or "us-east-1"  # a custom endpoint: any region signs
-    import botocore.session  # the region of the configured profile
-
-    return botocore.session.get_session().get_config_variable("region") or "us-east-1"
 
 
 class _BotocoreCredentials:
