@@ -1,4 +1,4 @@
-"""Pack writes that bypass the page cache (transfer/store/directio.py): whatever the
+"""Pack writes that bypass the page cache (transfer/directio.py): whatever the
 offsets, lengths and order of the parts, the file holds exactly the bytes written, on a
 real file system that does O_DIRECT (the test directory's) and where it does not."""
 
@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from transfer.store import directio
+from transfer import directio
 from transfer.store.local import LocalStore
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from transfer.codec.transforms import Buffer
+from transfer.directio import open_direct, write_at
 from transfer.durable import fsync_dir
 from transfer.engine.settle import (
     STAGING_MARK,
@@ -201,9 +202,13 @@ class StagingFiles:
 
     MAX_KEPT_OPEN = 1024
 
-    def __init__(self, staging: Path, files: list[FileEntry], writeback: bool) -> None:
+    def __init__(
+        self, staging: Path, files: list[FileEntry], writeback: bool, direct: bool = True
+    ) -> None:
         self._paths = [staging / f.path for f in files]
         self._writeback = writeback
+        self._direct = direct and os.environ.get("FERRY_PULL_DIRECT", "1") == "1"
+        self._direct_fds: dict[int, int | None] = {}
         multi = [i for i, f in enumerate(files) if len(f.chunks) > 1]
         self._keep = set(multi) if len(multi) <= self.MAX_KEPT_OPEN else set()
         self._fds: dict[int, int] = {}
@@ -215,6 +220,8 @@ class StagingFiles:
     def __exit__(self, *exc: object) -> None:
         with self._lock:
             fds, self._fds = list(self._fds.values()), {}
+            fds += [fd for fd in self._direct_fds.values() if fd is not None]
+            self._direct_fds = {}
         for fd in fds:
             os.close(fd)
 
@@ -223,20 +230,28 @@ class StagingFiles:
 
     def pwrite(self, index: int, offset: int, data: Buffer) -> None:
         kept = index in self._keep
+        direct = None
         if kept:
             with self._lock:
                 fd = self._fds.get(index)
                 if fd is None:
                     fd = self._fds[index] = self._open(index)
+                if self._direct:
+                    if index not in self._direct_fds:
+                        self._direct_fds[index] = open_direct(self._paths[index])
+                    direct = self._direct_fds[index]
         else:
             fd = self._open(index)
         try:
             view = memoryview(data)
-            done = 0
-            while done < len(view):
-                done += os.pwrite(fd, view[done:], offset + done)
+            if direct is not None:
+                write_at(fd, direct, offset, view)
+            else:
+                done = 0
+                while done < len(view):
+                    done += os.pwrite(fd, view[done:], offset + done)
             if self._writeback:
-                start_writeback(fd, offset, done)
+                start_writeback(fd, offset, len(view))
         except OSError as exc:
             if exc.errno == errno.ENOSPC:
                 msg = f"no space left writing {self._paths[index]}"

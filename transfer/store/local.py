@@ -26,6 +26,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+from transfer.directio import open_direct, write_at
 from transfer.durable import fsync_dir
 from transfer.errors import AccessDeniedError, AlreadyExistsError, NotFoundError, StoreError
 from transfer.store.base import (
@@ -38,7 +39,6 @@ from transfer.store.base import (
     Upload,
     check_key,
 )
-from transfer.store.directio import open_direct, write_at
 from transfer.store.retry import RetryPolicy
 
 _TMP_MARK = ".tmp-"
@@ -98,7 +98,7 @@ class LocalUpload(Upload):
         self._final = store.path_of(key)
         self._tmp = _temp_path(self._final)
         self._fd: int | None = None
-        self._direct_fd: int | None = None  # the same file, O_DIRECT (store/directio.py)
+        self._direct_fd: int | None = None  # the same file, O_DIRECT (transfer/directio.py)
         # complete() and abort() may race with each other and with part writes whose
         # threads outlive a cancelled task: whoever takes the fd closes it, exactly once,
         # and only after in-flight writes are done (a reused fd number must never be hit)

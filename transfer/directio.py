@@ -85,7 +85,9 @@ def open_direct(path: Path) -> int | None:
         raise
 
 
-def write_at(buffered_fd: int, direct_fd: int | None, offset: int, data: bytes) -> None:
+def write_at(
+    buffered_fd: int, direct_fd: int | None, offset: int, data: bytes | bytearray | memoryview
+) -> None:
     """All of ``data`` at ``offset``: the aligned interior through ``direct_fd`` (when
     given, and while this process is not reading from disk: DeviceReads), the rest through
     ``buffered_fd``."""
