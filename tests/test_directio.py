@@ -130,3 +130,42 @@ def test_a_device_that_refuses_the_alignment_gets_buffered_writes(
         os.close(direct)
         os.close(fd)
     assert path.read_bytes() == bytes(100) + data
+
+
+def _staged_file(tmp_path: Path, chunk: int, count: int, tail: int) -> tuple[Path, Any]:
+    from transfer.format.manifest import ChunkRef, FileEntry
+
+    size = chunk * count + tail
+    sizes = [chunk] * count + ([tail] if tail else [])
+    refs = tuple(ChunkRef(f"{i:064x}", n, "raw", 0, 0, n) for i, n in enumerate(sizes))
+    path = tmp_path / "f.bin"
+    with open(path, "wb") as fh:
+        fh.truncate(size)
+    return path, FileEntry("f.bin", size, 0o644, refs)
+
+
+@pytest.mark.parametrize("slow_device", [False, True])
+def test_a_restore_writes_its_chunks_direct_until_the_device_falls_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, slow_device: bool
+) -> None:
+    """A pull's staging files: every byte lands, whether the chunks go direct or (after
+    SLOW_DIRECT_WRITES writes slower than MIN_DIRECT_RATE) buffered."""
+    from transfer.engine.staging import StagingFiles
+
+    chunk, count, tail = 1 << 20, 6, 1234  # an unaligned last chunk, as a file's end has
+    path, entry = _staged_file(tmp_path, chunk, count, tail)
+    os.close(direct_fd_or_skip(path))
+    if slow_device:  # every write counts as slower than the floor
+        monkeypatch.setattr(StagingFiles, "MIN_DIRECT_RATE", 1e18)
+    rng = random.Random(5)
+    pieces = [rng.randbytes(c.size) for c in entry.chunks]
+    with StagingFiles(tmp_path, [entry], writeback=False) as out:
+        order = list(range(len(pieces)))
+        rng.shuffle(order)
+        for i in order:
+            out.pwrite(0, i * chunk, pieces[i])
+        assert out._direct_fds[0] is not None  # the file was opened for direct writes
+        assert out._direct is (not slow_device)
+        # the device judged on the direct writes only: three slow ones, then buffered
+        assert out._slow_writes == (StagingFiles.SLOW_DIRECT_WRITES if slow_device else 0)
+    assert path.read_bytes() == b"".join(pieces)
