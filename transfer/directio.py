@@ -86,16 +86,20 @@ def open_direct(path: Path) -> int | None:
 
 
 def write_at(
-    buffered_fd: int, direct_fd: int | None, offset: int, data: bytes | bytearray | memoryview
+    buffered_fd: int,
+    direct_fd: int | None,
+    offset: int,
+    data: bytes | bytearray | memoryview,
+    yield_to_reads: bool = True,
 ) -> None:
     """All of ``data`` at ``offset``: the aligned interior through ``direct_fd`` (when
-    given, and while this process is not reading from disk: DeviceReads), the rest through
-    ``buffered_fd``."""
+    given and, with ``yield_to_reads``, while this process is not reading from disk:
+    DeviceReads), the rest through ``buffered_fd``."""
     view = memoryview(data).cast("B")
     end = offset + len(view)
     lo = min(end, -(-offset // ALIGN) * ALIGN)
     hi = max(lo, end // ALIGN * ALIGN)
-    if direct_fd is None or hi == lo or device_reads.busy():
+    if direct_fd is None or hi == lo or (yield_to_reads and device_reads.busy()):
         _pwrite_all(buffered_fd, view, offset)
         return
     _pwrite_all(buffered_fd, view[: lo - offset], offset)

@@ -207,7 +207,10 @@ class StagingFiles:
     save, alternated: 3.0-3.3 s direct against 3.9-5.4 s buffered. Direct writes wait for
     the device, though, where buffered ones finish in memory (the restore is settled later:
     settle.py): when the device falls behind (SLOW_DIRECT_WRITES writes slower than
-    MIN_DIRECT_RATE, e.g. while it discards a deleted checkpoint), the rest goes buffered."""
+    MIN_DIRECT_RATE, e.g. while it discards a deleted checkpoint), the rest goes buffered.
+    Unlike a push's pack writes they stay direct while the base is read from the same disk:
+    a pull of k+1 holding k, alternated, 3.32 s against 3.68 s yielding to the reads
+    (median of 3, CPU 2.89 against 3.23 s)."""
 
     MAX_KEPT_OPEN = 1024
     MIN_DIRECT_RATE = 64e6  # bytes per second, one writer
@@ -258,7 +261,7 @@ class StagingFiles:
             view = memoryview(data)
             if direct is not None:
                 began = time.monotonic()
-                write_at(fd, direct, offset, view)
+                write_at(fd, direct, offset, view, yield_to_reads=False)
                 self._judge_device(len(view), time.monotonic() - began)
             else:
                 done = 0
