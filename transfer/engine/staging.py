@@ -278,7 +278,6 @@ class StagingFiles:
             if not kept:
                 os.close(fd)
 
-
     def _judge_device(self, nbytes: int, seconds: float) -> None:
         if nbytes < (1 << 20) or seconds * self.MIN_DIRECT_RATE <= nbytes:
             return
