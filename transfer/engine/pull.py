@@ -344,6 +344,8 @@ class _Restore:
             )  # fmt: skip
         candidates = _same_position(self.targets, self.hints, base_manifests)
         candidates = [c for c in candidates if c not in resumed]
+        if chunk_source is None:
+            return await self._local_beside_store(resumed, candidates, rate_limit)
         local = resumed | await _reuse_local(
             resolver, index, candidates, self.hints, self.write, window
         )
@@ -374,6 +376,28 @@ class _Restore:
         rest = [index[cid] for cid in todo if cid not in done]
         await self.from_store(rest, rate_limit)
         return _Gathered(resumed, local, sourced, mine + rest)
+
+    async def _local_beside_store(
+        self, resumed: set[str], candidates: list[str], rate_limit: RateLimit | None
+    ) -> _Gathered:
+        """The chunks base_dir should hold, read and verified there, while the rest comes
+        from the store at the same time (disk and network overlap: on a frozen backbone
+        most of a checkpoint is local); a candidate that does not verify is fetched after."""
+        index, maybe_local = self.index, set(candidates)
+        early = [
+            index[cid] for cid in self.targets if cid not in resumed and cid not in maybe_local
+        ]
+        async with asyncio.TaskGroup() as both:
+            reuse = both.create_task(
+                _reuse_local(
+                    self.resolver, index, candidates, self.hints, self.write, self.options.window
+                )
+            )
+            both.create_task(self.from_store(early, rate_limit))
+        local = resumed | reuse.result()
+        late = [index[cid] for cid in candidates if cid not in local]
+        await self.from_store(late, rate_limit)
+        return _Gathered(resumed, local, {}, early + late)
 
 
 @dataclass(frozen=True)
