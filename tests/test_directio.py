@@ -145,16 +145,18 @@ def _staged_file(tmp_path: Path, chunk: int, count: int, tail: int) -> tuple[Pat
 
 
 @pytest.mark.parametrize("slow_device", [False, True])
-def test_a_restore_writes_its_chunks_direct_until_the_device_falls_behind(
+def test_a_restore_writes_its_chunks_direct_while_the_device_keeps_up(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, slow_device: bool
 ) -> None:
     """A pull's staging files: every byte lands, whether the chunks go direct or (after
-    SLOW_DIRECT_WRITES writes slower than MIN_DIRECT_RATE) buffered."""
+    SLOW_DIRECT_WRITES writes slower than MIN_DIRECT_RATE) buffered for a spell, after
+    which direct writes are tried again."""
     from transfer.engine.staging import StagingFiles
 
-    chunk, count, tail = 1 << 20, 6, 1234  # an unaligned last chunk, as a file's end has
+    chunk, count, tail = 1 << 20, 12, 1234  # an unaligned last chunk, as a file's end has
     path, entry = _staged_file(tmp_path, chunk, count, tail)
     os.close(direct_fd_or_skip(path))
+    monkeypatch.setattr(StagingFiles, "BUFFERED_SPELL", 3)
     if slow_device:  # every write counts as slower than the floor
         monkeypatch.setattr(StagingFiles, "MIN_DIRECT_RATE", 1e18)
     rng = random.Random(5)
@@ -165,7 +167,6 @@ def test_a_restore_writes_its_chunks_direct_until_the_device_falls_behind(
         for i in order:
             out.pwrite(0, i * chunk, pieces[i])
         assert out._direct_fds[0] is not None  # the file was opened for direct writes
-        assert out._direct is (not slow_device)
-        # the device judged on the direct writes only: three slow ones, then buffered
-        assert out._slow_writes == (StagingFiles.SLOW_DIRECT_WRITES if slow_device else 0)
+        # 12 whole chunks: slow, slow -> 3 buffered, slow, slow -> 3 buffered, slow, slow
+        assert out.spells == (3 if slow_device else 0)
     assert path.read_bytes() == b"".join(pieces)

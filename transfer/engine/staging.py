@@ -206,15 +206,17 @@ class StagingFiles:
     time against 0.2 s into recycled pages, and 0.18 s direct). A cold pull of the 1.69 GB
     save, alternated: 3.0-3.3 s direct against 3.9-5.4 s buffered. Direct writes wait for
     the device, though, where buffered ones finish in memory (the restore is settled later:
-    settle.py): when the device falls behind (SLOW_DIRECT_WRITES writes slower than
-    MIN_DIRECT_RATE, e.g. while it discards a deleted checkpoint), the rest goes buffered.
+    settle.py): when the device falls behind (SLOW_DIRECT_WRITES writes in a row slower
+    than MIN_DIRECT_RATE, e.g. while it discards a deleted checkpoint), the next
+    BUFFERED_SPELL writes go buffered, then direct writes are tried again.
     Unlike a push's pack writes they stay direct while the base is read from the same disk:
     a pull of k+1 holding k, alternated, 3.32 s against 3.68 s yielding to the reads
     (median of 3, CPU 2.89 against 3.23 s)."""
 
     MAX_KEPT_OPEN = 1024
     MIN_DIRECT_RATE = 64e6  # bytes per second, one writer
-    SLOW_DIRECT_WRITES = 3
+    SLOW_DIRECT_WRITES = 2
+    BUFFERED_SPELL = 16  # writes (64 MiB at 4 MiB chunks)
 
     def __init__(
         self, staging: Path, files: list[FileEntry], writeback: bool, direct: bool = True
@@ -223,7 +225,9 @@ class StagingFiles:
         self._writeback = writeback
         self._direct = direct and os.environ.get("FERRY_PULL_DIRECT", "1") == "1"
         self._direct_fds: dict[int, int | None] = {}
-        self._slow_writes = 0
+        self._slow_writes = 0  # direct writes in a row slower than MIN_DIRECT_RATE
+        self._buffered_left = 0  # writes to go buffered before direct is tried again
+        self.spells = 0  # how often the device fell behind (tests, diagnostics)
         multi = [i for i, f in enumerate(files) if len(f.chunks) > 1]
         self._keep = set(multi) if len(multi) <= self.MAX_KEPT_OPEN else set()
         self._fds: dict[int, int] = {}
@@ -251,7 +255,9 @@ class StagingFiles:
                 fd = self._fds.get(index)
                 if fd is None:
                     fd = self._fds[index] = self._open(index)
-                if self._direct:
+                if self._buffered_left:
+                    self._buffered_left -= 1
+                elif self._direct:
                     if index not in self._direct_fds:
                         self._direct_fds[index] = open_direct(self._paths[index])
                     direct = self._direct_fds[index]
@@ -279,12 +285,17 @@ class StagingFiles:
                 os.close(fd)
 
     def _judge_device(self, nbytes: int, seconds: float) -> None:
-        if nbytes < (1 << 20) or seconds * self.MIN_DIRECT_RATE <= nbytes:
+        if nbytes < (1 << 20):
             return
         with self._lock:
+            if seconds * self.MIN_DIRECT_RATE <= nbytes:
+                self._slow_writes = 0
+                return
             self._slow_writes += 1
-            if self._direct and self._slow_writes >= self.SLOW_DIRECT_WRITES:
-                self._direct = False  # the device falls behind: finish in the page cache
+            if self._slow_writes >= self.SLOW_DIRECT_WRITES:  # it falls behind: for a while,
+                self._slow_writes = 0  # finish in the page cache
+                self._buffered_left = self.BUFFERED_SPELL
+                self.spells += 1
 
 
 def seal(staging: Path, files: list[FileEntry], dest: Path, fsync: bool) -> None:
