@@ -335,6 +335,10 @@ class _Restore:
         own_share: Callable[[str], bool] | None,
         rate_limit: RateLimit | None,
     ) -> _Gathered:
+        """Every chunk into place: what an adopted staging dir already holds, then the
+        chunks base_dir should hold (read and verified there) while the rest is fetched at
+        the same time (disk and network overlap: on a frozen backbone most of a checkpoint
+        is local); a candidate that does not verify is fetched after."""
         resolver, index, window = self.resolver, self.index, self.options.window
         resumed: set[str] = set()
         if self.staging.adopted:  # a killed restore's leftover: keep what verifies in place
@@ -344,60 +348,66 @@ class _Restore:
             )  # fmt: skip
         candidates = _same_position(self.targets, self.hints, base_manifests)
         candidates = [c for c in candidates if c not in resumed]
-        if chunk_source is None:
-            return await self._local_beside_store(resumed, candidates, rate_limit)
-        local = resumed | await _reuse_local(
-            resolver, index, candidates, self.hints, self.write, window
-        )
-        todo = [cid for cid in self.targets if cid not in local]
+        maybe_local = set(candidates)
+        early = [cid for cid in self.targets if cid not in resumed and cid not in maybe_local]
+        remote = _Remote(self, base_manifests, chunk_source, own_share, rate_limit)
+        async with asyncio.TaskGroup() as both:
+            reuse = both.create_task(
+                _reuse_local(resolver, index, candidates, self.hints, self.write, window)
+            )
+            both.create_task(remote.fetch(early))
+        local = resumed | reuse.result()
+        await remote.fetch([cid for cid in candidates if cid not in local])
+        return _Gathered(resumed, local, remote.sourced, remote.fetched)
+
+
+class _Remote:
+    """Chunks not on this node, from the chunk source (peers; in a fan-out, beside this
+    node's own share from the store) and then the store; what came from where adds up
+    over calls."""
+
+    def __init__(
+        self,
+        run: _Restore,
+        base_manifests: list[Manifest] | None,
+        chunk_source: ChunkSource | None,
+        own_share: Callable[[str], bool] | None,
+        rate_limit: RateLimit | None,
+    ) -> None:
+        self.run = run
+        self.source = chunk_source
+        self.own_share = own_share if chunk_source is not None else None
+        self.rate_limit = rate_limit
+        root = run.resolver.local_root
+        self.held = _held_at(base_manifests) if root is not None and chunk_source else {}
+        self.sourced: dict[str, int] = {}  # chunk id -> bytes the chunk source moved for it
+        self.fetched: list[StoredChunk] = []  # from the store
+
+    async def fetch(self, todo: list[str]) -> None:
+        run, index, limit = self.run, self.run.index, self.rate_limit
         # a fan-out member's own share goes to the store at once, beside the source
-        mine: list[StoredChunk] = []
-        if own_share is not None and chunk_source is not None:
-            mine = [index[cid] for cid in todo if own_share(cid)]
+        mine = [index[cid] for cid in todo if self.own_share(cid)] if self.own_share else []
         sourced: dict[str, int] = {}
-        if chunk_source is not None:
-            base_dir = resolver.local_root
-            held = _held_at(base_manifests) if base_dir is not None else {}
-            taken = {c.id for c in mine}
+        if self.source is not None:
+            root, taken = run.resolver.local_root, {c.id for c in mine}
             async with asyncio.TaskGroup() as both:
-                both.create_task(self.from_store(mine, rate_limit))
+                both.create_task(run.from_store(mine, limit))
                 sourced = await _from_source(
-                    chunk_source,
-                    resolver,
+                    self.source,
+                    run.resolver,
                     index,
                     [cid for cid in todo if cid not in taken],
-                    self.write,
-                    window,
-                    lambda cid: _local_base(base_dir, held, self.hints[cid], cid),
-                    rate_limit,
-                    self.on_moved,
+                    run.write,
+                    run.options.window,
+                    lambda cid: _local_base(root, self.held, run.hints[cid], cid),
+                    limit,
+                    run.on_moved,
                 )
         done = {c.id for c in mine} | set(sourced)
         rest = [index[cid] for cid in todo if cid not in done]
-        await self.from_store(rest, rate_limit)
-        return _Gathered(resumed, local, sourced, mine + rest)
-
-    async def _local_beside_store(
-        self, resumed: set[str], candidates: list[str], rate_limit: RateLimit | None
-    ) -> _Gathered:
-        """The chunks base_dir should hold, read and verified there, while the rest comes
-        from the store at the same time (disk and network overlap: on a frozen backbone
-        most of a checkpoint is local); a candidate that does not verify is fetched after."""
-        index, maybe_local = self.index, set(candidates)
-        early = [
-            index[cid] for cid in self.targets if cid not in resumed and cid not in maybe_local
-        ]
-        async with asyncio.TaskGroup() as both:
-            reuse = both.create_task(
-                _reuse_local(
-                    self.resolver, index, candidates, self.hints, self.write, self.options.window
-                )
-            )
-            both.create_task(self.from_store(early, rate_limit))
-        local = resumed | reuse.result()
-        late = [index[cid] for cid in candidates if cid not in local]
-        await self.from_store(late, rate_limit)
-        return _Gathered(resumed, local, {}, early + late)
+        await run.from_store(rest, limit)
+        self.sourced.update(sourced)
+        self.fetched += mine + rest
 
 
 @dataclass(frozen=True)
