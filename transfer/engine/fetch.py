@@ -84,10 +84,13 @@ READ_RANGE_BYTES = 16 << 20
 
 #: The cap on one ranged GET from a reader that streams (RangeReader.stream: each chunk is
 #: received into one chunk's room and finished before the next arrives, so the range's
-#: length costs no memory). Longer requests cost SeaweedFS less per byte: reading the
-#: corpus's 2.7 GB of packs from 4 threads, server CPU 4.1-5.0 s in 16 MiB ranges against
-#: 3.9 s in 64 MiB ones.
-STREAM_RANGE_BYTES = 64 << 20
+#: length costs no memory). Longer requests cost less per byte: reading the corpus's 2.7 GB
+#: of packs from 4 threads, SeaweedFS spent 4.1-5.0 CPU s in 16 MiB ranges against 3.9 s in
+#: 64 MiB ones; over a link shaped to 2 Gbit/s (``python -m bench.shaped_link``) the pull of
+#: k+1 holding k took 6.76 s in 16 MiB ranges, 6.56-6.61 s in 64 MiB, 6.75 s in 128 MiB and
+#: 6.13-6.43 s in 256 MiB (each request starts again from a connection that sat idle while
+#: its last chunk was decoded); on loopback 256 and 64 MiB were the same within noise.
+STREAM_RANGE_BYTES = 256 << 20
 
 Sink = Callable[[StoredChunk, Buffer], None]
 BadChunk = Callable[[StoredChunk, str], None]
