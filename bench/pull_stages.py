@@ -6,7 +6,9 @@ alternated rounds, page cache dropped before every operation, of:
 
 - ``s5cmd cp`` of k+1 (the plain download a user compares with);
 - ``ferry pull`` of k+1 onto a node holding k (``--base-dir``);
-- ``ferry pull`` of k, cold (a keyframe restore: the cold full pull).
+- ``ferry pull`` of k, cold (a keyframe restore: the cold full pull);
+- with ``--scenarios ...,cold-delta``: ``ferry pull`` of k+1 onto an empty node (its delta
+  chunks' bases come from the store too).
 
 For every ferry run it prints the pull's own per-stage thread seconds (``stage_seconds``:
 receive, base_read, decode, hash, write) beside the process's CPU seconds and the server's,
@@ -53,7 +55,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--ferry-env", action="append", default=[], metavar="NAME=VALUE",
                     help="extra environment for a second ferry arm (A/B), repeatable")  # fmt: skip
     ap.add_argument("--scenarios", default="s5cmd,holding-k,cold",
-                    help="comma-separated subset of s5cmd,holding-k,cold")  # fmt: skip
+                    help="comma-separated subset of s5cmd,holding-k,cold,cold-delta")  # fmt: skip
     return ap.parse_args(argv)
 
 
@@ -94,6 +96,9 @@ def main(argv: list[str] | None = None) -> int:
                 if "cold" in wanted:
                     argv_ = cmd.ferry_pull("ferry", "j", BASE_STEP, dest)
                     plan.append(("cold pull of k", arm, argv_, arm_env, digest_k))
+                if "cold-delta" in wanted:  # k+1's deltas need k's chunks from the store too
+                    argv_ = cmd.ferry_pull("ferry", "j", NEXT_STEP, dest)
+                    plan.append(("cold pull of k+1", arm, argv_, arm_env, digest_k1))
             shift = (rnd - 1) % len(plan)  # alternate who goes first
             for what, tool, argv_, arm_env, digest in plan[shift:] + plan[:shift]:
                 drop_caches()

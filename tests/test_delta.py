@@ -102,6 +102,28 @@ def test_successive_checkpoints_are_delta_coded_and_pull_byte_exact(
     assert tree_bytes(out) == tree_bytes(k1)
 
 
+def test_a_cold_pull_of_deltas_sets_aside_a_bounded_share_of_each_range(
+    s3_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Streamed from S3 without the base at hand, every delta chunk is set aside for the
+    loop; past LEFT_BYTES a range stops and goes on where it stood (at 1 byte: after every
+    chunk set aside): the same bytes land, and the same bytes move, as in one pass."""
+    from transfer.engine import fetch
+
+    k0, k1 = adamw_series(tmp_path / "hot", 2, frozen=0.5)
+    for k in (k0, k1):
+        push_json(capsys, "push", str(k), s3_url, "--job", "d", "--node", "n", *SMALL)
+    moved = {}
+    for left_bytes in (1 << 30, 1):
+        monkeypatch.setattr(fetch, "LEFT_BYTES", left_bytes)
+        out = tmp_path / f"cold-{left_bytes}"
+        pulled = push_json(capsys, "pull", s3_url, str(out), "--job", "d", *SMALL)
+        assert pulled["chunks_delta"] > 2  # several set aside, so several stops at 1 byte
+        assert tree_bytes(out) == tree_bytes(k1)
+        moved[left_bytes] = pulled["bytes_transferred"]
+    assert moved[1] == moved[1 << 30]
+
+
 def test_pull_onto_a_node_holding_the_base_downloads_only_the_deltas(
     store_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

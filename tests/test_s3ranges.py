@@ -137,6 +137,23 @@ def test_error_replies_are_typed_in_one_line(
         bad.close()
 
 
+def test_no_credentials_anywhere_is_access_denied_in_one_line(
+    s3_endpoint: S3Endpoint, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without static credentials the reads go to obstore with botocore's chain, which
+    finds nothing here: the server's 403, said plainly (it said "KeyError: 'expires_at'")."""
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    client = _client(s3_endpoint.url, s3_endpoint.bucket, attempts=1)
+    try:
+        assert not client.streams()  # obstore's reads, not ours
+        with pytest.raises(AccessDeniedError) as denied:
+            client.read_into("any/key", 0, memoryview(bytearray(4)), "get key")
+        assert "KeyError" not in str(denied.value) and "\n" not in str(denied.value)
+    finally:
+        client.close()
+
+
 def test_nothing_listens_is_a_connection_error_in_one_line() -> None:
     settings = S3Settings("b", "http://127.0.0.1:9", key="k", secret="s")  # discard: refused
     client = S3Client(settings, RetryPolicy(attempts=1))

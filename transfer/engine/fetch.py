@@ -25,7 +25,7 @@ import concurrent.futures
 import os
 import threading
 from collections import defaultdict
-from collections.abc import Awaitable, Callable, Iterable, Iterator
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -91,6 +91,13 @@ READ_RANGE_BYTES = 16 << 20
 #: 6.13-6.43 s in 256 MiB (each request starts again from a connection that sat idle while
 #: its last chunk was decoded); on loopback 256 and 64 MiB were the same within noise.
 STREAM_RANGE_BYTES = 256 << 20
+
+#: What a streamed range may set aside for the loop (chunks whose base is not at hand here,
+#: copied out of the reused buffer) before it stops and hands the rest of the range back:
+#: a cold pull of a delta-coded save sets aside every delta chunk. Its peak RSS (full
+#: fine-tune, 1.69 GB, ``python -m bench.pull_stages --scenarios cold-delta``): no cap 444
+#: MB, 32 MiB 378-402 MB, 8 MiB 237-256 MB (and 5.3 s against 5.8-6.7 s).
+LEFT_BYTES = 8 << 20
 
 Sink = Callable[[StoredChunk, Buffer], None]
 BadChunk = Callable[[StoredChunk, str], None]
@@ -194,75 +201,79 @@ class _Fetch:
 
     def read_and_finish(
         self, reader: RangeReader, r: _Range, buf: memoryview
-    ) -> tuple[int, list[tuple[StoredChunk, Buffer]]]:
+    ) -> tuple[int, list[tuple[StoredChunk, Buffer]], _Range | None]:
         """In a reader thread: receive one range and finish what can be finished here.
-        Returns (bytes received, chunks left to the loop with their payloads)."""
-        if self.rate_limit is not None:
-            self.rate_limit.take(r.end - r.start)
+        Returns (bytes received, chunks left to the loop with their payloads, the rest of
+        the range when it stopped early: see LEFT_BYTES)."""
         stream = reader.stream(pack_key(r.pack_id), r.start, r.end)
         if stream is None:
+            if self.rate_limit is not None:
+                self.rate_limit.take(r.end - r.start)
             with self.resolver.clock.timing("receive"):
                 got = reader.read_into(pack_key(r.pack_id), r.start, buf)
             view = buf[:got]
-            at = r.start
-            pieces = ((c, view[c.offset - at : c.offset - at + c.stored]) for c in r.chunks)
-            return got, self._finish_all(pieces, copy=False)
+            left: list[tuple[StoredChunk, Buffer]] = []
+            for c in r.chunks:
+                lo = c.offset - r.start
+                self._finish_or_leave(c, view[lo : lo + c.stored], left, copy=False)
+            return got, left, None
         with stream:
             return self._finish_streamed(reader, stream, r, buf)
 
     def _finish_streamed(
         self, reader: RangeReader, stream: RangeStream, r: _Range, buf: memoryview
-    ) -> tuple[int, list[tuple[StoredChunk, Buffer]]]:
+    ) -> tuple[int, list[tuple[StoredChunk, Buffer]], _Range | None]:
         """Each chunk's payload received into ``buf`` (one chunk's room) as the reply
-        streams past, finished before the next arrives."""
-        received = 0
-        pos = r.start
-
-        def pieces() -> Iterator[tuple[StoredChunk, Buffer]]:
-            nonlocal received, pos
-            for c in r.chunks:
-                if c.offset < pos:  # overlaps the one before (a corrupt index): on its own
-                    yield c, self._read_alone(reader, c)
-                    continue
-                while pos < c.offset:  # a small gap between chunks: read through it
-                    gap = buf[: min(len(buf), c.offset - pos)]
-                    n = self._fill(stream, gap)
-                    received += n
-                    pos += n
-                    if n < len(gap):
-                        break
-                view = buf[: c.stored]
-                n = self._fill(stream, view)
-                received += n
-                pos += n
-                yield c, view[:n]
-
-        left = self._finish_all(pieces(), copy=True)  # (receives as it goes)
-        return received, left
+        streams past, finished before the next arrives. Payloads left to the loop are
+        copied; past LEFT_BYTES of them the range stops and hands back the rest."""
+        received, pos = 0, r.start
+        left: list[tuple[StoredChunk, Buffer]] = []
+        for i, c in enumerate(r.chunks):
+            if sum(len(p) for _, p in left) >= LEFT_BYTES:
+                rest = r.chunks[i:]
+                return received, left, _Range(r.pack_id, rest[0].offset, r.end, rest)
+            if c.offset < pos:  # overlaps the one before (a corrupt index): on its own
+                self._finish_or_leave(c, self._read_alone(reader, c), left, copy=False)
+                continue
+            while pos < c.offset:  # a small gap between chunks: read through it
+                gap = buf[: min(len(buf), c.offset - pos)]
+                n = self._fill(stream, gap)
+                received, pos = received + n, pos + n
+                if n < len(gap):
+                    break
+            view = buf[: c.stored]
+            n = self._fill(stream, view)
+            received, pos = received + n, pos + n
+            self._finish_or_leave(c, view[:n], left, copy=True)
+        return received, left, None
 
     def _read_alone(self, reader: RangeReader, c: StoredChunk) -> Buffer:
         data = memoryview(bytearray(c.stored))
         return data[: reader.read_into(pack_key(c.pack_id), c.offset, data)]
 
     def _fill(self, stream: RangeStream, view: memoryview) -> int:
+        if self.rate_limit is not None:
+            self.rate_limit.take(len(view))
         with self.resolver.clock.timing("receive"):
             return stream.fill(view)
 
-    def _finish_all(
-        self, pieces: Iterable[tuple[StoredChunk, Buffer]], *, copy: bool
-    ) -> list[tuple[StoredChunk, Buffer]]:
-        """Finish each (chunk, payload) here; those left to the loop come back (their
-        payloads copied when ``copy``: the buffer is about to be reused)."""
-        left: list[tuple[StoredChunk, Buffer]] = []
-        for c, payload in pieces:
-            try:
-                if not self.finish_in_thread(c, payload):
-                    left.append((c, bytes(payload) if copy else payload))
-            except IntegrityError as exc:
-                if self.on_bad is None:
-                    raise
-                self.on_bad(c, str(exc))
-        return left
+    def _finish_or_leave(
+        self,
+        c: StoredChunk,
+        payload: Buffer,
+        left: list[tuple[StoredChunk, Buffer]],
+        *,
+        copy: bool,
+    ) -> None:
+        """Finish one chunk here, or add it to ``left`` for the loop (its payload copied
+        when ``copy``: the buffer is about to be reused)."""
+        try:
+            if not self.finish_in_thread(c, payload):
+                left.append((c, bytes(payload) if copy else payload))
+        except IntegrityError as exc:
+            if self.on_bad is None:
+                raise
+            self.on_bad(c, str(exc))
 
     def finish(self, c: StoredChunk, payload: Buffer, base: Buffer | None) -> None:
         """Decode, verify, sink (in a thread)."""
@@ -316,8 +327,7 @@ class _Fetch:
         """``room``: the receive buffer's size when the reader streams (one chunk's payload
         at a time), else None: each range is received whole."""
         pending = iter(ranges)
-        running: set[concurrent.futures.Future[tuple[int, list[tuple[StoredChunk, Buffer]]]]]
-        running = set()
+        running: set[concurrent.futures.Future[Any]] = set()
         pool = concurrent.futures.ThreadPoolExecutor(readers, thread_name_prefix="ferry-get")
 
         # one receive buffer per worker, sized once and reused for every range: growing it
@@ -326,21 +336,24 @@ class _Fetch:
 
         async def worker() -> None:
             buf = memoryview(b"")
-            for r in pending:
-                need = longest if room else r.end - r.start
-                if len(buf) < need:
-                    buf = memoryview(bytearray(longest))
-                job = pool.submit(self.read_and_finish, reader, r, buf[:need])
-                running.add(job)
-                job.add_done_callback(running.discard)
-                try:
-                    got, left = await asyncio.wrap_future(job)
-                except (NotFoundError, RangeNotSatisfiableError) as exc:
-                    self.unreadable(r, exc)
-                    continue
-                self.resolver.on_bytes_read(got)
-                for c, payload in left:
-                    await self.one(c, payload)  # decode reads the payload (maybe in buf)
+            for planned in pending:
+                current: _Range | None = planned
+                while current is not None:  # a range that stopped early goes on where it stood
+                    r = current
+                    need = longest if room else r.end - r.start
+                    if len(buf) < need:
+                        buf = memoryview(bytearray(longest))
+                    job = pool.submit(self.read_and_finish, reader, r, buf[:need])
+                    running.add(job)
+                    job.add_done_callback(running.discard)
+                    try:
+                        got, left, current = await asyncio.wrap_future(job)
+                    except (NotFoundError, RangeNotSatisfiableError) as exc:
+                        self.unreadable(r, exc)
+                        break
+                    self.resolver.on_bytes_read(got)
+                    for c, payload in left:
+                        await self.one(c, payload)  # decode reads the payload (maybe in buf)
 
         try:
             await _run_workers(worker, readers)

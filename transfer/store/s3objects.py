@@ -109,13 +109,16 @@ class _BotocoreCredentials:
 
     def __call__(self) -> dict[str, Any]:
         found = self._session.get_credentials()
+        # obstore needs an expiry even on empty credentials (without one it fails with
+        # "KeyError: 'expires_at'" where the server would have said 403)
+        expires = datetime.datetime.now(datetime.UTC) + datetime.timedelta(minutes=5)
         if found is None:
-            return {"access_key_id": "", "secret_access_key": ""}  # the server says 403
+            return {"access_key_id": "", "secret_access_key": "", "expires_at": expires}
         frozen = found.get_frozen_credentials()
         creds: dict[str, Any] = {
             "access_key_id": frozen.access_key,
             "secret_access_key": frozen.secret_key,
-            "expires_at": datetime.datetime.now(datetime.UTC) + datetime.timedelta(minutes=5),
+            "expires_at": expires,
         }
         if frozen.token:
             creds["token"] = frozen.token
