@@ -179,5 +179,7 @@ def test_reads_stay_on_obstore_without_static_credentials_or_behind_a_proxy(
     monkeypatch.setenv("AWS_SESSION_TOKEN", "t")
     from_env = make_ranges(*args, None, None, *timeouts)
     assert from_env is not None and from_env._creds == Credentials("k", "s", "t")
+    assert make_ranges(None, "b.with.dots", "k", "s", *timeouts) is None  # AWS, path-style
+    assert make_ranges(None, "plain", "k", "s", *timeouts) is not None
     monkeypatch.setenv("HTTPS_PROXY", "http://proxy.invalid:3128")
     assert make_ranges(*args, "k", "s", *timeouts) is None

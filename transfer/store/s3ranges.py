@@ -177,7 +177,7 @@ class HttpRanges:
             match = _RANGE_START.match(content_range)
             got_start = int(match.group(1)) if match else -1
             announced = range_length(content_range)
-            if announced is not None and reply.length != announced:
+            if announced is not None and reply.length is not None and reply.length < announced:
                 self._drop(conn)  # a middlebox cut the body and its Content-Length
                 raise ShortBodyError(f"{what}: {reply.length} bytes for the range {content_range}")
         if got_start != start:
@@ -306,7 +306,8 @@ def make_ranges(
     read_timeout: float,
 ) -> HttpRanges | None:
     """This client's ranged reads, or None where they stay on obstore: credentials from
-    anywhere but static settings or the environment, or an HTTP proxy configured."""
+    anywhere but static settings or the environment, an HTTP proxy configured, or an AWS
+    bucket whose name has dots (no virtual-hosted TLS name for it)."""
     if any(os.environ.get(v) for v in _PROXY_VARS):
         return None
     if os.environ.get("FERRY_S3_RANGED_READS") == "obstore":  # A/B benchmarks
@@ -316,6 +317,8 @@ def make_ranges(
         key, secret = os.environ.get("AWS_ACCESS_KEY_ID"), os.environ.get("AWS_SECRET_ACCESS_KEY")
         token = os.environ.get("AWS_SESSION_TOKEN") or None
     if not (key and secret):
+        return None
+    if not endpoint_url and "." in bucket:  # AWS serves these path-style only: obstore's
         return None
     creds = Credentials(key, secret, token)
     return HttpRanges(endpoint_url, bucket, creds, region, connect_timeout, read_timeout)
