@@ -170,3 +170,33 @@ def test_a_restore_writes_its_chunks_direct_while_the_device_keeps_up(
         # 12 whole chunks: slow, slow -> 3 buffered, slow, slow -> 3 buffered, slow, slow
         assert out.spells == (3 if slow_device else 0)
     assert path.read_bytes() == b"".join(pieces)
+
+
+def test_aligned_memory_is_written_direct_without_a_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A chunk decoded into page-aligned memory (directio.aligned) goes to the device as it
+    is; unaligned memory through the aligned buffer; both land exactly."""
+    path = tmp_path / "f.bin"
+    path.write_bytes(b"")
+    direct = direct_fd_or_skip(path)
+    fd = os.open(path, os.O_WRONLY)
+    copies: list[int] = []
+    real = directio._aligned_buffer
+    monkeypatch.setattr(directio, "_aligned_buffer", lambda: copies.append(1) or real())
+    rng = random.Random(9)
+    size = 3 * directio.ALIGN + 100  # an aligned interior and an unaligned tail
+    fast = directio.aligned(size)
+    fast[:] = rng.randbytes(size)
+    slow = rng.randbytes(size)
+    assert directio.is_aligned(fast) and not directio.is_aligned(memoryview(bytearray(8))[1:])
+    try:
+        directio.write_at(fd, direct, 0, fast, yield_to_reads=False)
+        assert copies == []  # straight from the caller's memory
+        directio.write_at(fd, direct, size + 4096 - size % 4096, slow, yield_to_reads=False)
+        assert copies == [1]  # read-only bytes: through the aligned buffer
+    finally:
+        os.close(fd)
+        os.close(direct)
+    got = path.read_bytes()
+    assert got[:size] == bytes(fast) and got[-size:] == slow

@@ -21,6 +21,7 @@ write is buffered.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import mmap
 import os
@@ -103,9 +104,13 @@ def write_at(
         _pwrite_all(buffered_fd, view, offset)
         return
     _pwrite_all(buffered_fd, view[: lo - offset], offset)
-    buf = _aligned_buffer()
+    interior = view[lo - offset : hi - offset]
     pos = lo
     try:
+        if is_aligned(interior):  # the caller's memory is aligned too: no copy
+            _pwrite_all(direct_fd, interior, lo)
+            pos = hi
+        buf = _aligned_buffer() if pos < hi else interior
         while pos < hi:
             n = min(SLICE, hi - pos)
             buf[:n] = view[pos - offset : pos - offset + n]
@@ -118,6 +123,20 @@ def write_at(
             raise
         _pwrite_all(buffered_fd, view[pos - offset : hi - offset], pos)
     _pwrite_all(buffered_fd, view[hi - offset :], hi)
+
+
+def aligned(size: int) -> memoryview:
+    """``size`` bytes of page-aligned, writable memory (an anonymous map), for buffers a
+    direct write may take as they are."""
+    return memoryview(mmap.mmap(-1, max(size, 1)))[:size]
+
+
+def is_aligned(view: memoryview) -> bool:
+    """Whether ``view`` starts on an ALIGN boundary (False for read-only memory, whose
+    address ctypes will not give)."""
+    if view.readonly or not view.c_contiguous:
+        return False
+    return ctypes.addressof(ctypes.c_char.from_buffer(view)) % ALIGN == 0
 
 
 def _aligned_buffer() -> memoryview:

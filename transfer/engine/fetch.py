@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from transfer.codec.transforms import Buffer
+from transfer.directio import aligned
 from transfer.engine.chunkindex import StoredChunk
 from transfer.engine.errors import first_error
 from transfer.engine.ratelimit import RateLimit
@@ -137,18 +138,19 @@ async def fetch_chunks(
 
 
 class _ThreadBuffers(threading.local):
-    """Per reader thread: the decoded chunk and a delta chunk's base, reused chunk to chunk."""
+    """Per reader thread: the decoded chunk and a delta chunk's base, reused chunk to chunk
+    (page-aligned, so a direct write takes the decoded chunk as it is: directio.aligned)."""
 
     def __init__(self) -> None:
-        self.out = bytearray()
-        self.base = bytearray()
+        self.out = memoryview(b"")
+        self.base = memoryview(b"")
 
     def view(self, name: str, size: int) -> memoryview:
-        buf: bytearray = getattr(self, name)
+        buf: memoryview = getattr(self, name)
         if len(buf) < size:
-            buf = bytearray(size)
+            buf = aligned(size)
             setattr(self, name, buf)
-        return memoryview(buf)[:size]
+        return buf[:size]
 
 
 class _Fetch:
@@ -342,7 +344,7 @@ class _Fetch:
                     r = current
                     need = longest if room else r.end - r.start
                     if len(buf) < need:
-                        buf = memoryview(bytearray(longest))
+                        buf = aligned(longest)  # a raw chunk's payload is written from it
                     job = pool.submit(self.read_and_finish, reader, r, buf[:need])
                     running.add(job)
                     job.add_done_callback(running.discard)
