@@ -8,17 +8,17 @@ VM that copy was 25% of a local delta push's CPU samples (``copy_folio_from_iter
 ~2.5 CPU s for 1.27 GB of packs), more than zstd. A direct write moves the bytes from one
 reused, page-aligned buffer straight to the device (one user-space copy into it, at
 memcpy speed; none when the caller's memory is page-aligned already: ``aligned``, as a
-restore's reader buffers are); the fsync then has only metadata left. Measured (a local delta push of a
-1.69 GB save, warm page cache, 4 alternated rounds each): the push's system time 3.3-3.9
--> 1.3-1.5 CPU s, wall 5.9-6.3 -> 5.0-5.2 s.
+restore's reader buffers are); the fsync then has only metadata left. Measured (a local
+delta push of a 1.69 GB save, warm page cache, 4 alternated rounds each): the push's system
+time 3.3-3.9 -> 1.3-1.5 CPU s, wall 5.9-6.3 -> 5.0-5.2 s.
 
 O_DIRECT needs the file offset, the length and the memory address aligned (to the
 device's logical block; a page, ALIGN, satisfies every Linux file system). Only the aligned
 interior of a write goes direct; its unaligned head and tail (a pack's last few bytes) go
 through the buffered descriptor (and, with ``yield_to_reads``, every write while the
-process reads from its disks: DeviceReads). A block is therefore only ever written one way, and the kernel keeps the two
-views coherent. Where the file system refuses O_DIRECT (tmpfs) every
-write is buffered.
+process reads from its disks: DeviceReads). A block is therefore only ever written one
+way, and the kernel keeps the two views coherent. Where the file system refuses O_DIRECT
+(tmpfs) every write is buffered.
 """
 
 from __future__ import annotations
