@@ -1,20 +1,23 @@
 """Reading chunks back: coalesced ranged GETs of packs, decode, verify, hand to a sink.
 
 Shared by pull (sink writes into staging files) and verify (sink does nothing). Adjacent
-chunks of one pack are fetched in one ranged GET of up to ``part_size`` bytes (at least
-READ_RANGE_BYTES); up to
+chunks of one pack are fetched in one ranged GET: up to STREAM_RANGE_BYTES from a reader
+that streams, else up to ``part_size`` bytes (at least READ_RANGE_BYTES); up to
 ``window`` GETs are in flight. A delta chunk's base bytes come from the resolver (a verified
 local copy, or the store).
 
 Two ways to run, by what the store offers:
 - threaded (the store has a ``range_reader``: S3 and local stores): a few reader threads
-  (READERS_PER_CORE) each take a whole range at a time: receive it into a buffer reused
-  from range to range, then, in the same thread, decode every chunk of it into a reused
-  per-thread buffer (a delta chunk's base read from the node's copy into another), verify
-  and sink it. One thread hop per range, not two per chunk, and no allocation per chunk:
-  on 2 cores the event loop's wake-ups and the copies were ~20% of a pull's samples. Only
-  chunks that need a base from the store (or whose local base turned out stale) go back
-  to the loop, to the resolver.
+  (READERS_PER_CORE) each take a whole range at a time. From a reader that streams (S3
+  with static credentials: store/s3ranges.py) each chunk's payload is received into one
+  chunk's room and finished before the next arrives; otherwise the range is received
+  whole into a buffer reused from range to range. Either way, in the same thread, each
+  chunk is decoded into a reused, page-aligned per-thread buffer (a delta chunk's base
+  read from the node's copy into another), verified and sunk. One thread hop per range,
+  not two per chunk, and no allocation per chunk: on 2 cores the event loop's wake-ups
+  and the copies were ~20% of a pull's samples. Only chunks that need a base from the
+  store (or whose local base turned out stale) go back to the loop, to the resolver
+  (a streamed range sets aside at most LEFT_BYTES of them, then goes on).
 - async (any other store): ``store.get`` on the loop, decode + verify + sink in the pool.
 """
 
