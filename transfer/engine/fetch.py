@@ -234,7 +234,7 @@ class _Fetch:
         received, pos = 0, r.start
         left: list[tuple[StoredChunk, Buffer]] = []
         for i, c in enumerate(r.chunks):
-            if sum(len(p) for _, p in left) >= LEFT_BYTES:
+            if sum(len(p) for _, p in left) >= LEFT_BYTES:  # (a handful of chunks at most)
                 rest = r.chunks[i:]
                 return received, left, _Range(r.pack_id, rest[0].offset, r.end, rest)
             if c.offset < pos:  # overlaps the one before (a corrupt index): on its own

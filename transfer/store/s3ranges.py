@@ -242,10 +242,15 @@ class RangeBody:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        self.release(failed=kind is not None)
+
+    def release(self, failed: bool = False) -> None:
+        """Done with the body: a connection whose reply was read to its end stays for the
+        next request; any other is closed."""
         if self._conn is None:
             return
-        if kind is None and self.remaining == 0 and self._reply.read(1) == b"":
-            return  # read to its end: the connection stays for the next request
+        if not failed and self.remaining == 0 and self._reply.read(1) == b"":
+            return
         self._close()
 
 
@@ -293,7 +298,7 @@ class ResumingStream(RangeStream):
     def close(self) -> None:
         body, self._body = self._body, None
         if body is not None:
-            body.__exit__(None, None, None)
+            body.release()
 
 
 def make_ranges(
