@@ -186,11 +186,15 @@ def test_kill_9_at_random_moments_of_a_repack_loses_nothing(tmp_path: Path) -> N
     run(_push_all(open_test_store(str(template)), dirs))
     bound = 1.1 * run(_fresh_cost(tmp_path, dirs[-1:]))
 
-    timing = tmp_path / "timing"
-    shutil.copytree(template, timing)
-    began = time.monotonic()
-    subprocess.run(_ferry_retention(str(timing)), check=True, capture_output=True)
-    whole = time.monotonic() - began
+    # how long a whole run takes: the faster of two (one fresh-clone CI run timed a single
+    # run so long, at a busy moment, that every kill came after its trial had finished)
+    whole = float("inf")
+    for attempt in range(2):
+        timing = tmp_path / f"timing-{attempt}"
+        shutil.copytree(template, timing)
+        began = time.monotonic()
+        subprocess.run(_ferry_retention(str(timing)), check=True, capture_output=True)
+        whole = min(whole, time.monotonic() - began)
 
     rng = random.Random(14)
     killed_running = 0
