@@ -82,6 +82,38 @@ def test_verify_reports_every_injury_and_pull_names_one(
     assert not dest.exists() and not [p for p in tmp_path.iterdir() if "staging" in p.name]
 
 
+def test_a_cold_pull_of_deltas_names_a_corrupt_base_and_leaves_nothing(
+    store_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A delta's base read from the store beside the range (engine/fetch.py) is decoded
+    unverified, as a local base is; when it is corrupt, the delta's hash check fails and
+    the pull names the base, not the delta that needed it."""
+    k0, k1 = adamw_series(tmp_path / "hot", 2, frozen=0.5)
+    for k in (k0, k1):
+        assert ferry(["push", str(k), store_url, "--job", "d", "--node", "n", *ONE_PER_PACK]) == 0
+
+    async def flip_a_base() -> str:
+        store = open_test_store(store_url)
+        try:
+            m = await load_manifest(store, "d", 40, "n")
+            base = next(c for c in m.bases)  # needed only as a base: not k+1's own chunk
+            key = pack_key(m.packs[base.pack])
+            data = bytearray(await store.get(key))
+            data[base.offset + base.stored // 2] ^= 0x01
+            await store.put(key, bytes(data))
+            return base.id
+        finally:
+            await store.close()
+
+    bad = asyncio.run(flip_a_base())
+    capsys.readouterr()
+    dest = tmp_path / "restored"
+    assert ferry(["pull", store_url, str(dest), "--job", "d", "--step", "40"]) == 1
+    err = capsys.readouterr().err
+    assert bad in err and "corrupt" in err, err
+    assert not dest.exists() and not [p for p in tmp_path.iterdir() if "staging" in p.name]
+
+
 def test_prefetch_falls_back_to_the_next_tier_and_names_the_chunk_when_none_is_good(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

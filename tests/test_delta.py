@@ -105,23 +105,27 @@ def test_successive_checkpoints_are_delta_coded_and_pull_byte_exact(
 def test_a_cold_pull_of_deltas_sets_aside_a_bounded_share_of_each_range(
     s3_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Streamed from S3 without the base at hand, every delta chunk is set aside for the
-    loop; past LEFT_BYTES a range stops and goes on where it stood (at 1 byte: after every
-    chunk set aside): the same bytes land, and the same bytes move, as in one pass."""
+    """Streamed from S3 without the base at hand, a delta whose base is a keyframe gets
+    it read beside the range, in the reader thread; any other (a longer chain: here every
+    one, by making the reader's base reads decline) is set aside for the loop, and past
+    LEFT_BYTES a range stops and goes on where it stood (at 1 byte: after every chunk set
+    aside). Each way the same bytes land, and the same bytes move."""
     from transfer.engine import fetch
 
     k0, k1 = adamw_series(tmp_path / "hot", 2, frozen=0.5)
     for k in (k0, k1):
         push_json(capsys, "push", str(k), s3_url, "--job", "d", "--node", "n", *SMALL)
     moved = {}
-    for left_bytes in (1 << 30, 1):
-        monkeypatch.setattr(fetch, "LEFT_BYTES", left_bytes)
-        out = tmp_path / f"cold-{left_bytes}"
+    for way in ("in the reader", "left, 1 GiB", "left, 1 byte"):
+        if way != "in the reader":
+            monkeypatch.setattr(fetch._Fetch, "remote_base", lambda self, reader, c: None)
+            monkeypatch.setattr(fetch, "LEFT_BYTES", 1 if way.endswith("byte") else 1 << 30)
+        out = tmp_path / way.replace(" ", "-").replace(",", "")
         pulled = push_json(capsys, "pull", s3_url, str(out), "--job", "d", *SMALL)
         assert pulled["chunks_delta"] > 2  # several set aside, so several stops at 1 byte
         assert tree_bytes(out) == tree_bytes(k1)
-        moved[left_bytes] = pulled["bytes_transferred"]
-    assert moved[1] == moved[1 << 30]
+        moved[way] = pulled["bytes_transferred"]
+    assert len(set(moved.values())) == 1, moved
 
 
 def test_pull_onto_a_node_holding_the_base_downloads_only_the_deltas(

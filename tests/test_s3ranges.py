@@ -88,6 +88,34 @@ def test_a_stream_reads_a_range_in_pieces_over_one_kept_connection(
         client.close()
 
 
+def test_a_read_beside_an_open_stream_takes_a_second_kept_connection(
+    s3_env: S3Endpoint, s3_url: str, s3_proxy: FaultProxy
+) -> None:
+    # a cold restore reads a delta's base while the range of deltas is still streaming
+    data = random_bytes(5 << 20, seed=5)
+    _put(s3_url, "packs/blob", data)
+    client = _client(s3_proxy.url, s3_env.bucket)
+    key = _full_key(s3_url, "packs/blob")
+    try:
+        before = s3_proxy.stats.requests
+        got, side = bytearray(), memoryview(bytearray(1000))
+        buf = memoryview(bytearray(1 << 20))
+        with client.stream(key, 0, len(data), "get blob") as body:  # type: ignore[union-attr]
+            while n := body.fill(buf):
+                got += buf[:n]
+                if len(got) == 2 << 20:
+                    assert client.read_into(key, 777, side, "get base") == 1000
+        assert bytes(got) == data and side == data[777:1777]
+        # one request each: the stream was not cut (and resumed) by the read beside it
+        assert s3_proxy.stats.requests - before == 2
+        for _ in range(3):  # both connections are kept for the thread's next requests
+            assert client.read_into(key, 5, side, "get base") == 1000 and side == data[5:1005]
+        ranges = client._ranges
+        assert isinstance(ranges, HttpRanges) and len(ranges._all) == 2
+    finally:
+        client.close()
+
+
 @pytest.mark.parametrize("kind", ["truncate", "short", "reset", "500", "503"])
 def test_a_stream_torn_half_way_resumes_from_where_it_stood(
     s3_env: S3Endpoint, s3_url: str, s3_proxy: FaultProxy, kind: str

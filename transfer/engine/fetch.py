@@ -33,13 +33,14 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from transfer.codec import decode
 from transfer.codec.transforms import Buffer
 from transfer.directio import aligned
 from transfer.engine.chunkindex import StoredChunk
 from transfer.engine.errors import first_error
 from transfer.engine.ratelimit import RateLimit
 from transfer.engine.resolver import ChunkResolver, Hint, read_local_into
-from transfer.errors import IntegrityError, NotFoundError, RangeNotSatisfiableError
+from transfer.errors import FormatError, IntegrityError, NotFoundError, RangeNotSatisfiableError
 from transfer.format.layout import pack_key
 from transfer.store.base import RangeReader, RangeStream
 
@@ -163,12 +164,15 @@ async def fetch_chunks(
 
 
 class _ThreadBuffers(threading.local):
-    """Per reader thread: the decoded chunk and a delta chunk's base, reused chunk to chunk
-    (page-aligned, so a direct write takes the decoded chunk as it is: directio.aligned)."""
+    """Per reader thread: the decoded chunk, a delta chunk's base and that base's stored
+    payload, reused chunk to chunk (page-aligned, so a direct write takes the decoded
+    chunk as it is: directio.aligned); and the bytes this thread read for bases."""
 
     def __init__(self) -> None:
         self.out = memoryview(b"")
         self.base = memoryview(b"")
+        self.base_payload = memoryview(b"")
+        self.base_bytes = 0
 
     def view(self, name: str, size: int) -> memoryview:
         buf: memoryview = getattr(self, name)
@@ -206,12 +210,44 @@ class _Fetch:
             found = read_local_into(root, hint[0], hint[1], buf)
         return buf if found else None
 
-    def finish_in_thread(self, c: StoredChunk, payload: Buffer) -> bool:
+    def remote_base(self, reader: RangeReader, c: StoredChunk) -> Buffer | None:
+        """The base of delta chunk ``c`` read from the store right here and decoded, when
+        it is a keyframe (a longer chain goes to the loop: None). Read on
+        the side, while the range's own reply waits: a cold restore of a delta-coded step
+        needs a base for most chunks, and one hop to the loop per chunk, the payloads set
+        aside meanwhile, made that restore 1.7-2.1x an ``s5cmd cp`` of the step."""
+        base = self.resolver.index.get(c.base) if c.base else None
+        if base is None or base.base is not None:
+            return None
+        payload = self.buffers.view("base_payload", base.stored)
+        if self.rate_limit is not None:
+            self.rate_limit.take(base.stored)
+        try:
+            with self.resolver.clock.timing("receive"):
+                got = reader.read_into(pack_key(base.pack_id), base.offset, payload)
+        except (NotFoundError, RangeNotSatisfiableError):
+            msg = f"chunk {base.id}: pack {base.pack_id} is missing or truncated"
+            raise IntegrityError(msg, [base.id]) from None
+        self.buffers.base_bytes += got
+        if got != base.stored:
+            raise IntegrityError(f"chunk {base.id}: pack {base.pack_id} is truncated", [base.id])
+        try:  # unverified, as a local base is: the delta's own hash check covers it
+            with self.resolver.clock.timing("decode"):
+                return decode(
+                    base.enc, payload, base.size, None, self.buffers.view("base", base.size)
+                )
+        except FormatError:
+            return None  # the loop's resolver fetches it again and names what is corrupt
+
+    def finish_in_thread(self, reader: RangeReader | None, c: StoredChunk, payload: Buffer) -> bool:
         """Decode, verify and sink one chunk in this thread; False: leave it to the loop
-        (its base is not at hand here, or the local base was stale)."""
+        (its base is neither on this node nor a keyframe, or the local base was stale)."""
         if len(payload) != c.stored:
             raise IntegrityError(f"chunk {c.id}: pack {c.pack_id} is truncated", [c.id])
-        base = self.local_base(c) if c.base else None
+        local = self.local_base(c) if c.base else None
+        base: Buffer | None = local
+        if c.base and base is None and reader is not None:
+            base = self.remote_base(reader, c)
         if c.base and base is None:
             return False
         out = self.buffers.view("out", c.size)
@@ -220,8 +256,10 @@ class _Fetch:
         except IntegrityError:
             if base is None:
                 raise
-            return False  # maybe the node's copy changed: the resolver re-checks the base
-        if base is not None:
+            # the node's copy may have changed, or a base from the store is corrupt: the
+            # loop's resolver reads the base again, verified, and names the bad chunk
+            return False
+        if local is not None:
             self.resolver.count_local_hit()
         self.sink(c, data)
         return True
@@ -230,8 +268,15 @@ class _Fetch:
         self, reader: RangeReader, r: _Range, buf: memoryview
     ) -> tuple[int, list[tuple[StoredChunk, Buffer]], _Range | None]:
         """In a reader thread: receive one range and finish what can be finished here.
-        Returns (bytes received, chunks left to the loop with their payloads, the rest of
-        the range when it stopped early: see LEFT_BYTES)."""
+        Returns (bytes received, bases included; chunks left to the loop with their
+        payloads; the rest of the range when it stopped early: see LEFT_BYTES)."""
+        before = self.buffers.base_bytes
+        got, left, rest = self._receive_and_finish(reader, r, buf)
+        return got + self.buffers.base_bytes - before, left, rest
+
+    def _receive_and_finish(
+        self, reader: RangeReader, r: _Range, buf: memoryview
+    ) -> tuple[int, list[tuple[StoredChunk, Buffer]], _Range | None]:
         stream = reader.stream(pack_key(r.pack_id), r.start, r.end)
         if stream is None:
             if self.rate_limit is not None:
@@ -242,7 +287,7 @@ class _Fetch:
             left: list[tuple[StoredChunk, Buffer]] = []
             for c in r.chunks:
                 lo = c.offset - r.start
-                self._finish_or_leave(c, view[lo : lo + c.stored], left, copy=False)
+                self._finish_or_leave(reader, c, view[lo : lo + c.stored], left, copy=False)
             return got, left, None
         with stream:
             return self._finish_streamed(reader, stream, r, buf)
@@ -260,7 +305,7 @@ class _Fetch:
                 rest = r.chunks[i:]
                 return received, left, _Range(r.pack_id, rest[0].offset, r.end, rest)
             if c.offset < pos:  # overlaps the one before (a corrupt index): on its own
-                self._finish_or_leave(c, self._read_alone(reader, c), left, copy=False)
+                self._finish_or_leave(reader, c, self._read_alone(reader, c), left, copy=False)
                 continue
             while pos < c.offset:  # a small gap between chunks: read through it
                 gap = buf[: min(len(buf), c.offset - pos)]
@@ -271,7 +316,7 @@ class _Fetch:
             view = buf[: c.stored]
             n = self._fill(stream, view)
             received, pos = received + n, pos + n
-            self._finish_or_leave(c, view[:n], left, copy=True)
+            self._finish_or_leave(reader, c, view[:n], left, copy=True)
         return received, left, None
 
     def _read_alone(self, reader: RangeReader, c: StoredChunk) -> Buffer:
@@ -286,6 +331,7 @@ class _Fetch:
 
     def _finish_or_leave(
         self,
+        reader: RangeReader,
         c: StoredChunk,
         payload: Buffer,
         left: list[tuple[StoredChunk, Buffer]],
@@ -295,7 +341,7 @@ class _Fetch:
         """Finish one chunk here, or add it to ``left`` for the loop (its payload copied
         when ``copy``: the buffer is about to be reused)."""
         try:
-            if not self.finish_in_thread(c, payload):
+            if not self.finish_in_thread(reader, c, payload):
                 left.append((c, bytes(payload) if copy else payload))
         except IntegrityError as exc:
             if self.on_bad is None:
