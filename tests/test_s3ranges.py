@@ -64,13 +64,18 @@ def _full_key(s3_url: str, key: str) -> str:
     return s3_url.split("/", 3)[3] + "/" + key
 
 
+def _blob(s3_url: str, size: int, seed: int) -> tuple[bytes, str]:
+    """Random bytes stored as packs/blob, and the object's full key."""
+    data = random_bytes(size, seed=seed)
+    _put(s3_url, "packs/blob", data)
+    return data, _full_key(s3_url, "packs/blob")
+
+
 def test_a_stream_reads_a_range_in_pieces_over_one_kept_connection(
     s3_env: S3Endpoint, s3_url: str
 ) -> None:
-    data = random_bytes(5 << 20, seed=3)
-    _put(s3_url, "packs/blob", data)
+    data, key = _blob(s3_url, 5 << 20, seed=3)
     client = _client(s3_env.url, s3_env.bucket)
-    key = _full_key(s3_url, "packs/blob")
     try:
         assert client.streams()
         for lo, hi in ((0, len(data)), (12345, 3 << 20), (len(data) - 100, len(data) + 4096)):
@@ -92,10 +97,8 @@ def test_a_read_beside_an_open_stream_takes_a_second_kept_connection(
     s3_env: S3Endpoint, s3_url: str, s3_proxy: FaultProxy
 ) -> None:
     # a cold restore reads a delta's base while the range of deltas is still streaming
-    data = random_bytes(5 << 20, seed=5)
-    _put(s3_url, "packs/blob", data)
+    data, key = _blob(s3_url, 5 << 20, seed=5)
     client = _client(s3_proxy.url, s3_env.bucket)
-    key = _full_key(s3_url, "packs/blob")
     try:
         before = s3_proxy.stats.requests
         got, side = bytearray(), memoryview(bytearray(1000))
@@ -120,14 +123,13 @@ def test_a_read_beside_an_open_stream_takes_a_second_kept_connection(
 def test_a_stream_torn_half_way_resumes_from_where_it_stood(
     s3_env: S3Endpoint, s3_url: str, s3_proxy: FaultProxy, kind: str
 ) -> None:
-    data = random_bytes(6 << 20, seed=4)
-    _put(s3_url, "packs/blob", data)
+    data, key = _blob(s3_url, 6 << 20, seed=4)
     client = _client(s3_proxy.url, s3_env.bucket, attempts=20)
     s3_proxy.set_faults(1.0, (kind,), budget=2)  # the first two requests fail
     try:
         got = bytearray()
         buf = memoryview(bytearray(1 << 20))
-        stream = client.stream(_full_key(s3_url, "packs/blob"), 0, len(data), "get blob")
+        stream = client.stream(key, 0, len(data), "get blob")
         assert stream is not None
         with stream:
             while n := stream.fill(buf):
