@@ -15,12 +15,15 @@ instead of raw. On a full fine-tune every chunk changes, so raw chunks from a pe
 from __future__ import annotations
 
 import asyncio
+import http.client
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import aiohttp
 
 from agent.hotdir import HotDir
+from agent.peerwire import PeerWire
 from transfer.codec import KNOWN_ENCODINGS, check_encoding, decode, encode, encode_as, needs_base
 from transfer.codec.encodings import RAW
 from transfer.engine import list_checkpoints
@@ -33,8 +36,6 @@ from transfer.format.chunkid import chunk_id
 from transfer.store.base import Store
 
 Location = tuple[Path, int, int]  # file, offset, size
-#: the encoding of a chunk route's body (absent: raw, as agents before 2026-11 sent)
-ENCODING_HEADER = "X-Ferry-Encoding"
 
 
 class HotIndex:
@@ -118,6 +119,11 @@ def read_at(where: Location) -> bytearray | None:
     return data if read_file_into(Path(path), offset, memoryview(data)) else None
 
 
+#: chunks received from peers at once, per agent (each a thread with its connections):
+#: a prefetch asks ``window`` at a time, a fan-out member's owners hold requests open
+PEER_THREADS = 16
+
+
 class PeerSource:
     """The chunk source a prefetch uses: asks each live peer in turn."""
 
@@ -126,11 +132,15 @@ class PeerSource:
         self.token = token
         self.down_seconds = down_seconds
         self._down_until: dict[str, float] = {}
-        self._session: aiohttp.ClientSession | None = None
+        self._session: aiohttp.ClientSession | None = None  # health checks
+        self._wire = PeerWire(token)
+        self._pool = ThreadPoolExecutor(PEER_THREADS, thread_name_prefix="ferry-peer")
 
     async def close(self) -> None:
         if self._session is not None:
             await self._session.close()
+        self._wire.close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     def is_down(self, peer: str) -> bool:
         """Failed recently (skipped for ``down_seconds``)."""
@@ -175,32 +185,39 @@ class PeerSource:
     ) -> Supplied | None:
         """The chunk from one peer, who may hold the request ``wait`` s for it to land (a
         fan-out restore: agent/fanout.py); None if it has not, or is down (then it is
-        skipped for ``down_seconds``)."""
+        skipped for ``down_seconds``). Received and decoded in a worker thread
+        (agent/peerwire.py)."""
         if self.is_down(peer):
             return None
         query = {"base": base.id, "enc": chunk.enc} if base is not None else {}
         if wait:
             query["wait"] = f"{wait:g}"
+        loop = asyncio.get_running_loop()
         try:
-            url = f"{peer}/v1/chunks/{chunk.id}"
-            timeout = aiohttp.ClientTimeout(total=60 + wait, sock_connect=2)
-            async with self._client().get(url, params=query, timeout=timeout) as resp:
-                if resp.status != 200:
-                    return None
-                enc = resp.headers.get(ENCODING_HEADER, RAW)
-                body = bytearray()
-                async for piece in resp.content.iter_chunked(1 << 20):
-                    body += piece
-                    if len(body) > chunk.size:  # never buffer more than a chunk
-                        break
-            data = await asyncio.to_thread(_decoded, enc, body, chunk.size, base)
-            return None if data is None else (data, len(body), f"peer:{peer}")
-        except (aiohttp.ClientError, TimeoutError, OSError):
+            return await loop.run_in_executor(
+                self._pool, self._ask_here, peer, chunk, base, query, 60 + wait
+            )
+        except (http.client.HTTPException, TimeoutError, OSError):
             self._down_until[peer] = time.monotonic() + self.down_seconds
             return None
 
+    def _ask_here(
+        self,
+        peer: str,
+        chunk: StoredChunk,
+        base: LocalBase | None,
+        query: dict[str, str],
+        timeout: float,
+    ) -> Supplied | None:
+        got = self._wire.get_chunk(peer, chunk.id, query, chunk.size, timeout)
+        if got is None:
+            return None
+        enc, body = got
+        data = _decoded(enc, body, chunk.size, base)
+        return None if data is None else (data, len(body), f"peer:{peer}")
 
-def _decoded(enc: str, body: bytearray, size: int, base: LocalBase | None) -> bytes | None:
+
+def _decoded(enc: str, body: memoryview, size: int, base: LocalBase | None) -> bytes | None:
     """(In a worker thread.) The chunk from a peer's reply; the local base is read only
     for a delta."""
     if enc == RAW:
@@ -229,33 +246,53 @@ async def encode_for_peer(
     this node holds that chunk too, else raw. ``enc``: the encoding the store chose for it
     (the receiver knows it from the manifest), used as is instead of trying every
     candidate on samples. ``where``: where it is, if the caller knows (a restore running
-    here landed it), else the hot index is asked. None: not held (or no longer intact)."""
+    here landed it), else the hot index is asked. None: not held (or no longer intact).
+    The reads, the hash check and the encoding run in one worker thread."""
     where = where or await index.locate(cid)
-    data = await asyncio.to_thread(read_verified, where, cid) if where else None
-    if data is None:
+    if where is None:
+        return None
+    coding = enc if enc in KNOWN_ENCODINGS else None
+    there: Location | None = None
+    whole = coding is not None and not needs_base(coding)  # no base needed
+    if base_id is not None and zstd_level is not None and not whole:
+        # peek first: the chunk's own locate refreshed the index on a miss. A chunk that a
+        # restore here just landed (fan-out) skipped that locate, so the base may be in the
+        # hot dir unindexed: rescan then, but at most every few seconds, never every time
+        there = index.peek(base_id)
+        if there is None:
+            await index.refresh_if_stale()
+            there = index.peek(base_id)
+    got = await asyncio.to_thread(_encoded, where, cid, base_id, there, zstd_level, coding)
+    if got is None:
         index.forget(cid)
+    return got
+
+
+def _encoded(
+    where: Location,
+    cid: str,
+    base_id: str | None,
+    there: Location | None,
+    zstd_level: int | None,
+    coding: str | None,
+) -> tuple[str, bytes | bytearray] | None:
+    """(In a worker thread.) encode_for_peer's reading and coding; ``coding``: the store's
+    encoding of the chunk when this codec knows it."""
+    data = read_verified(where, cid)
+    if data is None:
         return None
     if base_id is None or zstd_level is None:
         return RAW, data
-    if enc is not None and enc in KNOWN_ENCODINGS and not needs_base(enc):
+    if coding is not None and not needs_base(coding):
         # the store keeps it whole (its delta saved too little: keyframes.py), so it goes
         # whole here too, in the same coding, without trying every candidate on samples:
         # that search made a peer's prefetch 2.2-3.0x the tier's (bench.peer_deltas)
-        payload = await asyncio.to_thread(encode_as, enc, data, zstd_level)
-        return (enc, payload) if len(payload) < len(data) else (RAW, data)
-    # peek first: the chunk's own locate refreshed the index on a miss. A chunk that a
-    # restore here just landed (fan-out) skipped that locate, so the base may be in the hot
-    # dir unindexed: rescan then, but at most every few seconds, never on every request
-    there = index.peek(base_id)
-    if there is None:
-        await index.refresh_if_stale()
-        there = index.peek(base_id)
-    base = await asyncio.to_thread(read_at, there) if there else None
-    if base is None:
-        return RAW, data
-    if enc is not None and needs_base(enc) and enc in KNOWN_ENCODINGS:
-        payload = await asyncio.to_thread(encode_as, enc, data, zstd_level, base)
-        if len(payload) < len(data):
-            return enc, payload
-        return RAW, data
-    return await asyncio.to_thread(encode, data, zstd_level, base)
+        payload = encode_as(coding, data, zstd_level)
+    else:
+        base = read_at(there) if there else None
+        if base is None:
+            return RAW, data
+        if coding is None:
+            return encode(data, zstd_level, base)
+        payload = encode_as(coding, data, zstd_level, base)
+    return (coding, payload) if len(payload) < len(data) else (RAW, data)

@@ -8,7 +8,8 @@ from aiohttp import web
 
 from agent.appkeys import CONFIG, HOT_INDEX, LANDING, METRICS
 from agent.fanout import WAIT_SECONDS
-from agent.peers import ENCODING_HEADER, encode_for_peer
+from agent.peers import encode_for_peer
+from agent.peerwire import ENCODING_HEADER
 from transfer.format.chunkid import is_chunk_id
 
 log = logging.getLogger(__name__)
