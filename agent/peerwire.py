@@ -5,7 +5,8 @@ peer received every byte on the event loop's thread, in 1 MiB pieces appended to
 growing buffer, then hopped to a worker to decode. With the peer on loopback that loop
 was the busiest thread of the prefetch (py-spy: 55% of its samples in the receive path),
 and the prefetch of the corpus's 1.69 GB save took 2x the same prefetch from the tier.
-Here each worker thread keeps one keep-alive ``http.client`` connection per peer and
+Here each worker thread keeps a keep-alive ``http.client`` connection per peer
+(transfer/keepalive.py) and
 receives the reply with ``readinto`` into a buffer it reuses, GIL released, then decodes
 in the same thread; the loop only waits for the result.
 
@@ -17,11 +18,11 @@ costs time, never correctness (the receiver checks every chunk's hash).
 from __future__ import annotations
 
 import http.client
-import ssl
 import threading
-from urllib.parse import urlencode, urlsplit
+from urllib.parse import urlencode
 
 from transfer.codec.encodings import RAW
+from transfer.keepalive import KeptConnections
 
 #: the encoding of a chunk route's body (absent: raw, as agents before 2026-11 sent)
 ENCODING_HEADER = "X-Ferry-Encoding"
@@ -34,11 +35,8 @@ class PeerWire:
 
     def __init__(self, token: str, connect_timeout: float = 2.0) -> None:
         self._auth = {"Authorization": f"Bearer {token}"}
-        self._connect_timeout = connect_timeout
-        self._local = threading.local()
-        self._all: list[http.client.HTTPConnection] = []
-        self._lock = threading.Lock()
-        self._ssl: ssl.SSLContext | None = None
+        self._conns = KeptConnections(connect_timeout)
+        self._local = threading.local()  # each thread's receive buffer
 
     def get_chunk(
         self, peer: str, cid: str, query: dict[str, str], most: int, timeout: float
@@ -48,7 +46,7 @@ class PeerWire:
         thread's buffer: valid until the thread's next call."""
         path = f"/v1/chunks/{cid}" + (f"?{urlencode(query)}" if query else "")
         for fresh in (False, True):  # a kept connection the peer closed: once more, anew
-            conn, reused = self._take(peer, fresh)
+            conn, reused = self._conns.take(peer, fresh)
             try:
                 assert conn.sock is not None
                 conn.sock.settimeout(timeout)
@@ -105,56 +103,17 @@ class PeerWire:
             buf = self._local.buf = memoryview(bytearray(size))
         return buf[:size]
 
-    def _idle(self) -> dict[str, http.client.HTTPConnection]:
-        idle: dict[str, http.client.HTTPConnection] | None = getattr(self._local, "idle", None)
-        if idle is None:
-            idle = self._local.idle = {}
-        return idle
-
-    def _take(self, peer: str, fresh: bool) -> tuple[http.client.HTTPConnection, bool]:
-        kept = self._idle().pop(peer, None)
-        if kept is not None and not fresh:
-            return kept, True
-        if kept is not None:
-            self._drop(kept)
-        return self._connect(peer), False
-
     def _keep_if_done(
         self, peer: str, conn: http.client.HTTPConnection, reply: http.client.HTTPResponse
     ) -> None:
         if (reply.isclosed() or reply.read(1) == b"") and not reply.will_close:
-            self._idle()[peer] = conn
+            self._conns.give_back(peer, conn)
             return
         self._drop(conn)
 
-    def _connect(self, peer: str) -> http.client.HTTPConnection:
-        url = urlsplit(peer)
-        conn: http.client.HTTPConnection
-        if url.scheme == "https":
-            if self._ssl is None:
-                self._ssl = ssl.create_default_context()
-            conn = http.client.HTTPSConnection(
-                url.hostname or "localhost", url.port, timeout=self._connect_timeout,
-                context=self._ssl,
-            )  # fmt: skip
-        else:
-            conn = http.client.HTTPConnection(
-                url.hostname or "localhost", url.port, timeout=self._connect_timeout
-            )
-        conn.connect()
-        with self._lock:
-            self._all.append(conn)
-        return conn
-
     def _drop(self, conn: http.client.HTTPConnection) -> None:
-        with self._lock:
-            if conn in self._all:
-                self._all.remove(conn)
-        conn.close()
+        self._conns.drop(conn)
 
     def close(self) -> None:
         """Close every connection (a thread blocked on one then fails and returns)."""
-        with self._lock:
-            conns, self._all = self._all, []
-        for conn in conns:
-            conn.close()
+        self._conns.close()

@@ -65,7 +65,7 @@ def test_replies_arrive_whole_over_one_kept_connection_per_thread() -> None:
         assert got == [("zstd", BODY), None, ("zstd", BODY), None, ("zstd", BODY)]
         # a refusal keeps the connection; a reply over the limit is never buffered: its
         # connection is closed, and the last request opened the one left
-        assert len(wire._all) == 1
+        assert wire._conns.count() == 1
 
     asyncio.run(_serving(check))
 
@@ -95,10 +95,10 @@ def test_a_kept_connection_the_peer_closed_is_replaced_once() -> None:
         loop = asyncio.get_running_loop()
         try:
             assert await loop.run_in_executor(one, ok) == BODY
-            kept = list(wire._all)
+            kept = wire._conns._all[:]
             await asyncio.sleep(0.5)  # the peer's keep-alive timeout closes it meanwhile
             assert await loop.run_in_executor(one, ok) == BODY
-            assert len(wire._all) == 1 and wire._all != kept  # replaced, not added to
+            assert wire._conns.count() == 1 and wire._conns._all != kept  # replaced, not added to
         finally:
             one.shutdown()
 

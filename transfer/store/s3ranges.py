@@ -24,13 +24,13 @@ import http.client
 import os
 import re
 import ssl
-import threading
 from collections.abc import Callable
 from types import TracebackType
 from typing import TypeVar
 from urllib.parse import urlsplit
 
 from transfer.errors import StoreError
+from transfer.keepalive import KeptConnections
 from transfer.store.base import RangeStream
 from transfer.store.retry import ReplyError, ShortBodyError, range_length
 from transfer.store.sigv4 import Credentials, canonical_path, sign
@@ -59,56 +59,25 @@ class HttpRanges:
     ) -> None:
         if endpoint_url:  # path-style, as for every custom endpoint
             url = urlsplit(endpoint_url)
-            self._https = url.scheme == "https"
-            self._host = url.hostname or "localhost"
-            self._port = url.port
-            self._netloc = url.netloc
+            scheme, self._netloc = url.scheme, url.netloc
             self._prefix = url.path.rstrip("/") + "/" + bucket + "/"
         else:  # AWS itself, virtual-hosted
-            self._https = True
-            self._host = self._netloc = f"{bucket}.s3.{region}.amazonaws.com"
-            self._port = None
+            scheme, self._netloc = "https", f"{bucket}.s3.{region}.amazonaws.com"
             self._prefix = "/"
-        self.url = f"{'https' if self._https else 'http'}://{self._netloc}"
+        self.url = f"{scheme}://{self._netloc}"
         self._creds = creds
         self._region = region
-        self._connect_timeout = connect_timeout
         self._read_timeout = read_timeout
-        self._local = threading.local()
-        self._all: list[http.client.HTTPConnection] = []
-        self._lock = threading.Lock()
-        self._ssl = ssl.create_default_context(cafile=os.environ.get("AWS_CA_BUNDLE"))
-
-    # -- connections kept per thread ----------------------------------------------------
-
-    def _idle(self) -> list[http.client.HTTPConnection]:
-        idle: list[http.client.HTTPConnection] | None = getattr(self._local, "idle", None)
-        if idle is None:
-            idle = self._local.idle = []
-        return idle
+        self._conns = KeptConnections(
+            connect_timeout,
+            lambda: ssl.create_default_context(cafile=os.environ.get("AWS_CA_BUNDLE")),
+        )
 
     def _take(self, fresh: bool) -> tuple[http.client.HTTPConnection, bool]:
         """A connection for one request (this thread's idle one unless ``fresh``), and
-        whether it was kept from an earlier request."""
-        idle = self._idle()
-        if idle and not fresh:
-            return idle.pop(), True
-        return self._connect(), False
-
-    def _give_back(self, conn: http.client.HTTPConnection) -> None:
-        """A connection whose reply was read to its end: kept for this thread's next."""
-        self._idle().append(conn)
-
-    def _connect(self) -> http.client.HTTPConnection:
-        conn: http.client.HTTPConnection
-        if self._https:
-            conn = http.client.HTTPSConnection(
-                self._host, self._port, timeout=self._connect_timeout, context=self._ssl
-            )
-        else:
-            conn = http.client.HTTPConnection(self._host, self._port, timeout=self._connect_timeout)
+        whether it was kept from an earlier request; failures to connect in one line."""
         try:
-            conn.connect()
+            conn, reused = self._conns.take(self.url, fresh)
         except TimeoutError:
             raise TimeoutError(f"no connection within the connect timeout to {self.url}") from None
         except OSError as exc:
@@ -117,21 +86,16 @@ class HttpRanges:
             raise ConnectionError(msg) from None
         assert conn.sock is not None
         conn.sock.settimeout(self._read_timeout)
-        with self._lock:
-            self._all.append(conn)
-        return conn
+        return conn, reused
+
+    def _give_back(self, conn: http.client.HTTPConnection) -> None:
+        self._conns.give_back(self.url, conn)
 
     def _drop(self, conn: http.client.HTTPConnection) -> None:
-        with self._lock:
-            if conn in self._all:
-                self._all.remove(conn)
-        conn.close()
+        self._conns.drop(conn)
 
     def close(self) -> None:
-        with self._lock:
-            conns, self._all = self._all, []
-        for conn in conns:
-            conn.close()
+        self._conns.close()
 
     # -- requests -----------------------------------------------------------------------
 
