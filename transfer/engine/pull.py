@@ -418,14 +418,14 @@ class LocalBase:
     a delta actually came: a source that sends the chunk whole costs no local read."""
 
     id: str
-    read: Callable[[], bytes | None]
+    read: Callable[[], Buffer | None]
 
 
 #: asked for a chunk (and told what base this node holds for it, if any); returns the
 #: chunk's raw bytes and how many bytes it moved to get them, or None
 #: what a chunk source returns: the chunk's bytes (unverified), the bytes it moved, and
 #: where they came from (e.g. ``peer:http://10.0.0.8:7070``)
-Supplied = tuple[bytes, int, str]
+Supplied = tuple[Buffer, int, str]
 ChunkSource = Callable[[StoredChunk, LocalBase | None], Awaitable[Supplied | None]]
 
 
@@ -463,7 +463,7 @@ async def _from_source(
 
     moved = on_moved or (lambda origin, n: None)
 
-    def check_and_write(chunk: StoredChunk, data: bytes) -> bool:
+    def check_and_write(chunk: StoredChunk, data: Buffer) -> bool:
         if len(data) != chunk.size or chunk_id(data) != chunk.id:
             return False  # a confused or hostile peer: fall back to the store
         write(chunk, data)
@@ -510,9 +510,9 @@ def _local_base(
     if root is None or there is None or there[0] == cid:
         return None
 
-    def read() -> bytes | None:
+    def read() -> bytearray | None:
         buf = bytearray(there[1])
-        return bytes(buf) if read_local_into(root, *hint, memoryview(buf)) else None
+        return buf if read_local_into(root, *hint, memoryview(buf)) else None
 
     return LocalBase(there[0], read)
 
