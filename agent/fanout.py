@@ -21,7 +21,7 @@ from collections.abc import Iterable
 
 from agent.peers import Location, PeerSource
 from transfer.engine.chunkindex import StoredChunk
-from transfer.engine.pull import LocalBase, Supplied
+from transfer.engine.pull import Land, LocalBase, Supplied
 
 #: how long an owner holds a peer's request for a chunk it is still fetching
 WAIT_SECONDS = 30.0
@@ -129,8 +129,10 @@ class FanoutSource:
     def mine(self, cid: str) -> bool:
         return self.owner(cid) == self.me
 
-    async def __call__(self, chunk: StoredChunk, base: LocalBase | None) -> Supplied | None:
+    async def __call__(
+        self, chunk: StoredChunk, base: LocalBase | None, land: Land | None = None
+    ) -> Supplied | None:
         owner = self.owner(chunk.id)
         if owner == self.me:
             return None
-        return await self.peers.ask(owner, chunk, base, wait=WAIT_SECONDS)
+        return await self.peers.ask(owner, chunk, base, wait=WAIT_SECONDS, land=land)

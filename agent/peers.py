@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import http.client
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -27,10 +28,11 @@ from agent.peerwire import PeerWire
 from transfer.codec import KNOWN_ENCODINGS, check_encoding, decode, encode, encode_as, needs_base
 from transfer.codec.encodings import RAW
 from transfer.codec.transforms import Buffer
+from transfer.directio import aligned
 from transfer.engine import list_checkpoints
 from transfer.engine.catalog import load_manifest
 from transfer.engine.chunkindex import StoredChunk
-from transfer.engine.pull import LocalBase, Supplied
+from transfer.engine.pull import Land, LocalBase, Supplied
 from transfer.engine.resolver import read_file_into
 from transfer.errors import FerryError
 from transfer.format.chunkid import chunk_id
@@ -137,6 +139,7 @@ class PeerSource:
         self._down_until: dict[str, float] = {}
         self._session: aiohttp.ClientSession | None = None  # health checks
         self._wire = PeerWire(token)
+        self._buffers = threading.local()
         self._pool = ThreadPoolExecutor(PEER_THREADS, thread_name_prefix="ferry-peer")
 
     async def close(self) -> None:
@@ -153,11 +156,13 @@ class PeerSource:
         now = time.monotonic()
         return [p for p in self.peers if self._down_until.get(p, 0.0) <= now]
 
-    async def __call__(self, chunk: StoredChunk, base: LocalBase | None) -> Supplied | None:
-        """The chunk's raw bytes (unverified: the caller checks the hash), the bytes moved
-        and ``peer:<url>``, from the first live peer that has it."""
+    async def __call__(
+        self, chunk: StoredChunk, base: LocalBase | None, land: Land | None = None
+    ) -> Supplied | None:
+        """The chunk's raw bytes (unverified: the caller checks the hash, or ``land``
+        does), the bytes moved and ``peer:<url>``, from the first live peer that has it."""
         for peer in self._live():
-            got = await self.ask(peer, chunk, base)
+            got = await self.ask(peer, chunk, base, land=land)
             if got is not None:
                 return got
         return None
@@ -184,12 +189,18 @@ class PeerSource:
         return self._session
 
     async def ask(
-        self, peer: str, chunk: StoredChunk, base: LocalBase | None, *, wait: float = 0.0
+        self,
+        peer: str,
+        chunk: StoredChunk,
+        base: LocalBase | None,
+        *,
+        wait: float = 0.0,
+        land: Land | None = None,
     ) -> Supplied | None:
         """The chunk from one peer, who may hold the request ``wait`` s for it to land (a
         fan-out restore: agent/fanout.py); None if it has not, or is down (then it is
         skipped for ``down_seconds``). Received and decoded in a worker thread
-        (agent/peerwire.py)."""
+        (agent/peerwire.py), and handed to ``land`` there when given."""
         if self.is_down(peer):
             return None
         query = {"base": base.id, "enc": chunk.enc} if base is not None else {}
@@ -198,7 +209,7 @@ class PeerSource:
         loop = asyncio.get_running_loop()
         try:
             return await loop.run_in_executor(
-                self._pool, self._ask_here, peer, chunk, base, query, 60 + wait
+                self._pool, self._ask_here, peer, chunk, base, query, 60 + wait, land
             )
         except (http.client.HTTPException, TimeoutError, OSError):
             self._down_until[peer] = time.monotonic() + self.down_seconds
@@ -211,28 +222,45 @@ class PeerSource:
         base: LocalBase | None,
         query: dict[str, str],
         timeout: float,
+        land: Land | None,
     ) -> Supplied | None:
         got = self._wire.get_chunk(peer, chunk.id, query, chunk.size, timeout)
         if got is None:
             return None
         enc, body = got
-        data = _decoded(enc, body, chunk.size, base)
-        return None if data is None else (data, len(body), f"peer:{peer}")
+        out = self._out(chunk.size) if land is not None else None
+        data = _decoded(enc, body, chunk.size, base, out)
+        if data is None:
+            return None
+        if land is None:
+            return data, len(body), f"peer:{peer}"
+        return (None, len(body), f"peer:{peer}") if land(chunk, data) else None
+
+    def _out(self, size: int) -> memoryview:
+        """This thread's decode buffer (page-aligned: a restore's direct write takes it as
+        it is)."""
+        buf: memoryview | None = getattr(self._buffers, "out", None)
+        if buf is None or len(buf) < size:
+            buf = self._buffers.out = aligned(size)
+        return buf[:size]
 
 
-def _decoded(enc: str, body: memoryview, size: int, base: LocalBase | None) -> Buffer | None:
-    """(In a worker thread.) The chunk from a peer's reply (``body``: a reused buffer), in
-    memory of its own; the local base is read only for a delta."""
+def _decoded(
+    enc: str, body: memoryview, size: int, base: LocalBase | None, out: memoryview | None
+) -> Buffer | None:
+    """(In a worker thread.) The chunk from a peer's reply (``body``: a reused buffer):
+    decoded into ``out`` (reused too), or without it into memory of its own; the local
+    base is read only for a delta."""
     if enc == RAW:
-        return bytes(body)
+        return body if out is not None else bytes(body)
     try:
         check_encoding(enc)
         if not needs_base(enc):
-            return decode(enc, body, size)  # a new buffer (no copy of it: 4 MiB a chunk)
+            return decode(enc, body, size, None, out)
         data = base.read() if base is not None else None
         if data is None:
             return None  # no base here after all (or a peer that ignored ours)
-        return decode(enc, body, size, data)
+        return decode(enc, body, size, data, out)
     except FerryError:
         return None  # a confused peer: the caller falls back to the tiers
 

@@ -14,12 +14,12 @@ import shutil
 import threading
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 from transfer.codec import check_encoding, needs_base
 from transfer.codec.transforms import Buffer
@@ -421,12 +421,23 @@ class LocalBase:
     read: Callable[[], Buffer | None]
 
 
-#: asked for a chunk (and told what base this node holds for it, if any); returns the
-#: chunk's raw bytes and how many bytes it moved to get them, or None
-#: what a chunk source returns: the chunk's bytes (unverified), the bytes it moved, and
-#: where they came from (e.g. ``peer:http://10.0.0.8:7070``)
-Supplied = tuple[Buffer, int, str]
-ChunkSource = Callable[[StoredChunk, LocalBase | None], Awaitable[Supplied | None]]
+#: what a chunk source returns: the chunk's bytes (unverified; None when it handed them to
+#: the caller's ``land`` itself), the bytes it moved, and where they came from (e.g.
+#: ``peer:http://10.0.0.8:7070``)
+Supplied = tuple[Buffer | None, int, str]
+#: checks a chunk's bytes and writes them (in the caller's worker thread); False: wrong bytes
+Land = Callable[[StoredChunk, Buffer], bool]
+
+
+class ChunkSource(Protocol):
+    """Asked for a chunk (and told what base this node holds for it, if any): its bytes,
+    or None. With ``land``, a source may hand the bytes to it in the thread that received
+    them, from a buffer it reuses (one hop and no copy per chunk), and return None as the
+    bytes; a chunk land refused is not supplied."""
+
+    async def __call__(
+        self, chunk: StoredChunk, base: LocalBase | None, land: Land | None = None
+    ) -> Supplied | None: ...
 
 
 async def _manifests_named_by(store: Store, job: str, base_dir: Path) -> list[Manifest] | None:
@@ -463,24 +474,30 @@ async def _from_source(
 
     moved = on_moved or (lambda origin, n: None)
 
+    landed: set[str] = set()
+
     def check_and_write(chunk: StoredChunk, data: Buffer) -> bool:
         if len(data) != chunk.size or chunk_id(data) != chunk.id:
             return False  # a confused or hostile peer: fall back to the store
         write(chunk, data)
+        landed.add(chunk.id)
         return True
 
     async def worker() -> None:
         for cid in todo:
             chunk = index.get(cid)
             assert chunk is not None
-            got = await source(chunk, local_base(cid))
-            if got is not None and rate_limit is not None:
-                await rate_limit.wait(got[1])  # after the fact: the size was not known before
-            if got is not None and await loop.run_in_executor(
-                resolver.pool, check_and_write, chunk, got[0]
-            ):
-                supplied[cid] = got[1]
-                moved(got[2], got[1])
+            got = await source(chunk, local_base(cid), check_and_write)
+            if got is None:
+                continue
+            data, nbytes, origin = got
+            if rate_limit is not None:
+                await rate_limit.wait(nbytes)  # after the fact: the size was not known before
+            if data is not None:  # a source that does not land chunks itself
+                await loop.run_in_executor(resolver.pool, check_and_write, chunk, data)
+            if cid in landed:
+                supplied[cid] = nbytes
+                moved(origin, nbytes)
 
     async with asyncio.TaskGroup() as tasks:
         for _ in range(min(window, len(ids))):
