@@ -475,11 +475,17 @@ async def _from_source(
     moved = on_moved or (lambda origin, n: None)
 
     landed: set[str] = set()
+    gate = _WriteGate()
 
     def check_and_write(chunk: StoredChunk, data: Buffer) -> bool:
         if len(data) != chunk.size or chunk_id(data) != chunk.id:
             return False  # a confused or hostile peer: fall back to the store
-        write(chunk, data)
+        if not gate.enter():
+            return False  # the restore moved on (cancelled): its files may be closed
+        try:
+            write(chunk, data)
+        finally:
+            gate.leave()
         landed.add(chunk.id)
         return True
 
@@ -499,10 +505,44 @@ async def _from_source(
                 supplied[cid] = nbytes
                 moved(origin, nbytes)
 
-    async with asyncio.TaskGroup() as tasks:
-        for _ in range(min(window, len(ids))):
-            tasks.create_task(worker())
+    try:
+        async with asyncio.TaskGroup() as tasks:
+            for _ in range(min(window, len(ids))):
+                tasks.create_task(worker())
+    finally:
+        gate.close()
     return supplied
+
+
+class _WriteGate:
+    """Lets a chunk source's threads write while the restore gathers, and never after: a
+    thread still receiving from a peer when the prefetch is cancelled must not write into
+    files the restore has closed (their descriptors may belong to other files by then).
+    ``close`` turns later writes away and waits for those under way (one chunk's write
+    each, so the event loop waits milliseconds)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._active = 0
+        self._closed = False
+
+    def enter(self) -> bool:
+        with self._cond:
+            if self._closed:
+                return False
+            self._active += 1
+            return True
+
+    def leave(self) -> None:
+        with self._cond:
+            self._active -= 1
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            while self._active:
+                self._cond.wait()
 
 
 def _held_at(base_manifests: list[Manifest] | None) -> dict[tuple[str, int], tuple[str, int]]:
