@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import http.client
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -28,7 +27,7 @@ from agent.peerwire import PeerWire
 from transfer.codec import KNOWN_ENCODINGS, check_encoding, decode, encode, encode_as, needs_base
 from transfer.codec.encodings import RAW
 from transfer.codec.transforms import Buffer
-from transfer.directio import aligned
+from transfer.directio import ThreadBuffers
 from transfer.engine import list_checkpoints
 from transfer.engine.catalog import load_manifest
 from transfer.engine.chunkindex import StoredChunk
@@ -139,7 +138,7 @@ class PeerSource:
         self._down_until: dict[str, float] = {}
         self._session: aiohttp.ClientSession | None = None  # health checks
         self._wire = PeerWire(token)
-        self._buffers = threading.local()
+        self._buffers = ThreadBuffers()  # each receiving thread's decode buffer
         self._pool = ThreadPoolExecutor(PEER_THREADS, thread_name_prefix="ferry-peer")
 
     async def close(self) -> None:
@@ -228,21 +227,13 @@ class PeerSource:
         if got is None:
             return None
         enc, body = got
-        out = self._out(chunk.size) if land is not None else None
+        out = self._buffers.view("out", chunk.size) if land is not None else None
         data = _decoded(enc, body, chunk.size, base, out)
         if data is None:
             return None
         if land is None:
             return data, len(body), f"peer:{peer}"
         return (None, len(body), f"peer:{peer}") if land(chunk, data) else None
-
-    def _out(self, size: int) -> memoryview:
-        """This thread's decode buffer (page-aligned: a restore's direct write takes it as
-        it is)."""
-        buf: memoryview | None = getattr(self._buffers, "out", None)
-        if buf is None or len(buf) < size:
-            buf = self._buffers.out = aligned(size)
-        return buf[:size]
 
 
 def _decoded(

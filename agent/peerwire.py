@@ -6,9 +6,8 @@ growing buffer, then hopped to a worker to decode. With the peer on loopback tha
 was the busiest thread of the prefetch (py-spy: 55% of its samples in the receive path),
 and the prefetch of the corpus's 1.69 GB save took 2x the same prefetch from the tier.
 Here each worker thread keeps a keep-alive ``http.client`` connection per peer
-(transfer/keepalive.py) and
-receives the reply with ``readinto`` into a buffer it reuses, GIL released, then decodes
-in the same thread; the loop only waits for the result.
+(transfer/keepalive.py) and receives the reply with ``readinto`` into a buffer it reuses,
+GIL released, then decodes in the same thread; the loop only waits for the result.
 
 Failures are returned as None or raised as the few types ``PeerSource`` counts as "peer
 down" (OSError, TimeoutError, http.client.HTTPException): a confused or unreachable peer
@@ -18,10 +17,10 @@ costs time, never correctness (the receiver checks every chunk's hash).
 from __future__ import annotations
 
 import http.client
-import threading
 from urllib.parse import urlencode
 
 from transfer.codec.encodings import RAW
+from transfer.directio import ThreadBuffers
 from transfer.keepalive import KeptConnections
 
 #: the encoding of a chunk route's body (absent: raw, as agents before 2026-11 sent)
@@ -36,7 +35,7 @@ class PeerWire:
     def __init__(self, token: str, connect_timeout: float = 2.0) -> None:
         self._auth = {"Authorization": f"Bearer {token}"}
         self._conns = KeptConnections(connect_timeout)
-        self._local = threading.local()  # each thread's receive buffer
+        self._buffers = ThreadBuffers()  # each thread's receive buffer
 
     def get_chunk(
         self, peer: str, cid: str, query: dict[str, str], most: int, timeout: float
@@ -79,7 +78,7 @@ class PeerWire:
             if length is None or length > most:  # never buffer more than a chunk
                 self._drop(conn)
                 return None
-            view = self._buffer(length)
+            view = self._buffers.view("body", length)
             got = 0
             while got < length:
                 n = reply.readinto(view[got:])
@@ -96,12 +95,6 @@ class PeerWire:
             raise
 
     # -- connections and buffers kept per thread -----------------------------------------
-
-    def _buffer(self, size: int) -> memoryview:
-        buf: memoryview | None = getattr(self._local, "buf", None)
-        if buf is None or len(buf) < size:
-            buf = self._local.buf = memoryview(bytearray(size))
-        return buf[:size]
 
     def _keep_if_done(
         self, peer: str, conn: http.client.HTTPConnection, reply: http.client.HTTPResponse

@@ -133,6 +133,18 @@ def aligned(size: int) -> memoryview:
     return memoryview(mmap.mmap(-1, max(size, 1)))[:size]
 
 
+class ThreadBuffers(threading.local):
+    """Buffers a worker thread reuses from chunk to chunk, by name, page-aligned (so a
+    direct write takes what was decoded into one as it is), grown when a chunk needs more:
+    no allocation, and no fresh pages to fault in, per chunk."""
+
+    def view(self, name: str, size: int) -> memoryview:
+        buf: memoryview | None = self.__dict__.get(name)
+        if buf is None or len(buf) < size:
+            buf = self.__dict__[name] = aligned(size)
+        return buf[:size]
+
+
 def is_aligned(view: memoryview) -> bool:
     """Whether ``view`` starts on an ALIGN boundary (False for read-only memory, whose
     address ctypes will not give)."""

@@ -27,7 +27,6 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import os
-import threading
 from collections import defaultdict
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
@@ -35,11 +34,11 @@ from typing import Any
 
 from transfer.codec import decode
 from transfer.codec.transforms import Buffer
-from transfer.directio import aligned
+from transfer.directio import ThreadBuffers, aligned
 from transfer.engine.chunkindex import StoredChunk
 from transfer.engine.errors import first_error
 from transfer.engine.ratelimit import RateLimit
-from transfer.engine.resolver import ChunkResolver, Hint, read_local_into
+from transfer.engine.resolver import ChunkResolver, Hint, read_local_into, truncated, unreadable
 from transfer.errors import FormatError, IntegrityError, NotFoundError, RangeNotSatisfiableError
 from transfer.format.layout import pack_key
 from transfer.store.base import RangeReader, RangeStream
@@ -163,23 +162,11 @@ async def fetch_chunks(
         await fetch.run_threaded(reader, ranges, min(readers, len(ranges)), room)
 
 
-class _ThreadBuffers(threading.local):
-    """Per reader thread: the decoded chunk, a delta chunk's base and that base's stored
-    payload, reused chunk to chunk (page-aligned, so a direct write takes the decoded
-    chunk as it is: directio.aligned); and the bytes this thread read for bases."""
+class _ThreadBuffers(ThreadBuffers):
+    """Per reader thread: the decoded chunk ("out"), a delta chunk's base ("base") and
+    that base's stored payload ("base_payload"); and the bytes this thread read for bases."""
 
-    def __init__(self) -> None:
-        self.out = memoryview(b"")
-        self.base = memoryview(b"")
-        self.base_payload = memoryview(b"")
-        self.base_bytes = 0
-
-    def view(self, name: str, size: int) -> memoryview:
-        buf: memoryview = getattr(self, name)
-        if len(buf) < size:
-            buf = aligned(size)
-            setattr(self, name, buf)
-        return buf[:size]
+    base_bytes = 0
 
 
 class _Fetch:
@@ -226,11 +213,10 @@ class _Fetch:
             with self.resolver.clock.timing("receive"):
                 got = reader.read_into(pack_key(base.pack_id), base.offset, payload)
         except (NotFoundError, RangeNotSatisfiableError):
-            msg = f"chunk {base.id}: pack {base.pack_id} is missing or truncated"
-            raise IntegrityError(msg, [base.id]) from None
+            raise unreadable(base) from None
         self.buffers.base_bytes += got
         if got != base.stored:
-            raise IntegrityError(f"chunk {base.id}: pack {base.pack_id} is truncated", [base.id])
+            raise truncated(base)
         try:  # unverified, as a local base is: the delta's own hash check covers it
             with self.resolver.clock.timing("decode"):
                 return decode(
@@ -243,7 +229,7 @@ class _Fetch:
         """Decode, verify and sink one chunk in this thread; False: leave it to the loop
         (its base is neither on this node nor a keyframe, or the local base was stale)."""
         if len(payload) != c.stored:
-            raise IntegrityError(f"chunk {c.id}: pack {c.pack_id} is truncated", [c.id])
+            raise truncated(c)
         local = self.local_base(c) if c.base else None
         base: Buffer | None = local
         if c.base and base is None and reader is not None:
@@ -351,7 +337,7 @@ class _Fetch:
     def finish(self, c: StoredChunk, payload: Buffer, base: Buffer | None) -> None:
         """Decode, verify, sink (in a thread)."""
         if len(payload) != c.stored:
-            raise IntegrityError(f"chunk {c.id}: pack {c.pack_id} is truncated", [c.id])
+            raise truncated(c)
         self.sink(c, self.resolver.decode(c, payload, base))
 
     async def one(self, c: StoredChunk, payload: Buffer) -> None:

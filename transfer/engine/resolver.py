@@ -110,6 +110,17 @@ def decode_verified(
     return data
 
 
+def truncated(chunk: StoredChunk) -> IntegrityError:
+    """A chunk's payload came back shorter than the index says."""
+    return IntegrityError(f"chunk {chunk.id}: pack {chunk.pack_id} is truncated", [chunk.id])
+
+
+def unreadable(chunk: StoredChunk) -> IntegrityError:
+    """A chunk's pack is not in the store, or ends before the chunk."""
+    msg = f"chunk {chunk.id}: pack {chunk.pack_id} is missing or truncated"
+    return IntegrityError(msg, [chunk.id])
+
+
 class ChunkResolver:
     def __init__(
         self,
@@ -181,12 +192,10 @@ class ChunkResolver:
                 pack_key(chunk.pack_id), chunk.offset, chunk.offset + chunk.stored
             )
         except (NotFoundError, RangeNotSatisfiableError):
-            raise IntegrityError(
-                f"chunk {cid}: pack {chunk.pack_id} is missing or truncated", [cid]
-            ) from None
+            raise unreadable(chunk) from None
         self.on_bytes_read(len(payload))
         if len(payload) != chunk.stored:
-            raise IntegrityError(f"chunk {cid}: pack {chunk.pack_id} is truncated", [cid])
+            raise truncated(chunk)
         base = await self.raw(chunk.base, hint, _depth + 1) if chunk.base else None
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self.pool, self.decode, chunk, payload, base)
