@@ -13,7 +13,6 @@ import json
 import os
 import socket
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -21,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench._env import ferry_command
 from bench._measure import proc_cpu_seconds
 from tests.s3server import _pdeathsig_hook
 
@@ -82,7 +82,7 @@ class Agent:
         env = {**self.env, "FERRY_LISTEN": f"127.0.0.1:{self.port}"}
         with log.open("ab") as fh:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "agent", "agent"],
+                [*ferry_command(), "agent"],
                 env=env,
                 cwd=REPO,
                 stdout=fh,

@@ -32,7 +32,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench import data  # noqa: E402
-from bench._env import write_results  # noqa: E402
+from bench._env import ferry_command, write_results  # noqa: E402
 from bench._measure import drop_caches, local_corpus_args  # noqa: E402
 
 MB = 1e6
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     k, k1 = (args.corpus / args.variant / f"step_{s:06d}" for s in (20, 40))
     raw = data.tree_bytes(k1)
     work = Path(tempfile.mkdtemp(prefix="ferry-lpush-", dir=args.workdir))
-    ferry = [sys.executable, "-m", "agent", "push", "--job", "j", "--node", "n0"]
+    ferry = [*ferry_command(), "push", "--job", "j", "--node", "n0"]
     try:
         base_store = work / "base-store"
         base_store.mkdir()

@@ -30,7 +30,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench import data  # noqa: E402
-from bench._env import write_results  # noqa: E402
+from bench._env import ferry_command, write_results  # noqa: E402
 from bench._measure import (  # noqa: E402
     check_same,
     drop_caches,
@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     command = shlex.join(["python", "-m", "bench.local_restore", *(argv or sys.argv[1:])])
     k, k1 = (args.corpus / args.variant / f"step_{s:06d}" for s in (20, 40))
     work = Path(tempfile.mkdtemp(prefix="ferry-local-", dir=args.workdir))
-    ferry = [sys.executable, "-m", "agent"]
+    ferry = ferry_command()
     try:
         store = work / "store"
         store.mkdir()

@@ -11,9 +11,9 @@ sees it.
 from __future__ import annotations
 
 import shlex
-import sys
 from pathlib import Path
 
+from bench._env import ferry_command
 from tests.s3server import S3Endpoint
 
 PEERS = ("s5cmd", "rclone", "zstd")
@@ -40,7 +40,7 @@ def tool_env(ep: S3Endpoint, rclone_config: Path) -> dict[str, str]:
 class Commands:
     def __init__(self, ep: S3Endpoint) -> None:
         self.ep = ep
-        self.ferry = [sys.executable, "-m", "agent"]
+        self.ferry = ferry_command()
 
     def s5cmd(self, *args: str) -> list[str]:
         return ["s5cmd", "--endpoint-url", self.ep.url, *args]

@@ -37,7 +37,7 @@ if str(REPO) not in sys.path:  # also runnable as `python bench/s3_throughput.py
 
 import numpy as np  # noqa: E402
 
-from bench._env import describe_source, machine_info, source_info  # noqa: E402
+from bench._env import describe_source, ferry_command, machine_info, source_info  # noqa: E402
 from bench._env import reproduce_command as env_reproduce_command  # noqa: E402
 from bench._measure import check_same, drop_caches, run_timed, tree_digest  # noqa: E402
 from tests.s3server import S3Endpoint, S3Server, start_s3_server  # noqa: E402
@@ -132,7 +132,7 @@ class Bench:
             [str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])]
         )
         self.drop = not args.no_drop_caches
-        self.ferry = [sys.executable, "-m", "agent"]
+        self.ferry = ferry_command()
 
     def measure(
         self, scenario: str, tool: str, rnd: int, argv: list[str], bytes_moved: int | None

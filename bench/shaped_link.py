@@ -38,7 +38,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench import data  # noqa: E402
-from bench._env import write_results  # noqa: E402
+from bench._env import ferry_command, write_results  # noqa: E402
 from bench._measure import check_same, drop_caches, tree_digest  # noqa: E402
 from bench.peers import tool_env  # noqa: E402
 from tests.s3server import S3Server  # noqa: E402
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
         port = ep.url.rsplit(":", 1)[1]
         env = {"PATH": str(Path(sys.executable).parent) + ":/usr/sbin:/usr/bin:/bin"}
         env |= tool_env(ep, work / "rclone.conf") | {"PYTHONPATH": str(REPO)}
-        ferry = [sys.executable, "-m", "agent"]
+        ferry = ferry_command()
         store = f"s3://{ep.bucket}/ferry"
         for step, ckpt in ((20, k), (40, k1)):  # on the host, unshaped
             push = [*ferry, "push", str(ckpt), store, "--job", "j", "--node", "n0"]

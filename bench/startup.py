@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench._env import write_results  # noqa: E402
+from bench._env import ferry_command, write_results  # noqa: E402
 from bench.peers import tool_env  # noqa: E402
 from tests.s3server import S3Server  # noqa: E402
 
@@ -60,13 +60,13 @@ def main(argv: list[str] | None = None) -> int:
         tiny = work / "ckpt" / "step_000001"  # `ferry ls` of a non-store is an error now
         tiny.mkdir(parents=True)
         (tiny / ".metadata").write_bytes(b"x")
-        push = [sys.executable, "-m", "agent", "push", str(tiny), store, "--job", "j"]
+        push = [*ferry_command(), "push", str(tiny), store, "--job", "j"]
         subprocess.run(push, env=env | {"PYTHONPATH": str(REPO)}, check=True, capture_output=True)
         checkouts = {"ferry": REPO} | ({"ferry (old)": args.old.resolve()} if args.old else {})
         cases: dict[str, tuple[list[str], dict[str, str]]] = {}
         for name, root in checkouts.items():
             ferry_env = env | {"PYTHONPATH": str(root)}
-            ferry = [sys.executable, "-m", "agent"]
+            ferry = ferry_command(root)
             cases[f"{name} --help"] = ([*ferry, "--help"], ferry_env)
             cases[f"{name} ls (first S3 answer)"] = ([*ferry, "ls", store], ferry_env)
         marker = work / "one-object"
