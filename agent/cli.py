@@ -649,45 +649,15 @@ def _plan(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     return doc, line
 
 
-def _run_agent(args: argparse.Namespace) -> int:
-    from agent import logs
-    from agent.config import ConfigError, example_toml, load_config
-    from agent.daemon import serve
-
-    if args.print_example_config:
-        print(example_toml(), end="")
-        return 0
-    logs.setup("text")
-    try:
-        config = load_config(args.config, create_token=True)
-        logs.setup(config.log_format)
-        token = config.read_token()
-        if not token:
-            raise ConfigError("set token_file (or FERRY_TOKEN_FILE): the RPC requires a token")
-    except (FerryError, OSError) as exc:
-        print(f"ferry agent: error: {exc}", file=sys.stderr)
-        return 1
-    import asyncio
-
-    try:
-        asyncio.run(serve(config, token))
-    except FerryError as exc:
-        print(f"ferry agent: error: {exc}", file=sys.stderr)
-        return 1
-    except OSError as exc:  # its state dir or hot dir unusable: one line, not a traceback
-        where = f": {exc.filename}" if exc.filename else ""
-        print(f"ferry agent: error: cannot start: {exc.strerror or exc}{where}", file=sys.stderr)
-        return 1
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     import asyncio  # only now: `ferry --help` never needs it (~0.1 s of start-up)
 
     if args.command == "agent":
-        return _run_agent(args)
+        from agent.daemon import run_agent  # the agent's config is the daemon's, not the CLI's
+
+        return run_agent(args.config, print_example_config=args.print_example_config)
     if args.command in ("estimate", "plan"):
         try:
             doc, line = (

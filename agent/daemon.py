@@ -7,15 +7,46 @@ import asyncio
 import logging
 import signal
 import socket
+import sys
+from pathlib import Path
 
 from aiohttp import web
 
-from agent.config import AgentConfig, effective_config
+from agent import logs
+from agent.config import AgentConfig, ConfigError, effective_config, example_toml, load_config
 from agent.logs import event
 from agent.rpc import create_app
 from transfer.errors import FerryError
 
 log = logging.getLogger(__name__)
+
+
+def run_agent(config_path: Path | None, *, print_example_config: bool = False) -> int:
+    """``ferry agent``: load the config (``config_path`` and FERRY_* variables), then serve
+    until a signal; the exit status, with any error as one line on stderr."""
+    if print_example_config:
+        print(example_toml(), end="")
+        return 0
+    logs.setup("text")
+    try:
+        config = load_config(config_path, create_token=True)
+        logs.setup(config.log_format)
+        token = config.read_token()
+        if not token:
+            raise ConfigError("set token_file (or FERRY_TOKEN_FILE): the RPC requires a token")
+    except (FerryError, OSError) as exc:
+        print(f"ferry agent: error: {exc}", file=sys.stderr)
+        return 1
+    try:
+        asyncio.run(serve(config, token))
+    except FerryError as exc:
+        print(f"ferry agent: error: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # its state dir or hot dir unusable: one line, not a traceback
+        where = f": {exc.filename}" if exc.filename else ""
+        print(f"ferry agent: error: cannot start: {exc.strerror or exc}{where}", file=sys.stderr)
+        return 1
+    return 0
 
 
 async def serve(config: AgentConfig, token: str, ready: asyncio.Event | None = None) -> None:
