@@ -27,6 +27,7 @@ from aiohttp import web
 
 from agent.client import FerryClient
 from agent.config import load_config
+from agent.hotdir import step_dir_name
 from agent.rpc import create_app
 
 SHARD_FLOATS = 2 << 20  # 8 MiB of float32 per tensor
@@ -52,7 +53,7 @@ class TinyRun:
 
     def save(self, root: Path, step: int) -> Path:
         """A DCP-shaped directory: one shard per rank, then .metadata last (the commit)."""
-        ckpt = root / f"step_{step:06d}"
+        ckpt = root / step_dir_name(step)
         ckpt.mkdir(parents=True)
         for rank, (w, v) in enumerate(zip(self.weights, self.exp_avg_sq, strict=True)):
             (ckpt / f"__{rank}_0.distcp").write_bytes(w.tobytes() + v.tobytes())

@@ -1,7 +1,8 @@
 """The node's hot directory, ``<hot_dir>/<job>/step_<N>/``: where training saves and
 prefetches land. One home for its layout: which entries are checkpoints (visible
 directories with a job's and a step's name, no symlinks), which are committed (the commit
-marker is there), how a step's directory is named, and how one is evicted (renamed to a
+marker is there), how a step's directory is named, where a file may be written in one
+(never through a symlink: ``path_in_step_dir``), and how one is evicted (renamed to a
 hidden ``.<name>.evicting-*`` first, so training and prefetch never see half a directory;
 what a crash leaves of that is swept at start).
 
@@ -18,7 +19,7 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from transfer.errors import FerryError
+from transfer.errors import DestinationError, FerryError
 from transfer.format.names import check_name, step_from_dirname
 
 EVICTING_MARK = ".evicting-"  # in a step dir's hidden name while an eviction deletes it
@@ -111,6 +112,20 @@ class HotDir:
 
 def step_dir_name(step: int) -> str:
     return f"step_{step:06d}"
+
+
+def path_in_step_dir(step_dir: Path, rel: str) -> Path:
+    """``step_dir / rel`` (``rel`` a validated relative path), refusing a symlink (or a
+    file) where a parent directory should be: a link planted in a step dir must not carry
+    restored files out of the hot dir."""
+    here = step_dir
+    for part in rel.split("/")[:-1]:
+        here = here / part
+        if here.is_symlink() or (here.exists() and not here.is_dir()):
+            raise DestinationError(
+                f"{here} is a symlink or not a directory; refusing to write through it"
+            )
+    return step_dir / rel
 
 
 def is_hidden(name: str) -> bool:

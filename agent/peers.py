@@ -32,9 +32,8 @@ from transfer.engine import list_checkpoints
 from transfer.engine.catalog import load_manifest
 from transfer.engine.chunkindex import StoredChunk
 from transfer.engine.pull import Land, LocalBase, Supplied
-from transfer.engine.resolver import read_file_into
+from transfer.engine.resolver import read_file_into, read_file_verified
 from transfer.errors import FerryError
-from transfer.format.chunkid import chunk_id
 from transfer.store.base import Store
 
 Location = tuple[Path, int, int]  # file, offset, size
@@ -110,8 +109,8 @@ class HotIndex:
 
 
 def read_verified(where: Location, cid: str) -> bytearray | None:
-    data = read_at(where)
-    return data if data is not None and chunk_id(data) == cid else None
+    path, offset, size = where
+    return read_file_verified(Path(path), offset, size, cid)
 
 
 def read_at(where: Location) -> bytearray | None:

@@ -26,7 +26,7 @@ from agent.drain import drain_tasks
 from agent.estimate import BandwidthMeter
 from agent.fanout import FanoutSource, Landing
 from agent.holds import StepHolds
-from agent.hotdir import HotDir
+from agent.hotdir import HotDir, path_in_step_dir
 from agent.logs import event
 from agent.peers import PeerSource
 from transfer.durable import fsync_dir
@@ -323,7 +323,7 @@ class Prefetcher:
         it has are never touched."""
         assert record.step is not None
         for entry, _ in merge_parts(manifests):  # fail before downloading anything
-            _through_real_dirs(here, entry.path)
+            path_in_step_dir(here, entry.path)
         scratch = staging_path(here, "fill-")
         try:
             await self._restore(record, name, store, manifests, scratch, base=here)
@@ -468,21 +468,8 @@ def _count_moved(record: PrefetchJob, tier: str, origin: str, n: int) -> None:
 def _move_missing(source: Path, target: Path, manifests: list[Manifest]) -> None:
     """Rename each file ``target`` lacks from ``source`` (same filesystem: atomic per file)."""
     for entry, _ in merge_parts(manifests):
-        dest = _through_real_dirs(target, entry.path)  # validated relative path
+        dest = path_in_step_dir(target, entry.path)  # validated relative path
         if not dest.exists():
             dest.parent.mkdir(parents=True, exist_ok=True)
             os.rename(source / entry.path, dest)
             fsync_dir(dest.parent)
-
-
-def _through_real_dirs(target: Path, rel: str) -> Path:
-    """``target / rel``, refusing a symlink (or a file) where a parent directory should be:
-    a link planted in a step dir must not carry restored files out of the hot dir."""
-    here = target
-    for part in rel.split("/")[:-1]:
-        here = here / part
-        if here.is_symlink() or (here.exists() and not here.is_dir()):
-            raise DestinationError(
-                f"{here} is a symlink or not a directory; refusing to write through it"
-            )
-    return target / rel

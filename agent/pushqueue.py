@@ -35,6 +35,7 @@ from agent.journal import DURABLE, Journal
 from agent.logs import event
 from agent.metrics import Metrics
 from transfer.engine import PushResult, TransferOptions, list_checkpoints, push
+from transfer.engine.catalog import step_is_complete
 from transfer.engine.scan import scan_checkpoint
 from transfer.errors import (
     AlreadyExistsError,
@@ -344,8 +345,8 @@ class PushQueue:
         if not self.expected_nodes:
             return False
         nodes = {c.node for c in await list_checkpoints(store, job) if c.step == step}
-        if not set(self.expected_nodes) <= nodes:
-            return False
+        if not step_is_complete(nodes, False, self.expected_nodes, job_writes_markers=True):
+            return False  # (the marker is what this writes: it cannot be there yet)
         doc = {
             "job": job,
             "step": step,

@@ -33,8 +33,14 @@ def read_local_chunk(
     root: Path, rel: str, offset: int, size: int, expected: str
 ) -> bytearray | None:
     """The bytes at ``root/rel[offset:offset+size]`` if they hash to ``expected``."""
+    return read_file_verified(root / rel, offset, size, expected)  # rel: validated
+
+
+def read_file_verified(path: Path, offset: int, size: int, expected: str) -> bytearray | None:
+    """The ``size`` bytes of ``path`` at ``offset`` (never through a symlink) if they hash
+    to ``expected``: the one check of a local copy before it is used or served."""
     data = bytearray(size)
-    if not read_local_into(root, rel, offset, memoryview(data)) or chunk_id(data) != expected:
+    if not read_file_into(path, offset, memoryview(data)) or chunk_id(data) != expected:
         return None
     return data
 
