@@ -58,6 +58,7 @@ async def replicated(client: FerryClient, step: int) -> None:
 
 
 async def measure(client: FerryClient, step: int) -> tuple[dict[str, Any], float, dict[str, Any]]:
+    drop_caches()  # asked in the state the prefetch then runs in (a probe reads this disk)
     est = await client.estimate(JOB, step)
     drop_caches()
     began = time.monotonic()
