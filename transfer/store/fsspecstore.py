@@ -6,7 +6,10 @@ their own backends (store/s3.py, store/local.py), tuned for the data path.
 Objects are files under ``root``; multipart uploads collect their parts in memory and write
 the object once, at ``complete`` (so nothing is visible before it). Create-only writes are
 atomic within one process (a lock around check-and-write); across processes only where the
-filesystem's exclusive-create mode is. fsspec calls block, so they run in threads.
+filesystem's exclusive-create mode is. fsspec calls block, so they run in threads, each
+retried while it fails transiently by the one RetryPolicy every backend uses (a remote
+filesystem's connection and timeout errors; a create-only write that finds its own bytes
+after a failed try has succeeded).
 """
 
 from __future__ import annotations
@@ -16,7 +19,8 @@ import contextlib
 import secrets
 import threading
 import time
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from transfer.errors import AlreadyExistsError, NotFoundError, StoreError
 from transfer.store.base import (
@@ -29,6 +33,9 @@ from transfer.store.base import (
     Upload,
     check_key,
 )
+from transfer.store.retry import RetryPolicy
+
+T = TypeVar("T")
 
 
 class _PartsUpload(Upload):
@@ -63,23 +70,20 @@ class _Ranges(RangeReader):
     def read_into(self, key: str, start: int, buf: memoryview) -> int:
         if not len(buf):
             return 0
-        try:
-            data = self._store.fs.cat_file(
-                self._store.path_of(key), start=start, end=start + len(buf)
-            )
-        except FileNotFoundError as exc:
-            raise NotFoundError(f"get {key}: not found") from exc
-        except OSError as exc:
-            raise StoreError(f"get {key}: {exc}") from exc
+        path = self._store.path_of(key)
+        data: bytes = self._store.run_retried(
+            f"get {key}", lambda: self._store.fs.cat_file(path, start=start, end=start + len(buf))
+        )
         buf[: len(data)] = data
         return len(data)
 
 
 class FsspecStore(Store):
-    def __init__(self, fs: Any, root: str, url: str) -> None:
+    def __init__(self, fs: Any, root: str, url: str, retry: RetryPolicy | None = None) -> None:
         self.fs = fs
         self.root = root.rstrip("/")
         self.url = url
+        self.retry = retry or RetryPolicy()
         self._create_lock = threading.Lock()
         #: uploads begun and not finished (their parts live in the writer's memory)
         self.uploads: dict[str, _PartsUpload] = {}
@@ -87,15 +91,13 @@ class FsspecStore(Store):
     def path_of(self, key: str) -> str:
         return f"{self.root}/{check_key(key)}"
 
+    def run_retried(self, what: str, work: Callable[[], T]) -> T:
+        """``work()`` (blocking), retried while it fails transiently; a failure comes out
+        as a StoreError naming ``what``."""
+        return self.retry.run(work, lambda exc, tries: _map_error(exc, what, tries))
+
     async def _call(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return await asyncio.to_thread(fn, *args, **kwargs)
-        except FileNotFoundError as exc:
-            raise NotFoundError(f"{what}: not found") from exc
-        except FileExistsError as exc:
-            raise AlreadyExistsError(f"{what}: already exists") from exc
-        except OSError as exc:
-            raise StoreError(f"{what}: {exc}") from exc
+        return await asyncio.to_thread(self.run_retried, what, lambda: fn(*args, **kwargs))
 
     async def check(self) -> None:
         pass  # a path on these filesystems needs no creating
@@ -111,12 +113,18 @@ class FsspecStore(Store):
     async def put(self, key: str, data: bytes, *, create_only: bool = False) -> None:
         path = self.path_of(key)
 
+        tried = False
+
         def write() -> None:
+            nonlocal tried
+            again, tried = tried, True
             if not create_only:
                 self.fs.pipe_file(path, bytes(data))
                 return
             with self._create_lock:
                 if self.fs.exists(path):
+                    if again and self.fs.cat_file(path) == bytes(data):
+                        return  # our own write, from a try whose reply was lost
                     raise FileExistsError(path)
                 self.fs.pipe_file(path, bytes(data))
 
@@ -176,3 +184,16 @@ class FsspecStore(Store):
 
     def range_reader(self) -> RangeReader:
         return _Ranges(self)
+
+
+def _map_error(exc: BaseException, what: str, tries: int) -> StoreError:
+    if isinstance(exc, StoreError):
+        return exc
+    if isinstance(exc, FileNotFoundError):
+        return NotFoundError(f"{what}: not found")
+    if isinstance(exc, FileExistsError):
+        return AlreadyExistsError(f"{what}: already exists")
+    if not isinstance(exc, OSError | ConnectionError | TimeoutError):
+        raise exc  # not an I/O failure but a bug: let it out as it is
+    reason = f"failed {tries} times ({exc})" if tries > 1 else str(exc)
+    return StoreError(f"{what}: {reason}")
