@@ -103,6 +103,33 @@ _STATE_COLUMNS = (
 )
 
 
+#: how long opening a journal waits for another process that is opening it too
+OPEN_SECONDS = 30.0
+
+
+def _open(path: Path) -> sqlite3.Connection:
+    """The journal's database, in WAL mode with its tables. Two processes may open one file
+    at the same moment (two ``ferry push`` runs of one step, one of which then waits on the
+    other's lease): switching a new file to WAL needs it alone for a moment, and SQLite
+    answers the other "database is locked" at once instead of waiting (2 in 8 runs of
+    tests/test_push_pull.py's two concurrent pushes under load). Such a try is closed and
+    made again, for up to OPEN_SECONDS."""
+    deadline = time.monotonic() + OPEN_SECONDS
+    while True:
+        db = sqlite3.connect(path, timeout=1.0)
+        try:
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=NORMAL")
+            db.executescript(_SCHEMA)
+            return db
+        except sqlite3.OperationalError as exc:
+            db.close()
+            busy = exc.sqlite_errorcode in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
+            if not busy or time.monotonic() > deadline:
+                raise
+        time.sleep(0.05)
+
+
 class Journal:
     """The journal of one node (``node``), stored at ``path`` (created with its directory)."""
 
@@ -110,11 +137,8 @@ class Journal:
         self.path = path
         self.node = check_name("node", node)
         path.parent.mkdir(parents=True, exist_ok=True)
-        self._db = sqlite3.connect(path, timeout=1.0)
+        self._db = _open(path)
         self._db.row_factory = sqlite3.Row
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.executescript(_SCHEMA)
 
     def close(self) -> None:
         self._db.close()
