@@ -1,23 +1,43 @@
 """The shared harness of the agent tests: real agents on loopback ports (in this process, or
-a port for one in another process), pushing a series to a store, and a peer that dies."""
+a port for one in another process), pushing a series to a store, and a peer that dies. It also
+holds the helpers the test modules share: ``ferry agent`` processes and their RPC, the push
+queue with its watcher on a hot dir, and a store that watches a push."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import filecmp
+import json
 import os
 import socket
-from collections.abc import AsyncIterator
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import aiohttp
+import pytest
 from aiohttp import web
 
 from agent.client import FerryClient
 from agent.config import load_config
+from agent.hotdir import HotDir
+from agent.journal import Journal
+from agent.pushqueue import PushQueue
 from agent.rpc import create_app
+from agent.watcher import watch_hot_dir
+from tests.conftest import write_file
 from transfer.engine import TransferOptions, push
+from transfer.format.layout import MANIFESTS_PREFIX, PACKS_PREFIX
 from transfer.store import open_store
+from transfer.store.base import Store, Upload
 
 TOKEN = "s3cret-token"
 OPTS = TransferOptions(chunk_size=1 << 20, part_size=5 << 20, pack_size=10 << 20)
@@ -146,3 +166,302 @@ async def prefetch_through(proxy: DyingProxy, hot: Path, tiers: list[str], node:
             return await client.wait_prefetch(await client.prefetch("llm"), within_s=60)
     finally:
         await proxy.stop()
+
+
+# ---------------------------------------------------------------------------------------------
+# agent processes: ``ferry agent`` as real processes on loopback, their RPC, checkpoint trees
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class Node:
+    """One ``ferry agent`` process (restartable with the same env, hence the same state)."""
+
+    name: str
+    hot: Path
+    port: int
+    env: dict[str, str]
+    log: Path
+    proc: subprocess.Popen[bytes] | None = None
+    _logs: list[Any] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, within: float = 30.0) -> None:
+        fh = self.log.open("ab")
+        self._logs.append(fh)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "agent", "agent"],
+            env=self.env,
+            cwd=REPO,
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + within
+        while True:
+            if self.proc.poll() is not None:
+                pytest.fail(f"agent {self.name} exited {self.proc.returncode}:\n{self.logs()}")
+            try:
+                doc = get_json(self.url + "/healthz", token=None, timeout=1.0)
+                assert doc["node"] == self.name, doc  # not some other process on the port
+                return
+            except (OSError, urllib.error.URLError):
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"agent {self.name} not healthy in {within}s:\n{self.logs()}")
+            time.sleep(0.1)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+        if self.proc is not None:
+            self.proc.wait(10)
+
+    def close(self) -> None:
+        self.kill()
+        for fh in self._logs:
+            fh.close()
+        self._logs.clear()
+
+    def logs(self) -> str:
+        try:
+            return self.log.read_text(errors="replace")[-4000:]
+        except OSError:
+            return ""
+
+    def pushes(self) -> list[dict[str, Any]]:
+        return list(get_json(self.url + "/v1/pushes")["pushes"])
+
+    def wait_durable(self, job: str, step: int, within: float = 60.0) -> list[dict[str, Any]]:
+        """Poll /v1/pushes until every tier's row of (job, step) is durable."""
+        deadline = time.monotonic() + within
+        rows: list[dict[str, Any]] = []
+        while time.monotonic() < deadline:
+            rows = [r for r in self.pushes() if (r["job"], r["step"]) == (job, step)]
+            failed = [r for r in rows if r["state"] == "failed"]
+            assert not failed, f"push failed: {failed}\n{self.logs()}"
+            if rows and all(r["state"] == "durable" for r in rows):
+                return rows
+            time.sleep(0.1)
+        pytest.fail(f"{job} step {step} not durable on {self.name}: {rows}\n{self.logs()}")
+
+
+def get_json(url: str, token: str | None = TOKEN, timeout: float = 10.0) -> dict[str, Any]:
+    request = urllib.request.Request(url)
+    if token is not None:
+        request.add_header("Authorization", f"Bearer {token}")
+    with urllib.request.urlopen(request, timeout=timeout) as resp:
+        doc: dict[str, Any] = json.loads(resp.read())
+        return doc
+
+
+def make_node(
+    tmp_path: Path, name: str, tiers: list[str], *, port: int | None = None, **extra: str
+) -> Node:
+    token_file = tmp_path / "token"
+    if not token_file.exists():
+        token_file.write_text(TOKEN + "\n")
+        token_file.chmod(0o600)
+    port = port or reserve_port()
+    hot = tmp_path / f"hot-{name}"
+    hot.mkdir(exist_ok=True)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FERRY_")}
+    env.update(
+        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+        FERRY_NODE=name,
+        FERRY_HOT_DIR=str(hot),
+        FERRY_TIERS=",".join(tiers),
+        FERRY_PEERS="",
+        FERRY_LISTEN=f"127.0.0.1:{port}",
+        FERRY_TOKEN_FILE=str(token_file),
+        FERRY_TRANSFER_CHUNK_SIZE_MIB="1",
+        FERRY_TRANSFER_PART_SIZE_MIB="5",
+        FERRY_TRANSFER_PACK_SIZE_MIB="10",
+    )
+    if any(t.startswith("s3://") for t in tiers):
+        env["FERRY_ENDPOINT_URL"] = os.environ["AWS_ENDPOINT_URL"]
+    env.update(extra)
+    return Node(name, hot, port, env, tmp_path / f"agent-{name}.log")
+
+
+@contextlib.contextmanager
+def running(*nodes: Node) -> Iterator[None]:
+    """Start the agents; always kill every one of them on the way out."""
+    try:
+        for node in nodes:
+            node.start()
+        yield
+    finally:
+        for node in nodes:
+            node.close()
+
+
+def rpc(url: str, call: str, *args: Any, **kwargs: Any) -> Any:
+    """One FerryClient call from synchronous test code."""
+
+    async def go() -> Any:
+        async with FerryClient(url, TOKEN) as client:
+            if call == "prefetch_and_wait":
+                pid = await client.prefetch(*args)
+                return await client.wait_prefetch(pid, **kwargs)
+            return await getattr(client, call)(*args, **kwargs)
+
+    return asyncio.run(go())
+
+
+def files_of(root: Path) -> list[str]:
+    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
+
+
+def assert_same_tree(got: Path, want: Path) -> None:
+    """Same file names, byte-identical contents (compared file by file, not in memory)."""
+    assert got.is_dir(), f"{got} is missing"
+    assert files_of(got) == files_of(want)
+    for rel in files_of(want):
+        assert filecmp.cmp(got / rel, want / rel, shallow=False), f"{rel} differs"
+
+
+# ---------------------------------------------------------------------------------------------
+# the push queue on local tiers: a DCP-like save, polling, a queue and the watcher feeding it
+# (QUEUE_OPTS and queue_agent are imported as OPTS and agent by the push-queue tests)
+
+QUEUE_OPTS = TransferOptions(
+    chunk_size=64 << 10, part_size=256 << 10, pack_size=1 << 20, window=4, workers=2
+)
+POLL = 0.05
+MARKER = ".metadata"
+
+
+def save(ckpt: Path, shards: dict[str, bytes]) -> Path:
+    """What a DCP save does: every shard first, then ``.metadata`` via temp + rename."""
+    for name, data in shards.items():
+        write_file(ckpt / name, data)
+    tmp = ckpt / ".metadata.tmp"
+    tmp.write_bytes(b"dcp-metadata")
+    os.rename(tmp, ckpt / MARKER)
+    return ckpt
+
+
+async def until(predicate: Callable[[], bool], within: float = 5.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + within
+    while not predicate():
+        assert loop.time() < deadline, "timed out waiting for the condition"
+        await asyncio.sleep(0.02)
+
+
+def tier_states(queue: PushQueue, job: str, step: int) -> dict[str, dict[str, object]]:
+    return {r["tier"]: r for r in queue.states() if (r["job"], r["step"]) == (job, step)}
+
+
+def make_queue(
+    tiers: list[str], state: Path, node: str = "n1", **kw: object
+) -> tuple[PushQueue, list[Store]]:
+    stores = [open_store(t) for t in tiers]
+    queue = PushQueue(
+        list(zip(tiers, stores, strict=True)),
+        Journal(state / "journal.sqlite3", node),
+        node=node,
+        options=QUEUE_OPTS,
+        retry_seconds=POLL,
+        **{"quiet_seconds": 0.0, **kw},  # type: ignore[arg-type]
+    )
+    return queue, stores
+
+
+@asynccontextmanager
+async def queue_agent(queue: PushQueue, hot: Path) -> AsyncIterator[None]:
+    """The queue plus a watcher feeding it, stopped and drained on exit."""
+    stop = asyncio.Event()
+    await queue.start()
+    watcher = asyncio.create_task(
+        watch_hot_dir(HotDir(hot, MARKER), queue.on_committed, poll_seconds=POLL, stop=stop)
+    )
+    try:
+        yield
+    finally:
+        stop.set()
+        await watcher
+        await queue.drain(0)
+        queue.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# a store that watches a push
+
+
+class WatchingStore(Store):
+    """Wraps a real store; after each completed part or pack it records what a reader
+    would see under manifests/ at that moment, then optionally dies."""
+
+    def __init__(self, inner: Store, die_after_parts: int | None = None) -> None:
+        self.inner, self.url, self.min_part_size = inner, inner.url, inner.min_part_size
+        self.manifests_seen_during_data: list[list[str]] = []
+        self.parts = 0
+        self.die_after_parts = die_after_parts
+
+    async def _observe(self) -> None:
+        self.parts += 1
+        seen = [o.key for o in await self.inner.list(MANIFESTS_PREFIX)]
+        self.manifests_seen_during_data.append(seen)
+
+    def _maybe_die(self) -> None:
+        if self.die_after_parts is not None and self.parts >= self.die_after_parts:
+            raise ConnectionError("simulated network failure in the middle of a push")
+
+    async def check(self) -> None:
+        await self.inner.check()
+
+    async def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
+        return await self.inner.get(key, start, end)
+
+    async def put(self, key: str, data: bytes, *, create_only: bool = False) -> None:
+        if key.startswith(PACKS_PREFIX):
+            self._maybe_die()
+        await self.inner.put(key, data, create_only=create_only)
+        if key.startswith(PACKS_PREFIX):
+            await self._observe()
+
+    async def head(self, key: str):  # type: ignore[no-untyped-def]
+        return await self.inner.head(key)
+
+    async def list(self, prefix: str):  # type: ignore[no-untyped-def]
+        return await self.inner.list(prefix)
+
+    async def delete(self, key: str) -> None:
+        await self.inner.delete(key)
+
+    async def list_uploads(self, prefix: str):  # type: ignore[no-untyped-def]
+        return await self.inner.list_uploads(prefix)
+
+    async def abort_upload(self, pending) -> None:  # type: ignore[no-untyped-def]
+        await self.inner.abort_upload(pending)
+
+    async def begin_upload(self, key: str) -> Upload:
+        inner, watcher = await self.inner.begin_upload(key), self
+
+        class Watched(Upload):
+            def __init__(self) -> None:
+                self.key = key
+
+            async def write_part(
+                self, number: int, offset: int, data: bytes, receipt: Any = None
+            ) -> None:
+                watcher._maybe_die()  # the part never reaches the store
+                await inner.write_part(number, offset, data, receipt)
+                await watcher._observe()
+
+            async def complete(self, *, create_only: bool = False) -> None:
+                await inner.complete(create_only=create_only)
+                await watcher._observe()
+
+            async def abort(self) -> None:
+                await inner.abort()
+
+        return Watched()
+
+    async def close(self) -> None:
+        await self.inner.close()

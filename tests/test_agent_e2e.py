@@ -9,8 +9,6 @@ of a push resumes it; a SIGTERM drains an in-flight prefetch without leaving par
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import filecmp
 import json
 import os
 import re
@@ -18,168 +16,23 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
-from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
-from agent.client import FerryClient
-from tests.harness import reserve_port
+from tests.harness import REPO, Node, assert_same_tree, make_node, reserve_port, rpc, running
 from transfer.engine import TransferOptions, list_checkpoints, pull, push
 from transfer.store import StoreOptions, open_store
 
-REPO = Path(__file__).resolve().parents[1]
-TOKEN = "e2e-token"
 MiB = 1 << 20
 JOB = "llm"
 OPTS = TransferOptions(chunk_size=1 * MiB, part_size=5 * MiB, pack_size=10 * MiB)
 
 
 # ---------------------------------------------------------------------------------------------
-# helpers: agent processes, their RPC, checkpoint trees
-
-
-@dataclass
-class Node:
-    """One ``ferry agent`` process (restartable with the same env, hence the same state)."""
-
-    name: str
-    hot: Path
-    port: int
-    env: dict[str, str]
-    log: Path
-    proc: subprocess.Popen[bytes] | None = None
-    _logs: list[Any] = field(default_factory=list)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self, within: float = 30.0) -> None:
-        fh = self.log.open("ab")
-        self._logs.append(fh)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "agent", "agent"],
-            env=self.env,
-            cwd=REPO,
-            stdout=fh,
-            stderr=subprocess.STDOUT,
-        )
-        deadline = time.monotonic() + within
-        while True:
-            if self.proc.poll() is not None:
-                pytest.fail(f"agent {self.name} exited {self.proc.returncode}:\n{self.logs()}")
-            try:
-                doc = get_json(self.url + "/healthz", token=None, timeout=1.0)
-                assert doc["node"] == self.name, doc  # not some other process on the port
-                return
-            except (OSError, urllib.error.URLError):
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"agent {self.name} not healthy in {within}s:\n{self.logs()}")
-            time.sleep(0.1)
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-        if self.proc is not None:
-            self.proc.wait(10)
-
-    def close(self) -> None:
-        self.kill()
-        for fh in self._logs:
-            fh.close()
-        self._logs.clear()
-
-    def logs(self) -> str:
-        try:
-            return self.log.read_text(errors="replace")[-4000:]
-        except OSError:
-            return ""
-
-    def pushes(self) -> list[dict[str, Any]]:
-        return list(get_json(self.url + "/v1/pushes")["pushes"])
-
-    def wait_durable(self, job: str, step: int, within: float = 60.0) -> list[dict[str, Any]]:
-        """Poll /v1/pushes until every tier's row of (job, step) is durable."""
-        deadline = time.monotonic() + within
-        rows: list[dict[str, Any]] = []
-        while time.monotonic() < deadline:
-            rows = [r for r in self.pushes() if (r["job"], r["step"]) == (job, step)]
-            failed = [r for r in rows if r["state"] == "failed"]
-            assert not failed, f"push failed: {failed}\n{self.logs()}"
-            if rows and all(r["state"] == "durable" for r in rows):
-                return rows
-            time.sleep(0.1)
-        pytest.fail(f"{job} step {step} not durable on {self.name}: {rows}\n{self.logs()}")
-
-
-def get_json(url: str, token: str | None = TOKEN, timeout: float = 10.0) -> dict[str, Any]:
-    request = urllib.request.Request(url)
-    if token is not None:
-        request.add_header("Authorization", f"Bearer {token}")
-    with urllib.request.urlopen(request, timeout=timeout) as resp:
-        doc: dict[str, Any] = json.loads(resp.read())
-        return doc
-
-
-def make_node(
-    tmp_path: Path, name: str, tiers: list[str], *, port: int | None = None, **extra: str
-) -> Node:
-    token_file = tmp_path / "token"
-    if not token_file.exists():
-        token_file.write_text(TOKEN + "\n")
-        token_file.chmod(0o600)
-    port = port or reserve_port()
-    hot = tmp_path / f"hot-{name}"
-    hot.mkdir(exist_ok=True)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FERRY_")}
-    env.update(
-        PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-        FERRY_NODE=name,
-        FERRY_HOT_DIR=str(hot),
-        FERRY_TIERS=",".join(tiers),
-        FERRY_PEERS="",
-        FERRY_LISTEN=f"127.0.0.1:{port}",
-        FERRY_TOKEN_FILE=str(token_file),
-        FERRY_TRANSFER_CHUNK_SIZE_MIB="1",
-        FERRY_TRANSFER_PART_SIZE_MIB="5",
-        FERRY_TRANSFER_PACK_SIZE_MIB="10",
-    )
-    if any(t.startswith("s3://") for t in tiers):
-        env["FERRY_ENDPOINT_URL"] = os.environ["AWS_ENDPOINT_URL"]
-    env.update(extra)
-    return Node(name, hot, port, env, tmp_path / f"agent-{name}.log")
-
-
-@contextlib.contextmanager
-def running(*nodes: Node) -> Iterator[None]:
-    """Start the agents; always kill every one of them on the way out."""
-    try:
-        for node in nodes:
-            node.start()
-        yield
-    finally:
-        for node in nodes:
-            node.close()
-
-
-def rpc(url: str, call: str, *args: Any, **kwargs: Any) -> Any:
-    """One FerryClient call from synchronous test code."""
-
-    async def go() -> Any:
-        async with FerryClient(url, TOKEN) as client:
-            if call == "prefetch_and_wait":
-                pid = await client.prefetch(*args)
-                return await client.wait_prefetch(pid, **kwargs)
-            return await getattr(client, call)(*args, **kwargs)
-
-    return asyncio.run(go())
+# helpers: checkpoint trees, the scheduler's scale-down (agent processes, their RPC: harness)
 
 
 def save_like_dcp(step_dir: Path, shards: dict[str, np.ndarray]) -> Path:
@@ -191,18 +44,6 @@ def save_like_dcp(step_dir: Path, shards: dict[str, np.ndarray]) -> Path:
     tmp.write_bytes(json.dumps({k: [str(v.dtype), v.size] for k, v in shards.items()}).encode())
     os.replace(tmp, step_dir / ".metadata")
     return step_dir
-
-
-def files_of(root: Path) -> list[str]:
-    return sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
-
-
-def assert_same_tree(got: Path, want: Path) -> None:
-    """Same file names, byte-identical contents (compared file by file, not in memory)."""
-    assert got.is_dir(), f"{got} is missing"
-    assert files_of(got) == files_of(want)
-    for rel in files_of(want):
-        assert filecmp.cmp(got / rel, want / rel, shallow=False), f"{rel} differs"
 
 
 def tree_size(root: Path) -> int:

@@ -30,8 +30,7 @@ import pytest
 
 from tests.conftest import tree_bytes
 from tests.faultproxy import FaultProxy
-from tests.test_agent_e2e import REPO, Node, assert_same_tree, make_node, rpc, running
-from tests.test_pushqueue import save
+from tests.harness import REPO, Node, assert_same_tree, make_node, rpc, running, save
 from transfer.engine import list_checkpoints, push, verify
 from transfer.format.layout import PACKS_PREFIX
 from transfer.options import TransferOptions

@@ -20,7 +20,8 @@ from agent.cli import main as ferry
 from agent.config import load_config
 from agent.pushqueue import PushQueue
 from tests.conftest import adamw_series, open_test_store, tree_bytes
-from tests.test_pushqueue import agent, until
+from tests.harness import queue_agent as agent
+from tests.harness import until
 from transfer.codec import KNOWN_ENCODINGS, decode, encode, encode_as, needs_base, plane_width
 from transfer.engine import TransferOptions, pull, push
 from transfer.engine.catalog import list_checkpoints, load_manifest

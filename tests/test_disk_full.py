@@ -14,8 +14,7 @@ import pytest
 
 from agent.client import FerryClient
 from tests.conftest import random_bytes, tree_bytes
-from tests.harness import OPTS, TOKEN, agent
-from tests.test_pushqueue import save
+from tests.harness import OPTS, TOKEN, agent, save
 from transfer.engine import push
 from transfer.store import open_store
 

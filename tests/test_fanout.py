@@ -16,8 +16,7 @@ from agent.fanout import WAIT_SECONDS, owner_of
 from agent.hotdir import HotDir
 from tests.conftest import random_bytes, tree_bytes
 from tests.faultproxy import FaultProxy
-from tests.harness import TOKEN, agent, push_series, reserve_port
-from tests.test_pushqueue import save
+from tests.harness import TOKEN, agent, push_series, reserve_port, save
 
 JOB = "llm"
 SHARDS = {"__0_0.distcp": 11, "__1_0.distcp": 7, "__2_0.distcp": 6}  # MiB: 24 chunks

@@ -15,10 +15,8 @@ from agent.cli import main as ferry
 from agent.client import FerryClient
 from tests.conftest import random_bytes, tree_bytes
 from tests.faultproxy import KINDS, FaultProxy
-from tests.harness import TOKEN, agent
+from tests.harness import TOKEN, agent, make_queue, queue_agent, save, tier_states
 from tests.s3server import S3Endpoint
-from tests.test_pushqueue import agent as queue_agent
-from tests.test_pushqueue import make_queue, save, tier_states
 from transfer.errors import StoreError
 from transfer.format.layout import PACKS_PREFIX
 from transfer.store import StoreOptions, open_store

@@ -21,8 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from agent.client import FerryClient
-from tests.test_agent_e2e import TOKEN, Node, assert_same_tree, make_node, running
-from tests.test_pushqueue import save
+from tests.harness import TOKEN, Node, assert_same_tree, make_node, running, save
 from transfer.engine import TransferOptions, push, verify
 from transfer.store import StoreOptions, open_store
 

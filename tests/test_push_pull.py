@@ -8,7 +8,6 @@ import os
 import random
 import shutil
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -22,10 +21,11 @@ from tests.conftest import (
     tree_modes,
     write_file,
 )
+from tests.harness import WatchingStore
 from transfer.engine import TransferOptions, pull, push
 from transfer.engine.chunkindex import StoredChunk
 from transfer.format.layout import MANIFESTS_PREFIX, PACKS_PREFIX
-from transfer.store.base import PartReceipt, Store, Upload
+from transfer.store.base import PartReceipt
 
 SMALL = ["--chunk-size-mib", "1", "--part-size-mib", "5", "--pack-size-mib", "10"]
 
@@ -172,80 +172,6 @@ def test_concurrent_pushes_of_two_checkpoints(store_url: str, tmp_path: Path) ->
     asyncio.run(go())
     assert tree_bytes(tmp_path / "p1") == tree_bytes(one)
     assert tree_bytes(tmp_path / "p2") == tree_bytes(two)
-
-
-class WatchingStore(Store):
-    """Wraps a real store; after each completed part or pack it records what a reader
-    would see under manifests/ at that moment, then optionally dies."""
-
-    def __init__(self, inner: Store, die_after_parts: int | None = None) -> None:
-        self.inner, self.url, self.min_part_size = inner, inner.url, inner.min_part_size
-        self.manifests_seen_during_data: list[list[str]] = []
-        self.parts = 0
-        self.die_after_parts = die_after_parts
-
-    async def _observe(self) -> None:
-        self.parts += 1
-        seen = [o.key for o in await self.inner.list(MANIFESTS_PREFIX)]
-        self.manifests_seen_during_data.append(seen)
-
-    def _maybe_die(self) -> None:
-        if self.die_after_parts is not None and self.parts >= self.die_after_parts:
-            raise ConnectionError("simulated network failure in the middle of a push")
-
-    async def check(self) -> None:
-        await self.inner.check()
-
-    async def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
-        return await self.inner.get(key, start, end)
-
-    async def put(self, key: str, data: bytes, *, create_only: bool = False) -> None:
-        if key.startswith(PACKS_PREFIX):
-            self._maybe_die()
-        await self.inner.put(key, data, create_only=create_only)
-        if key.startswith(PACKS_PREFIX):
-            await self._observe()
-
-    async def head(self, key: str):  # type: ignore[no-untyped-def]
-        return await self.inner.head(key)
-
-    async def list(self, prefix: str):  # type: ignore[no-untyped-def]
-        return await self.inner.list(prefix)
-
-    async def delete(self, key: str) -> None:
-        await self.inner.delete(key)
-
-    async def list_uploads(self, prefix: str):  # type: ignore[no-untyped-def]
-        return await self.inner.list_uploads(prefix)
-
-    async def abort_upload(self, pending) -> None:  # type: ignore[no-untyped-def]
-        await self.inner.abort_upload(pending)
-
-    async def begin_upload(self, key: str) -> Upload:
-        inner, watcher = await self.inner.begin_upload(key), self
-
-        class Watched(Upload):
-            def __init__(self) -> None:
-                self.key = key
-
-            async def write_part(
-                self, number: int, offset: int, data: bytes, receipt: Any = None
-            ) -> None:
-                watcher._maybe_die()  # the part never reaches the store
-                await inner.write_part(number, offset, data, receipt)
-                await watcher._observe()
-
-            async def complete(self, *, create_only: bool = False) -> None:
-                await inner.complete(create_only=create_only)
-                await watcher._observe()
-
-            async def abort(self) -> None:
-                await inner.abort()
-
-        return Watched()
-
-    async def close(self) -> None:
-        await self.inner.close()
 
 
 def test_manifest_is_never_visible_before_its_chunks(store_url: str, tmp_path: Path) -> None:

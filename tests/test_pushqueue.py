@@ -11,8 +11,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import Callable
 from dataclasses import astuple
 from pathlib import Path
 
@@ -21,71 +20,13 @@ from agent.journal import Journal
 from agent.pushqueue import PushQueue, completion_key
 from agent.watcher import watch_hot_dir
 from tests.conftest import random_bytes, tree_bytes, write_file
-from transfer.engine import TransferOptions, pull
+from tests.harness import MARKER, POLL, make_queue, save, tier_states, until
+from tests.harness import QUEUE_OPTS as OPTS
+from tests.harness import queue_agent as agent
+from transfer.engine import pull
 from transfer.engine.catalog import is_complete
 from transfer.store import open_store
-from transfer.store.base import Store
 from transfer.store.local import LocalStore
-
-OPTS = TransferOptions(
-    chunk_size=64 << 10, part_size=256 << 10, pack_size=1 << 20, window=4, workers=2
-)
-POLL = 0.05
-MARKER = ".metadata"
-
-
-def save(ckpt: Path, shards: dict[str, bytes]) -> Path:
-    """What a DCP save does: every shard first, then ``.metadata`` via temp + rename."""
-    for name, data in shards.items():
-        write_file(ckpt / name, data)
-    tmp = ckpt / ".metadata.tmp"
-    tmp.write_bytes(b"dcp-metadata")
-    os.rename(tmp, ckpt / MARKER)
-    return ckpt
-
-
-async def until(predicate: Callable[[], bool], within: float = 5.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + within
-    while not predicate():
-        assert loop.time() < deadline, "timed out waiting for the condition"
-        await asyncio.sleep(0.02)
-
-
-def tier_states(queue: PushQueue, job: str, step: int) -> dict[str, dict[str, object]]:
-    return {r["tier"]: r for r in queue.states() if (r["job"], r["step"]) == (job, step)}
-
-
-def make_queue(
-    tiers: list[str], state: Path, node: str = "n1", **kw: object
-) -> tuple[PushQueue, list[Store]]:
-    stores = [open_store(t) for t in tiers]
-    queue = PushQueue(
-        list(zip(tiers, stores, strict=True)),
-        Journal(state / "journal.sqlite3", node),
-        node=node,
-        options=OPTS,
-        retry_seconds=POLL,
-        **{"quiet_seconds": 0.0, **kw},  # type: ignore[arg-type]
-    )
-    return queue, stores
-
-
-@asynccontextmanager
-async def agent(queue: PushQueue, hot: Path) -> AsyncIterator[None]:
-    """The queue plus a watcher feeding it, stopped and drained on exit."""
-    stop = asyncio.Event()
-    await queue.start()
-    watcher = asyncio.create_task(
-        watch_hot_dir(HotDir(hot, MARKER), queue.on_committed, poll_seconds=POLL, stop=stop)
-    )
-    try:
-        yield
-    finally:
-        stop.set()
-        await watcher
-        await queue.drain(0)
-        queue.close()
 
 
 def tiers_in(tmp_path: Path, *names: str) -> list[str]:

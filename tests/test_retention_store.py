@@ -19,7 +19,7 @@ from tests.conftest import (
     tree_bytes,
     write_file,
 )
-from tests.test_push_pull import WatchingStore
+from tests.harness import WatchingStore
 from transfer.engine import pull, push, verify
 from transfer.engine.catalog import list_checkpoints
 from transfer.errors import FerryError

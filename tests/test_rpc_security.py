@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, settings
 
 from agent.config import load_config
 from agent.rpc import create_app
-from tests.test_agent_e2e import TOKEN, Node, get_json, make_node
+from tests.harness import TOKEN, Node, get_json, make_node
 
 REPO = Path(__file__).resolve().parents[1]
 SPEC = REPO / "docs" / "openapi.yaml"

@@ -23,7 +23,9 @@ from agent.hotdir import HotDir
 from agent.hotretention import plan_hot
 from agent.journal import Journal
 from tests.conftest import random_bytes, tree_bytes, write_file
-from tests.test_pushqueue import OPTS, agent, make_queue, tier_states, until
+from tests.harness import QUEUE_OPTS as OPTS
+from tests.harness import make_queue, tier_states, until
+from tests.harness import queue_agent as agent
 from transfer.engine import list_checkpoints, pull, push
 from transfer.errors import SourceChangedError
 from transfer.format.layout import PACKS_PREFIX
