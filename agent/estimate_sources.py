@@ -121,7 +121,8 @@ class PrefetchEstimator:
         source = f"tier:{tier}"
         basis = "measured" if meter.measured(source) else "default"
         if basis == "default" and needed:
-            got = await probe.probe_tier(store, probe.sample(index, needed, bases), bases)
+            picked = probe.sample(index, needed, bases, run=probe.RUN)
+            got = await probe.probe_tier(store, picked, bases)
             if got is not None and meter.record(source, got.moved, got.seconds, provisional=True):
                 basis = "probe"
         content, bases_moved = _to_move(index, needed, held_ids)

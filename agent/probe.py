@@ -3,16 +3,17 @@ would, so an estimate has a measured rate instead of a constant (issue 12: at fi
 the ETA assumed 200 MB/s, and named the tier when a peer would serve the chunks, encoding
 them on its own CPU: -45% off).
 
-A probe moves chunks up to ``PROBE_BYTES`` (96 MiB: 24 chunks at the default size). A tier
-probe fetches the first IN_FLIGHT at once, untimed, to open the connections and touch the
-buffers a restore finds open and warm, then times the rest, IN_FLIGHT at once, each read
-through the store's range reader into a reused buffer, as a restore's readers do. Its rate
+A probe moves chunks up to ``PROBE_BYTES`` (128 MiB: 32 chunks at the default size). A tier
+probe first fetches IN_FLIGHT single chunks at once, untimed, to open the connections and
+touch the buffers a restore finds open and warm; then it times runs of RUN chunks that lie
+back to back in a pack, one request each, IN_FLIGHT at once, each read through the store's
+range reader into a reused buffer, as a restore's readers stream their ranges. Its rate
 stands in for the source's in the agent's BandwidthMeter until the first transfer from
 there replaces it (a probe writes nothing to disk). On the 1.69 GB corpus save (``python -m
-bench.estimate_cases /work/corpus/full``) first-contact errors went from +29% / +60% / +22%
-/ -44% (holding nothing / holding k / peer / held here; 20 MiB, one connection warmed,
-fresh buffers) to +7% / +43..+54% / -5..-8% / +4..+13%: a restore of a step held at k
-decodes its deltas faster per byte than a short burst of them does.
+bench.estimate_cases /work/corpus/full``, bench/results/estimate_cases.md) first-contact
+errors went from +29% / +60% / +22% / -44% (holding nothing / holding k / peer / held here;
+20 MiB in 4 MiB GETs, one connection warmed, fresh buffers) to -8..+9% / +8..+12% /
++17..+23% / +5..+30%.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from agent.peers import PeerSource
-from transfer.codec.transforms import Buffer
 from transfer.engine.chunkindex import ChunkIndex, StoredChunk
 from transfer.engine.pull import LocalBase
 from transfer.engine.resolver import decode_verified
@@ -32,8 +32,9 @@ from transfer.format.chunkid import chunk_id
 from transfer.format.layout import pack_key
 from transfer.store.base import Store
 
-PROBE_BYTES = 96 << 20
-IN_FLIGHT = 8  # a tier probe's chunks at once (one per connection it opens first)
+PROBE_BYTES = 128 << 20
+IN_FLIGHT = 8  # a tier probe's requests at once (one per connection it opens first)
+RUN = 3  # chunks back to back a tier probe reads per request: a restore streams long ranges
 CHUNK = 4 << 20  # what a local re-check reads and hashes at a time
 
 
@@ -49,73 +50,104 @@ class Probe:
         return self.moved / self.raw if self.raw else 1.0
 
 
-def sample(index: ChunkIndex, needed: set[str], bases: dict[str, LocalBase]) -> list[StoredChunk]:
+def sample(
+    index: ChunkIndex, needed: set[str], bases: dict[str, LocalBase], run: int = 1
+) -> list[StoredChunk]:
     """Chunks a restore would move, up to PROBE_BYTES, in id order (ids are hashes: a fair
-    mix of keyframes and deltas); a delta only if this node holds its base at its position
-    (a probe fetches no bases)."""
-    found = [
-        c
-        for cid in sorted(needed)
+    mix of keyframes and deltas), each followed by up to ``run - 1`` of the chunks after it
+    in its pack (what one request of a restore reads); a delta only if this node holds its
+    base at its position (a probe fetches no bases)."""
+    eligible = {
+        cid: c
+        for cid in needed
         if (c := index.get(cid)) is not None
         and c.size
         and (c.base is None or (cid in bases and bases[cid].id == c.base))
-    ]
-    picked, total = [], 0
-    for c in found:
-        if total >= PROBE_BYTES:
-            break
-        picked.append(c)
-        total += c.size
+    }
+    at = {(c.pack_id, c.offset): c for c in eligible.values()}
+    picked: list[StoredChunk] = []
+    seen: set[str] = set()
+    total = 0
+    for cid in sorted(eligible):
+        nxt: StoredChunk | None = eligible[cid]
+        for _ in range(run):
+            if total >= PROBE_BYTES or nxt is None or nxt.id in seen:
+                break
+            picked.append(nxt)
+            seen.add(nxt.id)
+            total += nxt.size
+            nxt = at.get((nxt.pack_id, nxt.offset + nxt.stored))
     return picked
+
+
+def runs_of(chunks: list[StoredChunk]) -> list[list[StoredChunk]]:
+    """``chunks`` cut into runs that lie back to back in one pack (one request each)."""
+    runs: list[list[StoredChunk]] = []
+    for c in chunks:
+        last = runs[-1][-1] if runs else None
+        if last is not None and (last.pack_id, last.offset + last.stored) == (c.pack_id, c.offset):
+            runs[-1].append(c)
+        else:
+            runs.append([c])
+    return runs
 
 
 async def probe_tier(
     store: Store, chunks: list[StoredChunk], bases: dict[str, LocalBase]
 ) -> Probe | None:
     """Fetch and decode ``chunks`` from the tier (deltas against this node's bytes at
-    their positions) as a restore's readers do: each into a reused buffer, through the
-    store's range reader when it has one; None if that fails (the estimate then keeps the
-    meter's default).
+    their positions) as a restore's readers do: each run of chunks back to back in a pack
+    in one request (``sample(..., run=RUN)`` picks them so), into a reused buffer, through
+    the store's range reader when it has one; None if that fails (the estimate then keeps
+    the meter's default).
 
-    The first IN_FLIGHT chunks, fetched at once, are untimed: they open the connections
-    and touch the buffers a restore finds open and warm (fresh memory costs ~1.6 ms per
-    MiB on first touch here). The rest is timed, IN_FLIGHT at once."""
+    First IN_FLIGHT single chunks, fetched at once, untimed: they open the connections and
+    touch the buffers a restore finds open and warm (fresh memory costs ~1.6 ms per MiB on
+    first touch here). The rest is timed, IN_FLIGHT runs at once."""
     if not chunks:
         return None
     reader = await asyncio.to_thread(store.range_reader)
+    warm = [[c] for c in chunks[:IN_FLIGHT]]
+    timed = runs_of(chunks[IN_FLIGHT:]) or warm
     room = max(max(c.size, c.stored) for c in chunks)
+    span = max(sum(c.stored for c in r) for r in timed + warm)
     slots: asyncio.Queue[tuple[memoryview, memoryview]] = asyncio.Queue()
-    for _ in range(min(IN_FLIGHT, len(chunks))):
-        slots.put_nowait((memoryview(bytearray(room)), memoryview(bytearray(room))))
+    for _ in range(min(IN_FLIGHT, len(timed) + len(warm))):
+        slots.put_nowait((memoryview(bytearray(span)), memoryview(bytearray(room))))
 
-    def receive_and_decode(
-        c: StoredChunk, payload: Buffer, into: memoryview, out: memoryview
-    ) -> None:
+    def receive_and_decode(run: list[StoredChunk], into: memoryview, out: memoryview) -> None:
+        first, size = run[0], sum(c.stored for c in run)
         if reader is not None:
-            got = reader.read_into(pack_key(c.pack_id), c.offset, into[: c.stored])
-            payload = into[:got]
-        base = bases[c.id].read() if c.base is not None else None
-        decode_verified(c, payload, base, out[: c.size])
+            got = reader.read_into(pack_key(first.pack_id), first.offset, into[:size])
+        else:
+            blob = asyncio.run_coroutine_threadsafe(
+                store.get(pack_key(first.pack_id), first.offset, first.offset + size), loop
+            ).result()
+            into[: len(blob)] = blob
+            got = len(blob)
+        for c in run:
+            lo = c.offset - first.offset
+            payload = into[lo : min(got, lo + c.stored)]
+            base = bases[c.id].read() if c.base is not None else None
+            decode_verified(c, payload, base, out[: c.size])
 
-    async def one(c: StoredChunk) -> None:
+    async def one(run: list[StoredChunk]) -> None:
         into, out = await slots.get()
         try:
-            payload: Buffer = b""
-            if reader is None:
-                payload = await store.get(pack_key(c.pack_id), c.offset, c.offset + c.stored)
-            await asyncio.to_thread(receive_and_decode, c, payload, into, out)
+            await asyncio.to_thread(receive_and_decode, run, into, out)
         finally:
             slots.put_nowait((into, out))
 
-    warm, timed = chunks[:IN_FLIGHT], chunks[IN_FLIGHT:] or chunks
+    loop = asyncio.get_running_loop()
     try:
-        await asyncio.gather(*(one(c) for c in warm))
+        await asyncio.gather(*(one(r) for r in warm))
         began = time.monotonic()
-        await asyncio.gather(*(one(c) for c in timed))
+        await asyncio.gather(*(one(r) for r in timed))
     except FerryError:
         return None
     took = time.monotonic() - began
-    return Probe(sum(c.stored for c in timed), sum(c.size for c in timed), took)
+    done = [c for r in timed for c in r]
+    return Probe(sum(c.stored for c in done), sum(c.size for c in done), took)
 
 
 async def probe_peer(
