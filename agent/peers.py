@@ -126,6 +126,13 @@ def read_at(where: Location) -> bytearray | None:
 #: 343-389 MB (glibc keeps each thread's freed 4 MiB chunks in that thread's arena)
 PEER_THREADS = 8
 
+#: how long a peer may stay silent (no byte of a reply) before it counts as down and the
+#: chunk comes from the tiers: a chunk takes a live peer milliseconds (read, hash, code,
+#: send 4 MiB), so ten seconds is generous, where 60 s let a peer that stopped answering
+#: without closing its connections (a node partitioned away, or shutting down with
+#: requests in flight) stall a prefetch for a minute before the tiers took over
+PEER_SILENCE_SECONDS = 10.0
+
 
 class PeerSource:
     """The chunk source a prefetch uses: asks each live peer in turn."""
@@ -207,7 +214,14 @@ class PeerSource:
         loop = asyncio.get_running_loop()
         try:
             return await loop.run_in_executor(
-                self._pool, self._ask_here, peer, chunk, base, query, 60 + wait, land
+                self._pool,
+                self._ask_here,
+                peer,
+                chunk,
+                base,
+                query,
+                PEER_SILENCE_SECONDS + wait,
+                land,
             )
         except (http.client.HTTPException, TimeoutError, OSError):
             self._down_until[peer] = time.monotonic() + self.down_seconds

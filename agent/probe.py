@@ -101,14 +101,17 @@ async def probe_tier(
     the store's range reader when it has one; None if that fails (the estimate then keeps
     the meter's default).
 
-    First IN_FLIGHT single chunks, fetched at once, untimed: they open the connections and
-    touch the buffers a restore finds open and warm (fresh memory costs ~1.6 ms per MiB on
-    first touch here). The rest is timed, IN_FLIGHT runs at once."""
+    First up to IN_FLIGHT single chunks (a quarter of the sample at most), fetched at once,
+    untimed: they open the connections and touch the buffers a restore finds open and warm
+    (fresh memory costs ~1.6 ms per MiB on first touch here). The rest is timed, IN_FLIGHT
+    runs at once."""
     if not chunks:
         return None
     reader = await asyncio.to_thread(store.range_reader)
-    warm = [[c] for c in chunks[:IN_FLIGHT]]
-    timed = runs_of(chunks[IN_FLIGHT:]) or warm
+    # at most a quarter of the sample warms up: a small step's few chunks are mostly timed
+    n_warm = min(IN_FLIGHT, max(1, len(chunks) // 4))
+    warm = [[c] for c in chunks[:n_warm]]
+    timed = runs_of(chunks[n_warm:]) or warm
     room = max(max(c.size, c.stored) for c in chunks)
     span = max(sum(c.stored for c in r) for r in timed + warm)
     slots: asyncio.Queue[tuple[memoryview, memoryview]] = asyncio.Queue()

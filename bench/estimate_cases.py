@@ -62,7 +62,7 @@ async def measure(client: FerryClient, step: int) -> tuple[dict[str, Any], float
     est = await client.estimate(JOB, step)
     drop_caches()
     began = time.monotonic()
-    done = await client.wait_prefetch(await client.prefetch(JOB, step), poll=0.02)
+    done = await client.wait_prefetch(await client.prefetch(JOB, step), poll=0.005)
     if done["state"] != "ready":
         raise SystemExit(f"prefetch failed: {done}")
     return est, time.monotonic() - began, done
