@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 from urllib.parse import urlsplit
 
 from aiohttp import web
@@ -52,9 +53,20 @@ def _fanout(value: object) -> tuple[tuple[str, ...], str] | None:
     return tuple(group), me.rstrip("/")
 
 
+#: an agent's URL as the spec gives it (docs/openapi.yaml): http(s), a host without brackets
+#: (an IPv6 literal cannot name a fan-out member: urlsplit refuses most bracketed hosts)
+#: (``\s`` as JSON Schema's ECMA regexes read it, which Python's does not: it adds \x1c-\x1f)
+_ECMA_SPACE = "\t\n\v\f\r \u00a0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000\ufeff"
+_AGENT_URL = re.compile(f"https?://[^/?#\\[\\]{_ECMA_SPACE}]+")
+
+
 def _is_agent_url(url: str) -> bool:
-    parts = urlsplit(url)
-    return parts.scheme in ("http", "https") and bool(parts.netloc) and len(url) <= 512
+    if len(url) > 512 or not _AGENT_URL.match(url):
+        return False
+    try:
+        return bool(urlsplit(url).netloc)
+    except ValueError:
+        return False
 
 
 async def get_prefetch(request: web.Request) -> web.Response:
