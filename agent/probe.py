@@ -80,6 +80,10 @@ def sample(
     return picked
 
 
+def _stored(run: list[StoredChunk]) -> int:
+    return sum(c.stored for c in run)
+
+
 def runs_of(chunks: list[StoredChunk]) -> list[list[StoredChunk]]:
     """``chunks`` cut into runs that lie back to back in one pack (one request each)."""
     runs: list[list[StoredChunk]] = []
@@ -113,35 +117,36 @@ async def probe_tier(
     warm = [[c] for c in chunks[:n_warm]]
     timed = runs_of(chunks[n_warm:]) or warm
     room = max(max(c.size, c.stored) for c in chunks)
-    span = max(sum(c.stored for c in r) for r in timed + warm)
+    span = max(_stored(r) for r in timed + warm)
     slots: asyncio.Queue[tuple[memoryview, memoryview]] = asyncio.Queue()
     for _ in range(min(IN_FLIGHT, len(timed) + len(warm))):
         slots.put_nowait((memoryview(bytearray(span)), memoryview(bytearray(room))))
 
-    def receive_and_decode(run: list[StoredChunk], into: memoryview, out: memoryview) -> None:
-        first, size = run[0], sum(c.stored for c in run)
+    def finish(run: list[StoredChunk], into: memoryview, out: memoryview, got: int) -> None:
+        """(In a thread.) Receive the run into ``into`` unless ``got`` says it is there,
+        then decode and verify each of its chunks into ``out``."""
+        first = run[0]
         if reader is not None:
-            got = reader.read_into(pack_key(first.pack_id), first.offset, into[:size])
-        else:
-            blob = asyncio.run_coroutine_threadsafe(
-                store.get(pack_key(first.pack_id), first.offset, first.offset + size), loop
-            ).result()
-            into[: len(blob)] = blob
-            got = len(blob)
+            got = reader.read_into(pack_key(first.pack_id), first.offset, into[: _stored(run)])
         for c in run:
             lo = c.offset - first.offset
-            payload = into[lo : min(got, lo + c.stored)]
             base = bases[c.id].read() if c.base is not None else None
-            decode_verified(c, payload, base, out[: c.size])
+            decode_verified(c, into[lo : min(got, lo + c.stored)], base, out[: c.size])
 
     async def one(run: list[StoredChunk]) -> None:
         into, out = await slots.get()
         try:
-            await asyncio.to_thread(receive_and_decode, run, into, out)
+            got = 0
+            if reader is None:  # a store without a range reader: its async get, then copy
+                first = run[0]
+                end = first.offset + _stored(run)
+                blob = await store.get(pack_key(first.pack_id), first.offset, end)
+                into[: len(blob)] = blob
+                got = len(blob)
+            await asyncio.to_thread(finish, run, into, out, got)
         finally:
             slots.put_nowait((into, out))
 
-    loop = asyncio.get_running_loop()
     try:
         await asyncio.gather(*(one(r) for r in warm))
         began = time.monotonic()

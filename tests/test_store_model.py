@@ -105,21 +105,26 @@ class StoreMachine(RuleBasedStateMachine):
         assert self.run(self.store.get(key)) == self.model[key]
         assert self.run(self.store.head(key)).size == len(self.model[key])
 
+    def _start_in(self, key: str, data: st.DataObject) -> tuple[bytes, int] | None:
+        """The model's bytes of ``key`` and a position drawn inside them (None: no bytes)."""
+        blob = self.model.get(key)
+        if not blob:
+            return None
+        return blob, data.draw(st.integers(0, len(blob) - 1))
+
     @rule(key=keys, data=st.data())
     def get_range(self, key: str, data: st.DataObject) -> None:
-        if key not in self.model or not self.model[key]:
+        if (held := self._start_in(key, data)) is None:
             return
-        blob = self.model[key]
-        start = data.draw(st.integers(0, len(blob) - 1))
+        blob, start = held
         end = data.draw(st.integers(start + 1, len(blob)) | st.none())
         assert self.run(self.store.get(key, start, end)) == blob[start:end]
 
     @rule(key=keys, data=st.data())
     def read_into(self, key: str, data: st.DataObject) -> None:
-        if key not in self.model or not self.model[key]:
+        if (held := self._start_in(key, data)) is None:
             return
-        blob = self.model[key]
-        start = data.draw(st.integers(0, len(blob) - 1))
+        blob, start = held
         size = data.draw(st.integers(1, len(blob) + 10))  # may run past the object's end
 
         def read() -> tuple[int, bytes] | None:

@@ -193,7 +193,7 @@ def _map_error(exc: BaseException, what: str, tries: int) -> StoreError:
         return NotFoundError(f"{what}: not found")
     if isinstance(exc, FileExistsError):
         return AlreadyExistsError(f"{what}: already exists")
-    if not isinstance(exc, OSError | ConnectionError | TimeoutError):
+    if not isinstance(exc, OSError):  # (connection and timeout errors are OSErrors)
         raise exc  # not an I/O failure but a bug: let it out as it is
     reason = f"failed {tries} times ({exc})" if tries > 1 else str(exc)
     return StoreError(f"{what}: {reason}")
