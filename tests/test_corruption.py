@@ -114,6 +114,38 @@ def test_a_cold_pull_of_deltas_names_a_corrupt_base_and_leaves_nothing(
     assert not dest.exists() and not [p for p in tmp_path.iterdir() if "staging" in p.name]
 
 
+def test_a_cold_pull_of_deltas_names_a_base_cut_short_and_leaves_nothing(
+    store_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The bases of neighbouring deltas come from the store a run at a time (one read
+    each: engine/fetch.py's _BaseWindow); a base pack cut short in the middle of a base
+    fails the pull naming a base at or past the cut, as truncated, and nothing is left."""
+    k0, k1 = adamw_series(tmp_path / "hot", 2, mib=8)
+    several = ["--chunk-size-mib", "1", "--part-size-mib", "5", "--pack-size-mib", "10"]
+    for k in (k0, k1):
+        assert ferry(["push", str(k), store_url, "--job", "d", "--node", "n", *several]) == 0
+
+    async def cut_a_base_pack() -> list[str]:
+        store = open_test_store(store_url)
+        try:
+            m = await load_manifest(store, "d", 40, "n")
+            base = sorted(m.bases, key=lambda b: (b.pack, b.offset))[1]
+            key = pack_key(m.packs[base.pack])
+            cut = base.offset + base.stored // 2
+            await store.put(key, (await store.get(key))[:cut])
+            return [b.id for b in m.bases if b.pack == base.pack and b.offset + b.stored > cut]
+        finally:
+            await store.close()
+
+    gone = asyncio.run(cut_a_base_pack())
+    capsys.readouterr()
+    dest = tmp_path / "restored"
+    assert ferry(["pull", store_url, str(dest), "--job", "d", "--step", "40"]) == 1
+    err = capsys.readouterr().err
+    assert "truncated" in err and any(cid in err for cid in gone), err
+    assert not dest.exists() and not [p for p in tmp_path.iterdir() if "staging" in p.name]
+
+
 def test_prefetch_falls_back_to_the_next_tier_and_names_the_chunk_when_none_is_good(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -221,7 +221,7 @@ class _Fetch:
         payload = window.payload(reader, base) if window is not None else None
         if payload is None:
             payload = self.buffers.view("base_payload", base.stored)
-            self._read_bases(reader, [(base, payload)])
+            self._read_bases(reader, [([base], payload)])
         try:  # unverified, as a local base is: the delta's own hash check covers it
             with self.resolver.clock.timing("decode"):
                 return decode(
@@ -230,10 +230,13 @@ class _Fetch:
         except FormatError:
             return None  # the loop's resolver fetches it again and names what is corrupt
 
-    def _read_bases(self, reader: RangeReader, reads: list[tuple[StoredChunk, memoryview]]) -> None:
-        """Fill each buffer from the store at its first base's place: one request each
-        (a failure names that base)."""
-        for first, into in reads:
+    def _read_bases(
+        self, reader: RangeReader, reads: list[tuple[list[StoredChunk], memoryview]]
+    ) -> None:
+        """Fill each buffer with a run of bases (sorted by offset in one pack) from the
+        store: one request each; a failure names the first base it cut short."""
+        for members, into in reads:
+            first = members[0]
             if self.rate_limit is not None:
                 self.rate_limit.take(len(into))
             try:
@@ -243,7 +246,8 @@ class _Fetch:
                 raise unreadable(first) from None
             self.buffers.base_bytes += got
             if got != len(into):
-                raise truncated(first)
+                cut = next(b for b in members if b.offset - first.offset + b.stored > got)
+                raise truncated(cut)
 
     def finish_in_thread(self, reader: RangeReader | None, c: StoredChunk, payload: Buffer) -> bool:
         """Decode, verify and sink one chunk in this thread; False: leave it to the loop
@@ -489,12 +493,12 @@ class _BaseWindow:
                 size += b.stored
         runs = _runs(sorted(window.values(), key=lambda b: (b.pack_id, b.offset)))
         room = self.fetch.buffers.view("base_window", sum(end - start for _, start, end, _ in runs))
-        reads: list[tuple[StoredChunk, memoryview]] = []
+        reads: list[tuple[list[StoredChunk], memoryview]] = []
         self.held.clear()  # the buffer is reused: nothing earlier stays valid
         pos = 0
         for _, start, end, members in runs:
             into = room[pos : pos + end - start]
-            reads.append((members[0], into))
+            reads.append((members, into))
             for b in members:
                 self.held[b.id] = into[b.offset - start : b.offset - start + b.stored]
             pos += end - start
