@@ -106,12 +106,8 @@ def test_a_cold_pull_of_deltas_names_a_corrupt_base_and_leaves_nothing(
             await store.close()
 
     bad = asyncio.run(flip_a_base())
-    capsys.readouterr()
-    dest = tmp_path / "restored"
-    assert ferry(["pull", store_url, str(dest), "--job", "d", "--step", "40"]) == 1
-    err = capsys.readouterr().err
+    err = _cold_pull_of_step_40_fails(store_url, tmp_path, capsys)
     assert bad in err and "corrupt" in err, err
-    assert not dest.exists() and not [p for p in tmp_path.iterdir() if "staging" in p.name]
 
 
 def test_a_cold_pull_of_deltas_names_a_base_cut_short_and_leaves_nothing(
@@ -138,12 +134,20 @@ def test_a_cold_pull_of_deltas_names_a_base_cut_short_and_leaves_nothing(
             await store.close()
 
     gone = asyncio.run(cut_a_base_pack())
+    err = _cold_pull_of_step_40_fails(store_url, tmp_path, capsys)
+    assert "truncated" in err and any(cid in err for cid in gone), err
+
+
+def _cold_pull_of_step_40_fails(
+    store_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> str:
+    """Pull job d's step 40 into an empty directory: it fails, leaves neither the
+    destination nor a staging directory, and returns what it said."""
     capsys.readouterr()
     dest = tmp_path / "restored"
     assert ferry(["pull", store_url, str(dest), "--job", "d", "--step", "40"]) == 1
-    err = capsys.readouterr().err
-    assert "truncated" in err and any(cid in err for cid in gone), err
     assert not dest.exists() and not [p for p in tmp_path.iterdir() if "staging" in p.name]
+    return capsys.readouterr().err
 
 
 def test_prefetch_falls_back_to_the_next_tier_and_names_the_chunk_when_none_is_good(
