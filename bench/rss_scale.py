@@ -67,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     print(command, flush=True)
     files = rank_files(args.corpus)
     work = Path(tempfile.mkdtemp(prefix="ferry-rss-", dir=args.corpus))  # same fs: links
-    server = start_s3_server(Path(tempfile.mkdtemp(prefix="ferry-rss-s3-")))
+    server_dir = Path(tempfile.mkdtemp(prefix="ferry-rss-s3-"))
+    server = start_s3_server(server_dir)
     rows: list[dict[str, Any]] = []
     try:
         cmd = Commands(server.endpoint)
@@ -101,6 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         server.stop()
         shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(server_dir, ignore_errors=True)  # the pushed packs: 11 GB
     write(args.out_dir, command, rows)
     return 0
 
