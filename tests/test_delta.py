@@ -23,7 +23,16 @@ from tests.conftest import adamw_series, open_test_store, tree_bytes
 from tests.faultproxy import FaultProxy
 from tests.harness import queue_agent as agent
 from tests.harness import until
-from transfer.codec import KNOWN_ENCODINGS, decode, encode, encode_as, needs_base, plane_width
+from transfer.codec import (
+    KNOWN_ENCODINGS,
+    decode,
+    decode_on_keyframe,
+    encode,
+    encode_as,
+    needs_base,
+    pairs_with_keyframe,
+    plane_width,
+)
 from transfer.engine import TransferOptions, pull, push
 from transfer.engine.catalog import list_checkpoints, load_manifest
 from transfer.engine.settle import settle
@@ -60,6 +69,25 @@ def test_every_encoding_round_trips_for_any_bytes_and_base(
 def test_chosen_encoding_round_trips(data: bytes, base: bytes | None) -> None:
     enc, payload = encode(data, 1, base)
     assert decode(enc, payload, len(data), base if needs_base(enc) else None) == data
+
+
+@given(float_like(), float_like(), st.sampled_from([1, 2, 4]))
+@settings(max_examples=200, deadline=None)
+def test_a_delta_decodes_on_its_keyframe_as_on_the_decoded_base(
+    data: bytes, base: bytes, width: int
+) -> None:
+    """A cold restore decodes a delta straight from its keyframe base's stored payload
+    (codec.decode_on_keyframe: both unplaned together): the same bytes as decoding the
+    base first, for any data, any width, tails included."""
+    base = base or b"\0"
+    base = (base * (len(data) // len(base) + 1))[: len(data)]  # the same size
+    planes = {1: "", 2: "bp2+", 4: "bp4+"}[width]
+    kind, enc = f"{planes}zstd", f"xor+{planes}zstd"
+    assert pairs_with_keyframe(enc, len(data), kind, len(base))
+    stored_base = encode_as(kind, base, 1)
+    delta = encode_as(enc, data, 1, base)
+    out = memoryview(bytearray(len(data)))
+    assert decode_on_keyframe(enc, delta, len(data), kind, stored_base, out) == data
 
 
 def test_delta_against_a_wrong_base_never_yields_the_right_hash_silently() -> None:

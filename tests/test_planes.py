@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from transfer.codec._planes import join, split
+from transfer.codec._planes import join, join_planes, split
 
 
 def reference_split(data: bytes, base: bytes | None, width: int) -> bytes:
@@ -39,6 +39,22 @@ def test_split_matches_the_reference_and_join_inverts_it(
     assert bytes(back) == data
 
 
+@given(
+    st.binary(max_size=5000), st.binary(min_size=5000, max_size=5000), st.sampled_from([1, 2, 4])
+)
+@settings(max_examples=300, deadline=None)
+def test_join_planes_unplanes_the_xor_of_two_plane_buffers(
+    data: bytes, other: bytes, width: int
+) -> None:
+    """A delta's planes and its keyframe base's planes, unplaned together: the XOR of the
+    two chunks (planes commute with XOR, tails included)."""
+    other = other[: len(data)]
+    a, b = reference_split(data, None, width), reference_split(other, None, width)
+    out = bytearray(len(data))
+    join_planes(a, b, out, width)
+    assert bytes(out) == bytes(x ^ y for x, y in zip(data, other, strict=True))
+
+
 def test_large_buffers_with_a_short_base() -> None:
     rng = np.random.default_rng(7)
     data = rng.bytes((4 << 20) + 3)
@@ -61,3 +77,7 @@ def test_bad_arguments_are_refused() -> None:
         join(buf, None, buf, 4)
     with pytest.raises(TypeError):
         join(b"12345678", None, b"readonly", 4)
+    with pytest.raises(ValueError, match="length"):
+        join_planes(b"12345678", b"1234", buf, 4)
+    with pytest.raises(ValueError, match="overlaps"):
+        join_planes(b"12345678", buf, buf, 4)

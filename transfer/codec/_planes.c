@@ -2,6 +2,9 @@
 
    split(src, base, dst, width): dst = planes(src XOR base)    (the encoder's transform)
    join(src, base, dst, width):  dst = unplanes(src) XOR base  (the decoder's inverse)
+   join_planes(src, other, dst, width): dst = unplanes(src XOR other), both in plane order
+       (a delta's planes and its keyframe base's planes, straight from zstd: the base is
+       never unplaned on its own; XOR commutes with the byte shuffle)
 
    Same meaning as transforms.py's xor_with_base / to_planes / from_planes composed: XOR
    runs over the common prefix of the data and the base (base may be None or shorter), the
@@ -115,6 +118,36 @@ HOT static void xor_into(const uint8_t *restrict s, const uint8_t *restrict b, u
     for (Py_ssize_t i = 0; i < n; i++) d[i] = s[i] ^ b[i];
 }
 
+/* ---- two sources in plane order, XORed as they are unplaned ---------------------------- */
+
+HOT static void join4p(const uint8_t *restrict s, const uint8_t *restrict o, uint8_t *restrict d,
+                       Py_ssize_t m) {
+    const uint8_t *p0 = s, *p1 = s + m, *p2 = s + 2 * m, *p3 = s + 3 * m;
+    const uint8_t *q0 = o, *q1 = o + m, *q2 = o + 2 * m, *q3 = o + 3 * m;
+    for (Py_ssize_t i = 0; i < m; i++) {
+        uint32_t y = (uint32_t)(p0[i] ^ q0[i]) | (uint32_t)(p1[i] ^ q1[i]) << 8 |
+                     (uint32_t)(p2[i] ^ q2[i]) << 16 | (uint32_t)(p3[i] ^ q3[i]) << 24;
+        memcpy(d + 4 * i, &y, 4);
+    }
+}
+
+HOT static void join2p(const uint8_t *restrict s, const uint8_t *restrict o, uint8_t *restrict d,
+                       Py_ssize_t m) {
+    const uint8_t *p0 = s, *p1 = s + m, *q0 = o, *q1 = o + m;
+    for (Py_ssize_t i = 0; i < m; i++) {
+        d[2 * i + 0] = p0[i] ^ q0[i];
+        d[2 * i + 1] = p1[i] ^ q1[i];
+    }
+}
+
+static void join_two(const uint8_t *s, const uint8_t *o, uint8_t *d, Py_ssize_t len, int w) {
+    Py_ssize_t m = len / w, whole = m * w;
+    if (w == 4) join4p(s, o, d, m);
+    else if (w == 2) join2p(s, o, d, m);
+    else whole = 0; /* width 1: XOR only, below */
+    for (Py_ssize_t j = whole; j < len; j++) d[j] = s[j] ^ o[j]; /* the tail stays last */
+}
+
 /* ---- the general case: any width, base of any length ------------------------------------ */
 
 static uint8_t base_at(const uint8_t *b, Py_ssize_t nb, Py_ssize_t j) {
@@ -181,12 +214,40 @@ done_src:
     return result;
 }
 
+static PyObject *py_join_planes(PyObject *self, PyObject *args) {
+    Py_buffer src, other, dst;
+    int width;
+    if (!PyArg_ParseTuple(args, "y*y*w*i", &src, &other, &dst, &width)) return NULL;
+    PyObject *result = NULL;
+    if (width != 1 && width != 2 && width != 4) {
+        PyErr_SetString(PyExc_ValueError, "width must be 1, 2 or 4");
+    } else if (dst.len != src.len || other.len != src.len) {
+        PyErr_SetString(PyExc_ValueError, "src, other and dst differ in length");
+    } else if (!((char *)dst.buf + dst.len <= (char *)src.buf ||
+                 (char *)src.buf + src.len <= (char *)dst.buf) ||
+               !((char *)dst.buf + dst.len <= (char *)other.buf ||
+                 (char *)other.buf + other.len <= (char *)dst.buf)) {
+        PyErr_SetString(PyExc_ValueError, "dst overlaps src or other");
+    } else {
+        Py_BEGIN_ALLOW_THREADS
+        join_two(src.buf, other.buf, dst.buf, src.len, width);
+        Py_END_ALLOW_THREADS
+        result = Py_NewRef(Py_None);
+    }
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&other);
+    PyBuffer_Release(&dst);
+    return result;
+}
+
 static PyObject *py_split(PyObject *self, PyObject *args) { return run(args, 0); }
 static PyObject *py_join(PyObject *self, PyObject *args) { return run(args, 1); }
 
 static PyMethodDef methods[] = {
     {"split", py_split, METH_VARARGS, "split(src, base, dst, width): dst = planes(src ^ base)"},
     {"join", py_join, METH_VARARGS, "join(src, base, dst, width): dst = unplanes(src) ^ base"},
+    {"join_planes", py_join_planes, METH_VARARGS,
+     "join_planes(src, other, dst, width): dst = unplanes(src ^ other)"},
     {NULL, NULL, 0, NULL},
 };
 

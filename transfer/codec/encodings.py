@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 
 import zstandard
 
-from transfer.codec._planes import join, split
+from transfer.codec._planes import join, join_planes, split
 from transfer.codec.transforms import Buffer
 from transfer.errors import FormatError, UnknownEncodingError
 from transfer.format.manifest import needs_base
@@ -87,11 +87,12 @@ def _steps(enc: str) -> tuple[bool, int]:
     return "xor" in steps, width
 
 
-def _scratch(size: int) -> memoryview:
-    """This thread's reusable buffer of ``size`` bytes (contents undefined)."""
-    buf: bytearray | None = getattr(_local, "scratch", None)
+def _scratch(size: int, name: str = "scratch") -> memoryview:
+    """This thread's reusable buffer ``name`` of ``size`` bytes (contents undefined)."""
+    buf: bytearray | None = getattr(_local, name, None)
     if buf is None or len(buf) < size:
-        buf = _local.scratch = bytearray(size)
+        buf = bytearray(size)
+        setattr(_local, name, buf)
     return memoryview(buf)[:size]
 
 
@@ -264,6 +265,33 @@ def decode(
     planes = _scratch(size)  # decompressed planes, then joined (and XORed) into out
     _decompress_into(payload, planes)
     join(planes, base if xor else None, out, width)
+    return out
+
+
+def pairs_with_keyframe(enc: str, size: int, base_enc: str, base_size: int) -> bool:
+    """Whether ``decode_on_keyframe`` decodes a chunk in ``enc`` straight from its base's
+    stored payload: a delta and a zstd keyframe of one plane width and one size."""
+    if not needs_base(enc) or needs_base(base_enc) or size != base_size:
+        return False
+    return base_enc != RAW and _steps(enc)[1] == _steps(base_enc)[1]
+
+
+def decode_on_keyframe(
+    enc: str, payload: Buffer, size: int, base_enc: str, base_payload: Buffer, out: memoryview
+) -> Buffer:
+    """Decode delta chunk ``payload`` into ``out`` against its base given as the base's
+    stored keyframe payload (``pairs_with_keyframe`` must hold): both are decompressed
+    into plane order and unplaned together, XORed on the way (_planes.join_planes), so
+    the base is never unplaned into a buffer of its own: one pass over memory less per
+    chunk in a cold restore of a delta-coded step."""
+    check_encoding(enc)
+    check_encoding(base_enc)
+    if not pairs_with_keyframe(enc, size, base_enc, size) or len(out) != size:
+        raise ValueError(f"{enc!r} does not decode on a {base_enc!r} keyframe here")
+    delta_planes, base_planes = _scratch(size), _scratch(size, "base_scratch")
+    _decompress_into(payload, delta_planes)
+    _decompress_into(base_payload, base_planes)
+    join_planes(delta_planes, base_planes, out, _steps(enc)[1])
     return out
 
 

@@ -33,7 +33,7 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from transfer.codec import decode
+from transfer.codec import decode, pairs_with_keyframe
 from transfer.codec.transforms import Buffer
 from transfer.directio import ThreadBuffers, aligned
 from transfer.engine.chunkindex import StoredChunk
@@ -206,10 +206,12 @@ class _Fetch:
             found = read_local_into(root, hint[0], hint[1], buf)
         return buf if found else None
 
-    def remote_base(self, reader: RangeReader, c: StoredChunk) -> Buffer | None:
-        """The base of delta chunk ``c`` read from the store right here and decoded, when
-        it is a keyframe (a longer chain goes to the loop: None). Read on
-        the side, while the range's own reply waits: a cold restore of a delta-coded step
+    def remote_base(
+        self, reader: RangeReader, c: StoredChunk
+    ) -> tuple[StoredChunk, memoryview] | None:
+        """The base of delta chunk ``c`` and its stored payload, read from the store right
+        here, when it is a keyframe (a longer chain goes to the loop: None). Read on the
+        side, while the range's own reply waits: a cold restore of a delta-coded step
         needs a base for most chunks, and one hop to the loop per chunk, the payloads set
         aside meanwhile, made that restore 1.7-2.1x an ``s5cmd cp`` of the step. The bases
         of the next few delta chunks come in as few requests as their places allow
@@ -222,7 +224,12 @@ class _Fetch:
         if payload is None:
             payload = self.buffers.view("base_payload", base.stored)
             self._read_bases(reader, [([base], payload)])
-        try:  # unverified, as a local base is: the delta's own hash check covers it
+        return base, payload
+
+    def decoded_base(self, base: StoredChunk, payload: Buffer) -> Buffer | None:
+        """A keyframe base decoded on its own, unverified, as a local base is (the delta's
+        own hash check covers it); None when it does not decode."""
+        try:
             with self.resolver.clock.timing("decode"):
                 return decode(
                     base.enc, payload, base.size, None, self.buffers.view("base", base.size)
@@ -256,15 +263,22 @@ class _Fetch:
             raise truncated(c)
         local = self.local_base(c) if c.base else None
         base: Buffer | None = local
+        keyframe: tuple[str, Buffer] | None = None  # the base as stored, decoded with c
         if c.base and base is None and reader is not None:
-            base = self.remote_base(reader, c)
-        if c.base and base is None:
+            stored = self.remote_base(reader, c)
+            if stored is not None:
+                kind, size = stored[0].enc, stored[0].size
+                if pairs_with_keyframe(c.enc, c.size, kind, size):
+                    keyframe = (kind, stored[1])
+                else:
+                    base = self.decoded_base(*stored)
+        if c.base and base is None and keyframe is None:
             return False
         out = self.buffers.view("out", c.size)
         try:
-            data = self.resolver.decode(c, payload, base, out)
+            data = self.resolver.decode(c, payload, base, out, keyframe)
         except IntegrityError:
-            if base is None:
+            if base is None and keyframe is None:
                 raise
             # the node's copy may have changed, or a base from the store is corrupt: the
             # loop's resolver reads the base again, verified, and names the bad chunk

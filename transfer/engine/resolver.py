@@ -16,7 +16,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from transfer.codec import decode
+from transfer.codec import decode, decode_on_keyframe
 from transfer.codec.transforms import Buffer
 from transfer.engine.chunkindex import ChunkIndex, StoredChunk
 from transfer.engine.stages import StageClock
@@ -93,12 +93,18 @@ def decode_verified(
     base: Buffer | None,
     out: memoryview | None = None,
     clock: StageClock | None = None,
+    keyframe: tuple[str, Buffer] | None = None,
 ) -> Buffer:
     """Decode (into ``out`` when given) and check the hash; any mismatch is an
-    IntegrityError naming the chunk. ``clock`` gets the decode and hash times."""
+    IntegrityError naming the chunk. ``clock`` gets the decode and hash times.
+    ``keyframe``: instead of ``base``, the base's (encoding, stored payload), decoded
+    together with the chunk (codec.decode_on_keyframe; ``out`` required)."""
     began = time.perf_counter()
     try:
-        data = decode(chunk.enc, payload, chunk.size, base, out)
+        if keyframe is not None and out is not None:
+            data = decode_on_keyframe(chunk.enc, payload, chunk.size, *keyframe, out)
+        else:
+            data = decode(chunk.enc, payload, chunk.size, base, out)
     except FormatError as exc:
         msg = f"chunk {chunk.id} in pack {chunk.pack_id} is corrupt: {exc}"
         raise IntegrityError(msg, [chunk.id]) from None
@@ -151,9 +157,10 @@ class ChunkResolver:
         payload: Buffer,
         base: Buffer | None,
         out: memoryview | None = None,
+        keyframe: tuple[str, Buffer] | None = None,
     ) -> Buffer:
         """decode_verified, timed (runs in a worker thread)."""
-        return decode_verified(chunk, payload, base, out, self.clock)
+        return decode_verified(chunk, payload, base, out, self.clock, keyframe)
 
     async def local(self, cid: str, size: int, hint: Hint | None) -> bytearray | None:
         if self.local_root is None or hint is None:
