@@ -478,7 +478,8 @@ class _BaseWindow:
     """The stored payloads of the keyframe bases one range's delta chunks need, fetched a
     window at a time: the next bases in the order the chunks ask for them, up to
     BASE_WINDOW_BYTES, sorted by place and read in as few requests as adjacent places
-    allow (gaps up to _MAX_GAP read through), into one reused buffer of the reader's."""
+    allow, into one reused buffer of the reader's. Unlike a range, a run never reads
+    through a gap: the bytes moved stay the bytes the restore needs."""
 
     def __init__(self, fetch: _Fetch, bases: list[StoredChunk]) -> None:
         self.fetch = fetch
@@ -520,11 +521,11 @@ class _BaseWindow:
 
 
 def _runs(bases: list[StoredChunk]) -> list[tuple[str, int, int, list[StoredChunk]]]:
-    """Bases sorted by (pack, offset) grouped into (pack, start, end, members) runs whose
-    gaps are at most _MAX_GAP."""
+    """Bases sorted by (pack, offset) grouped into (pack, start, end, members) runs of
+    adjacent ones."""
     runs: list[tuple[str, int, int, list[StoredChunk]]] = []
     for b in bases:
-        if runs and runs[-1][0] == b.pack_id and b.offset - runs[-1][2] <= _MAX_GAP:
+        if runs and runs[-1][0] == b.pack_id and b.offset <= runs[-1][2]:
             pack_id, start, end, members = runs[-1]
             runs[-1] = (pack_id, start, max(end, b.offset + b.stored), [*members, b])
         else:
