@@ -277,17 +277,27 @@ def pairs_with_keyframe(enc: str, size: int, base_enc: str, base_size: int) -> b
 
 
 def decode_on_keyframe(
-    enc: str, payload: Buffer, size: int, base_enc: str, base_payload: Buffer, out: memoryview
+    enc: str,
+    payload: Buffer,
+    size: int,
+    base_enc: str,
+    base_payload: Buffer,
+    out: memoryview | None = None,
 ) -> Buffer:
     """Decode delta chunk ``payload`` into ``out`` against its base given as the base's
-    stored keyframe payload (``pairs_with_keyframe`` must hold): both are decompressed
+    stored keyframe payload (``pairs_with_keyframe`` must hold; ``out`` as in
+    ``decode``): both are decompressed
     into plane order and unplaned together, XORed on the way (_planes.join_planes), so
     the base is never unplaned into a buffer of its own: one pass over memory less per
     chunk in a cold restore of a delta-coded step."""
     check_encoding(enc)
     check_encoding(base_enc)
-    if not pairs_with_keyframe(enc, size, base_enc, size) or len(out) != size:
-        raise ValueError(f"{enc!r} does not decode on a {base_enc!r} keyframe here")
+    if not pairs_with_keyframe(enc, size, base_enc, size):
+        raise ValueError(f"{enc!r} does not decode on a {base_enc!r} keyframe")
+    if out is None:
+        out = memoryview(bytearray(size))
+    elif len(out) != size:
+        raise ValueError(f"out holds {len(out)} bytes, the chunk {size}")
     delta_planes, base_planes = _scratch(size), _scratch(size, "base_scratch")
     _decompress_into(payload, delta_planes)
     _decompress_into(base_payload, base_planes)

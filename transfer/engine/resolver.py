@@ -98,10 +98,10 @@ def decode_verified(
     """Decode (into ``out`` when given) and check the hash; any mismatch is an
     IntegrityError naming the chunk. ``clock`` gets the decode and hash times.
     ``keyframe``: instead of ``base``, the base's (encoding, stored payload), decoded
-    together with the chunk (codec.decode_on_keyframe; ``out`` required)."""
+    together with the chunk (codec.decode_on_keyframe)."""
     began = time.perf_counter()
     try:
-        if keyframe is not None and out is not None:
+        if keyframe is not None:
             data = decode_on_keyframe(chunk.enc, payload, chunk.size, *keyframe, out)
         else:
             data = decode(chunk.enc, payload, chunk.size, base, out)
