@@ -12,17 +12,21 @@ import os
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from transfer.errors import CheckpointNotFoundError, FerryError
 from transfer.format.names import check_name, step_from_dirname
-from transfer.options import CHECKSUMS, TransferOptions, TransferSettings
+from transfer.options import StoreSettings, TransferOptions, TransferSettings, knobs
 
 if TYPE_CHECKING:  # the commands import what they need when they run: `ferry --help` is fast
     from transfer.engine.progress import Progress
+    from transfer.store import StoreOptions
     from transfer.store.base import Store
 
     _Commands = argparse._SubParsersAction[argparse.ArgumentParser]
+
+
+S = TypeVar("S")
 
 
 def _default_node() -> str:
@@ -33,25 +37,31 @@ def _default_node() -> str:
 
 def _add_store_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--endpoint-url", help="S3 endpoint (default: $AWS_ENDPOINT_URL)")
-    p.add_argument(
-        "--checksum",
-        choices=CHECKSUMS,
-        default=CHECKSUMS[0],
-        help="per-part integrity header sent to S3 (default crc32)",
-    )
+    _add_knobs(p, StoreSettings)
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
 
 def _add_transfer_args(p: argparse.ArgumentParser) -> None:
-    for name, kind, default, help_text in TransferSettings.knobs():
-        flag = "--" + name.replace("_", "-")
-        if kind is bool:  # a switch: --delta / --no-delta
-            on = f"{help_text} (default {'on' if default else 'off'})"
-            p.add_argument(flag, action="store_true", default=default, help=on)
-            p.add_argument("--no-" + flag[2:], dest=name, action="store_false", help=f"{flag} off")
+    _add_knobs(p, TransferSettings)
+
+
+def _add_knobs(p: argparse.ArgumentParser, settings: type) -> None:
+    """A flag per tunable the settings class declares (transfer/options.py)."""
+    for knob in knobs(settings):
+        flag = "--" + knob.name.replace("_", "-")
+        if knob.kind is bool:  # a switch: --delta / --no-delta
+            on = f"{knob.help} (default {'on' if knob.default else 'off'})"
+            p.add_argument(flag, action="store_true", default=knob.default, help=on)
+            p.add_argument(
+                "--no-" + flag[2:], dest=knob.name, action="store_false", help=f"{flag} off"
+            )
         else:
             p.add_argument(
-                flag, type=kind, default=default, help=f"{help_text} (default {default})"
+                flag,
+                type=knob.kind,
+                choices=knob.choices or None,
+                default=knob.default,
+                help=f"{knob.help} (default {knob.default})",
             )
 
 
@@ -227,8 +237,19 @@ def _add_verify(sub: _Commands) -> None:
 
 
 def _transfer_options(args: argparse.Namespace) -> TransferOptions:
-    chosen = {name: getattr(args, name) for name, *_ in TransferSettings.knobs()}
-    return TransferSettings(**chosen).to_options()
+    return _chosen(args, TransferSettings).to_options()
+
+
+def _store_options(args: argparse.Namespace, window: int = 16) -> StoreOptions:
+    from transfer.store import StoreOptions
+
+    settings = _chosen(args, StoreSettings)
+    return StoreOptions.for_window(window, endpoint_url=args.endpoint_url, settings=settings)
+
+
+def _chosen(args: argparse.Namespace, settings: type[S]) -> S:
+    """The settings the command line chose (each flag has its declared default)."""
+    return settings(**{k.name: getattr(args, k.name) for k in knobs(settings)})
 
 
 def _progress(args: argparse.Namespace) -> Progress:
@@ -485,13 +506,13 @@ async def _cmd_retention(store: Store, args: argparse.Namespace) -> tuple[dict[s
     from transfer.engine.catalog import open_catalog
     from transfer.retention import Tier, TierPolicy, apply_plan, make_plan
     from transfer.retention.repack import RepackPolicy
-    from transfer.store import StoreOptions, open_store
+    from transfer.store import open_store
 
     policy = TierPolicy(args.keep_last, args.keep_every, args.max_age, args.budget)
     tiers = [Tier(store, policy)]
     colder = None
     if args.demote_to:
-        colder = open_store(args.demote_to, StoreOptions(endpoint_url=args.endpoint_url))
+        colder = open_store(args.demote_to, _store_options(args))
         tiers.append(Tier(colder, TierPolicy()))
     nodes = tuple(check_name("node", n) for n in args.expected_nodes.split(",") if n)
     try:
@@ -590,14 +611,9 @@ _COMMANDS = {
 
 
 async def _run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
-    from transfer.store import StoreOptions, open_store
+    from transfer.store import open_store
 
-    store = open_store(
-        args.store_url,
-        StoreOptions.for_window(
-            getattr(args, "window", 16), endpoint_url=args.endpoint_url, checksum=args.checksum
-        ),
-    )
+    store = open_store(args.store_url, _store_options(args, getattr(args, "window", 16)))
     try:
         return await _COMMANDS[args.command](store, args)
     finally:

@@ -19,18 +19,19 @@ import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 from urllib.parse import urlsplit
 
 from agent.hotdir import HotDir
 from transfer.errors import FerryError, FormatError
 from transfer.format.names import check_name
-from transfer.options import CHECKSUMS, TransferOptions, TransferSettings
+from transfer.options import StoreSettings, TransferOptions, TransferSettings, knobs
 from transfer.retention import TierPolicy, parse_duration, parse_size
 from transfer.retention.repack import RepackPolicy
 
 MiB = 1 << 20
 _Q = TypeVar("_Q", int, float)
+S = TypeVar("S")
 ENV_PREFIX = "FERRY_"
 
 log = logging.getLogger(__name__)
@@ -83,9 +84,9 @@ class AgentConfig:
     #: nodes whose parts make up a complete step; empty means a single-node job
     expected_nodes: tuple[str, ...] = ()
     endpoint_url: str | None = None
-    #: per-part integrity header sent to S3: crc32, md5 (lets an interrupted push salvage
-    #: unfinished packs on SeaweedFS) or none
-    checksum: str = CHECKSUMS[0]
+    #: how every tier is talked to: checksum (md5 lets an interrupted push salvage
+    #: unfinished packs on SeaweedFS), tries per request, S3 timeouts
+    store: StoreSettings = field(default_factory=StoreSettings)
     max_body_bytes: int = 1 * MiB
     prefetch_concurrency: int = 2
     drain_seconds: float = 30.0
@@ -152,7 +153,6 @@ _TOP_KEYS: dict[str, type] = {
     "peers": list,
     "expected_nodes": list,
     "endpoint_url": str,
-    "checksum": str,
     "max_body_bytes": int,
     "prefetch_concurrency": int,
     "drain_seconds": float,
@@ -164,7 +164,8 @@ _TOP_KEYS: dict[str, type] = {
     "standby_poll_seconds": float,
     "standby_max_rate": object,  # bytes per second, or a size string: "250MB"
 }
-_TRANSFER_KEYS: dict[str, type] = {name: kind for name, kind, *_ in TransferSettings.knobs()}
+#: top-level keys from before the [store] table, still read: key -> its type
+_MOVED_TO_STORE: dict[str, type] = {"checksum": str}
 _RETENTION_KEYS: dict[str, type] = {
     "interval_seconds": float,
     "grace_seconds": float,
@@ -189,9 +190,12 @@ def load_config(
     raw = _read_toml(path) if path is not None else {}
     retention_raw = raw.pop("retention", None)
     transfer_raw = raw.pop("transfer", {})
+    store_raw = raw.pop("store", {})
     sources: dict[str, str] = {}
-    top = _typed(raw, _TOP_KEYS, env, "", ENV_PREFIX, sources)
+    top = _typed(raw, {**_TOP_KEYS, **_MOVED_TO_STORE}, env, "", ENV_PREFIX, sources)
     transfer = _transfer_settings(transfer_raw, env, sources)
+    moved = {k: top.pop(k) for k in _MOVED_TO_STORE if k in top}
+    store = _store_settings(store_raw, moved, env, sources)
     if "hot_dir" not in top:
         raise ConfigError("hot_dir is required (in the config file or FERRY_HOT_DIR)")
     config = AgentConfig(
@@ -206,7 +210,7 @@ def load_config(
         endpoint_url=_http_url("endpoint_url", top["endpoint_url"])
         if "endpoint_url" in top
         else None,
-        checksum=_one_of("checksum", top.get("checksum", CHECKSUMS[0]), CHECKSUMS),
+        store=store,
         max_body_bytes=_int_at_least("max_body_bytes", top.get("max_body_bytes", 1 * MiB), 1),
         prefetch_concurrency=_int_at_least(
             "prefetch_concurrency", top.get("prefetch_concurrency", 2), 1
@@ -249,13 +253,7 @@ def _transfer_settings(
 ) -> TransferSettings:
     """The [transfer] table overlaid with FERRY_TRANSFER_*, checked as the options it
     makes."""
-    if not isinstance(raw, dict):
-        raise ConfigError("transfer: expected a table ([transfer])")
-    tr = _typed(raw, _TRANSFER_KEYS, env, "transfer.", ENV_PREFIX + "TRANSFER_", sources)
-    chosen: dict[str, Any] = {
-        k: v if isinstance(v, bool) else _at_least(f"transfer.{k}", v, 0) for k, v in tr.items()
-    }
-    transfer = TransferSettings(**chosen)
+    transfer = _settings_table(TransferSettings, "transfer", raw, env, sources)
     try:
         transfer.to_options()
     except ValueError as exc:
@@ -263,15 +261,56 @@ def _transfer_settings(
     return transfer
 
 
+def _store_settings(
+    raw: object, moved: dict[str, object], env: Mapping[str, str], sources: dict[str, str]
+) -> StoreSettings:
+    """The [store] table overlaid with FERRY_STORE_*. ``moved``: its keys set at the top
+    level (``checksum``, FERRY_CHECKSUM), as configs did before the table: still read."""
+    if not isinstance(raw, dict):
+        raise ConfigError("store: expected a table ([store])")
+    for key, value in moved.items():
+        if key in raw or env.get(f"{ENV_PREFIX}STORE_{key.upper()}"):
+            raise ConfigError(f"{key}: set both at the top level and in [store]; keep one")
+        raw = {**raw, key: value}
+    store = _settings_table(StoreSettings, "store", raw, env, sources)
+    for key in moved:  # where the operator set it
+        sources[f"store.{key}"] = sources.pop(key)
+    return store
+
+
+def _settings_table(
+    settings: type[S], table: str, raw: object, env: Mapping[str, str], sources: dict[str, str]
+) -> S:
+    """A settings class's table (``[transfer]``, ``[store]``) overlaid with its
+    ``FERRY_<TABLE>_*`` variables: each key of the type the class declares, a choice among
+    its choices, a number not negative."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{table}: expected a table ([{table}])")
+    declared = knobs(settings)
+    schema = {k.name: k.kind for k in declared}
+    values = _typed(raw, schema, env, f"{table}.", f"{ENV_PREFIX}{table.upper()}_", sources)
+    for k in declared:
+        key, value = f"{table}.{k.name}", values.get(k.name)
+        if value is None or isinstance(value, bool):
+            continue
+        values[k.name] = _one_of(key, value, k.choices) if k.choices else _at_least(key, value, 0)
+    try:
+        return settings(**values)
+    except ValueError as exc:
+        raise ConfigError(f"{table}: {exc}") from exc
+
+
 def effective_config(config: AgentConfig) -> list[tuple[str, object, str]]:
-    """(key, value, source) of every top-level and [transfer] key, for the start-up log."""
+    """(key, value, source) of every top-level, [transfer] and [store] key, for the start-up
+    log."""
     rows: list[tuple[str, object, str]] = []
     for key in _TOP_KEYS:
         value = getattr(config, key)  # (token_file: the path, never the token)
         rows.append((key, _plain(value), config.sources.get(key, "default")))
-    for key in _TRANSFER_KEYS:
-        value = getattr(config.transfer, key)
-        rows.append((f"transfer.{key}", value, config.sources.get(f"transfer.{key}", "default")))
+    for table, settings in (("transfer", config.transfer), ("store", config.store)):
+        for knob in knobs(type(settings)):
+            key = f"{table}.{knob.name}"
+            rows.append((key, getattr(settings, knob.name), config.sources.get(key, "default")))
     return rows
 
 
@@ -539,30 +578,36 @@ def _warn_if_shared(token_file: Path) -> None:
         log.warning("token_file %s is readable by others (chmod o-rwx it)", token_file)
 
 
-def _example_transfer_table() -> str:
-    """The [transfer] keys with their defaults and what each does (from TransferSettings)."""
+def _example_table(settings: type) -> str:
+    """A settings class's table: its keys with their defaults and what each does."""
     lines = []
-    for name, _, default, help_text in TransferSettings.knobs():
-        line = f"{name} = {str(default).lower() if isinstance(default, bool) else default}"
-        if name == "workers":  # the default is this machine's cores: not a value to copy
+    for knob in knobs(settings):
+        default = knob.default
+        value = str(default).lower() if isinstance(default, bool) else repr(default)
+        line = f"{knob.name} = {value}".replace("'", '"')
+        if knob.name == "workers":  # the default is this machine's cores: not a value to copy
             line = f"# {line}"
-        lines.append(f"{line:<25} # {help_text}")
+        lines.append(f"{line:<25} # {knob.help}")
     return "\n".join(lines)
 
 
 def example_toml() -> str:
     """A commented example that runs as printed (``mkdir -p ckpt/hot ckpt/store`` first) on
     one node; the production values are in the comments (a test keeps it honest)."""
-    return _EXAMPLE_TOML.format(transfer=_example_transfer_table())
+    return _EXAMPLE_TOML.format(
+        transfer=_example_table(TransferSettings), store=_example_table(StoreSettings)
+    )
 
 
-# example_toml()'s text; {transfer} is the [transfer] table, made from TransferSettings
+# example_toml()'s text; {transfer} and {store}: those tables, made from TransferSettings and
+# StoreSettings
 _EXAMPLE_TOML = """\
 # ckpt-ferry node agent: `ferry agent --config ferry.toml`, from this file's directory
 # (relative paths are relative to where the agent starts). As printed it is a one-node
 # setup on this machine: checkpoints under ckpt/hot are pushed to the store ckpt/store.
 # Every key can be overridden by FERRY_<KEY> (e.g. FERRY_HOT_DIR, FERRY_TIERS="a,b";
-# [transfer] keys as FERRY_TRANSFER_<KEY>); the agent logs where each value came from.
+# [transfer] keys as FERRY_TRANSFER_<KEY>, [store] keys as FERRY_STORE_<KEY>); the agent
+# logs where each value came from.
 
 # This node's name in store keys (default: the host name; name it in containers).
 node = "node-a"
@@ -584,8 +629,6 @@ peers = []
 expected_nodes = []
 # S3 endpoint (default: $AWS_ENDPOINT_URL). e.g. "http://127.0.0.1:9000"
 # endpoint_url = "http://127.0.0.1:9000"
-# Per-part integrity header sent to S3: "crc32", "md5" or "none".
-checksum = "crc32"
 # Largest accepted API request body.
 max_body_bytes = 1048576
 # Prefetches (scheduler-requested pulls) running at once.
@@ -610,6 +653,10 @@ standby_max_rate = "250MB"
 
 [transfer]
 {transfer}
+
+# How every tier is talked to (a local or NFS directory: attempts only).
+[store]
+{store}
 
 # Without this table the agent never deletes anything. With it: every interval_seconds and
 # after each push, the hot dir and each tier are trimmed to their policy (docs/RETENTION.md).

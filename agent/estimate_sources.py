@@ -108,8 +108,10 @@ class PrefetchEstimator:
         base = next((c for c in held if c.step < manifests[0].step), None)
         bases = local_bases(base.path, held[base], manifests) if base and needed else {}
         meter, peers = self.meter, self.prefetcher.fanout_client
+        content, bases_moved = _to_move(index, needed, held_ids)
+        budget = probe.budget(content + bases_moved)
         if self.config.peers and peers is not None and needed:
-            picked = probe.sample(index, needed, bases)
+            picked = probe.sample(index, needed, bases, budget=budget)
             for peer in peers.peers:
                 got = await probe.probe_peer(peers, peer, picked, bases)
                 if got is not None:
@@ -121,11 +123,10 @@ class PrefetchEstimator:
         source = f"tier:{tier}"
         basis = "measured" if meter.measured(source) else "default"
         if basis == "default" and needed:
-            picked = probe.sample(index, needed, bases, run=probe.RUN)
+            picked = probe.sample(index, needed, bases, run=probe.RUN, budget=budget)
             got = await probe.probe_tier(store, picked, bases)
             if got is not None and meter.record(source, got.moved, got.seconds, provisional=True):
                 basis = "probe"
-        content, bases_moved = _to_move(index, needed, held_ids)
         return Sourcing(source, {source: content + bases_moved}, bases_moved, basis)
 
     async def _held_sourcing(self, job: str, step: int, here: str, total: int) -> Sourcing:

@@ -3,17 +3,20 @@ would, so an estimate has a measured rate instead of a constant (issue 12: at fi
 the ETA assumed 200 MB/s, and named the tier when a peer would serve the chunks, encoding
 them on its own CPU: -45% off).
 
-A probe moves chunks up to ``PROBE_BYTES`` (128 MiB: 32 chunks at the default size). A tier
-probe first fetches IN_FLIGHT single chunks at once, untimed, to open the connections and
-touch the buffers a restore finds open and warm; then it times runs of RUN chunks that lie
-back to back in a pack, one request each, IN_FLIGHT at once, each read through the store's
-range reader into a reused buffer, as a restore's readers stream their ranges. Its rate
-stands in for the source's in the agent's BandwidthMeter until the first transfer from
-there replaces it (a probe writes nothing to disk). On the 1.69 GB corpus save (``python -m
-bench.estimate_cases /work/corpus/full``, bench/results/estimate_cases.md) first-contact
-errors went from +29% / +60% / +22% / -44% (holding nothing / holding k / peer / held here;
-20 MiB in 4 MiB GETs, one connection warmed, fresh buffers) to -8..+9% / +8..+12% /
-+17..+23% / +5..+30%.
+A probe samples a quarter of what the prefetch would move, at least PROBE_BYTES (128 MiB:
+32 chunks at the default size) and at most PROBE_MAX (``budget``). A tier probe first
+fetches IN_FLIGHT single chunks at once, untimed, to open the connections and touch the
+buffers a restore finds open and warm; then it times runs of RUN chunks that lie back to
+back in a pack, one request each, IN_FLIGHT at once, each read through the store's range
+reader into a reused buffer, as a restore's readers stream their ranges. A peer probe asks
+for each chunk as a prefetch would. Its rate stands in for the source's in the agent's
+BandwidthMeter until the first transfer from there replaces it (a probe writes nothing to
+disk). On the 1.69 GB corpus save (``python -m bench.estimate_cases /work/corpus/full``,
+bench/results/estimate_cases.md), first-contact errors (holding nothing / holding k /
+peer / held here): +29% / +60% / +22% / -44% with 20 MiB in 4 MiB GETs; -8..+9% /
++8..+45% / +0..+42% / +5..+30% with 128 MiB in runs of 3 (its timed part, ~0.15 s, was too
+short to see this machine's pace, and 12 MiB requests cost more per byte than a restore's
+long ranges); -26..+14% / +2..+7% / -16..+0% / -15..+14% with this budget and runs of 6.
 """
 
 from __future__ import annotations
@@ -33,8 +36,9 @@ from transfer.format.layout import pack_key
 from transfer.store.base import Store
 
 PROBE_BYTES = 128 << 20
+PROBE_MAX = 384 << 20
 IN_FLIGHT = 8  # a tier probe's requests at once (one per connection it opens first)
-RUN = 3  # chunks back to back a tier probe reads per request: a restore streams long ranges
+RUN = 6  # chunks back to back a tier probe reads per request: a restore streams long ranges
 CHUNK = 4 << 20  # what a local re-check reads and hashes at a time
 
 
@@ -50,10 +54,20 @@ class Probe:
         return self.moved / self.raw if self.raw else 1.0
 
 
+def budget(moving: int) -> int:
+    """Raw bytes a probe samples ahead of a prefetch that moves ``moving``: a quarter of it,
+    at least PROBE_BYTES, at most PROBE_MAX."""
+    return min(PROBE_MAX, max(PROBE_BYTES, moving // 4))
+
+
 def sample(
-    index: ChunkIndex, needed: set[str], bases: dict[str, LocalBase], run: int = 1
+    index: ChunkIndex,
+    needed: set[str],
+    bases: dict[str, LocalBase],
+    run: int = 1,
+    budget: int = PROBE_BYTES,
 ) -> list[StoredChunk]:
-    """Chunks a restore would move, up to PROBE_BYTES, in id order (ids are hashes: a fair
+    """Chunks a restore would move, up to ``budget`` raw bytes, in id order (ids are hashes: a fair
     mix of keyframes and deltas), each followed by up to ``run - 1`` of the chunks after it
     in its pack (what one request of a restore reads); a delta only if this node holds its
     base at its position (a probe fetches no bases)."""
@@ -71,7 +85,7 @@ def sample(
     for cid in sorted(eligible):
         nxt: StoredChunk | None = eligible[cid]
         for _ in range(run):
-            if total >= PROBE_BYTES or nxt is None or nxt.id in seen:
+            if total >= budget or nxt is None or nxt.id in seen:
                 break
             picked.append(nxt)
             seen.add(nxt.id)

@@ -1,7 +1,7 @@
 """The agent's RPC: aiohttp, JSON, bearer-token auth on every route but /healthz.
 
-create_app() puts the routes together (one module per resource in agent/routes/, each with
-its ROUTES) behind the middlewares (agent/middleware.py: auth, errors to JSON 4xx); the
+create_app() puts the routes together (every module of agent/routes/, one per resource, each
+with its ROUTES) behind the middlewares (agent/middleware.py: auth, errors to JSON 4xx); the
 resources they share (stores, prefetcher, push queue, standby, retention: agent/appkeys.py)
 live in a cleanup context, released exactly when start-up succeeded. docs/openapi.yaml
 documents the routes.
@@ -44,7 +44,7 @@ from agent.pins import LocalPins
 from agent.prefetch import Prefetcher
 from agent.pushqueue import PushQueue
 from agent.retention import RetentionRunner
-from agent.routes import checkpoints, peers, pins, prefetch, retention, standby, status
+from agent.routes import route_modules
 from agent.standby import Standby
 from agent.watcher import watch_hot_dir
 from transfer.engine.orphans import abort_orphaned_uploads
@@ -53,8 +53,6 @@ from transfer.store import StoreOptions, open_store
 from transfer.store.base import Store
 
 log = logging.getLogger(__name__)
-
-ROUTE_MODULES = (status, prefetch, checkpoints, peers, pins, retention, standby)
 
 
 def create_app(config: AgentConfig, token: str) -> web.Application:
@@ -70,7 +68,7 @@ def create_app(config: AgentConfig, token: str) -> web.Application:
     app[PINS] = LocalPins()
     app[PART_SIZES] = {}
     app.cleanup_ctx.extend([_tiers, _peers, _services])
-    app.add_routes([route for module in ROUTE_MODULES for route in module.ROUTES])
+    app.add_routes([route for module in route_modules() for route in module.ROUTES])
     return app
 
 
@@ -78,7 +76,7 @@ async def _tiers(app: web.Application):  # type: ignore[no-untyped-def]
     """The configured stores, closed at the end (or when a later start-up step fails)."""
     config = app[CONFIG]
     options = StoreOptions.for_window(
-        config.transfer.window, endpoint_url=config.endpoint_url, checksum=config.checksum
+        config.transfer.window, endpoint_url=config.endpoint_url, settings=config.store
     )
     tiers: list[tuple[str, Store]] = []
     app[TIERS] = tiers

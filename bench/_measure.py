@@ -14,6 +14,7 @@ import shlex
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -63,6 +64,42 @@ def drop_caches() -> bool:
     except OSError:
         return False
     return True
+
+
+def _device_counters(path: Path) -> tuple[int, ...] | None:
+    """(I/Os in flight, writes completed, discards completed) of the block device holding
+    ``path``, from /sys/dev/block (Linux); None where it cannot be read."""
+    dev = os.stat(path).st_dev
+    try:
+        fields = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}/stat").read_text().split()
+    except OSError:
+        return None
+    in_flight, writes = int(fields[8]), int(fields[4])
+    discards = int(fields[11]) if len(fields) > 11 else 0
+    return in_flight, writes, discards
+
+
+def settle(path: Path, quiet: float = 1.0, limit: float = 120.0) -> float:
+    """Write back, then wait until the machine has been quiet for ``quiet`` seconds, at most
+    ``limit``: the disk holding ``path`` idle (nothing in flight, no write or discard
+    completed) and the cores under a tenth busy; the seconds waited. On a
+    ``discard``-mounted ext4 a deleted work dir is trimmed in the background for seconds
+    after ``rm``, and an S3 server may still be settling the objects it took: a case timed
+    then runs on a machine doing other work."""
+    os.sync()
+    began = time.monotonic()
+    last, busy = _device_counters(path), system_busy_seconds()
+    still_since = began
+    while last is not None and busy is not None and time.monotonic() - began < limit:
+        time.sleep(0.1)
+        now, busy_now = _device_counters(path), system_busy_seconds()
+        cpu_busy = (busy_now or 0.0) - busy > 0.1 * 0.1 * (os.cpu_count() or 1)
+        if now != last or (now is not None and now[0]) or cpu_busy:
+            still_since = time.monotonic()
+        elif time.monotonic() - still_since >= quiet:
+            break
+        last, busy = now, busy_now
+    return time.monotonic() - began
 
 
 def proc_cpu_seconds(pid: int | None) -> float | None:

@@ -28,6 +28,7 @@ from agent.estimate import (
     optimal_interval_steps,
 )
 from transfer.engine import TransferOptions
+from transfer.options import StoreSettings, knobs
 
 MiB = 1 << 20
 
@@ -57,13 +58,14 @@ def test_example_toml_loads_with_its_values(
     assert config.state_dir == Path("ckpt/hot/.ferry")
     assert config.quiet_seconds == 2.0 and config.log_format == "text"
     assert config.transfer == TransferSettings()  # the example shows the defaults
+    assert config.store == StoreSettings()
     assert config.retention is not None and config.retention.tier_policy(0).keep_last == 20
 
 
 def test_example_toml_documents_every_key() -> None:
     text = example_toml()
-    for f in [*fields(AgentConfig), *fields(TransferSettings)]:
-        if f.name not in ("transfer", "retention", "sources"):  # tables; provenance
+    for f in [*fields(AgentConfig), *fields(TransferSettings), *fields(StoreSettings)]:
+        if f.name not in ("transfer", "store", "retention", "sources"):  # tables; provenance
             assert f"\n{f.name} =" in text or f"\n# {f.name} =" in text, f.name
     assert "\n[retention]\n" in text and "\n[[retention.tiers]]" in text
     for f in fields(RetentionSettings):
@@ -270,20 +272,48 @@ def test_a_switch_in_the_transfer_table_is_true_or_false(tmp_path: Path) -> None
         load_config(None, env={"FERRY_HOT_DIR": "/x", "FERRY_TRANSFER_DELTA": "maybe"})
 
 
-def test_every_transfer_tunable_is_a_cli_flag_a_config_key_and_in_the_example() -> None:
-    """Declared once (TransferSettings): the CLI, the config and the example follow it."""
+@pytest.mark.parametrize(
+    ("settings", "table"), [(TransferSettings, "transfer"), (StoreSettings, "store")]
+)
+def test_every_tunable_is_a_cli_flag_a_config_key_and_in_the_example(
+    settings: type, table: str
+) -> None:
+    """Declared once (TransferSettings, StoreSettings): the CLI, the config's table, its
+    FERRY_<TABLE>_* variables and the example all follow the declaration."""
     from agent.cli import build_parser
 
     example = example_toml()
-    for name, kind, default, _ in TransferSettings.knobs():
-        flag = "--" + name.replace("_", "-")
-        if kind is bool:  # a switch: --name / --no-name
-            given, in_toml = [flag if default else "--no-" + flag[2:]], str(default).lower()
+    assert f"\n[{table}]\n" in example
+    for knob in knobs(settings):
+        flag = "--" + knob.name.replace("_", "-")
+        if knob.kind is bool:  # a switch: --name / --no-name
+            given, in_toml = (
+                [flag if knob.default else "--no-" + flag[2:]],
+                str(knob.default).lower(),
+            )
         else:
-            given, in_toml = [flag, str(default)], str(default)
+            given, in_toml = [flag, str(knob.default)], str(knob.default)
+            in_toml = f'"{in_toml}"' if knob.kind is str else in_toml
         args = build_parser().parse_args(["push", "d", "s", "--job", "j", *given])
-        assert getattr(args, name) == default and isinstance(getattr(args, name), kind)
-        assert f"{name} = {in_toml}" in example, name
+        assert getattr(args, knob.name) == knob.default and isinstance(
+            getattr(args, knob.name), knob.kind
+        )
+        assert f"{knob.name} = {in_toml}" in example, knob.name
+        env = {
+            "FERRY_HOT_DIR": "/x",
+            f"FERRY_{table.upper()}_{knob.name.upper()}": in_toml.strip('"'),
+        }
+        config = load_config(None, env)
+        assert getattr(getattr(config, table), knob.name) == knob.default
+        assert config.sources[f"{table}.{knob.name}"].startswith("env FERRY_")
+    for knob in knobs(settings):  # a choice outside its choices is refused at both doors
+        if knob.choices:
+            with pytest.raises(SystemExit):
+                build_parser().parse_args(["push", "d", "s", "--job", "j", f"--{knob.name}", "x"])
+            with pytest.raises(ConfigError, match=f"{table}.{knob.name}: 'x' is not one of"):
+                load_config(
+                    None, {"FERRY_HOT_DIR": "/x", f"FERRY_{table.upper()}_{knob.name.upper()}": "x"}
+                )
 
 
 # --- bandwidth and migration estimates ---------------------------------------------------
@@ -459,18 +489,49 @@ def test_invalid_inputs_raise(call: Callable[[], object]) -> None:
         call()
 
 
-def test_the_checksum_and_the_pool_reach_the_agent_as_the_cli() -> None:
-    """Both front doors size the store's pool to the window and choose the checksum the
-    same way (the agent had neither: a 32-connection pool and always crc32)."""
+def test_the_store_settings_and_the_pool_reach_the_agent_as_the_cli(tmp_path: Path) -> None:
+    """Both front doors size the store's pool to the window and choose the store settings
+    the same way (the agent once had neither: a 32-connection pool and always crc32). The
+    top-level ``checksum`` of configs written before the [store] table still counts."""
     from transfer.options import CHECKSUMS
     from transfer.store import StoreOptions
 
     base = {"FERRY_HOT_DIR": "/hot"}
-    assert load_config(None, base).checksum == CHECKSUMS[0] == "crc32"
+    assert load_config(None, base).store.checksum == CHECKSUMS[0] == "crc32"
     config = load_config(None, {**base, "FERRY_CHECKSUM": "md5", "FERRY_TRANSFER_WINDOW": "40"})
-    assert config.checksum == "md5"
+    assert config.store.checksum == "md5"
+    assert config.sources["store.checksum"] == "env FERRY_CHECKSUM"
+    old = load_config(write(tmp_path, 'hot_dir = "/x"\nchecksum = "none"\n'), env={})
+    assert old.store.checksum == "none" and old.sources["store.checksum"] == "file"
     with pytest.raises(ConfigError, match="checksum: 'sha1' is not one of crc32, md5, none"):
         load_config(None, {**base, "FERRY_CHECKSUM": "sha1"})
-    options = StoreOptions.for_window(config.transfer.window, checksum=config.checksum)
-    assert (options.pool_size, options.checksum) == (44, "md5")
+    with pytest.raises(ConfigError, match=r"checksum: set both at the top level and in \[store\]"):
+        load_config(None, {**base, "FERRY_CHECKSUM": "md5", "FERRY_STORE_CHECKSUM": "none"})
+    with pytest.raises(ConfigError, match="store: attempts must be at least 1"):
+        load_config(None, {**base, "FERRY_STORE_ATTEMPTS": "0"})
+    options = StoreOptions.for_window(config.transfer.window, settings=config.store)
+    assert (options.pool_size, options.settings.checksum) == (44, "md5")
     assert StoreOptions.for_window(2).pool_size == 16  # never below the control calls' need
+
+
+@pytest.mark.parametrize(
+    "url", ["{tmp}/store", "file://{tmp}/store", "memory://settings-test", "s3://bucket/p"]
+)
+def test_open_store_gives_every_backend_the_settings_retry_policy(tmp_path: Path, url: str) -> None:
+    """The one retry policy is made from StoreSettings by open_store, whichever backend the
+    URL picks (a local or NFS store too); S3 also gets its checksum and timeouts."""
+    from transfer.options import StoreSettings
+    from transfer.store import StoreOptions, open_store
+
+    settings = StoreSettings(
+        checksum="md5", attempts=2, connect_timeout_seconds=3.0, read_timeout_seconds=7.0
+    )
+    store = open_store(url.format(tmp=tmp_path), StoreOptions("http://127.0.0.1:1", 16, settings))
+    assert store.retry.attempts == 2  # type: ignore[attr-defined]
+    if url.startswith("s3://"):
+        assert store.checksum_kind == "md5"  # type: ignore[attr-defined]
+        assert store.client.retry is store.retry  # type: ignore[attr-defined]
+        assert (store.client.settings.connect_timeout, store.client.settings.read_timeout) == (
+            3.0,
+            7.0,
+        )  # type: ignore[attr-defined]

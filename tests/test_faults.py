@@ -20,6 +20,7 @@ from tests.s3server import S3Endpoint
 from transfer.errors import StoreError
 from transfer.format.layout import PACKS_PREFIX
 from transfer.store import StoreOptions, open_store
+from transfer.store.retry import RetryPolicy
 
 SMALL = ["--chunk-size-mib", "1", "--part-size-mib", "5", "--pack-size-mib", "10"]
 FAULT_RATE = 0.10
@@ -233,7 +234,9 @@ def test_a_server_that_hangs_is_cut_off_by_the_read_timeout_and_retried(
 
     bucket, prefix = s3_url.removeprefix("s3://").split("/", 1)
     with FaultProxy(s3_env.url, stall_seconds=60) as proxy:
-        store = S3Store(bucket, prefix, endpoint_url=proxy.url, read_timeout=1, attempts=2)
+        store = S3Store(
+            bucket, prefix, endpoint_url=proxy.url, read_timeout=1, retry=RetryPolicy(attempts=2)
+        )
 
         async def go() -> None:
             await store.put("k", b"data")

@@ -78,8 +78,35 @@ MiB = 1 << 20
 _DEFAULT_TRANSFER = TransferOptions()
 
 
-def _knob(default: int | float | bool, help: str) -> Any:
-    return field(default=default, metadata={"help": help})
+def _knob(default: int | float | bool | str, help: str, choices: tuple[str, ...] = ()) -> Any:
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One tunable as both front doors show it: ``--name-with-dashes`` on the CLI, ``name``
+    in its agent config table, ``FERRY_<TABLE>_<NAME>`` in the environment."""
+
+    name: str
+    kind: type  # int, float, str (one of ``choices``) or bool (a switch)
+    default: int | float | bool | str
+    help: str
+    choices: tuple[str, ...]
+
+
+def knobs(settings: type) -> list[Knob]:
+    """The tunables a settings class declares (TransferSettings, StoreSettings), in order."""
+    kinds = {"int": int, "float": float, "bool": bool, "str": str}
+    return [
+        Knob(
+            f.name,
+            kinds[str(f.type)],
+            cast(int | float | bool | str, f.default),
+            f.metadata["help"],
+            f.metadata["choices"],
+        )
+        for f in fields(settings)
+    ]
 
 
 @dataclass(frozen=True)
@@ -113,16 +140,6 @@ class TransferSettings:
     )
     memory_mib: int = _knob(0, "cap on transfer buffers (shrinks window); 0: none")
 
-    @staticmethod
-    def knobs() -> list[tuple[str, type, int | float | bool, str]]:
-        """(name, type, default, help) of every tunable, in declaration order; the type is
-        int, float or bool (a switch: ``--name`` / ``--no-name``, ``true`` / ``false``)."""
-        kinds = {"int": int, "float": float, "bool": bool}
-        return [
-            (f.name, kinds[str(f.type)], cast(int | float | bool, f.default), f.metadata["help"])
-            for f in fields(TransferSettings)
-        ]
-
     def to_options(self) -> TransferOptions:
         """Raises ValueError when the combination is invalid (e.g. parts smaller than chunks)."""
         options = TransferOptions(
@@ -139,3 +156,28 @@ class TransferSettings:
             max_cold_cost=self.max_cold_cost,
         )
         return options.within_budget(self.memory_mib * MiB) if self.memory_mib else options
+
+
+@dataclass(frozen=True)
+class StoreSettings:
+    """How every store is talked to, declared once as TransferSettings is: the CLI's flags
+    (``--checksum``, ``--attempts``...), the agent's ``[store]`` table, its
+    ``FERRY_STORE_*`` variables and the example config are made from these fields.
+    ``open_store`` hands them to whichever backend a URL picks."""
+
+    checksum: str = _knob(
+        CHECKSUMS[0], "per-part integrity header sent to S3: crc32, md5 or none", CHECKSUMS
+    )
+    # at a 10% fault rate all six tries of a request fail once in a million
+    attempts: int = _knob(6, "tries per store request while it fails transiently")
+    connect_timeout_seconds: float = _knob(10.0, "S3: seconds to open a connection")
+    # with 6 tries a silently hung server fails a request within about 6 minutes
+    read_timeout_seconds: float = _knob(60.0, "S3: seconds a connection may stay silent")
+
+    def __post_init__(self) -> None:
+        if self.checksum not in CHECKSUMS:
+            raise ValueError(f"checksum {self.checksum!r} is not one of {', '.join(CHECKSUMS)}")
+        if self.attempts < 1:
+            raise ValueError("attempts must be at least 1")
+        if not (self.connect_timeout_seconds > 0 and self.read_timeout_seconds > 0):
+            raise ValueError("timeouts must be positive")

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from transfer.errors import StoreError
+from transfer.options import StoreSettings
 
-ATTEMPTS = 6  # tries per request; at a 10% fault rate all six fail once in a million
 _CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
 _TRANSIENT_CODES = {
     "SlowDown",
@@ -115,7 +115,7 @@ class RetryPolicy:
     ``first_backoff * 2**(n-1)``, capped (retries of requests that failed together do not
     arrive together). Blocking: run it on the store's threads, never on an event loop."""
 
-    attempts: int = ATTEMPTS
+    attempts: int = StoreSettings.attempts
     first_backoff: float = 0.1
     max_backoff: float = 5.0
 

@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from transfer.errors import NotFoundError, StoreError
-from transfer.options import CHECKSUMS
+from transfer.options import CHECKSUMS, StoreSettings
 from transfer.store.base import (
     ObjectInfo,
     PartReceipt,
@@ -32,7 +32,7 @@ from transfer.store.base import (
     Upload,
     check_key,
 )
-from transfer.store.retry import ATTEMPTS, RetryPolicy
+from transfer.store.retry import RetryPolicy
 from transfer.store.s3client import S3Client, S3Settings
 
 MIN_PART_SIZE = 5 << 20
@@ -182,14 +182,13 @@ class S3Store(Store):
         *,
         endpoint_url: str | None = None,
         pool_size: int = 32,
-        checksum: str = "crc32",
+        checksum: str = StoreSettings.checksum,
         key: str | None = None,
         secret: str | None = None,
-        connect_timeout: float = 10.0,
-        # no byte for this long on a connection: give up on it and retry (with 6 tries a
-        # silently hung server fails a request within about 6 minutes)
-        read_timeout: float = 60.0,
-        attempts: int = ATTEMPTS,
+        connect_timeout: float = StoreSettings.connect_timeout_seconds,
+        # no byte for this long on a connection: give up on it and retry
+        read_timeout: float = StoreSettings.read_timeout_seconds,
+        retry: RetryPolicy | None = None,
     ) -> None:
         if checksum not in CHECKSUMS:
             raise ValueError(f"unknown checksum {checksum!r} ({', '.join(CHECKSUMS)})")
@@ -199,12 +198,12 @@ class S3Store(Store):
         self.prefix = prefix.strip("/")
         self.url = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
         self.endpoint_url = endpoint_url
-        self.attempts = attempts
+        self.retry = retry or RetryPolicy()
         self._checksum = checksum
         settings = S3Settings(
             bucket, endpoint_url, key, secret, pool_size, connect_timeout, read_timeout
         )
-        self.client = S3Client(settings, RetryPolicy(attempts))
+        self.client = S3Client(settings, self.retry)
         # one thread per pooled connection: more would only queue on the pool
         self._threads = ThreadPoolExecutor(pool_size, thread_name_prefix="s3")
 

@@ -29,6 +29,7 @@ from transfer.errors import (
     RangeNotSatisfiableError,
     StoreError,
 )
+from transfer.options import StoreSettings
 from transfer.store.base import RangeStream
 from transfer.store.retry import RetryPolicy, http_status
 
@@ -64,9 +65,9 @@ class S3Settings:
     key: str | None = None
     secret: str | None = None
     pool_size: int = 32
-    connect_timeout: float = 10.0
+    connect_timeout: float = StoreSettings.connect_timeout_seconds
     # no byte for this long on a connection: give up on it and retry
-    read_timeout: float = 60.0
+    read_timeout: float = StoreSettings.read_timeout_seconds
 
 
 def region_of(endpoint_url: str | None) -> str:

@@ -5,29 +5,40 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import ParseResult, unquote, urlparse
 
+from transfer.options import StoreSettings
 from transfer.store.base import Store
 from transfer.store.local import LocalStore
+from transfer.store.retry import RetryPolicy
 
 
 @dataclass(frozen=True)
 class StoreOptions:
-    """Backend settings a user may set; S3 credentials come from the standard AWS chain."""
+    """What opening a store takes beyond its URL: the S3 endpoint (credentials come from the
+    standard AWS chain), the connection pool, and the StoreSettings every backend applies
+    (the one retry policy is made from them here, for whichever backend the URL picks)."""
 
     endpoint_url: str | None = None
     pool_size: int = 32
-    checksum: str = "crc32"
+    settings: StoreSettings = field(default_factory=StoreSettings)
 
     @classmethod
     def for_window(
-        cls, window: int, *, endpoint_url: str | None = None, checksum: str = "crc32"
+        cls,
+        window: int,
+        *,
+        endpoint_url: str | None = None,
+        settings: StoreSettings | None = None,
     ) -> StoreOptions:
         """Options whose connection pool fits a transfer of ``window`` parts in flight, plus
         a few control calls (the CLI and the agent size it the same way)."""
-        return cls(endpoint_url, max(window + 4, 16), checksum)
+        return cls(endpoint_url, max(window + 4, 16), settings or StoreSettings())
+
+    def retry_policy(self) -> RetryPolicy:
+        return RetryPolicy(attempts=self.settings.attempts)
 
 
 def open_store(url: str, options: StoreOptions | None = None) -> Store:
@@ -58,18 +69,21 @@ def _s3_store(url: str, parsed: ParseResult, options: StoreOptions) -> Store:
         parsed.path,
         endpoint_url=endpoint,
         pool_size=options.pool_size,
-        checksum=options.checksum,
+        checksum=options.settings.checksum,
+        connect_timeout=options.settings.connect_timeout_seconds,
+        read_timeout=options.settings.read_timeout_seconds,
+        retry=options.retry_policy(),
     )
 
 
 def _file_store(url: str, parsed: ParseResult, options: StoreOptions) -> Store:
     if parsed.netloc not in ("", "localhost"):
         raise ValueError(f"file URL {url!r} names a remote host")
-    return LocalStore(Path(unquote(parsed.path)).absolute())
+    return LocalStore(Path(unquote(parsed.path)).absolute(), options.retry_policy())
 
 
 def _path_store(url: str, parsed: ParseResult, options: StoreOptions) -> Store:
-    return LocalStore(Path(url).expanduser().absolute())
+    return LocalStore(Path(url).expanduser().absolute(), options.retry_policy())
 
 
 def _fsspec_store(url: str, parsed: ParseResult, options: StoreOptions) -> Store:
@@ -91,7 +105,7 @@ def _fsspec_store(url: str, parsed: ParseResult, options: StoreOptions) -> Store
     root = fs._strip_protocol(url).rstrip("/")
     if not root.strip("/"):
         raise ValueError(f"store URL {url!r} names no path ({scheme}://NAME)")
-    return FsspecStore(fs, root, url.rstrip("/"))
+    return FsspecStore(fs, root, url.rstrip("/"), options.retry_policy())
 
 
 #: A store URL's scheme -> the backend that opens it (a plain path has none); any other
