@@ -1,7 +1,8 @@
 """The physical limits next to which the tools are judged, measured on this machine now.
 
 - disk: ``dd`` of ``size`` bytes with O_DIRECT (write, then read), so the page cache is out
-  of the way either side (GNU dd's oflag/iflag=direct);
+  of the way either side (GNU dd's oflag/iflag=direct), then a buffered read of them beside
+  a direct write of as many (a pull onto a node holding k reads k and writes k+1);
 - the S3 server: one PUT of a ``size``-byte object and one GET of it, through a plain
   botocore client (unsigned payload, no checksums), the body read into a reused buffer;
 - memory: numpy ``copyto`` of a 256 MiB array (best of 3);
@@ -35,16 +36,34 @@ def _dd(args: list[str]) -> float:
 
 
 def disk(scratch: Path, size: int) -> dict[str, float]:
-    path = scratch / "dd.bin"
+    """Direct write, direct read, and a buffered read beside a direct write of as many
+    bytes: what a pull onto a node holding k asks of the disk (read k, write k+1), rated as
+    the bytes of either side per second of the pair."""
+    path, other = scratch / "dd.bin", scratch / "dd2.bin"
     count = max(1, size // (8 << 20))
     nbytes = count * (8 << 20)
+    write = ["if=/dev/zero", "bs=8M", f"count={count}", "oflag=direct", "status=none"]
     try:
         w = _dd(["if=/dev/zero", f"of={path}", "bs=8M", f"count={count}", "oflag=direct"])
         drop_caches()
         r = _dd([f"if={path}", "of=/dev/null", "bs=8M", "iflag=direct"])
+        drop_caches()
+        t0 = time.perf_counter()
+        both = [
+            subprocess.Popen(["dd", f"if={path}", "of=/dev/null", "bs=8M", "status=none"]),
+            subprocess.Popen(["dd", *write, f"of={other}"]),
+        ]
+        if any(p.wait() for p in both):
+            raise RuntimeError("dd failed")
+        rw = time.perf_counter() - t0
     finally:
         path.unlink(missing_ok=True)
-    return {"disk_write_direct": nbytes / w / MB, "disk_read_direct": nbytes / r / MB}
+        other.unlink(missing_ok=True)
+    return {
+        "disk_write_direct": nbytes / w / MB,
+        "disk_read_direct": nbytes / r / MB,
+        "disk_read_beside_direct_write": nbytes / rw / MB,
+    }
 
 
 def s3_raw(ep: S3Endpoint, scratch: Path, size: int) -> dict[str, float]:

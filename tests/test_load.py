@@ -19,6 +19,7 @@ import urllib.request
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from agent.client import FerryClient
 from tests.harness import TOKEN, Node, assert_same_tree, make_node, running, save
@@ -72,6 +73,7 @@ def percentile(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
 
 
+@pytest.mark.slow  # ~8 s: a load test (latency quantiles under many clients)
 def test_many_prefetches_and_pushes_at_once(tmp_path: Path) -> None:
     tier = tmp_path / "tier"
     tier.mkdir()
