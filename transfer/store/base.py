@@ -7,10 +7,12 @@ anything else raises StoreError. ``delete`` of a missing key is not an error.
 
 from __future__ import annotations
 
+import asyncio
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from transfer.errors import FormatError, NotFoundError
 from transfer.format.paths import check_relative_path
@@ -32,6 +34,25 @@ class PendingUpload:
 
 
 PendingUploads = list[PendingUpload]  # (a name: inside Store, ``list`` is the method)
+T = TypeVar("T")
+
+
+class StoreThreads:
+    """A store's own worker threads for its blocking requests, as many as the transfers it
+    serves keep in flight (``StoreOptions.pool_size``: the window plus a few control calls),
+    so the window is what limits: Python's default executor has cpu + 4 threads (6 here)
+    and is shared with every other ``to_thread`` of the process."""
+
+    def __init__(self, size: int, name: str) -> None:
+        if size < 1:
+            raise ValueError("a store needs at least one thread")
+        self._pool = ThreadPoolExecutor(size, thread_name_prefix=name)
+
+    async def run(self, fn: Callable[[], T]) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 def check_key(key: str) -> str:

@@ -14,7 +14,6 @@ after a failed try has succeeded).
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import secrets
 import threading
@@ -30,6 +29,7 @@ from transfer.store.base import (
     PendingUploads,
     RangeReader,
     Store,
+    StoreThreads,
     Upload,
     check_key,
 )
@@ -79,11 +79,14 @@ class _Ranges(RangeReader):
 
 
 class FsspecStore(Store):
-    def __init__(self, fs: Any, root: str, url: str, retry: RetryPolicy | None = None) -> None:
+    def __init__(
+        self, fs: Any, root: str, url: str, retry: RetryPolicy | None = None, threads: int = 16
+    ) -> None:
         self.fs = fs
         self.root = root.rstrip("/")
         self.url = url
         self.retry = retry or RetryPolicy()
+        self.threads = StoreThreads(threads, "fsspec-store")
         self._create_lock = threading.Lock()
         #: uploads begun and not finished (their parts live in the writer's memory)
         self.uploads: dict[str, _PartsUpload] = {}
@@ -97,7 +100,10 @@ class FsspecStore(Store):
         return self.retry.run(work, lambda exc, tries: _map_error(exc, what, tries))
 
     async def _call(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
-        return await asyncio.to_thread(self.run_retried, what, lambda: fn(*args, **kwargs))
+        return await self.threads.run(lambda: self.run_retried(what, lambda: fn(*args, **kwargs)))
+
+    async def close(self) -> None:
+        self.threads.close()
 
     async def check(self) -> None:
         pass  # a path on these filesystems needs no creating

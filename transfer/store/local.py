@@ -16,7 +16,6 @@ tried once.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import errno
 import os
@@ -36,6 +35,7 @@ from transfer.store.base import (
     PendingUploads,
     RangeReader,
     Store,
+    StoreThreads,
     Upload,
     check_key,
 )
@@ -156,7 +156,7 @@ class LocalUpload(Upload):
             _publish(self._tmp, self._final, create_only)
 
         try:
-            await asyncio.to_thread(finish)
+            await self._store.threads.run(finish)
         except OSError as exc:
             raise _map_os_error(exc, f"commit {self.key}") from exc
 
@@ -167,7 +167,7 @@ class LocalUpload(Upload):
                 os.close(fd)
             self._tmp.unlink(missing_ok=True)
 
-        await asyncio.to_thread(discard)
+        await self._store.threads.run(discard)
 
 
 class LocalRangeReader(RangeReader):
@@ -198,19 +198,23 @@ class LocalRangeReader(RangeReader):
 class LocalStore(Store):
     """Objects are files under ``root``; a key's '/' separators are directories."""
 
-    def __init__(self, root: Path, retry: RetryPolicy | None = None) -> None:
+    def __init__(self, root: Path, retry: RetryPolicy | None = None, threads: int = 16) -> None:
         self.root = root
         self.url = str(root)
         self.retry = retry or RetryPolicy()
+        self.threads = StoreThreads(threads, "local-store")
 
     def run_retried(self, what: str, work: Callable[[], T]) -> T:
         """``work()`` (blocking), retried while it fails transiently; a failure comes out
         as a StoreError naming ``what``."""
         return self.retry.run(work, lambda exc, tries: _map_os_error(exc, what, tries))
 
+    async def close(self) -> None:
+        self.threads.close()
+
     async def run(self, what: str, work: Callable[[], T]) -> T:
-        """run_retried on a worker thread."""
-        return await asyncio.to_thread(self.run_retried, what, work)
+        """run_retried on one of the store's threads."""
+        return await self.threads.run(lambda: self.run_retried(what, work))
 
     def path_of(self, key: str) -> Path:
         return self.root / check_key(key)
@@ -342,7 +346,7 @@ class LocalStore(Store):
     async def begin_upload(self, key: str) -> Upload:
         upload = LocalUpload(self, key)
         try:
-            await asyncio.to_thread(upload._open)
+            await self.threads.run(upload._open)
         except OSError as exc:
             raise _map_os_error(exc, f"create {key}") from exc
         return upload

@@ -10,13 +10,11 @@ those threads and checksummed there (CRC32 or Content-MD5, checked by the server
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import contextlib
 import hashlib
 import zlib
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from transfer.errors import NotFoundError, StoreError
@@ -29,6 +27,7 @@ from transfer.store.base import (
     RangeReader,
     RangeStream,
     Store,
+    StoreThreads,
     Upload,
     check_key,
 )
@@ -205,7 +204,7 @@ class S3Store(Store):
         )
         self.client = S3Client(settings, self.retry)
         # one thread per pooled connection: more would only queue on the pool
-        self._threads = ThreadPoolExecutor(pool_size, thread_name_prefix="s3")
+        self._threads = StoreThreads(pool_size, "s3")
 
     def full_key(self, key: str) -> str:
         check_key(key)
@@ -213,7 +212,7 @@ class S3Store(Store):
 
     async def on_thread(self, fn: Callable[[], T]) -> T:
         """Run a blocking request on the store's threads."""
-        return await asyncio.get_running_loop().run_in_executor(self._threads, fn)
+        return await self._threads.run(fn)
 
     async def call(self, method: str, what: str, **kwargs: Any) -> Any:
         """One S3 API call, retried when transient; raises mapped StoreErrors."""
@@ -376,5 +375,5 @@ class S3Store(Store):
         return _S3Ranges(self)
 
     async def close(self) -> None:
-        self._threads.shutdown(wait=False, cancel_futures=True)
+        self._threads.close()
         self.client.close()

@@ -79,11 +79,13 @@ def _s3_store(url: str, parsed: ParseResult, options: StoreOptions) -> Store:
 def _file_store(url: str, parsed: ParseResult, options: StoreOptions) -> Store:
     if parsed.netloc not in ("", "localhost"):
         raise ValueError(f"file URL {url!r} names a remote host")
-    return LocalStore(Path(unquote(parsed.path)).absolute(), options.retry_policy())
+    return LocalStore(
+        Path(unquote(parsed.path)).absolute(), options.retry_policy(), options.pool_size
+    )
 
 
 def _path_store(url: str, parsed: ParseResult, options: StoreOptions) -> Store:
-    return LocalStore(Path(url).expanduser().absolute(), options.retry_policy())
+    return LocalStore(Path(url).expanduser().absolute(), options.retry_policy(), options.pool_size)
 
 
 def _fsspec_store(url: str, parsed: ParseResult, options: StoreOptions) -> Store:
@@ -105,7 +107,7 @@ def _fsspec_store(url: str, parsed: ParseResult, options: StoreOptions) -> Store
     root = fs._strip_protocol(url).rstrip("/")
     if not root.strip("/"):
         raise ValueError(f"store URL {url!r} names no path ({scheme}://NAME)")
-    return FsspecStore(fs, root, url.rstrip("/"), options.retry_policy())
+    return FsspecStore(fs, root, url.rstrip("/"), options.retry_policy(), options.pool_size)
 
 
 #: A store URL's scheme -> the backend that opens it (a plain path has none); any other
