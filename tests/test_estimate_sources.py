@@ -6,6 +6,8 @@ saves; each estimate is checked against the prefetch that follows it."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import itertools
 import os
 import shutil
 from pathlib import Path
@@ -67,3 +69,26 @@ def test_a_tier_seen_for_the_first_time_is_probed_then_measured_by_transfers(
             assert again["seconds"] == first["seconds"]
 
     asyncio.run(go())
+
+
+def test_a_probe_samples_a_quarter_of_the_transfer_within_its_bounds() -> None:
+    """A probe costs at most a quarter of the prefetch it stands for, beyond PROBE_BYTES,
+    and never more than PROBE_MAX; the sample stops at its budget and follows each chunk
+    with the ones after it in its pack (one request of a restore reads such a run)."""
+    from agent import probe
+    from transfer.engine.chunkindex import ChunkIndex, StoredChunk
+
+    mib = 1 << 20
+    assert probe.budget(100 * mib) == probe.PROBE_BYTES
+    assert probe.budget(1000 * mib) == 250 * mib
+    assert probe.budget(100_000 * mib) == probe.PROBE_MAX
+    index = ChunkIndex()
+    ids = [hashlib.blake2b(str(n).encode()).hexdigest()[:64] for n in range(200)]
+    for n, cid in enumerate(ids):  # two packs of 100 chunks of 4 MiB, stored at 3 MiB each
+        index.add(StoredChunk(cid, 4 * mib, "zstd", f"p{n // 100}", (n % 100) * 3 * mib, 3 * mib))
+    picked = probe.sample(index, set(ids), {}, run=6, budget=250 * mib)
+    assert sum(c.size for c in picked) == 252 * mib  # 63 chunks: the one that reaches 250 MiB
+    assert len({c.id for c in picked}) == len(picked)
+    runs = probe.runs_of(picked)  # what the probe then reads, one request each
+    assert max(len(r) for r in runs) >= 6 and len(runs) <= 63 // 6 + 1
+    assert all(b.offset == a.offset + a.stored for r in runs for a, b in itertools.pairwise(r))
