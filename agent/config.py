@@ -587,8 +587,9 @@ def _example_table(settings: type) -> str:
         line = f"{knob.name} = {value}".replace("'", '"')
         if knob.name == "workers":  # the default is this machine's cores: not a value to copy
             line = f"# {line}"
-        lines.append(f"{line:<25} # {knob.help}")
-    return "\n".join(lines)
+        lines.append((line, knob.help))
+    width = max(25, *(len(line) + 1 for line, _ in lines))
+    return "\n".join(f"{line:<{width}} # {help_text}" for line, help_text in lines)
 
 
 def example_toml() -> str:
