@@ -519,15 +519,18 @@ def test_the_store_settings_and_the_pool_reach_the_agent_as_the_cli(tmp_path: Pa
 )
 def test_open_store_gives_every_backend_the_settings_retry_policy(tmp_path: Path, url: str) -> None:
     """The one retry policy is made from StoreSettings by open_store, whichever backend the
-    URL picks (a local or NFS store too); S3 also gets its checksum and timeouts."""
+    URL picks (a local or NFS store too), and its threads are as many as the options' pool
+    (never the process's shared default executor); S3 also gets its checksum and timeouts."""
     from transfer.options import StoreSettings
     from transfer.store import StoreOptions, open_store
 
     settings = StoreSettings(
         checksum="md5", attempts=2, connect_timeout_seconds=3.0, read_timeout_seconds=7.0
     )
-    store = open_store(url.format(tmp=tmp_path), StoreOptions("http://127.0.0.1:1", 16, settings))
+    store = open_store(url.format(tmp=tmp_path), StoreOptions("http://127.0.0.1:1", 5, settings))
     assert store.retry.attempts == 2  # type: ignore[attr-defined]
+    threads = store._threads if url.startswith("s3://") else store.threads  # type: ignore[attr-defined]
+    assert threads.size == 5
     if url.startswith("s3://"):
         assert store.checksum_kind == "md5"  # type: ignore[attr-defined]
         assert store.client.retry is store.retry  # type: ignore[attr-defined]

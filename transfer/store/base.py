@@ -46,6 +46,7 @@ class StoreThreads:
     def __init__(self, size: int, name: str) -> None:
         if size < 1:
             raise ValueError("a store needs at least one thread")
+        self.size = size
         self._pool = ThreadPoolExecutor(size, thread_name_prefix=name)
 
     async def run(self, fn: Callable[[], T]) -> T:
