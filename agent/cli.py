@@ -240,9 +240,12 @@ def _transfer_options(args: argparse.Namespace) -> TransferOptions:
     return _chosen(args, TransferSettings).to_options()
 
 
-def _store_options(args: argparse.Namespace, window: int = 16) -> StoreOptions:
+def _store_options(args: argparse.Namespace) -> StoreOptions:
+    """The store options the command line chose, its pool sized to the command's window
+    (the default window where a command has no transfer flags)."""
     from transfer.store import StoreOptions
 
+    window = getattr(args, "window", TransferOptions.window)
     settings = _chosen(args, StoreSettings)
     return StoreOptions.for_window(window, endpoint_url=args.endpoint_url, settings=settings)
 
@@ -613,7 +616,7 @@ _COMMANDS = {
 async def _run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     from transfer.store import open_store
 
-    store = open_store(args.store_url, _store_options(args, getattr(args, "window", 16)))
+    store = open_store(args.store_url, _store_options(args))
     try:
         return await _COMMANDS[args.command](store, args)
     finally:

@@ -69,23 +69,22 @@ async def measure(
     est = await client.estimate(JOB, step)
     drop_caches()
     began = time.monotonic()
-    done = await ready(client, await client.prefetch(JOB, step), began)
+    done = await ready(client, await client.prefetch(JOB, step))
     if done["state"] != "ready":
         raise SystemExit(f"prefetch failed: {done}")
     return est, time.monotonic() - began, done
 
 
-async def ready(client: FerryClient, prefetch_id: str, began: float) -> dict[str, Any]:
+async def ready(client: FerryClient, prefetch_id: str) -> dict[str, Any]:
     """The prefetch's final state, polled every 5 ms for its first 0.1 s (a held replica
     answers that fast), then every 50 ms: polling every 5 ms throughout (200 requests a
     second on the agent's event loop, in this process) made the prefetch it timed ~10% slower
     (inside the pull: 3.02 / 2.61 / 2.71 s against 2.56-2.98 s at 100 ms; an engine pull
     alone 2.46-3.02 s)."""
-    while True:
-        status = await client.prefetch_status(prefetch_id)
-        if status["state"] in ("ready", "failed", "cancelled"):
-            return status
-        await asyncio.sleep(0.005 if time.monotonic() - began < 0.1 else 0.05)
+    try:
+        return await client.wait_prefetch(prefetch_id, within_s=0.1, poll=0.005)
+    except TimeoutError:
+        return await client.wait_prefetch(prefetch_id, poll=0.05)
 
 
 @contextlib.asynccontextmanager

@@ -31,7 +31,7 @@ MB = 1e6
 
 def _dd(args: list[str]) -> float:
     t0 = time.perf_counter()
-    subprocess.run(["dd", *args, "status=none"], check=True)
+    subprocess.run(["dd", *args], check=True)
     return time.perf_counter() - t0
 
 
@@ -44,9 +44,9 @@ def disk(scratch: Path, size: int) -> dict[str, float]:
     nbytes = count * (8 << 20)
     write = ["if=/dev/zero", "bs=8M", f"count={count}", "oflag=direct", "status=none"]
     try:
-        w = _dd(["if=/dev/zero", f"of={path}", "bs=8M", f"count={count}", "oflag=direct"])
+        w = _dd([*write, f"of={path}"])
         drop_caches()
-        r = _dd([f"if={path}", "of=/dev/null", "bs=8M", "iflag=direct"])
+        r = _dd([f"if={path}", "of=/dev/null", "bs=8M", "iflag=direct", "status=none"])
         drop_caches()
         t0 = time.perf_counter()
         both = [
