@@ -93,6 +93,12 @@ def _add_push(sub: _Commands) -> None:
         action="store_false",
         help="store a keyframe: no delta base (as --no-delta)",
     )
+    p.add_argument(
+        "--part",
+        action="store_true",
+        help="CKPT_DIR is this node's part of a multi-node save (rank 0's node holds "
+        ".metadata): files it names may be on other nodes; those here must be whole",
+    )
     _add_store_args(p)
     _add_transfer_args(p)
 
@@ -294,6 +300,7 @@ async def _cmd_push(store: Store, args: argparse.Namespace) -> tuple[dict[str, A
             base_step=args.base_step,
             base_dir=args.base_dir,
             resume=journal.resume(args.job, step, store.url),
+            part=args.part,
         )
         journal.remove()  # committed: its manifest references every pack
     finally:
@@ -313,11 +320,11 @@ async def _cmd_push(store: Store, args: argparse.Namespace) -> tuple[dict[str, A
 async def _warn_if_new_part(store: Store, job: str, step: int, node: str) -> None:
     """The node name defaulted to the host name, and the step already has other nodes'
     parts: in a container every run is a new host, so say what is about to happen."""
-    from transfer.engine.catalog import list_checkpoints, open_catalog
+    from transfer.engine.catalog import list_parts, open_catalog
 
     if not await open_catalog(store, create=False):
         return
-    nodes = sorted({c.node for c in await list_checkpoints(store, job) if c.step == step})
+    nodes = [c.node for c in await list_parts(store, job, step)]
     if nodes and node not in nodes:
         print(
             f"ferry push: note: {job} step {step} already has parts from node(s) "
@@ -464,7 +471,7 @@ async def _cmd_pin(store: Store, args: argparse.Namespace) -> tuple[dict[str, An
     """``ferry pin`` / ``ferry unpin``: the same pins agents and retention use."""
     from datetime import UTC, datetime
 
-    from transfer.engine.catalog import list_checkpoints, open_catalog
+    from transfer.engine.catalog import list_parts, open_catalog
     from transfer.errors import CheckpointNotFoundError
     from transfer.retention.pins import pin, unpin
 
@@ -476,8 +483,8 @@ async def _cmd_pin(store: Store, args: argparse.Namespace) -> tuple[dict[str, An
         return {"job": args.job, "step": args.step, "holder": holder, "pinned": False}, (
             f"unpinned {what} in {store.url} (holder {holder})"
         )
-    if not await open_catalog(store, create=False) or not any(
-        c.step == args.step for c in await list_checkpoints(store, args.job)
+    if not await open_catalog(store, create=False) or not await list_parts(
+        store, args.job, args.step
     ):
         raise CheckpointNotFoundError(f"no committed checkpoint {what} in {store.url}")
     expires = await pin(store, args.job, args.step, holder, args.ttl)

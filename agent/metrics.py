@@ -25,6 +25,10 @@ CATALOG: dict[str, tuple[str, str]] = {
     "ferry_push_written_ratio": (GAUGE, "bytes written / raw bytes, last push"),
     "ferry_push_queue_depth": (GAUGE, "steps queued, being pushed or waiting"),
     "ferry_push_completions_written_total": (COUNTER, "completion markers this node wrote"),
+    "ferry_push_steps_torn_total": (
+        COUNTER,
+        "steps whose parts were all in but lacked a file their .metadata names",
+    ),
     # retention (agent/retention.py)
     "ferry_tier_bytes": (GAUGE, "bytes held per tier (hot: the hot dir)"),
     "ferry_retention_runs_total": (COUNTER, "retention runs by result"),

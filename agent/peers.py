@@ -28,8 +28,7 @@ from transfer.codec import KNOWN_ENCODINGS, check_encoding, decode, encode, enco
 from transfer.codec.encodings import RAW
 from transfer.codec.transforms import Buffer
 from transfer.directio import ThreadBuffers
-from transfer.engine import list_checkpoints
-from transfer.engine.catalog import load_manifest
+from transfer.engine.catalog import Catalog
 from transfer.engine.chunkindex import StoredChunk
 from transfer.engine.pull import Land, LocalBase, Supplied
 from transfer.engine.resolver import read_file_into, read_file_verified
@@ -91,8 +90,7 @@ class HotIndex:
     async def _add(self, job: str, step: int, path: Path) -> bool:
         for _, store in self.tiers:
             try:
-                parts = [c for c in await list_checkpoints(store, job) if c.step == step]
-                manifests = [await load_manifest(store, job, step, c.node) for c in parts]
+                manifests = await Catalog(store).manifests(job, step)
             except FerryError:
                 continue
             if not manifests:

@@ -33,7 +33,8 @@ from transfer.durable import fsync_dir
 from transfer.engine import TransferOptions, pull, resolve_manifests
 from transfer.engine.catalog import resolve_checkpoint
 from transfer.engine.localcheck import local_copy_differences
-from transfer.engine.pull import ChunkSource, merge_parts
+from transfer.engine.parts import merge_parts
+from transfer.engine.pull import ChunkSource
 from transfer.engine.ratelimit import RateLimit
 from transfer.engine.scan import SourceFile, check_unchanged, scan_checkpoint
 from transfer.engine.settle import settle, staging_path

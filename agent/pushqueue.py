@@ -34,12 +34,15 @@ from agent.config import AgentConfig
 from agent.journal import DURABLE, Journal
 from agent.logs import event
 from agent.metrics import Metrics
-from transfer.engine import PushResult, TransferOptions, list_checkpoints, push
-from transfer.engine.catalog import step_is_complete
+from transfer.engine import PushResult, TransferOptions, push
+from transfer.engine.catalog import Catalog, step_is_complete
+from transfer.engine.parts import check_step_whole
 from transfer.engine.scan import scan_checkpoint
 from transfer.errors import (
     AlreadyExistsError,
     FerryError,
+    FormatError,
+    IncompleteStepError,
     SourceChangedError,
 )
 from transfer.format.layout import completion_key
@@ -76,6 +79,7 @@ class TierStats:
 class PushStats:
     tiers: dict[str, TierStats] = field(default_factory=dict)
     completions_written: int = 0
+    steps_torn: int = 0  # steps whose parts were all in but did not make the whole save
 
 
 class PushQueue:
@@ -186,6 +190,7 @@ class PushQueue:
         """Copy the counters into the agent's metrics (call it from the /metrics handler)."""
         metrics.set("ferry_push_queue_depth", len(self._queued))
         metrics.set("ferry_push_completions_written_total", self.stats.completions_written)
+        metrics.set("ferry_push_steps_torn_total", self.stats.steps_torn)
         for tier, s in self.stats.tiers.items():
             metrics.set("ferry_push_total", s.pushes_ok, tier=tier, result="ok")
             metrics.set("ferry_push_total", s.pushes_failed, tier=tier, result="failed")
@@ -281,6 +286,7 @@ class PushQueue:
             node=self.node,
             options=self.options,
             resume=self.journal.resume(job, step, name),
+            part=bool(self.expected_nodes),  # a multi-node job: this node's part of each save
         )
         await self._complete_if_all_pushed(store, job, step)
         return result
@@ -340,13 +346,22 @@ class PushQueue:
         self._queue.put_nowait(item)
 
     async def _complete_if_all_pushed(self, store: Store, job: str, step: int) -> bool:
-        """Write the completion marker when every expected node's part is in ``store``;
-        True only when this call created it."""
+        """Write the completion marker when every expected node's part is in ``store`` and
+        together they hold the whole save (parts.check_step_whole: read once per step, by
+        the node that finds the last part in); True only when this call created it."""
         if not self.expected_nodes:
             return False
-        nodes = {c.node for c in await list_checkpoints(store, job) if c.step == step}
+        catalog = Catalog(store)
+        nodes = {c.node for c in await catalog.parts(job, step)}
         if not step_is_complete(nodes, False, self.expected_nodes, job_writes_markers=True):
             return False  # (the marker is what this writes: it cannot be there yet)
+        try:
+            await check_step_whole(catalog, job, step)
+        except (IncompleteStepError, FormatError) as exc:
+            self.stats.steps_torn += 1
+            event(log, "step_torn", level=logging.ERROR, job=job, step=step, tier=store.url,
+                  error=str(exc))  # fmt: skip
+            return False
         doc = {
             "job": job,
             "step": step,

@@ -57,5 +57,10 @@ class CheckpointNotFoundError(FerryError):
     """No committed checkpoint matches the request."""
 
 
+class IncompleteStepError(FerryError):
+    """A step's parts are all in, and together they still lack a file (or bytes of one)
+    its ``.metadata`` names: a torn part. The step is never reported complete."""
+
+
 class DestinationError(FerryError):
     """The pull destination is unusable (not empty, not writable, out of space)."""

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from transfer.errors import (
     AlreadyExistsError,
     CheckpointNotFoundError,
+    FerryError,
     FormatError,
     NotFoundError,
 )
@@ -16,6 +19,11 @@ from transfer.format import layout
 from transfer.format.manifest import Manifest, parse_manifest
 from transfer.format.names import check_name
 from transfer.store.base import Store
+
+log = logging.getLogger(__name__)
+
+#: manifests fetched at once by Catalog.manifests (a step of 512 parts is 512 GETs)
+_MANIFEST_FETCHES = 16
 
 
 @dataclass(frozen=True)
@@ -59,12 +67,145 @@ async def list_checkpoints(store: Store, job: str | None = None) -> list[Checkpo
     return found
 
 
+async def list_parts(store: Store, job: str, step: int) -> list[CheckpointInfo]:
+    """The committed parts of one step, by node: one listing scoped to the step, so its
+    cost grows with the step's nodes, never with the job's history."""
+    prefix = layout.manifest_prefix(job, step)
+    found = []
+    for obj in await store.list(prefix):
+        parsed = layout.parse_manifest_key(obj.key)
+        if parsed is not None and parsed[:2] == (job, step):
+            found.append(CheckpointInfo(*parsed, manifest_bytes=obj.size))
+    found.sort(key=lambda c: c.node)
+    return found
+
+
+async def list_steps(store: Store, job: str) -> list[int]:
+    """The steps of ``job`` that have (or, on a local store, had) a part, ascending: one
+    delimiter listing, whose cost grows with the steps, not steps x nodes. A step named
+    here may have no part left (a local store keeps an emptied step directory): callers
+    list the step's parts before they act on it."""
+    steps = []
+    for name in await store.list_dirs(layout.manifest_prefix(job)):
+        if len(name) == 18 and name.isdigit():
+            steps.append(int(name))
+    return sorted(steps)
+
+
 async def load_manifest(store: Store, job: str, step: int, node: str) -> Manifest:
     key = layout.manifest_key(job, step, node)
-    manifest = parse_manifest(await store.get(key))
+    try:
+        manifest = parse_manifest(await store.get(key))
+    except FormatError as exc:
+        raise FormatError(f"{key}: {exc}") from None
     if (manifest.job, manifest.step, manifest.node) != (job, step, node):
         raise FormatError(f"{key} describes {manifest.job}/{manifest.step}/{manifest.node}")
     return manifest
+
+
+class Catalog:
+    """One operation's view of a store's committed parts: each listing is made once and
+    each manifest fetched once, however many questions the operation asks (a push asks for
+    its base and for its dedupe window, which overlap). A view, not a cache that lives
+    on: make one per operation, so nothing it holds is staler than the operation."""
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self._parts: dict[tuple[str, int], list[CheckpointInfo]] = {}
+        self._steps: dict[str, list[int]] = {}
+        self._manifests: dict[tuple[str, int, str], Manifest] = {}
+        self._heads: dict[tuple[str, str], list[int]] = {}
+        #: parts this view found missing (NotFoundError) where it looked for them
+        self.gone: set[tuple[str, int, str]] = set()
+
+    async def parts(self, job: str, step: int) -> list[CheckpointInfo]:
+        if (job, step) not in self._parts:
+            self._parts[(job, step)] = await list_parts(self.store, job, step)
+        return self._parts[(job, step)]
+
+    async def steps(self, job: str) -> list[int]:
+        if job not in self._steps:
+            self._steps[job] = await list_steps(self.store, job)
+        return self._steps[job]
+
+    async def manifest(self, job: str, step: int, node: str) -> Manifest:
+        key = (job, step, node)
+        if key not in self._manifests:
+            try:
+                self._manifests[key] = await load_manifest(self.store, job, step, node)
+            except NotFoundError:
+                self.gone.add(key)  # e.g. a head's step that retention has deleted since
+                raise
+        return self._manifests[key]
+
+    async def manifests(self, job: str, step: int) -> list[Manifest]:
+        """Every part of one step, in node order (a few fetched at a time)."""
+        limit = asyncio.Semaphore(_MANIFEST_FETCHES)
+
+        async def one(node: str) -> Manifest:
+            async with limit:
+                return await self.manifest(job, step, node)
+
+        parts = await self.parts(job, step)
+        return list(await asyncio.gather(*(one(c.node) for c in parts)))
+
+    async def node_steps(self, job: str, node: str) -> list[int]:
+        """The steps ``node`` committed parts of, ascending, from its head (one GET) when
+        it has one, else from one listing of the whole job (a store written before heads,
+        or this node's first push). A hint: a step named may since have been deleted."""
+        if (job, node) not in self._heads:
+            head = await read_node_head(self.store, job, node)
+            if head is None:
+                listed = await list_checkpoints(self.store, job)
+                head = sorted({c.step for c in listed if c.node == node})
+            self._heads[(job, node)] = head
+        return self._heads[(job, node)]
+
+    async def record_head(self, job: str, node: str, step: int) -> None:
+        """After a commit: the node's head names ``step`` too, and no longer the steps this
+        view found deleted. Best effort: a failure only costs the next push a listing."""
+        gone = {s for j, s, n in self.gone if (j, n) == (job, node)}
+        steps = sorted((set(await self.node_steps(job, node)) - gone) | {step})
+        steps = steps[-layout.HEAD_STEPS :]
+        doc = {"format": layout.HEAD_FORMAT, "version": layout.HEAD_VERSION, "job": job}
+        doc |= {"node": node, "steps": steps}
+        try:
+            await self.store.put(layout.node_head_key(job, node), json.dumps(doc).encode())
+        except FerryError as exc:
+            log.warning("could not update the head of %s/%s: %s", job, node, exc)
+            return
+        self._heads[(job, node)] = steps
+
+    async def newest_step_with_parts(self, job: str, node: str | None = None) -> int | None:
+        """The newest step that has a part (``node``'s, when given), walking back from the
+        newest step listed: one listing per step walked, usually one."""
+        for step in reversed(await self.steps(job)):
+            if any(node is None or c.node == node for c in await self.parts(job, step)):
+                return step
+        return None
+
+
+async def read_node_head(store: Store, job: str, node: str) -> list[int] | None:
+    """The steps a node's head names, or None when it has none (or an unreadable one: a
+    hint is never trusted enough to fail on)."""
+    key = layout.node_head_key(job, node)
+    try:
+        doc = json.loads(await store.get(key))
+    except NotFoundError:
+        return None
+    except ValueError:
+        log.warning("%s is not JSON; listing the job instead", key)
+        return None
+    if (
+        not isinstance(doc, dict)
+        or doc.get("format") != layout.HEAD_FORMAT
+        or (doc.get("job"), doc.get("node")) != (job, node)
+        or not isinstance(doc.get("steps"), list)
+        or not all(type(s) is int and s >= 0 for s in doc["steps"])
+    ):
+        log.warning("%s is not a node head this ferry reads; listing the job instead", key)
+        return None
+    return sorted(set(doc["steps"]))
 
 
 async def resolve_manifests(
@@ -72,22 +213,24 @@ async def resolve_manifests(
 ) -> list[Manifest]:
     """The manifests of one checkpoint: every node's part, or only ``node``'s.
 
-    ``step=None`` means the newest step that has a part (of ``node``, when given).
-    """
+    ``step=None`` means the newest step that has a part (of ``node``, when given). Reads
+    one listing of the step (more only while walking back over emptied steps) and the
+    manifests it returns: nothing that grows with the job's history."""
     check_name("job", job)
     if not await open_catalog(store, create=False):
         raise CheckpointNotFoundError(f"{store.url} holds no checkpoints (no store descriptor)")
-    entries = [
-        c
-        for c in await list_checkpoints(store, job)
-        if (step is None or c.step == step) and (node is None or c.node == node)
-    ]
-    if not entries:
+    catalog = Catalog(store)
+    chosen = step if step is not None else await catalog.newest_step_with_parts(job, node)
+    nodes = [] if chosen is None else [c.node for c in await catalog.parts(job, chosen)]
+    nodes = [n for n in nodes if node is None or n == node]
+    if chosen is None or not nodes:
         what = f"job {job!r}" + (f" step {step}" if step is not None else "")
         what += f" node {node!r}" if node else ""
         raise CheckpointNotFoundError(f"no committed checkpoint for {what} in {store.url}")
-    chosen = max(c.step for c in entries)
-    return [await load_manifest(store, c.job, c.step, c.node) for c in entries if c.step == chosen]
+    assert chosen is not None
+    if node is not None:
+        return [await catalog.manifest(job, chosen, node)]
+    return await catalog.manifests(job, chosen)
 
 
 def step_is_complete(
@@ -108,17 +251,22 @@ def step_is_complete(
     return not job_writes_markers
 
 
-async def complete_steps(store: Store, job: str, expected_nodes: Sequence[str]) -> set[int]:
-    """The steps of ``job`` in ``store`` that are whole by step_is_complete, from one listing
-    of its parts and one of its completion markers."""
-    parts: dict[int, set[str]] = {}
-    for c in await list_checkpoints(store, job):
-        parts.setdefault(c.step, set()).add(c.node)
-    markers = {
+async def completion_markers(store: Store, job: str) -> set[int]:
+    """The steps of ``job`` with a completion marker: one listing of the job's markers."""
+    return {
         parsed[1]
         for obj in await store.list(f"{layout.COMPLETE_PREFIX}{job}/")
         if (parsed := layout.parse_completion_key(obj.key)) is not None and parsed[0] == job
     }
+
+
+async def complete_steps(store: Store, job: str, expected_nodes: Sequence[str]) -> set[int]:
+    """The steps of ``job`` in ``store`` that are whole by step_is_complete, from one listing
+    of its parts and one of its completion markers (every step: the listing's question)."""
+    parts: dict[int, set[str]] = {}
+    for c in await list_checkpoints(store, job):
+        parts.setdefault(c.step, set()).add(c.node)
+    markers = await completion_markers(store, job)
     return {
         step
         for step, nodes in parts.items()
@@ -127,17 +275,24 @@ async def complete_steps(store: Store, job: str, expected_nodes: Sequence[str]) 
 
 
 async def is_complete(store: Store, job: str, step: int, expected_nodes: Sequence[str]) -> bool:
-    """Whether (job, step) is whole in ``store`` (complete_steps, for one step)."""
-    return step in await complete_steps(store, job, expected_nodes)
+    """Whether (job, step) is whole in ``store`` (step_is_complete), from the job's markers
+    and one listing of the step's parts."""
+    markers = await completion_markers(store, job)
+    nodes = {c.node for c in await list_parts(store, job, step)}
+    return bool(nodes) and step_is_complete(nodes, step in markers, expected_nodes, bool(markers))
 
 
 async def latest_complete_step(store: Store, job: str, expected_nodes: Sequence[str]) -> int:
     """The newest step of ``job`` that is complete in ``store``: an incomplete multi-node
-    checkpoint (a node still uploading, or dead) is never "latest"."""
-    whole = await complete_steps(store, job, expected_nodes)
-    if not whole:
-        raise CheckpointNotFoundError(f"no complete checkpoint of job {job!r} in {store.url}")
-    return max(whole)
+    checkpoint (a node still uploading, or dead) is never "latest". Walks back from the
+    newest step, one listing of parts per step walked (usually one or two)."""
+    markers = await completion_markers(store, job)
+    catalog = Catalog(store)
+    for step in reversed(await catalog.steps(job)):
+        nodes = {c.node for c in await catalog.parts(job, step)}
+        if nodes and step_is_complete(nodes, step in markers, expected_nodes, bool(markers)):
+            return step
+    raise CheckpointNotFoundError(f"no complete checkpoint of job {job!r} in {store.url}")
 
 
 async def resolve_checkpoint(

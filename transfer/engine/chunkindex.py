@@ -11,10 +11,9 @@ import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from transfer.engine.catalog import list_checkpoints, load_manifest
-from transfer.errors import FormatError
+from transfer.engine.catalog import Catalog
+from transfer.errors import FormatError, NotFoundError
 from transfer.format.manifest import ChunkRef, Manifest
-from transfer.store.base import Store
 
 log = logging.getLogger(__name__)
 
@@ -98,21 +97,23 @@ class ChunkIndex:
         return out
 
     @classmethod
-    async def load(cls, store: Store, job: str, newest_steps: int) -> ChunkIndex:
+    async def load(cls, catalog: Catalog, job: str, node: str, newest_steps: int) -> ChunkIndex:
+        """The chunks of ``node``'s own newest ``newest_steps`` parts: what a push of that
+        node deduplicates against. Its own parts, not the job's: each node holds its own
+        ranks' shards, so other nodes' parts rarely share a chunk with it, and reading
+        them made every push of an N-node job read N x steps manifests."""
         index = cls()
-        entries = await list_checkpoints(store, job)
-        steps = sorted({c.step for c in entries})[-newest_steps:] if newest_steps > 0 else []
-        for c in entries:
-            if c.step in steps:
-                try:
-                    manifest = await load_manifest(store, c.job, c.step, c.node)
-                except FormatError as exc:
-                    # dedupe is an optimisation: an unreadable manifest only costs bytes
-                    log.warning(
-                        "not deduplicating against %s/%s/%s: %s", c.job, c.step, c.node, exc
-                    )
-                    continue
-                index.add_manifest(manifest)
+        steps = (await catalog.node_steps(job, node))[-newest_steps:] if newest_steps > 0 else []
+        for step in steps:  # oldest first: the first loaded wins (FORMAT.md)
+            try:
+                manifest = await catalog.manifest(job, step, node)
+            except NotFoundError:
+                continue  # deleted since the node's head named it
+            except FormatError as exc:
+                # dedupe is an optimisation: an unreadable manifest only costs bytes
+                log.warning("not deduplicating against %s/%s/%s: %s", job, step, node, exc)
+                continue
+            index.add_manifest(manifest)
         return index
 
 

@@ -22,7 +22,7 @@ from typing import Any
 from transfer.errors import SourceChangedError
 
 METADATA = ".metadata"
-_MAX_METADATA_BYTES = 512 << 20  # far above any real save's (~1 MB per 1B parameters)
+MAX_METADATA_BYTES = 512 << 20  # far above any real save's (~1 MB per 1B parameters)
 
 
 class _Stub:
@@ -79,20 +79,26 @@ def required_lengths(metadata: bytes) -> dict[str, int] | None:
     return need
 
 
-def check_complete(root: Path, sizes: dict[str, int]) -> None:
+def check_complete(root: Path, sizes: dict[str, int], *, part: bool = False) -> None:
     """Raise SourceChangedError when ``root``'s ``.metadata`` names storage files that
-    ``sizes`` (relative path -> bytes) lacks or holds too short. Non-DCP directories pass."""
+    ``sizes`` (relative path -> bytes) lacks or holds too short. Non-DCP directories pass.
+    ``part``: ``root`` is one node's part of a multi-node save (rank 0's node holds
+    ``.metadata`` and its own ranks' files): a named file may be absent, but one that is
+    there must be whole; the step is whole when its parts together hold every file."""
     meta = root / METADATA
-    if METADATA not in sizes or sizes[METADATA] > _MAX_METADATA_BYTES:
+    if METADATA not in sizes or sizes[METADATA] > MAX_METADATA_BYTES:
         return
     need = required_lengths(meta.read_bytes())
     if need is None:
         return
     for path, length in sorted(need.items()):
         have = sizes.get(path)
+        if have is None and part:
+            continue  # another node's part holds it
         if have is None:
             raise SourceChangedError(
-                f"{root}: {METADATA} names {path}, which is not there (save unfinished?)"
+                f"{root}: {METADATA} names {path}, which is not there (save unfinished? if "
+                "this directory is one node's part of a multi-node save, push it with --part)"
             )
         if have < length:
             raise SourceChangedError(

@@ -6,11 +6,10 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from transfer.engine.catalog import list_checkpoints, load_manifest
-from transfer.errors import CheckpointNotFoundError, FormatError
+from transfer.engine.catalog import Catalog
+from transfer.errors import CheckpointNotFoundError, FormatError, NotFoundError
 from transfer.format.manifest import ChunkRef, Manifest
 from transfer.format.names import step_from_dirname
-from transfer.store.base import Store
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +33,7 @@ class BasePlan:
 
 
 async def choose_base(
-    store: Store,
+    catalog: Catalog,
     ckpt_dir: Path,
     *,
     job: str,
@@ -43,23 +42,26 @@ async def choose_base(
     base_step: int | None,
     base_dir: Path | None,
 ) -> BasePlan | None:
-    """The newest committed part of (job, node) before ``step``, or ``base_step``."""
-    steps = [c.step for c in await list_checkpoints(store, job) if c.node == node]
+    """The newest committed part of (job, node) before ``step``, or ``base_step``: found
+    from the node's own steps (its head), never from a listing of every node's parts."""
     if base_step is not None:
-        if base_step not in steps:
-            raise CheckpointNotFoundError(f"base step {base_step} of {job}/{node} is not committed")
-        chosen = base_step
+        candidates = [base_step]
     else:
-        earlier = [s for s in steps if s < step]
-        if not earlier:
+        candidates = sorted(s for s in await catalog.node_steps(job, node) if s < step)[::-1]
+    for chosen in candidates:
+        try:
+            manifest = await catalog.manifest(job, chosen, node)
+        except NotFoundError:
+            if base_step is not None:
+                raise CheckpointNotFoundError(
+                    f"base step {base_step} of {job}/{node} is not committed"
+                ) from None
+            continue  # deleted since the head named it: the next older one
+        except FormatError as exc:  # a delta is an optimisation: push a keyframe instead
+            log.warning("cannot use step %s as delta base, pushing a keyframe: %s", chosen, exc)
             return None
-        chosen = max(earlier)
-    try:
-        manifest = await load_manifest(store, job, chosen, node)
-    except FormatError as exc:  # a delta is an optimisation: push a keyframe instead
-        log.warning("cannot use step %s as delta base, pushing a keyframe: %s", chosen, exc)
-        return None
-    return BasePlan(manifest, base_dir or _sibling_with_step(ckpt_dir, chosen))
+        return BasePlan(manifest, base_dir or _sibling_with_step(ckpt_dir, chosen))
+    return None
 
 
 def _sibling_with_step(ckpt_dir: Path, step: int) -> Path | None:

@@ -6,7 +6,7 @@ import asyncio
 import os
 from pathlib import Path
 
-from transfer.engine.pull import merge_parts
+from transfer.engine.parts import merge_parts
 from transfer.engine.resolver import read_local_chunk
 from transfer.format.manifest import Manifest
 

@@ -26,6 +26,7 @@ from transfer.codec.transforms import Buffer
 from transfer.engine.catalog import resolve_manifests
 from transfer.engine.chunkindex import ChunkIndex, StoredChunk
 from transfer.engine.fetch import fetch_chunks
+from transfer.engine.parts import merge_parts
 from transfer.engine.progress import NoProgress, Progress
 from transfer.engine.ratelimit import RateLimit
 from transfer.engine.resolver import ChunkResolver, read_local_into
@@ -38,7 +39,7 @@ from transfer.engine.staging import (
     seal,
     worth_resuming,
 )
-from transfer.errors import FerryError, FormatError
+from transfer.errors import FerryError
 from transfer.format.chunkid import chunk_id
 from transfer.format.manifest import FileEntry, Manifest
 from transfer.format.names import step_from_dirname
@@ -78,30 +79,6 @@ class PullResult:
 @cache
 def _zero_chunk_id(size: int) -> str:
     return chunk_id(bytes(size))
-
-
-def merge_parts(manifests: list[Manifest]) -> list[tuple[FileEntry, Manifest]]:
-    """One file list from every node's part, each file with the manifest whose pack list its
-    chunks index. Two nodes may hold the same file only with the same content and mode
-    (e.g. a replicated .metadata)."""
-    merged: dict[str, tuple[FileEntry, Manifest]] = {}
-    for m in manifests:
-        for f in m.files:
-            if f.path in merged:
-                other, owner = merged[f.path]
-                if (other.mode, [c.id for c in other.chunks]) != (f.mode, [c.id for c in f.chunks]):
-                    raise FormatError(
-                        f"nodes {owner.node} and {m.node} hold different versions of {f.path}"
-                    )
-                continue
-            merged[f.path] = (f, m)
-    paths = set(merged)
-    for path in paths:  # across nodes too: a file must not also be a directory
-        parts = path.split("/")
-        for depth in range(1, len(parts)):
-            if "/".join(parts[:depth]) in paths:
-                raise FormatError(f"{'/'.join(parts[:depth])!r} is both a file and a directory")
-    return [merged[p] for p in sorted(merged)]
 
 
 async def pull(

@@ -35,7 +35,7 @@ from transfer.codec import (
 )
 from transfer.codec.transforms import Buffer
 from transfer.engine import dcp
-from transfer.engine.catalog import list_checkpoints, load_manifest, open_catalog
+from transfer.engine.catalog import Catalog, load_manifest, open_catalog
 from transfer.engine.chunkindex import ChunkIndex, StoredChunk, build_refs
 from transfer.engine.deltabase import BasePlan, choose_base
 from transfer.engine.errors import first_error
@@ -98,33 +98,37 @@ async def push(
     base_dir: Path | None = None,
     full: bool = False,
     resume: ResumeLog | None = None,
+    part: bool = False,
 ) -> PushResult:
     """Push ``ckpt_dir`` as (job, step, node). ``full`` forces a keyframe (no delta base);
     ``base_dir`` is a local copy of the base checkpoint (default: a sibling directory named
     for the base step). ``resume``: this push's resume log (resume.py), which an interrupted
     attempt filled: the chunks it made durable are reused where their pack still exists, and
     those in the landed parts of a pack it left unfinished too, once that upload is
-    completed with what landed; this attempt records its own packs and parts there."""
+    completed with what landed; this attempt records its own packs and parts there.
+    ``part``: ``ckpt_dir`` is one node's part of a multi-node save, which holds some of the
+    files its ``.metadata`` names (those it holds must be whole); else it must hold all.
+
+    Reads of the store's control objects do not grow with the job's nodes: the node's own
+    head and newest parts (its base and dedupe window), never other nodes' manifests."""
     options = options or TransferOptions()
     progress = progress or NoProgress()
     check_name("job", job)
     check_name("node", node)
     check_step(step)
     started = time.monotonic()
-    sources = await asyncio.to_thread(_complete_sources, ckpt_dir)
+    sources = await asyncio.to_thread(_complete_sources, ckpt_dir, part)
     await open_catalog(store, create=True)
+    catalog = Catalog(store)
     # one push of a part at a time: a second one waits, then finds it committed
     async with push_lease(store, job, step, node):
-        others = await _other_parts(store, job, step, node)
-        if (why := _clash(sources, others)) is not None:
-            raise _clash_error(job, step, node, why)
         base = None
         if options.delta and not full:
             base = await choose_base(
-                store, ckpt_dir, job=job, step=step, node=node, base_step=base_step,
+                catalog, ckpt_dir, job=job, step=step, node=node, base_step=base_step,
                 base_dir=base_dir,
             )  # fmt: skip
-        index = await _known_chunks(store, job, options, base, resume)
+        index = await _known_chunks(catalog, job, node, options, base, resume)
         run = _PushRun(store, options, index, progress, base, resume)
         with ThreadPoolExecutor(options.workers, thread_name_prefix="ferry-push") as pool:
             run.pool = pool
@@ -132,32 +136,32 @@ async def push(
             placed = await run.encode_all(sources)
         await run.check_unchanged(ckpt_dir, sources)
         manifest = _manifest(job, step, node, options, sources, placed, index)
-        if (why := _clash(manifest, others)) is not None:
-            await run.writer_abort()  # nobody will reference what we wrote
-            raise _clash_error(job, step, node, why)
         already = await _commit(store, manifest, run)
+        await catalog.record_head(job, node, step)
         progress.finish()
         return run.result(manifest, already, time.monotonic() - started)
 
 
-def _complete_sources(ckpt_dir: Path) -> list[SourceFile]:
+def _complete_sources(ckpt_dir: Path, part: bool) -> list[SourceFile]:
     """The save's files; a save whose commit marker names files not (fully) there yet is
-    never pushed."""
+    never pushed (a part: files it holds that are not fully there)."""
     sources = scan_checkpoint(ckpt_dir)
-    dcp.check_complete(ckpt_dir, {f.path: f.size for f in sources})
+    dcp.check_complete(ckpt_dir, {f.path: f.size for f in sources}, part=part)
     return sources
 
 
 async def _known_chunks(
-    store: Store,
+    catalog: Catalog,
     job: str,
+    node: str,
     options: TransferOptions,
     base: BasePlan | None,
     resume: ResumeLog | None,
 ) -> ChunkIndex:
-    """What the push can reuse: the job's recent stored chunks (dedupe), the base's, and
+    """What the push can reuse: the node's recent stored chunks (dedupe), the base's, and
     those an interrupted attempt of this push left durable."""
-    index = await ChunkIndex.load(store, job, options.dedupe_steps)
+    store = catalog.store
+    index = await ChunkIndex.load(catalog, job, node, options.dedupe_steps)
     if base is not None:
         index.add_manifest(base.manifest)
     if resume is not None:
@@ -506,42 +510,6 @@ class _Tag(NamedTuple):
     size: int
     enc: str
     base: str | None
-
-
-async def _other_parts(store: Store, job: str, step: int, node: str) -> list[Manifest]:
-    return [
-        await load_manifest(store, job, step, c.node)
-        for c in await list_checkpoints(store, job)
-        if c.step == step and c.node != node
-    ]
-
-
-def _clash(ours: Manifest | list[SourceFile], others: list[Manifest]) -> str | None:
-    """Why the parts of one step (one per node) would not merge into one checkpoint, or
-    None. Two parts may hold the same file only with the same bytes (a replicated
-    .metadata); the usual cause is the same checkpoint pushed again under another node name
-    (the host name is the default). Judged by size before reading (``ours`` the scanned
-    sources), by chunk ids before the commit (``ours`` the manifest)."""
-    by_content = isinstance(ours, Manifest)
-
-    def print_of(f: FileEntry | SourceFile) -> object:
-        return (f.mode, [c.id for c in f.chunks]) if isinstance(f, FileEntry) else f.size
-
-    mine = {f.path: print_of(f) for f in (ours.files if isinstance(ours, Manifest) else ours)}
-    for other in others:
-        for f in other.files:
-            theirs = print_of(f) if by_content else f.size
-            if f.path in mine and mine[f.path] != theirs:
-                return f"{f.path} differs from node {other.node}'s"
-    return None
-
-
-def _clash_error(job: str, step: int, node: str, why: str) -> FerryError:
-    return FerryError(
-        f"{job} step {step} already has another node's part and this push as node {node} "
-        f"would make it unrestorable: {why} (the same checkpoint under another node name? "
-        "pass --node with the name it was pushed as)"
-    )
 
 
 async def _check_reused_packs(store: Store, pack_ids: set[str], run: _PushRun) -> None:

@@ -6,6 +6,7 @@
     complete/<job>/<step:018d>.json           written once (create-only) when every expected
                                               node's part of a step is committed
     pins/<job>/<step:018d>/<holder>.json      "do not delete this step" until its expiry
+    heads/<job>/<node>.json                   a hint: the node's newest committed steps
     gc/lock.json, gc/state.json               retention's lease and its mark-and-sweep state
 
 Steps are zero-padded so that a lexical listing is in step order.
@@ -27,6 +28,11 @@ PACKS_PREFIX = "packs/"
 MANIFESTS_PREFIX = "manifests/"
 COMPLETE_PREFIX = "complete/"
 PINS_PREFIX = "pins/"
+HEADS_PREFIX = "heads/"
+HEAD_FORMAT = "ckpt-ferry-node-head"
+HEAD_VERSION = 1
+#: steps a node head names (a push's dedupe window is 16 by default)
+HEAD_STEPS = 64
 GC_LOCK_KEY = "gc/lock.json"
 GC_STATE_KEY = "gc/state.json"
 PUSH_LOCKS_PREFIX = "locks/push/"
@@ -69,6 +75,14 @@ def pin_key(job: str, step: int, holder: str) -> str:
     check_name("job", job)
     check_name("pin holder", holder)
     return f"{PINS_PREFIX}{job}/{check_step(step):018d}/{holder}.json"
+
+
+def node_head_key(job: str, node: str) -> str:
+    """Where a node's head (its newest committed steps) lives: a hint a push reads instead
+    of listing the whole job; every step it names is checked by loading its manifest."""
+    check_name("job", job)
+    check_name("node", node)
+    return f"{HEADS_PREFIX}{job}/{node}.json"
 
 
 def push_lock_key(job: str, step: int, node: str) -> str:

@@ -14,7 +14,7 @@ import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from transfer.engine.catalog import list_checkpoints, load_manifest, open_catalog
+from transfer.engine.catalog import list_parts, load_manifest, open_catalog
 from transfer.errors import AlreadyExistsError, FerryError, NotFoundError
 from transfer.format import layout
 from transfer.format.manifest import parse_manifest
@@ -35,7 +35,7 @@ async def copy_step(src: Store, dst: Store, job: str, step: int) -> CopyResult:
     """Copy every committed part of (job, step), and its completion marker, from ``src``."""
     result = CopyResult()
     await open_catalog(dst, create=True)
-    nodes = [c.node for c in await list_checkpoints(src, job) if c.step == step]
+    nodes = [c.node for c in await list_parts(src, job, step)]
     if not nodes:
         raise NotFoundError(f"{src.url} holds no part of {job} step {step}")
     for node in nodes:

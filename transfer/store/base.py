@@ -164,6 +164,18 @@ class Store(ABC):
     @abstractmethod
     async def head(self, key: str) -> ObjectInfo: ...
 
+    async def list_dirs(self, prefix: str) -> list[str]:
+        """The names one level below ``prefix`` (ending in "/") that hold objects, sorted: a
+        delimiter listing, whose cost grows with those names, not with what lies under
+        them (a job's steps, not its steps x nodes). This default lists everything below;
+        backends that can ask for one level override it."""
+        names = set()
+        for obj in await self.list(prefix):
+            rest = obj.key[len(prefix) :]
+            if "/" in rest:
+                names.add(rest.split("/", 1)[0])
+        return sorted(names)
+
     @abstractmethod
     async def list(self, prefix: str) -> list[ObjectInfo]:
         """Every committed object whose key starts with ``prefix``, sorted by key."""

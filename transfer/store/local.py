@@ -281,6 +281,18 @@ class LocalStore(Store):
         st = await self.run(f"stat {key}", lambda: os.stat(path))
         return ObjectInfo(key, st.st_size)
 
+    async def list_dirs(self, prefix: str) -> list[str]:
+        start = self.root / check_key(prefix.rstrip("/"))
+
+        def names() -> list[str]:
+            try:
+                entries = list(os.scandir(start))
+            except (FileNotFoundError, NotADirectoryError):
+                return []
+            return sorted(e.name for e in entries if not e.name.startswith(".") and e.is_dir())
+
+        return await self.run(f"list {prefix!r}", names)
+
     async def list(self, prefix: str) -> list[ObjectInfo]:
         # Walk only the directory the prefix names (or its parent for a partial name).
         base_dir = prefix.rsplit("/", 1)[0] if "/" in prefix else ""

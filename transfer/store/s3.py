@@ -264,6 +264,12 @@ class S3Store(Store):
         full = self.full_key(key)
         return ObjectInfo(key, await self.on_thread(lambda: self.client.head(full, f"head {key}")))
 
+    async def list_dirs(self, prefix: str) -> list[str]:
+        check_key(prefix.rstrip("/"))
+        full = self.full_key_prefix() + prefix
+        listed = await self.on_thread(lambda: self.client.list_dirs(full, f"list {prefix!r}"))
+        return sorted(listed)
+
     async def list(self, prefix: str) -> list[ObjectInfo]:
         if prefix.rstrip("/"):
             check_key(prefix.rstrip("/"))

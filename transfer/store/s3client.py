@@ -183,6 +183,12 @@ class S3Client:
 
         return self._retrying(what, lambda: s3objects.head(self._objects(), full_key))
 
+    def list_dirs(self, full_prefix: str, what: str) -> list[str]:
+        """The names one level below ``full_prefix`` (a delimiter listing)."""
+        from transfer.store import s3objects
+
+        return self._retrying(what, lambda: s3objects.list_dirs(self._objects(), full_prefix))
+
     def list(self, full_prefix: str, what: str) -> list[tuple[str, int]]:
         """(key, size) of every object whose key starts with ``full_prefix``."""
         from transfer.store import s3objects

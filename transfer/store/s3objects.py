@@ -212,6 +212,15 @@ def list_prefix(store: S3Store, prefix: str) -> list[tuple[str, int]]:
 
 
 @_typed_errors
+def list_dirs(store: S3Store, prefix: str) -> list[str]:
+    """The common prefixes one level below ``prefix`` (which ends in "/"), without it and
+    without their trailing "/": one LIST per 1,000 names."""
+    listed = obstore.list_with_delimiter(store, prefix=prefix.rstrip("/") or None)
+    strip = len(prefix)
+    return [p.rstrip("/")[strip:] for p in listed["common_prefixes"] if p.startswith(prefix)]
+
+
+@_typed_errors
 def reachable(store: S3Store, prefix: str) -> None:
     """Raises if the bucket cannot be listed (missing, denied, down): one page of a list,
     whatever the store holds."""

@@ -1,0 +1,77 @@
+"""The parts of one step, taken together: whether they merge into one checkpoint, and
+whether, together, they hold the whole save.
+
+Each node pushes its own part (its ranks' shards; rank 0's node also ``.metadata``), and no
+push reads another node's manifest (that made every push of an N-node job read N
+manifests). What parts must agree on is checked here, once per step: by the node that
+finds the step's last part in (before it writes the completion marker), and by every
+pull, which merges the parts it restores.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+from transfer.engine.catalog import Catalog
+from transfer.engine.chunkindex import ChunkIndex
+from transfer.engine.dcp import MAX_METADATA_BYTES, METADATA, required_lengths
+from transfer.engine.resolver import ChunkResolver
+from transfer.errors import FormatError, IncompleteStepError
+from transfer.format.manifest import FileEntry, Manifest
+
+
+def merge_parts(manifests: list[Manifest]) -> list[tuple[FileEntry, Manifest]]:
+    """One file list from every node's part, each file with the manifest whose pack list its
+    chunks index. Two nodes may hold the same file only with the same content and mode
+    (e.g. a replicated .metadata)."""
+    merged: dict[str, tuple[FileEntry, Manifest]] = {}
+    for m in manifests:
+        for f in m.files:
+            if f.path in merged:
+                other, owner = merged[f.path]
+                if (other.mode, [c.id for c in other.chunks]) != (f.mode, [c.id for c in f.chunks]):
+                    raise FormatError(
+                        f"nodes {owner.node} and {m.node} hold different versions of {f.path} "
+                        f"in {m.job} step {m.step} (the same step pushed from two saves?)"
+                    )
+                continue
+            merged[f.path] = (f, m)
+    paths = set(merged)
+    for path in paths:  # across nodes too: a file must not also be a directory
+        parts = path.split("/")
+        for depth in range(1, len(parts)):
+            if "/".join(parts[:depth]) in paths:
+                raise FormatError(f"{'/'.join(parts[:depth])!r} is both a file and a directory")
+    return [merged[p] for p in sorted(merged)]
+
+
+async def read_file(catalog: Catalog, manifest: Manifest, entry: FileEntry) -> bytes:
+    """One small file of a part, read from the store and verified chunk by chunk."""
+    index = ChunkIndex()
+    index.add_manifest(manifest)
+    with ThreadPoolExecutor(1, thread_name_prefix="ferry-parts") as pool:
+        resolver = ChunkResolver(catalog.store, index, pool)
+        return b"".join([bytes(await resolver.raw(c.id)) for c in entry.chunks])
+
+
+async def check_step_whole(catalog: Catalog, job: str, step: int) -> list[Manifest]:
+    """The step's parts, when together they are the whole save: they merge, and every file
+    the step's ``.metadata`` names is in some part at the length its ranges need. Raises
+    IncompleteStepError naming the first file missing or short (a torn shard on a node
+    whose part could not check it: it had no ``.metadata``), FormatError when the parts
+    clash. A step without DCP metadata is whole once its parts merge."""
+    manifests = await catalog.manifests(job, step)
+    merged = {f.path: (f, m) for f, m in merge_parts(manifests)}
+    if METADATA not in merged or merged[METADATA][0].size > MAX_METADATA_BYTES:
+        return manifests
+    entry, owner = merged[METADATA]
+    need = required_lengths(await read_file(catalog, owner, entry))
+    for path, length in sorted((need or {}).items()):
+        have = merged[path][0].size if path in merged else None
+        if have is None or have < length:
+            held = "no part holds it" if have is None else f"its part holds {have} bytes"
+            raise IncompleteStepError(
+                f"{job} step {step} is not whole: {METADATA} names {path} ({length} bytes) "
+                f"and {held} ({len(manifests)} parts in)"
+            )
+    return manifests
