@@ -122,6 +122,19 @@ def _add_pull(sub: _Commands) -> None:
         "place; a marker beside it lets a later pull or agent remove it if the machine went "
         "down before the kernel wrote it back)",
     )
+    p.add_argument(
+        "--world-size",
+        type=int,
+        help="with --ranks: pull only the share of a DCP step those ranks of a world of this "
+        "size read (Shard(0) split; .metadata whole); the copy is marked partial",
+    )
+    p.add_argument("--ranks", help="the ranks this node will run: A,B or A-B (with --world-size)")
+    p.add_argument(
+        "--items",
+        type=Path,
+        help="pull only the storage items this JSON list names ([{path, offset, length}], "
+        "as written by transfer.engine.dcpplan_torch for layouts the rule does not cover)",
+    )
     _add_store_args(p)
     _add_transfer_args(p)
 
@@ -343,21 +356,28 @@ async def _cmd_pull(store: Store, args: argparse.Namespace) -> tuple[dict[str, A
     import asyncio
 
     await asyncio.to_thread(settle, args.dest_dir.absolute().parent)
+    manifests, share = await _share_of(store, args, step)
     r = await pull(
         store,
         args.dest_dir,
         job=args.job,
         step=step,
         node=args.node,
+        manifests=manifests,
         options=_transfer_options(args),
         progress=_progress(args),
         base_dir=args.base_dir,
         fsync=args.fsync,
+        share=share,
     )
     rate = r.bytes_raw / r.seconds / 1e6 if r.seconds else 0.0
+    what = f"{_human(r.bytes_raw)}"
+    if share is not None:
+        of = f"ranks {args.ranks} of {args.world_size}" if share.layout else "the items listed"
+        what = f"the share of {of}: {_human(share.nbytes)} of storage items, {what} of files"
     line = (
         f"pulled {r.job} step {r.step} ({len(r.nodes)} part(s)) into {r.dest}: {r.files} files, "
-        f"{_human(r.bytes_raw)}, read {_human(r.bytes_transferred)}"
+        f"{what}, read {_human(r.bytes_transferred)}"
         + (
             f" (with {r.base_dir}: {r.chunks_local} chunks reused, {r.bases_local} decoded"
             " against its bytes)"
@@ -368,6 +388,34 @@ async def _cmd_pull(store: Store, args: argparse.Namespace) -> tuple[dict[str, A
         f"{rate:,.0f} MB/s, every chunk verified"
     )
     return r.to_dict(), line
+
+
+async def _share_of(store: Store, args: argparse.Namespace, step: int | None) -> tuple[Any, Any]:
+    """(manifests, share) of a share pull (--world-size/--ranks or --items), else (None, None)."""
+    if args.world_size is None and args.ranks is None and args.items is None:
+        return None, None
+    if args.items is not None and (args.world_size is not None or args.ranks is not None):
+        raise _UsageError("--items names the share itself: leave out --world-size and --ranks")
+    if args.items is None and (args.world_size is None or args.ranks is None):
+        raise _UsageError("a share needs both --world-size W and --ranks A,B (or --items FILE)")
+    if args.node is not None:
+        raise _UsageError("a share is read from every node's part: leave out --node")
+    import json
+
+    from transfer.engine.catalog import Catalog, resolve_manifests
+    from transfer.engine.dcpshare import Layout, parse_ranks
+    from transfer.engine.share import plan_share
+
+    items = layout = None
+    if args.items is not None:
+        try:
+            items = json.loads(args.items.read_bytes())
+        except (OSError, ValueError) as exc:
+            raise _UsageError(f"--items {args.items}: {exc}") from None
+    else:
+        layout = Layout(args.world_size, parse_ranks(args.ranks))
+    manifests = await resolve_manifests(store, args.job, step)
+    return manifests, await plan_share(Catalog(store), manifests, layout, items)
 
 
 async def _cmd_ls(store: Store, args: argparse.Namespace) -> tuple[dict[str, Any], str]:

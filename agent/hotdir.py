@@ -1,10 +1,11 @@
 """The node's hot directory, ``<hot_dir>/<job>/step_<N>/``: where training saves and
 prefetches land. One home for its layout: which entries are checkpoints (visible
 directories with a job's and a step's name, no symlinks), which are committed (the commit
-marker is there), how a step's directory is named, where a file may be written in one
-(never through a symlink: ``path_in_step_dir``), and how one is evicted (renamed to a
-hidden ``.<name>.evicting-*`` first, so training and prefetch never see half a directory;
-what a crash leaves of that is swept at start).
+marker is there, and no share record: a partial copy is never the step), how a step's
+directory is named, where a file may be written in one (never through a symlink:
+``path_in_step_dir``), and how one is evicted (renamed to a hidden ``.<name>.evicting-*``
+first, so training and prefetch never see half a directory; what a crash leaves of that is
+swept at start).
 
 Hidden entries (a leading dot: ``is_hidden``) are never checkpoints: the agent's state dir,
 pull staging dirs (``.<name>.ferry-staging-*``), eviction leftovers and settle markers live
@@ -21,6 +22,7 @@ from pathlib import Path
 
 from transfer.errors import DestinationError, FerryError
 from transfer.format.names import check_name, step_from_dirname
+from transfer.format.share import SHARE_MARKER
 
 EVICTING_MARK = ".evicting-"  # in a step dir's hidden name while an eviction deletes it
 
@@ -74,7 +76,14 @@ class HotDir:
         return found
 
     def is_committed(self, step_dir: Path) -> bool:
-        return os.path.isfile(step_dir / self.commit_marker)
+        """A save that is whole here: its commit marker is there, and it is not a partial
+        copy (a share pulled for some ranks: share.py), which is never pushed, served to a
+        peer, or counted as holding the step."""
+        return os.path.isfile(step_dir / self.commit_marker) and not self.is_share(step_dir)
+
+    def is_share(self, step_dir: Path) -> bool:
+        """A partial copy: the share some ranks read, recorded by the pull that made it."""
+        return os.path.lexists(step_dir / SHARE_MARKER)
 
     def checkpoints(self, job: str) -> list[LocalCheckpoint]:
         """Committed step directories of ``job``, newest first."""

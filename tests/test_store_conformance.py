@@ -52,6 +52,21 @@ def test_put_get_head_list_delete(store_url: str) -> None:
     with_store(store_url, body)
 
 
+def test_list_dirs_names_one_level_below_a_prefix(store_url: str) -> None:
+    """A delimiter listing: the names just below the prefix that hold objects (a job's
+    steps), not every key under them, and nothing from a sibling prefix."""
+
+    async def body(store: Store) -> None:
+        for key in ("m/j/002/a.json", "m/j/002/b.json", "m/j/010/a.json", "m/jj/003/a.json"):
+            await store.put(key, b"{}")
+        await store.put("m/j/loose", b"x")  # an object, not a name below
+        assert await store.list_dirs("m/j/") == ["002", "010"]
+        assert await store.list_dirs("m/") == ["j", "jj"]
+        assert await store.list_dirs("m/none/") == []
+
+    with_store(store_url, body)
+
+
 def test_missing_key_is_not_found(store_url: str) -> None:
     async def body(store: Store) -> None:
         with pytest.raises(NotFoundError):

@@ -122,7 +122,7 @@ class TransferSettings:
     workers: int = _knob(_DEFAULT_TRANSFER.workers, "hash/codec threads (default: cores)")
     zstd_level: int = _knob(_DEFAULT_TRANSFER.zstd_level or 0, "zstd level; 0 stores raw")
     dedupe_steps: int = _knob(
-        _DEFAULT_TRANSFER.dedupe_steps, "a push dedupes against the job's newest this many steps"
+        _DEFAULT_TRANSFER.dedupe_steps, "a push dedupes against its node's newest this many parts"
     )
     delta: bool = _knob(
         _DEFAULT_TRANSFER.delta, "delta-code changed chunks against the previous step"

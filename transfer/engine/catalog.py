@@ -220,6 +220,11 @@ async def resolve_manifests(
     if not await open_catalog(store, create=False):
         raise CheckpointNotFoundError(f"{store.url} holds no checkpoints (no store descriptor)")
     catalog = Catalog(store)
+    if step is not None and node is not None:  # one part named: its manifest, no listing
+        try:
+            return [await catalog.manifest(job, step, node)]
+        except NotFoundError:
+            pass  # (said below, as for any other checkpoint not found)
     chosen = step if step is not None else await catalog.newest_step_with_parts(job, node)
     nodes = [] if chosen is None else [c.node for c in await catalog.parts(job, chosen)]
     nodes = [n for n in nodes if node is None or n == node]

@@ -8,6 +8,7 @@ renamed into place at the end and removed on any failure.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import logging
 import shutil
@@ -31,6 +32,7 @@ from transfer.engine.progress import NoProgress, Progress
 from transfer.engine.ratelimit import RateLimit
 from transfer.engine.resolver import ChunkResolver, read_local_into
 from transfer.engine.settle import boot_id
+from transfer.engine.share import Share, write_record
 from transfer.engine.staging import (
     Staging,
     StagingFiles,
@@ -71,6 +73,9 @@ class PullResult:
     stage_seconds: dict[str, float]  # thread time per stage (receive, decode, hash, write...)
     seconds: float
     dest: str
+    #: a share's pull: its layout, its bytes, and chunk_bytes: the file bytes its chunks
+    #: cover (the share plus the rest of each chunk it cuts through; before dedupe)
+    share: dict[str, object] | None = None
 
     def to_dict(self) -> dict[str, object]:
         return dict(self.__dict__)
@@ -99,6 +104,7 @@ async def pull(
     own_share: Callable[[str], bool] | None = None,
     on_landed: Callable[[str, tuple[Path, int, int]], None] | None = None,
     on_moved: Callable[[str, int], None] | None = None,
+    share: Share | None = None,
 ) -> PullResult:
     """Restore a checkpoint into ``dest``. ``manifests``: its manifests, when the caller has
     resolved them already (catalog.resolve_checkpoint): they are not read again.
@@ -115,7 +121,9 @@ async def pull(
     fetches from the store itself, at once, while the chunk source is asked for the others.
     ``on_landed(id, (file, offset, size))``: told as each chunk is written and verified in
     the staging dir (the fan-out serves it from there). ``on_moved(origin, n)``: told of the
-    bytes as they move, ``"store"`` or the chunk source's origin (live progress per source)."""
+    bytes as they move, ``"store"`` or the chunk source's origin (live progress per source).
+    ``share``: restore only that share of the step (share.py): the chunks that cover its
+    ranges, of which only the ranges are written; the copy records what it holds."""
     options = options or TransferOptions()
     progress = progress or NoProgress()
     started = time.monotonic()
@@ -123,6 +131,10 @@ async def pull(
     if base_dir is not None and base_manifests is None:
         base_manifests = await _manifests_named_by(store, job, base_dir)
     files, index, targets, hints = _plan(manifests)
+    clips: Clips = {}
+    covered = 0
+    if share is not None:
+        files, targets, hints, clips, covered = _plan_share(files, share)
     staging = await _to_thread_to_the_end(open_staging, dest)
     async with _kept_if_resumable(staging):
         await _to_thread_to_the_end(create_files, staging, files, targets)
@@ -135,11 +147,20 @@ async def pull(
             run = _Restore(
                 ChunkResolver(store, index, pool, base_dir),
                 staging, files, targets, hints, out, progress, options, on_landed, on_moved,
+                clips,
             )  # fmt: skip
             got = await run.gather(base_manifests, chunk_source, own_share, rate_limit)
+        if share is not None:
+            job_step = manifests[0].job, manifests[0].step
+            await _to_thread_to_the_end(write_record, staging.path, *job_step, share)
         await _to_thread_to_the_end(seal, staging.path, files, dest, fsync)
     progress.finish()
-    return run.result(manifests, got, base_dir, dest, time.monotonic() - started)
+    result = run.result(manifests, got, base_dir, dest, time.monotonic() - started)
+    if share is not None:
+        record = share.to_record(result.job, result.step)
+        result.share = {k: record[k] for k in ("layout", "bytes")}
+        result.share["chunk_bytes"] = covered
+    return result
 
 
 @contextlib.asynccontextmanager
@@ -161,6 +182,9 @@ async def _kept_if_resumable(staging: Staging) -> AsyncIterator[None]:
 
 Targets = dict[str, list[tuple[int, int]]]  # chunk id -> [(file index, offset)] to write it
 Hints = dict[str, tuple[str, int]]  # chunk id -> its first (path, offset)
+#: (file index, offset) of a chunk that a share covers in part -> the file's ranges to write
+Clips = dict[tuple[int, int], list[tuple[int, int]]]
+_NO_END = 1 << 62
 
 
 def _plan(manifests: list[Manifest]) -> tuple[list[FileEntry], ChunkIndex, Targets, Hints]:
@@ -195,6 +219,48 @@ def _plan_targets(files: list[FileEntry]) -> tuple[Targets, Hints]:
     return targets, hints
 
 
+def _plan_share(
+    files: list[FileEntry], share: Share
+) -> tuple[list[FileEntry], Targets, Hints, Clips, int]:
+    """A share's files (a storage file it needs nothing of is left out), where each chunk
+    that covers some of its ranges is written, which of those are written only in part
+    (the rest of such a chunk belongs to items outside the share: left a hole), and the
+    bytes of the file ranges those chunks cover (all-zero chunks included: they cost a
+    hole, not a fetch)."""
+    kept = [f for f in files if share.spans_of(f.path) != ()]
+    targets: Targets = defaultdict(list)
+    hints: Hints = {}
+    clips: Clips = {}
+    covered = 0
+    for fi, f in enumerate(kept):
+        spans = share.spans_of(f.path)
+        for offset, c in f.chunk_offsets():
+            end = offset + c.size
+            pieces = [(offset, end)] if spans is None else _overlaps(spans, offset, end)
+            if not pieces:
+                continue
+            covered += c.size
+            if c.id == _zero_chunk_id(c.size):
+                continue  # the staging files start zero-filled (sparse)
+            if pieces != [(offset, end)]:
+                clips[(fi, offset)] = pieces
+            targets[c.id].append((fi, offset))
+            hints.setdefault(c.id, (f.path, offset))
+    return kept, targets, hints, clips, covered
+
+
+def _overlaps(spans: tuple[tuple[int, int], ...], start: int, end: int) -> list[tuple[int, int]]:
+    """The parts of sorted ``spans`` inside ``[start, end)``."""
+    first = bisect.bisect_right(spans, (start, _NO_END)) - 1
+    out = []
+    for lo, hi in spans[max(first, 0) :]:
+        if lo >= end:
+            break
+        if hi > start:
+            out.append((max(lo, start), min(hi, end)))
+    return out
+
+
 @dataclass
 class _Gathered:
     resumed: set[str]  # found in place in an adopted staging dir
@@ -220,8 +286,10 @@ class _Restore:
         options: TransferOptions,
         on_landed: Callable[[str, tuple[Path, int, int]], None] | None,
         on_moved: Callable[[str, int], None] | None = None,
+        clips: Clips | None = None,
     ) -> None:
         self.resolver = resolver
+        self.clips = clips or {}
         self.on_moved = on_moved
         self.index = resolver.index
         self.staging = staging
@@ -245,16 +313,26 @@ class _Restore:
         positions = self.targets.get(c.id, ())
         with self.resolver.clock.timing("write"):
             for fi, offset in positions:
-                self.out.pwrite(fi, offset, data)
+                self._put(fi, offset, data)
         self.progress.advance(len(data) * max(1, len(positions)))
         self._landed(c.id)
 
     def write_elsewhere(self, c: StoredChunk, data: Buffer) -> None:
         """A chunk found in place in an adopted staging dir: its other positions."""
         for fi, offset in self.targets[c.id][1:]:
-            self.out.pwrite(fi, offset, data)
+            self._put(fi, offset, data)
         self.progress.advance(len(data) * len(self.targets[c.id]))
         self._landed(c.id)
+
+    def _put(self, fi: int, offset: int, data: Buffer) -> None:
+        """A chunk at one position: whole, or only the share's ranges of it."""
+        pieces = self.clips.get((fi, offset))
+        if pieces is None:
+            self.out.pwrite(fi, offset, data)
+            return
+        view = memoryview(data)
+        for lo, hi in pieces:
+            self.out.pwrite(fi, lo, view[lo - offset : hi - offset])
 
     def _landed(self, cid: str) -> None:
         if self.on_landed is not None and cid in self.targets:

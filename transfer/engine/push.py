@@ -46,11 +46,13 @@ from transfer.engine.pushlease import push_lease
 from transfer.engine.resolver import ChunkResolver
 from transfer.engine.resume import ResumeLog
 from transfer.engine.scan import SourceFile, check_unchanged, read_range, scan_checkpoint
+from transfer.engine.share import describe, read_record
 from transfer.errors import AlreadyExistsError, FerryError, NotFoundError, SourceChangedError
 from transfer.format import layout
 from transfer.format.chunkid import chunk_id
 from transfer.format.manifest import FileEntry, Manifest
 from transfer.format.names import check_name, check_step
+from transfer.format.share import SHARE_MARKER
 from transfer.options import TransferOptions
 from transfer.store.base import PartReceipt, Store
 
@@ -145,6 +147,13 @@ async def push(
 def _complete_sources(ckpt_dir: Path, part: bool) -> list[SourceFile]:
     """The save's files; a save whose commit marker names files not (fully) there yet is
     never pushed (a part: files it holds that are not fully there)."""
+    record = read_record(ckpt_dir)
+    if record is not None:
+        raise FerryError(
+            f"{ckpt_dir} is a partial copy ({describe(record)} of "
+            f"{record.get('job')} step {record.get('step')}, {SHARE_MARKER}), not a save: "
+            "only what training saved is pushed"
+        )
     sources = scan_checkpoint(ckpt_dir)
     dcp.check_complete(ckpt_dir, {f.path: f.size for f in sources}, part=part)
     return sources

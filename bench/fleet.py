@@ -1,0 +1,525 @@
+"""The control plane at fleet shape: store requests and bytes per operation against N nodes.
+
+    python -m bench.fleet                              # N = 8, 32, 128, 512; S = 3
+    python -m bench.fleet --nodes 8,16,32 --steps 3 --json /tmp/fleet.json
+    python -m bench.fleet --quick                      # N = 4, 8; S = 2 (a smoke test)
+
+A job on N nodes saves a checkpoint every few minutes and each node pushes its own part
+(``manifests/<job>/<step>/<node>.json``, docs/FORMAT.md). For each N this fills a fresh
+prefix of a real S3 server (SeaweedFS on loopback, ``tests/s3server.py``) with S steps of
+all N nodes, each part one small ``__<rank>_0.distcp`` (0.5-4 KB of random bytes, a few bytes
+changed per step, so later steps are pushed as deltas), then measures, through a counting
+proxy in front of the server (``CountingProxy``: ``tests/faultproxy.py`` with no faults,
+tallying each request by method and key), in this order:
+
+- ``pull step``: ``transfer.engine.pull`` of step S (all N parts merged) into an empty dir;
+- ``pull latest``: the same with ``step=None``;
+- ``pull node``: node n0005's part of step S alone (``node=``);
+- ``push``: n0005's part of a new step S+1 (its previous save beside it on disk, as on a
+  node that wrote it: the delta base is read locally);
+- ``retention``: what ``ferry retention URL --keep-last 1 --grace 0 --expected-nodes ...``
+  runs (``make_plan`` + ``apply_plan``, repacking as the CLI's default): it expires steps
+  1..S-1 (S is the newest complete step, S+1 is in progress) and collects their packs;
+- ``gc``: one more mark-and-sweep on its own (``take_inventory`` + ``collect_garbage`` under
+  ``gc_lease``, grace 0).
+
+Every operation opens its store afresh, as one CLI command does. Requests whose key is under
+``packs/`` are data; everything else is control (manifests, the store descriptor, leases,
+markers, pins, GC state). Listings count as control whatever their prefix, a listing of
+``packs/`` included: LIST is a GET with ``list-type`` (ListObjectsV2) or ``uploads``
+(ListMultipartUploads) in its query. Bytes are HTTP bodies (up: requests, down: replies).
+
+Population does not go through the proxy. ``--populate staged`` (the default) pushes each
+node's S steps with the engine into a local store of its own on /dev/shm and then copies
+every object into the S3 prefix; ``--populate direct`` pushes all N nodes into the S3
+prefix itself, step by step, 16 at a time, which is what a fleet does but costs O(N^2)
+requests per step (every push reads every manifest of the job's newest steps and every
+other part of its own step, one GET at a time): 3 / 9 / 27 / 126 s at N = 8 / 32 / 64 / 128
+here (staged: 1 / 2 / 5 s, and 20 s at N = 512). The stored objects are the same either way
+(parts of different nodes share no chunks): every operation measured the same requests
+after either.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import secrets
+import shutil
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from bench._env import machine_info, reproduce_command, source_info
+from bench._loopback import loopback_s3
+from tests.faultproxy import FaultProxy
+from tests.s3server import S3Endpoint
+from transfer.engine import pull, push
+from transfer.engine.catalog import open_catalog
+from transfer.options import TransferOptions
+from transfer.retention import (
+    Tier,
+    TierPolicy,
+    apply_plan,
+    collect_garbage,
+    gc_lease,
+    make_plan,
+    take_inventory,
+)
+from transfer.retention.repack import RepackPolicy
+from transfer.store import StoreOptions, open_store
+from transfer.store.base import Store
+
+JOB = "fleet"
+STEP_EVERY = 100
+OPS = ("push", "pull step", "pull latest", "pull node", "retention", "gc")
+METHODS = ("LIST", "GET", "PUT", "HEAD", "DELETE", "POST")
+DEFAULT_NODES = (8, 32, 128, 512)
+QUICK_NODES = (4, 8)
+BYTE_KEYS = ("control_down", "control_up", "data_down", "data_up")
+CONCURRENCY = 16  # pushes (population) and object copies in flight
+REPO = Path(__file__).resolve().parent.parent
+
+
+# -- counting --------------------------------------------------------------------------------
+
+
+@dataclass
+class Tally:
+    """What one operation sent through the proxy."""
+
+    control: Counter[str] = field(default_factory=Counter)  # method label -> requests
+    data: Counter[str] = field(default_factory=Counter)
+    bytes: Counter[str] = field(default_factory=Counter)  # control_up, control_down, data_...
+    areas: Counter[str] = field(default_factory=Counter)  # "GET manifests" -> requests
+    area_bytes: Counter[str] = field(default_factory=Counter)  # ... -> body bytes, both ways
+
+    def add(self, label: str, key: str, up: int, down: int) -> None:
+        kind = "data" if label != "LIST" and key.startswith("packs/") else "control"
+        (self.data if kind == "data" else self.control)[label] += 1
+        self.bytes[f"{kind}_up"] += up
+        self.bytes[f"{kind}_down"] += down
+        area = f"{label} {key.split('/', 1)[0] or '(root)'}"
+        self.areas[area] += 1
+        self.area_bytes[area] += up + down
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "control_requests": sum(self.control.values()),
+            "data_requests": sum(self.data.values()),
+            "control": dict(self.control),
+            "data": dict(self.data),
+            "bytes": {k: self.bytes[k] for k in BYTE_KEYS},
+            "areas": dict(self.areas.most_common()),
+            "area_bytes": dict(self.area_bytes),
+        }
+
+
+def classify(
+    method: str, path: str, query: Mapping[str, str], bucket: str, prefix: str
+) -> tuple[str, str]:
+    """(method label, store-relative key) of one S3 request (path-style addressing); the key
+    of a listing is its ``prefix`` parameter."""
+    if method == "GET" and ("list-type" in query or "uploads" in query):
+        label, key = "LIST", query.get("prefix", "")
+    else:
+        label, key = method, path.lstrip("/").removeprefix(bucket).lstrip("/")
+    if prefix:
+        key = "" if key.rstrip("/") == prefix else key.removeprefix(prefix + "/")
+    return label, key
+
+
+class CountingProxy(FaultProxy):
+    """The tests' forwarding proxy (no faults) that also tallies every request into the
+    current ``Tally`` by method and key, with its body bytes each way."""
+
+    def __init__(self, upstream: str, bucket: str) -> None:
+        super().__init__(upstream)
+        self.bucket = bucket
+        self.prefix = ""
+        self.tally: Tally | None = None
+
+    def begin(self, prefix: str) -> Tally:
+        """Count from now on into a fresh Tally; keys are taken relative to ``prefix``."""
+        self.prefix = prefix
+        self.tally = Tally()
+        return self.tally
+
+    def end(self) -> None:
+        self.tally = None
+
+    async def _handle(self, request: web.Request) -> web.StreamResponse:
+        up = len(await request.read())  # (cached: the forwarding reads it again)
+        reply = await super()._handle(request)
+        tally = self.tally
+        if tally is not None:
+            body = reply.body if isinstance(reply, web.Response) else None
+            down = len(body) if isinstance(body, (bytes, bytearray)) else 0
+            label, key = classify(
+                request.method, request.path, request.query, self.bucket, self.prefix
+            )
+            tally.add(label, key, up, down)
+        return reply
+
+
+# -- the fleet's checkpoints -----------------------------------------------------------------
+
+
+def node_name(rank: int) -> str:
+    return f"n{rank:04d}"
+
+
+def step_of(k: int) -> int:
+    """The step number of the k-th save (k from 0)."""
+    return (k + 1) * STEP_EVERY
+
+
+def measured_rank(n: int) -> int:
+    return min(5, n - 1)
+
+
+def part_bytes(rank: int, step: int) -> bytes:
+    """One node's shard at ``step``: its rank's random bytes with a few of them changed."""
+    size = 512 + (rank * 733) % 3585
+    data = bytearray(random.Random(rank).randbytes(size))
+    rng = random.Random(rank * 1_000_003 + step)
+    for _ in range(8):
+        data[rng.randrange(size)] ^= 1 + rng.randrange(255)
+    return bytes(data)
+
+
+def part_dir(root: Path, rank: int, step: int) -> Path:
+    return root / node_name(rank) / f"step_{step:06d}"
+
+
+def write_parts(root: Path, n: int, saves: int) -> None:
+    """Every node's saves 0..saves-1 on disk (plus the measured node's next one)."""
+    for rank in range(n):
+        for k in range(saves + (rank == measured_rank(n))):
+            d = part_dir(root, rank, step_of(k))
+            d.mkdir(parents=True, exist_ok=True)
+            (d / f"__{rank}_0.distcp").write_bytes(part_bytes(rank, step_of(k)))
+
+
+def push_options() -> TransferOptions:
+    """Population: one hash/codec thread per push (many run at once)."""
+    return TransferOptions(workers=1)
+
+
+async def bounded(jobs: Iterable[Awaitable[None]], limit: int = CONCURRENCY) -> None:
+    gate = asyncio.Semaphore(limit)
+
+    async def one(job: Awaitable[None]) -> None:
+        async with gate:
+            await job
+
+    await asyncio.gather(*(one(j) for j in jobs))
+
+
+async def push_part(store: Store, root: Path, rank: int, step: int) -> None:
+    d = part_dir(root, rank, step)
+    await push(store, d, job=JOB, step=step, node=node_name(rank), options=push_options())
+
+
+async def populate_direct(store: Store, root: Path, n: int, saves: int) -> None:
+    """Every node pushes into the shared store, a step at a time (as a fleet does)."""
+    for k in range(saves):
+        await bounded(push_part(store, root, rank, step_of(k)) for rank in range(n))
+
+
+async def populate_staged(store: Store, root: Path, n: int, saves: int, stage: Path) -> None:
+    """Each node pushes its saves into a local store of its own; then every object of those
+    stores is copied into ``store``."""
+
+    async def one_node(rank: int) -> None:
+        local_dir = stage / node_name(rank)
+        local_dir.mkdir(parents=True)
+        local = open_store(str(local_dir))
+        try:
+            for k in range(saves):
+                await push_part(local, root, rank, step_of(k))
+        finally:
+            await local.close()
+
+    await bounded(one_node(rank) for rank in range(n))
+    await open_catalog(store, create=True)
+    await bounded(copy_objects(stage / node_name(rank), store) for rank in range(n))
+
+
+async def copy_objects(local_dir: Path, dest: Store) -> None:
+    """Every object of the local store at ``local_dir`` but its descriptor, into ``dest``."""
+    local = open_store(str(local_dir))
+    try:
+        for obj in await local.list(""):
+            if obj.key != "ferry-store.json":
+                await dest.put(obj.key, await local.get(obj.key))
+    finally:
+        await local.close()
+
+
+# -- the measured operations -----------------------------------------------------------------
+
+
+@dataclass
+class Fleet:
+    """One N's store and checkpoints."""
+
+    n: int
+    saves: int
+    url: str
+    prefix: str
+    root: Path  # node dirs
+    work: Path  # pull destinations
+
+    @property
+    def nodes(self) -> list[str]:
+        return [node_name(r) for r in range(self.n)]
+
+    @property
+    def last(self) -> int:
+        return step_of(self.saves - 1)
+
+    @property
+    def me(self) -> str:
+        return node_name(measured_rank(self.n))
+
+
+Op = Callable[[Store, Fleet], Awaitable[None]]
+
+
+async def op_pull(store: Store, fleet: Fleet, step: int | None, node: str | None) -> None:
+    dest = fleet.work / f"pull-{secrets.token_hex(4)}"
+    try:
+        result = await pull(store, dest, job=JOB, step=step, node=node)
+        if result.files != (1 if node else fleet.n):
+            raise SystemExit(f"pull of step {step} node {node} restored {result.files} files")
+    finally:
+        shutil.rmtree(dest, ignore_errors=True)
+
+
+async def op_push(store: Store, fleet: Fleet) -> None:
+    rank = measured_rank(fleet.n)
+    step = step_of(fleet.saves)
+    await push(store, part_dir(fleet.root, rank, step), job=JOB, step=step, node=fleet.me)
+
+
+async def op_retention(store: Store, fleet: Fleet) -> None:
+    """``ferry retention URL --keep-last 1 --grace 0 --expected-nodes <all N>``."""
+    tiers = [Tier(store, TierPolicy(keep_last=1))]
+    if not await open_catalog(store, create=False):
+        raise SystemExit(f"{store.url} is not a store")
+    plan = await make_plan(tiers, now=time.time(), expected_nodes=fleet.nodes)
+    await apply_plan(
+        plan, tiers, grace_s=0.0, holder="bench-fleet", expected_nodes=fleet.nodes,
+        repacking=RepackPolicy(0.2),
+    )  # fmt: skip
+    errors = [e for t in plan.tiers for e in t.errors]
+    if errors:
+        raise SystemExit(f"retention failed: {errors}")
+
+
+async def op_gc(store: Store, fleet: Fleet) -> None:
+    now = time.time()
+    async with gc_lease(store, "bench-fleet", now=now):
+        inventory = await take_inventory(store, now=now, expected_nodes=fleet.nodes)
+        await collect_garbage(
+            store, inventory, grace_s=0.0, now=now, expected_nodes=tuple(fleet.nodes)
+        )
+
+
+def operations(fleet: Fleet) -> list[tuple[str, Op]]:
+    """In the order they run: the pulls before the push (a pull of "latest" would otherwise
+    take step S+1, which then has only the measured node's part)."""
+    return [
+        ("pull step", lambda s, f: op_pull(s, f, f.last, None)),
+        ("pull latest", lambda s, f: op_pull(s, f, None, None)),
+        ("pull node", lambda s, f: op_pull(s, f, f.last, f.me)),
+        ("push", op_push),
+        ("retention", op_retention),
+        ("gc", op_gc),
+    ]
+
+
+async def measure(fleet: Fleet, proxy: CountingProxy) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for name, op in operations(fleet):
+        store = open_store(fleet.url, StoreOptions(endpoint_url=proxy.url))
+        tally = proxy.begin(fleet.prefix)
+        began = time.monotonic()
+        try:
+            await op(store, fleet)
+        finally:
+            proxy.end()
+            await store.close()
+        out[name] = tally.to_dict() | {"seconds": round(time.monotonic() - began, 3)}
+    return out
+
+
+# -- one N, all Ns ---------------------------------------------------------------------------
+
+
+async def run_fleet(
+    n: int, saves: int, ep: S3Endpoint, proxy: CountingProxy, work: Path, populate: str
+) -> dict[str, Any]:
+    prefix = f"fleet-{secrets.token_hex(3)}-n{n}"
+    fleet = Fleet(n, saves, f"s3://{ep.bucket}/{prefix}", prefix, work / "nodes", work)
+    await asyncio.to_thread(write_parts, fleet.root, n, saves)
+    store = open_store(fleet.url, StoreOptions(endpoint_url=ep.url))  # not through the proxy
+    began = time.monotonic()
+    try:
+        if populate == "direct":
+            await populate_direct(store, fleet.root, n, saves)
+        else:
+            stage = stage_dir(work)
+            try:
+                await populate_staged(store, fleet.root, n, saves, stage)
+            finally:
+                shutil.rmtree(stage, ignore_errors=True)
+        populate_s = time.monotonic() - began
+        objects = len(await store.list(""))
+    finally:
+        await store.close()
+    print(f"N={n}: populated {saves} steps, {objects} objects, in {populate_s:.1f} s ({populate})",
+          flush=True)  # fmt: skip
+    ops = await measure(fleet, proxy)
+    return {"nodes": n, "populate_seconds": round(populate_s, 2), "objects": objects, "ops": ops}
+
+
+def stage_dir(work: Path) -> Path:
+    """Where the staged population's local stores go: tmpfs when there is one (the stores
+    fsync every object)."""
+    shm = Path("/dev/shm")
+    base = shm if shm.is_dir() and os.access(shm, os.W_OK) else work
+    return Path(tempfile.mkdtemp(prefix="ferry-fleet-", dir=base))
+
+
+def run(args: argparse.Namespace, ep: S3Endpoint) -> dict[str, Any]:
+    """Every N against the server at ``ep`` (its credentials in the AWS environment); the
+    results document (also written to ``--json``)."""
+    nodes, saves = nodes_and_steps(args)
+    runs = []
+    proxy = CountingProxy(ep.url, ep.bucket)
+    proxy.start()
+    try:
+        for n in nodes:
+            work = Path(tempfile.mkdtemp(prefix=f"ferry-fleet-n{n}-"))
+            try:
+                runs.append(asyncio.run(run_fleet(n, saves, ep, proxy, work, args.populate)))
+            finally:
+                shutil.rmtree(work, ignore_errors=True)
+    finally:
+        proxy.stop()
+    doc = {"steps": saves, "populate": args.populate, "server": ep.kind, "runs": runs}
+    if args.json:
+        extra = {"machine": machine_info(), "source": source_info(REPO)}
+        Path(args.json).write_text(json.dumps(doc | extra, indent=1) + "\n")
+    return doc
+
+
+def nodes_and_steps(args: argparse.Namespace) -> tuple[list[int], int]:
+    if args.quick:
+        return list(QUICK_NODES), 2
+    return list(args.nodes), args.steps
+
+
+# -- tables ----------------------------------------------------------------------------------
+
+COLUMNS: list[tuple[str, Callable[[dict[str, Any]], int]]] = [
+    ("control req", lambda o: o["control_requests"]),
+    ("data req", lambda o: o["data_requests"]),
+    *((m, lambda o, m=m: o["control"].get(m, 0)) for m in METHODS),
+    ("ctl KB down", lambda o: o["bytes"]["control_down"]),
+    ("ctl KB up", lambda o: o["bytes"]["control_up"]),
+    ("data KB down", lambda o: o["bytes"]["data_down"]),
+    ("data KB up", lambda o: o["bytes"]["data_up"]),
+]
+
+
+def cell(name: str, value: int, ref: int) -> str:
+    text = f"{value / 1000:,.1f}" if "KB" in name else f"{value:,}"
+    if ref:
+        return f"{text} ({value / ref:.1f}x)"
+    return text if not value else f"{text} (-)"
+
+
+def op_table(doc: dict[str, Any], op: str) -> list[str]:
+    """One markdown table: a row per N, each cell with its ratio to the N=8 row (or the
+    smallest N's)."""
+    runs = doc["runs"]
+    ref = next((r for r in runs if r["nodes"] == 8), runs[0])
+    lines = [
+        f"**{op}** (method columns: control requests; ratio to N={ref['nodes']})",
+        "",
+        "| N | " + " | ".join(name for name, _ in COLUMNS) + " | wall s |",
+        "|---" * (len(COLUMNS) + 2) + "|",
+    ]
+    for r in runs:
+        o, base = r["ops"][op], ref["ops"][op]
+        cells = [cell(name, get(o), get(base)) for name, get in COLUMNS]
+        lines.append(f"| {r['nodes']} | " + " | ".join(cells) + f" | {o['seconds']:.2f} |")
+    last = runs[-1]["ops"][op]
+    areas = ", ".join(
+        f"{k} {v:,} ({last['area_bytes'][k] / 1000:,.1f} KB)" for k, v in last["areas"].items()
+    )
+    lines += ["", f"N={runs[-1]['nodes']}, requests (body KB) by method and area: {areas}", ""]
+    return lines
+
+
+def report(doc: dict[str, Any]) -> str:
+    head = [f"Steps held: {doc['steps']}; populated {doc['populate']}; server {doc['server']}."]
+    head += [
+        f"N={r['nodes']}: population {r['populate_seconds']:.1f} s, {r['objects']:,} objects"
+        for r in doc["runs"]
+    ]
+    lines = [*head, ""]
+    for op in OPS:
+        lines += op_table(doc, op)
+    return "\n".join(lines)
+
+
+# -- the command -----------------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("--nodes", type=node_list, default=list(DEFAULT_NODES),
+                    help="node counts, comma-separated (default 8,32,128,512)")  # fmt: skip
+    ap.add_argument("--steps", type=int, default=3, help="steps the store holds (default 3)")
+    ap.add_argument("--json", type=Path, default=None, help="write the raw numbers here")
+    ap.add_argument("--quick", action="store_true", help="N = 4, 8 and 2 steps: a smoke test")
+    ap.add_argument("--populate", choices=("staged", "direct"), default="staged",
+                    help="staged: per-node local stores, copied in; direct: S3")  # fmt: skip
+    args = ap.parse_args(argv)
+    if args.steps < 2:
+        ap.error("--steps must be at least 2 (retention keeps the newest of them)")
+    return args
+
+
+def node_list(text: str) -> list[int]:
+    values = [int(v) for v in text.split(",") if v.strip()]
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"node counts must be positive: {text!r}")
+    return values
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = parse_args(argv)
+    print(reproduce_command([sys.executable, "-m", "bench.fleet", *(argv or sys.argv[1:])]))
+    with loopback_s3("ferry-fleet-") as (_work, ep):
+        doc = run(args, ep)
+    print(report(doc))
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

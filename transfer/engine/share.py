@@ -1,0 +1,130 @@
+"""A share of a step: the bytes some ranks of a new world will read, and the record a
+partial copy keeps of itself so that nothing takes it for the whole step.
+
+A node that will host ranks A and B of a W-rank world after a resize needs, of a DCP step,
+``.metadata`` and the byte ranges of the storage files those ranks' loads read
+(dcpshare.share_ranges, from ``.metadata`` alone), or an explicit item list computed where
+the model lives (dcpplan_torch). The pull writes exactly those ranges: every other byte of
+a storage file it touches stays a hole, and a storage file it needs nothing of is left out,
+so a rank that reads outside the share fails (a missing file, or a blob of zeros that
+``torch.load`` refuses), never loads another rank's values.
+
+The record (``.ferry-share.json`` in the copy, written before the copy is renamed into place)
+names the job, step, layout and ranges. A directory holding it is never pushed as a part,
+served to a peer as the step, or counted as holding the step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from transfer.engine.catalog import Catalog
+from transfer.engine.dcp import MAX_METADATA_BYTES, METADATA, required_lengths
+from transfer.engine.dcpshare import Layout, Ranges, ranges_from_items, share_bytes, share_ranges
+from transfer.engine.parts import merge_parts, read_file
+from transfer.errors import FerryError, FormatError
+from transfer.format.manifest import Manifest
+from transfer.format.share import SHARE_FORMAT, SHARE_MARKER, SHARE_VERSION
+
+
+@dataclass(frozen=True)
+class Share:
+    """What of a step a partial copy holds: ``ranges`` of the storage files (every other
+    storage file of ``storage`` is left out); files outside ``storage`` (``.metadata``)
+    whole. ``layout`` is None for an explicit item list."""
+
+    ranges: Ranges
+    storage: frozenset[str]
+    layout: Layout | None
+
+    def spans_of(self, path: str) -> tuple[tuple[int, int], ...] | None:
+        """The ranges of ``path`` to write; None: the whole file; (): none of it."""
+        if path not in self.storage:
+            return None
+        return self.ranges.get(path, ())
+
+    @property
+    def nbytes(self) -> int:
+        return share_bytes(self.ranges)
+
+    def to_record(self, job: str, step: int) -> dict[str, object]:
+        layout = None
+        if self.layout is not None:
+            layout = {"world_size": self.layout.world_size, "ranks": list(self.layout.ranks)}
+        return {
+            "format": SHARE_FORMAT,
+            "version": SHARE_VERSION,
+            "job": job,
+            "step": step,
+            "layout": layout,
+            "bytes": self.nbytes,
+            "ranges": {p: [list(r) for r in spans] for p, spans in self.ranges.items()},
+        }
+
+
+async def plan_share(
+    catalog: Catalog,
+    manifests: list[Manifest],
+    layout: Layout | None = None,
+    items: object = None,
+) -> Share:
+    """The share of the step ``manifests`` make for ``layout`` (dcpshare's rule) or for an
+    explicit item list ``items`` (JSON, as dcpplan_torch writes it): one read of the step's
+    ``.metadata`` from the store."""
+    merged = {f.path: (f, m) for f, m in merge_parts(manifests)}
+    job, step = manifests[0].job, manifests[0].step
+    if METADATA not in merged:
+        raise FerryError(f"{job} step {step} has no {METADATA}: not a DCP save, no share of it")
+    entry, owner = merged[METADATA]
+    if entry.size > MAX_METADATA_BYTES:
+        raise FormatError(f"{job} step {step}: {METADATA} is {entry.size} bytes, over the limit")
+    metadata = await read_file(catalog, owner, entry)
+    storage = frozenset(required_lengths(metadata) or ())
+    if items is not None:
+        ranges = ranges_from_items(items)
+    elif layout is not None:
+        ranges = share_ranges(metadata, layout)
+    else:
+        raise ValueError("plan_share needs a layout or an item list")
+    for path, spans in ranges.items():
+        size = merged[path][0].size if path in merged else None
+        if size is None or path not in storage or spans[-1][1] > size:
+            raise FormatError(f"the share names {path} up to {spans[-1][1]}, which the step lacks")
+    return Share(ranges, storage, layout)
+
+
+def write_record(root: Path, job: str, step: int, share: Share) -> None:
+    """The copy's record of what it holds (durable with the copy: seal fsyncs or marks it)."""
+    data = json.dumps(share.to_record(job, step)).encode()
+    fd = os.open(root / SHARE_MARKER, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+
+
+def read_record(root: Path) -> dict[str, object] | None:
+    """The record of a partial copy at ``root``, or None for a whole one. A record that
+    does not parse still marks the copy partial (it is never taken for the whole step)."""
+    try:
+        raw = (root / SHARE_MARKER).read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        return {"error": f"unreadable: {exc.strerror}"}
+    try:
+        doc = json.loads(raw)
+    except ValueError:
+        return {"error": "not JSON"}
+    return doc if isinstance(doc, dict) else {"error": "not an object"}
+
+
+def describe(record: dict[str, object]) -> str:
+    """One line for an error: what share a partial copy holds."""
+    layout = record.get("layout")
+    if isinstance(layout, dict):
+        return f"ranks {layout.get('ranks')} of a world of {layout.get('world_size')}"
+    return "an explicit item list" if "error" not in record else f"a share ({record['error']})"
