@@ -72,10 +72,14 @@ class FerryClient:
         step: int | str = "latest",
         deadline_s: float | None = None,
         fanout: tuple[list[str], str] | None = None,
+        layout: tuple[int, list[int]] | None = None,
     ) -> str:
         """Start a prefetch; ``fanout``: (every member's agent URL, this agent's URL) of a
-        fan-out restore (send the same members to each)."""
+        fan-out restore (send the same members to each); ``layout``: (world size, ranks
+        this node will run): only the share those ranks read."""
         body: dict[str, Any] = {"job": job, "step": step}
+        if layout is not None:
+            body["layout"] = {"world_size": layout[0], "ranks": list(layout[1])}
         if deadline_s is not None:
             body["deadline_s"] = deadline_s
         if fanout is not None:

@@ -1,9 +1,11 @@
 """The checkpoint listing (GET /v1/checkpoints): per job, every step a tier or this node
 holds, with the tiers and nodes that hold it, its raw size, whether it is whole (the
-catalog's rule), held here (and as a standby's replica), pinned, and this node's pushes."""
+catalog's rule), held here (and as a standby's replica), a partial copy here (the share it
+holds), pinned, and this node's pushes."""
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +20,7 @@ from transfer.engine.catalog import (
     load_manifest,
     open_catalog,
 )
+from transfer.engine.share import read_record
 from transfer.errors import FerryError, StoreError
 from transfer.store.base import Store
 
@@ -100,6 +103,8 @@ class CheckpointListing:
             if held.step in steps:
                 steps[held.step]["local"] = True
                 steps[held.step]["replica"] = self.prefetcher.is_replica(job, held.step)
+        for entry in steps.values():  # a partial copy here: what it holds, never "local"
+            entry["share"] = await asyncio.to_thread(self._share_here, job, entry["step"])
         # whole on some tier (catalog.step_is_complete), asked once per tier, not per step
         whole = {
             name: await complete_steps(store, job, self.config.expected_nodes)
@@ -114,6 +119,14 @@ class CheckpointListing:
                 for row in pushes
                 if row["job"] == job and row["step"] == entry["step"]
             }
+
+    def _share_here(self, job: str, step: int) -> dict[str, Any] | None:
+        """The share a partial copy of the step here holds (share.py's record), or None."""
+        path = self.config.hot.step_path(job, step)
+        if not self.config.hot.is_share(path):
+            return None
+        record = read_record(path) or {}
+        return {k: record.get(k) for k in ("layout", "bytes")}
 
     async def _part_size(self, tier: str, store: Store, c: CheckpointInfo) -> int:
         """Raw bytes of one committed part (0 if its manifest is unreadable: listed, size

@@ -31,13 +31,15 @@ from agent.logs import event
 from agent.peers import PeerSource
 from transfer.durable import fsync_dir
 from transfer.engine import TransferOptions, pull, resolve_manifests
-from transfer.engine.catalog import resolve_checkpoint
+from transfer.engine.catalog import Catalog, resolve_checkpoint
+from transfer.engine.dcpshare import Layout
 from transfer.engine.localcheck import local_copy_differences
 from transfer.engine.parts import merge_parts
 from transfer.engine.pull import ChunkSource
 from transfer.engine.ratelimit import RateLimit
 from transfer.engine.scan import SourceFile, check_unchanged, scan_checkpoint
 from transfer.engine.settle import settle, staging_path
+from transfer.engine.share import Share, covers, plan_share, read_record, widen
 from transfer.engine.staging import discard_leftovers, sweep_stale_staging
 from transfer.errors import (
     CheckpointNotFoundError,
@@ -101,6 +103,10 @@ class PrefetchJob:
     background: bool = False
     #: a fan-out restore (agent/fanout.py): every member's agent URL, and this agent's
     fanout: tuple[tuple[str, ...], str] | None = None
+    #: only the share these ranks of a new world read (``{"world_size", "ranks"}``, as the
+    #: request gave it: transfer/engine/share.py), or an explicit item list; None: all
+    layout: dict[str, Any] | None = None
+    items: list[Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         remaining = max(self.bytes_total - self.bytes_done, 0)
@@ -119,6 +125,8 @@ class PrefetchJob:
             "chunks_resumed": self.chunks_resumed,
             "satisfied_by": self.satisfied_by,
             "background": self.background,
+            "layout": self.layout,
+            "items": None if self.items is None else len(self.items),
             "eta_seconds": eta,
             "dest": self.dest,
             "error": self.error,
@@ -205,10 +213,13 @@ class Prefetcher:
         *,
         background: bool = False,
         fanout: tuple[tuple[str, ...], str] | None = None,
+        layout: dict[str, Any] | None = None,
+        items: list[Any] | None = None,
     ) -> PrefetchJob:
         record = PrefetchJob(
-            secrets.token_hex(8), job, step, deadline_s, background=background, fanout=fanout
-        )
+            secrets.token_hex(8), job, step, deadline_s, background=background, fanout=fanout,
+            layout=layout, items=items,
+        )  # fmt: skip
         if fanout is not None:
             self.landing.begin()  # ended when the job ends (_run)
         self.jobs[record.id] = record
@@ -364,6 +375,9 @@ class Prefetcher:
                     await self._fill_in(record, name, store, here.path, manifests)
             record.satisfied_by = "filled_in" if problems else "held"
             return
+        if record.layout is not None or record.items is not None or self.hot_dir.is_share(dest):
+            await self._pull_share(record, name, store, manifests, dest)
+            return
         base = next((c for c in held if c.step < record.step), None)
         base_manifests = None
         if base is not None:  # where its chunks are, so unchanged ones are all we read
@@ -377,6 +391,42 @@ class Prefetcher:
         record.satisfied_by = "restored"
         files = await asyncio.to_thread(scan_checkpoint, dest)
         self._restored[(record.job, record.step)] = (files, record.background)
+
+    async def _pull_share(
+        self, record: PrefetchJob, name: str, store: Store, manifests: list[Manifest], dest: Path
+    ) -> None:
+        """A share of the step (record.layout or record.items), or the whole step where a
+        share copy is (record asks for neither): a copy already holding what is asked is
+        ready ("held"); one holding less is completed in place: what is asked and what it
+        holds is pulled beside it, reusing its verified chunks, and swapped in."""
+        assert record.step is not None
+        share = None
+        if record.layout is not None or record.items is not None:
+            layout = None
+            if record.layout is not None:
+                layout = Layout(record.layout["world_size"], tuple(record.layout["ranks"]))
+            share = await plan_share(Catalog(store), manifests, layout, record.items)
+        had = read_record(dest) if self.hot_dir.is_share(dest) else None
+        if had is not None and share is not None and covers(had, share):
+            record.satisfied_by = "held"
+            return
+        with self.holds.hold((record.job, record.step)):
+            if had is None:
+                held = self.hot_dir.checkpoints(record.job)
+                base = next((c for c in held if c.step < record.step), None)
+                await self._restore(record, name, store, manifests, dest,
+                                    base.path if base else None, share=share)  # fmt: skip
+                record.satisfied_by = "restored"
+                return
+            wider = None if share is None else widen(share, had)
+            scratch = staging_path(dest, "fill-")
+            try:
+                await self._restore(record, name, store, manifests, scratch, dest, share=wider,
+                                    fsync=True)  # fmt: skip
+                await asyncio.to_thread(_swap_in, scratch, dest)
+            finally:
+                await asyncio.to_thread(shutil.rmtree, scratch, True)
+        record.satisfied_by = "filled_in"
 
     def _intact_restore(self, record: PrefetchJob, here: Path) -> str | None:
         """ "replica" or "held" when this agent restored ``here`` (verified) and no file of
@@ -406,9 +456,12 @@ class Prefetcher:
         dest: Path,
         base: Path | None,
         base_manifests: list[Manifest] | None = None,
+        share: Share | None = None,
+        fsync: bool = False,
     ) -> None:
-        """Pull the checkpoint into ``dest`` (peers first, then this tier) and record what
-        moved from where; the tier's measured bandwidth feeds later estimates."""
+        """Pull the checkpoint (or ``share`` of it) into ``dest`` (peers first, then this
+        tier) and record what moved from where; the tier's measured bandwidth feeds later
+        estimates."""
         assert record.step is not None
         if self.on_restore is not None:
             self.on_restore(record.job, record.step)
@@ -440,6 +493,8 @@ class Prefetcher:
                 own_share=own_share,
                 on_landed=self.landing.land,
                 on_moved=functools.partial(_count_moved, record, source),
+                share=share,
+                fsync=fsync,
             )
         finally:
             self.landing.release(wanted)
@@ -464,6 +519,16 @@ def _count_moved(record: PrefetchJob, tier: str, origin: str, n: int) -> None:
     elif origin == "store":
         origin = tier
     record.bytes_by_source[origin] = record.bytes_by_source.get(origin, 0) + n
+
+
+def _swap_in(new: Path, old: Path) -> None:
+    """Replace the copy at ``old`` with ``new`` (both complete: a reader of either sees a
+    whole one); the old one is moved aside first and removed after."""
+    aside = staging_path(old, "fill-")
+    os.rename(old, aside)
+    os.rename(new, old)
+    fsync_dir(old.parent)
+    shutil.rmtree(aside, ignore_errors=True)
 
 
 def _move_missing(source: Path, target: Path, manifests: list[Manifest]) -> None:

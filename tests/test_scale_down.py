@@ -120,3 +120,41 @@ def test_survivors_fetch_their_shares_and_load_resharded(
     capsys.readouterr()
     assert ferry(["push", str(a), s3_url, "--job", "drill", "--step", "200", "--node", "x"]) == 1
     assert "is a partial copy (ranks [0, 1] of a world of 4" in capsys.readouterr().err
+
+
+def test_agent_prefetches_a_share_then_completes_it_in_place(
+    drill: tuple[Path, list[Path]], local_url: str, tmp_path: Path
+) -> None:
+    """POST /v1/prefetch with a layout: the survivor's agent fetches its share, reports it
+    partial (never "holds the step"), answers a second ask from what it holds, and a later
+    prefetch of the whole step completes the copy in place: byte-exact, then committed."""
+    from agent.client import FerryClient
+    from tests.harness import TOKEN, agent
+
+    save, nodes = drill
+    asyncio.run(push_parts_small_chunks(local_url, nodes))
+    hot = tmp_path / "hot"
+    hot.mkdir()
+    copy = hot / "drill" / f"step_{STEP:06d}"
+
+    async def go() -> list[dict[str, Any]]:
+        done = []
+        async with agent(hot, [local_url], node="survivor") as url, FerryClient(url, TOKEN) as c:
+            for layout in ((4, [0, 1]), (4, [1]), None):
+                done.append(await c.wait_prefetch(await c.prefetch("drill", STEP, layout=layout)))
+                if layout == (4, [1]):
+                    done.append(await c.checkpoints())
+        return done
+
+    first, narrower, listed, whole = asyncio.run(go())
+    raw = sum(p.stat().st_size for p in save.iterdir())
+    assert first["state"] == "ready" and first["satisfied_by"] == "restored", first
+    assert first["layout"] == {"world_size": 4, "ranks": [0, 1]}
+    assert sum(first["bytes_by_source"].values()) <= 0.55 * raw
+    assert narrower["satisfied_by"] == "held" and sum(narrower["bytes_by_source"].values()) == 0
+    assert whole["state"] == "ready" and whole["satisfied_by"] == "filled_in", whole
+    assert tree_bytes(copy) == tree_bytes(save)  # the record is gone with the partial copy
+    assert not (copy / ".ferry-share.json").exists()
+    (entry,) = listed["jobs"]["drill"]
+    assert entry["local"] is False  # a partial copy never holds the step
+    assert entry["share"]["layout"] == {"world_size": 4, "ranks": [0, 1]}

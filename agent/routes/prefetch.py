@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import re
+from typing import Any
 from urllib.parse import urlsplit
 
 from aiohttp import web
@@ -17,6 +18,8 @@ log = logging.getLogger(__name__)
 
 #: members of one fan-out restore (each asks the others for their shares)
 MAX_FANOUT = 64
+#: ranks one node hosts (far above any node's GPUs)
+MAX_LAYOUT_RANKS = 4096
 
 
 async def post_prefetch(request: web.Request) -> web.Response:
@@ -27,9 +30,31 @@ async def post_prefetch(request: web.Request) -> web.Response:
     if deadline is not None and not finite_number(deadline, 0, 7 * 24 * 3600):
         raise ValueError("deadline_s must be a number of seconds in (0, 604800]")
     fanout = _fanout(body.get("fanout"))
-    record = request.app[PREFETCHER].submit(job, step, deadline, fanout=fanout)
+    layout, items = _share(body.get("layout"), body.get("items"))
+    record = request.app[PREFETCHER].submit(
+        job, step, deadline, fanout=fanout, layout=layout, items=items
+    )
     request.app[METRICS].inc("ferry_prefetch_started_total")
     return web.json_response({"id": record.id}, status=202)
+
+
+def _share(layout: object, items: object) -> tuple[dict[str, Any] | None, list[Any] | None]:
+    """``layout: {"world_size": W, "ranks": [...]}`` (the share those ranks read) or
+    ``items: [{path, offset, length}, ...]`` (an explicit one), in the shape the spec gives;
+    (None, None): the whole step. What the shape cannot say (a rank outside the world, a
+    bad path) fails the prefetch when it runs, as the spec says of every other failure."""
+    if layout is not None and items is not None:
+        raise ValueError("give layout or items, not both: items names the share itself")
+    if items is not None and not isinstance(items, list):
+        raise ValueError("items must be a list of {path, offset, length}")
+    if layout is None:
+        return None, items
+    if not isinstance(layout, dict) or set(layout) != {"world_size", "ranks"}:
+        raise ValueError('layout must be {"world_size": W, "ranks": [ranks this node runs]}')
+    ranks = layout["ranks"]
+    if not isinstance(ranks, list) or not 1 <= len(ranks) <= MAX_LAYOUT_RANKS:
+        raise ValueError(f"layout.ranks must be a list of 1..{MAX_LAYOUT_RANKS} ranks")
+    return layout, None
 
 
 def _fanout(value: object) -> tuple[tuple[str, ...], str] | None:

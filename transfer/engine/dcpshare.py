@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import io
 import re
-from bisect import bisect_left
+from bisect import bisect_left, bisect_right
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -107,6 +107,18 @@ def merge_ranges(items: Iterable[tuple[str, int, int]]) -> Ranges:
             else:
                 merged.append((start, end))
         out[path] = tuple(merged)
+    return out
+
+
+def overlaps(spans: tuple[tuple[int, int], ...], start: int, end: int) -> list[tuple[int, int]]:
+    """The parts of sorted, merged ``spans`` inside ``[start, end)``, in order."""
+    first = bisect_right(spans, (start, _MAX_INT)) - 1
+    out = []
+    for lo, hi in spans[max(first, 0) :]:
+        if lo >= end:
+            break
+        if hi > start:
+            out.append((max(lo, start), min(hi, end)))
     return out
 
 

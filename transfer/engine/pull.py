@@ -8,7 +8,6 @@ renamed into place at the end and removed on any failure.
 from __future__ import annotations
 
 import asyncio
-import bisect
 import contextlib
 import logging
 import shutil
@@ -26,6 +25,7 @@ from transfer.codec import check_encoding
 from transfer.codec.transforms import Buffer
 from transfer.engine.catalog import resolve_manifests
 from transfer.engine.chunkindex import ChunkIndex, StoredChunk
+from transfer.engine.dcpshare import overlaps
 from transfer.engine.fetch import fetch_chunks
 from transfer.engine.parts import merge_parts
 from transfer.engine.progress import NoProgress, Progress
@@ -184,7 +184,6 @@ Targets = dict[str, list[tuple[int, int]]]  # chunk id -> [(file index, offset)]
 Hints = dict[str, tuple[str, int]]  # chunk id -> its first (path, offset)
 #: (file index, offset) of a chunk that a share covers in part -> the file's ranges to write
 Clips = dict[tuple[int, int], list[tuple[int, int]]]
-_NO_END = 1 << 62
 
 
 def _plan(manifests: list[Manifest]) -> tuple[list[FileEntry], ChunkIndex, Targets, Hints]:
@@ -236,7 +235,7 @@ def _plan_share(
         spans = share.spans_of(f.path)
         for offset, c in f.chunk_offsets():
             end = offset + c.size
-            pieces = [(offset, end)] if spans is None else _overlaps(spans, offset, end)
+            pieces = [(offset, end)] if spans is None else overlaps(spans, offset, end)
             if not pieces:
                 continue
             covered += c.size
@@ -247,18 +246,6 @@ def _plan_share(
             targets[c.id].append((fi, offset))
             hints.setdefault(c.id, (f.path, offset))
     return kept, targets, hints, clips, covered
-
-
-def _overlaps(spans: tuple[tuple[int, int], ...], start: int, end: int) -> list[tuple[int, int]]:
-    """The parts of sorted ``spans`` inside ``[start, end)``."""
-    first = bisect.bisect_right(spans, (start, _NO_END)) - 1
-    out = []
-    for lo, hi in spans[max(first, 0) :]:
-        if lo >= end:
-            break
-        if hi > start:
-            out.append((max(lo, start), min(hi, end)))
-    return out
 
 
 @dataclass

@@ -23,7 +23,15 @@ from pathlib import Path
 
 from transfer.engine.catalog import Catalog
 from transfer.engine.dcp import MAX_METADATA_BYTES, METADATA, required_lengths
-from transfer.engine.dcpshare import Layout, Ranges, ranges_from_items, share_bytes, share_ranges
+from transfer.engine.dcpshare import (
+    Layout,
+    Ranges,
+    merge_ranges,
+    overlaps,
+    ranges_from_items,
+    share_bytes,
+    share_ranges,
+)
 from transfer.engine.parts import merge_parts, read_file
 from transfer.errors import FerryError, FormatError
 from transfer.format.manifest import Manifest
@@ -120,6 +128,39 @@ def read_record(root: Path) -> dict[str, object] | None:
     except ValueError:
         return {"error": "not JSON"}
     return doc if isinstance(doc, dict) else {"error": "not an object"}
+
+
+def _recorded_ranges(record: dict[str, object]) -> Ranges:
+    """The ranges a record says its copy holds (none, for a record that does not parse)."""
+    raw = record.get("ranges")
+    if not isinstance(raw, dict):
+        return {}
+    try:
+        items = [(p, int(a), int(b) - int(a)) for p, spans in raw.items() for a, b in spans]
+    except (TypeError, ValueError):
+        return {}
+    return merge_ranges(i for i in items if isinstance(i[0], str) and i[2] > 0)
+
+
+def covers(record: dict[str, object], share: Share) -> bool:
+    """Whether the copy ``record`` describes holds every byte of ``share``."""
+    held = _recorded_ranges(record)
+    for path, spans in share.ranges.items():
+        have = held.get(path, ())
+        if any(overlaps(have, lo, hi) != [(lo, hi)] for lo, hi in spans):
+            return False
+    return True
+
+
+def widen(share: Share, record: dict[str, object]) -> Share:
+    """``share`` and what the copy ``record`` describes holds, as one share (an explicit
+    item set: the union of two layouts is not a layout)."""
+    held = _recorded_ranges(record)
+    items = [
+        (p, a, b - a) for r in (share.ranges, held) for p, spans in r.items() for a, b in spans
+    ]
+    ranges = {p: spans for p, spans in merge_ranges(items).items() if p in share.storage}
+    return Share(ranges, share.storage, None)
 
 
 def describe(record: dict[str, object]) -> str:
