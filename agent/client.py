@@ -73,10 +73,12 @@ class FerryClient:
         deadline_s: float | None = None,
         fanout: tuple[list[str], str] | None = None,
         layout: tuple[int, list[int]] | None = None,
+        fanout_layouts: dict[str, tuple[int, list[int]]] | None = None,
     ) -> str:
         """Start a prefetch; ``fanout``: (every member's agent URL, this agent's URL) of a
         fan-out restore (send the same members to each); ``layout``: (world size, ranks
-        this node will run): only the share those ranks read."""
+        this node will run): only the share those ranks read; ``fanout_layouts``: each
+        fan-out member's layout, by URL (send the same to each)."""
         body: dict[str, Any] = {"job": job, "step": step}
         if layout is not None:
             body["layout"] = {"world_size": layout[0], "ranks": list(layout[1])}
@@ -84,6 +86,11 @@ class FerryClient:
             body["deadline_s"] = deadline_s
         if fanout is not None:
             body["fanout"] = {"members": list(fanout[0]), "me": fanout[1]}
+            if fanout_layouts:
+                body["fanout"]["layouts"] = {
+                    url: {"world_size": w, "ranks": list(r)}
+                    for url, (w, r) in fanout_layouts.items()
+                }
         return str((await self._call("POST", "/v1/prefetch", json=body))["id"])
 
     async def prefetch_status(self, prefetch_id: str) -> dict[str, Any]:

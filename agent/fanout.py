@@ -9,6 +9,10 @@ looks there before the hot dir); for every other chunk it asks the owner, who ho
 request up to ``WAIT_SECONDS`` for the chunk to land. Whatever an owner cannot deliver in
 time (not in the group after all, slow, down, bad bytes) comes from the tiers, so a member
 that drops out costs time, never correctness; every chunk is hash-checked on arrival.
+
+Members may prefetch different shares of the step (``fanout.layouts``: each member's layout,
+the same map sent to every member): each computes every member's share from the step's
+``.metadata``, and a chunk's owner is chosen among the members whose share needs it.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import asyncio
 import hashlib
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable, Mapping
 
 from agent.peers import Location, PeerSource
 from transfer.engine.chunkindex import StoredChunk
@@ -111,11 +115,21 @@ class FanoutSource:
     members probe at about the same time, so they agree); one that fails later costs the
     others its remaining share from the tiers."""
 
-    def __init__(self, peers: PeerSource, members: tuple[str, ...], me: str) -> None:
+    def __init__(
+        self,
+        peers: PeerSource,
+        members: tuple[str, ...],
+        me: str,
+        needs: Mapping[str, Collection[str]] | None = None,
+    ) -> None:
         self.peers = peers
         self.members = members
         self.me = me
         self.live = members
+        #: members prefetching a share (layouts): the chunks each one's share needs; a
+        #: chunk's owner is chosen among the live members that need it, so members with
+        #: different layouts still read each chunk once from the tiers in all
+        self.needs = needs or {}
 
     async def probe(self) -> None:
         others = [m for m in self.members if m != self.me]
@@ -124,7 +138,8 @@ class FanoutSource:
         self.live = tuple(m for m in self.members if m not in down)
 
     def owner(self, cid: str) -> str:
-        return owner_of(cid, self.live)
+        wanting = tuple(m for m in self.live if m not in self.needs or cid in self.needs[m])
+        return owner_of(cid, wanting or self.live)
 
     def mine(self, cid: str) -> bool:
         return self.owner(cid) == self.me

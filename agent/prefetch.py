@@ -35,11 +35,11 @@ from transfer.engine.catalog import Catalog, resolve_checkpoint
 from transfer.engine.dcpshare import Layout
 from transfer.engine.localcheck import local_copy_differences
 from transfer.engine.parts import merge_parts
-from transfer.engine.pull import ChunkSource
+from transfer.engine.pull import ChunkSource, share_chunk_ids
 from transfer.engine.ratelimit import RateLimit
 from transfer.engine.scan import SourceFile, check_unchanged, scan_checkpoint
 from transfer.engine.settle import settle, staging_path
-from transfer.engine.share import Share, covers, plan_share, read_record, widen
+from transfer.engine.share import Share, covers, plan_share, plan_shares, read_record, widen
 from transfer.engine.staging import discard_leftovers, sweep_stale_staging
 from transfer.errors import (
     CheckpointNotFoundError,
@@ -103,6 +103,8 @@ class PrefetchJob:
     background: bool = False
     #: a fan-out restore (agent/fanout.py): every member's agent URL, and this agent's
     fanout: tuple[tuple[str, ...], str] | None = None
+    #: ... and the layout of each member prefetching a share (by URL)
+    fanout_layouts: dict[str, dict[str, Any]] = field(default_factory=dict)
     #: only the share these ranks of a new world read (``{"world_size", "ranks"}``, as the
     #: request gave it: transfer/engine/share.py), or an explicit item list; None: all
     layout: dict[str, Any] | None = None
@@ -215,10 +217,11 @@ class Prefetcher:
         fanout: tuple[tuple[str, ...], str] | None = None,
         layout: dict[str, Any] | None = None,
         items: list[Any] | None = None,
+        fanout_layouts: dict[str, dict[str, Any]] | None = None,
     ) -> PrefetchJob:
         record = PrefetchJob(
             secrets.token_hex(8), job, step, deadline_s, background=background, fanout=fanout,
-            layout=layout, items=items,
+            layout=layout, items=items, fanout_layouts=fanout_layouts or {},
         )  # fmt: skip
         if fanout is not None:
             self.landing.begin()  # ended when the job ends (_run)
@@ -470,12 +473,17 @@ class Prefetcher:
         record.eta_rate = self.meter.rate(source)
         chunk_source, own_share = self.chunk_source, None
         if record.fanout is not None and self.fanout_client is not None:
-            fan = FanoutSource(self.fanout_client, *record.fanout)
+            needs = await _members_needs(store, manifests, record.fanout_layouts)
+            fan = FanoutSource(self.fanout_client, *record.fanout, needs)
             await fan.probe()
             chunk_source, own_share = fan, fan.mine
         began = time.monotonic()
         # what this restore will land here: members asking for it are held until it does
-        wanted = [c.id for m in manifests for f in m.files for c in f.chunks] if own_share else []
+        wanted = []
+        if own_share is not None:
+            wanted = [c.id for m in manifests for f in m.files for c in f.chunks]
+            if share is not None:
+                wanted = list(share_chunk_ids(manifests, share))
         self.landing.expect(wanted)
         try:
             result = await pull(
@@ -508,6 +516,18 @@ class Prefetcher:
         # bytes_by_source / bytes_by_peer were counted live by _count_moved
         record.chunks_local = result.chunks_local
         record.chunks_resumed = result.chunks_resumed
+
+
+async def _members_needs(
+    store: Store, manifests: list[Manifest], layouts: dict[str, dict[str, Any]]
+) -> dict[str, set[str]]:
+    """For each fan-out member prefetching a share: the chunks its share needs (from the
+    step's .metadata, read once); a member not named prefetches the whole step."""
+    if not layouts:
+        return {}
+    asks = {url: (Layout(v["world_size"], tuple(v["ranks"])), None) for url, v in layouts.items()}
+    shares = await plan_shares(Catalog(store), manifests, asks)
+    return {url: share_chunk_ids(manifests, s) for url, s in shares.items()}
 
 
 def _count_moved(record: PrefetchJob, tier: str, origin: str, n: int) -> None:

@@ -18,14 +18,34 @@ from. The scheduler:
         http://10.0.0.8:7070 --token-file /etc/ferry/token --gpus 8 --gpu-hour-price 2.5
 
 Exit status: 0 after "COMMIT scale-down", 1 after "ABORT scale-down", 2 on usage errors.
+
+``--world-size N`` plays the same scale-down on this machine instead, with no agents and the
+``ferry`` CLI only (it needs torch): 8 gloo ranks on loopback save a real DCP checkpoint
+(DTensor ``Shard(0)`` parameters + AdamW state) onto 4 nodes' disks (2 ranks each, node0
+also ``.metadata``), every node pushes its part (``ferry push --part``), the 2 survivors pull
+only the share their N/2 new ranks each read (``ferry pull --world-size N --ranks ...``,
+against a full pull), and N ranks ``dcp.load`` from the survivors' copies and from the whole
+save: every tensor equal, the same losses.
+
+    python examples/scale_down.py --world-size 4
+    python examples/scale_down.py --world-size 4 --chunk-size-mib 1   # finer chunks
+    python examples/scale_down.py --world-size 2 --width 2048         # 13 MB save, ~20 s
+
+A share is fetched in whole chunks (ferry push's ``--chunk-size-mib``, 4 by default), so it
+saves bytes only where the rank files are several chunks long: ``--width`` sets their size.
+
+Exit status: 0 when the two loads agree, 1 when not, 2 on usage errors.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import math
+import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -97,7 +117,10 @@ def _count(value: str) -> int:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0] if __doc__ else None)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n")[0] if __doc__ else None,
+        epilog="--world-size N instead: the local 8 -> N ranks drill (--world-size 4 --help)",
+    )
     p.add_argument("--job", required=True, help="the training job's name")
     p.add_argument("--step", type=_step, default="latest", help="a step number or 'latest'")
     p.add_argument(
@@ -357,7 +380,252 @@ async def run(args: argparse.Namespace, token: str) -> int:
         await asyncio.gather(*(s.client.close() for s in survivors))
 
 
+# ---------------------------------------------------------------- --world-size: a local drill
+
+REPO = Path(__file__).resolve().parents[1]
+SAVED_RANKS = 8  # the drill always saves with 8 ranks, 2 per node on 4 nodes
+RANKS_PER_NODE = 2
+SURVIVORS = ("A", "B")
+DRILL_JOB, DRILL_STEP = "drill", 100
+# emb 512 x W fp32 + its 2 AdamW moments: 2048 -> ~1.6 MB per rank file (13 MB in all),
+# 16384 -> ~12.6 MB (100 MB). A share is fetched in whole chunks, so it saves only when the
+# rank files are several chunks long (a real one is GBs).
+DEFAULT_WIDTH = 16384
+
+
+def _drill_requested(argv: list[str] | None) -> bool:
+    args = sys.argv[1:] if argv is None else argv
+    return any(a == "--world-size" or a.startswith("--world-size=") for a in args)
+
+
+def _new_world_size(value: str) -> int:
+    number = int(value)
+    if number not in (2, 4, 6):
+        raise argparse.ArgumentTypeError(
+            f"expected 2, 4 or 6 (2 survivors of 8 saved ranks, N/2 ranks each), got {value!r}"
+        )
+    return number
+
+
+def parse_drill_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description="The elastic scale-down drill on this machine: 8 ranks save a DCP "
+        "checkpoint, 2 surviving nodes pull their shares with the ferry CLI, N ranks resume."
+    )
+    p.add_argument(
+        "--world-size", type=_new_world_size, required=True, help="the new world size: 2, 4 or 6"
+    )
+    p.add_argument(
+        "--width",
+        type=int,
+        default=DEFAULT_WIDTH,
+        help=f"model width: ~6 KiB of save per unit (default {DEFAULT_WIDTH}: ~100 MB)",
+    )
+    p.add_argument(
+        "--chunk-size-mib",
+        type=int,
+        help=f"ferry push's chunk size, whole MiB (default: ferry's own, {_cli_chunk_mib()})",
+    )
+    p.add_argument("--workdir", type=Path, help="keep the save, nodes and store here (new dir)")
+    args = p.parse_args(argv)
+    if args.width < 1 or (args.chunk_size_mib is not None and args.chunk_size_mib < 1):
+        p.error("--width and --chunk-size-mib must be positive")
+    if args.workdir is not None and args.workdir.exists() and any(args.workdir.iterdir()):
+        p.error(f"--workdir {args.workdir} is not empty")
+    return args
+
+
+def _cli_chunk_mib() -> int:
+    from transfer.options import TransferOptions
+
+    return TransferOptions().chunk_size >> 20
+
+
+def _ferry(cwd: Path, *args: str) -> dict[str, Any]:
+    """Run ``ferry ARGS --json`` (as ``python -m agent``, the same CLI) in ``cwd``, echoing
+    the command as a user would type it; returns its JSON answer."""
+    print("  $ ferry " + " ".join(args), flush=True)
+    cmd = [sys.executable, "-m", "agent", *args, "--json"]
+    done = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise Abort(f"ferry {args[0]} failed ({done.returncode}): {done.stderr.strip()}")
+    answer: dict[str, Any] = json.loads(done.stdout)
+    return answer
+
+
+def _ranks_of(world_size: int) -> dict[str, tuple[int, ...]]:
+    """{survivor: the new ranks it runs}: the first half of the new world on A, the rest on B."""
+    half = world_size // 2
+    return {name: tuple(range(i * half, (i + 1) * half)) for i, name in enumerate(SURVIVORS)}
+
+
+def _ranks_flag(ranks: tuple[int, ...]) -> str:
+    return str(ranks[0]) if len(ranks) == 1 else f"{ranks[0]}-{ranks[-1]}"
+
+
+def save_on_nodes(root: Path, width: int) -> tuple[Path, list[Path]]:
+    """8 gloo ranks save the drill checkpoint into root/save; it is then split into the 4
+    nodes' directories (root/nodes/node0..3) as their local disks would hold it."""
+    # the test suite's drill (tests/dcp_drill.py) is what spawns the ranks; an example importing
+    # from tests/ is a stopgap (agent.client is the only other import), acceptable for now
+    sys.path.insert(0, str(REPO))
+    from tests.dcp_drill import save_drill, split_by_node
+
+    started = time.monotonic()
+    save_drill(root / "save", SAVED_RANKS, width=width)
+    nodes = split_by_node(root / "save", root / "nodes", RANKS_PER_NODE)
+    print(
+        f"{SAVED_RANKS} ranks saved step {DRILL_STEP} in {time.monotonic() - started:.1f} s: "
+        f"{SAVED_RANKS} rank files of ~{_human(_rank_file_size(root / 'save'))} + .metadata,\n"
+        f"split onto {len(nodes)} nodes ({RANKS_PER_NODE} ranks each, node0 also .metadata)\n"
+    )
+    return root / "save", nodes
+
+
+def _rank_file_size(save: Path) -> int:
+    return max(f.stat().st_size for f in save.glob("*.distcp"))
+
+
+def push_nodes(root: Path, nodes: list[Path], chunk_mib: int | None) -> None:
+    (root / "store").mkdir(exist_ok=True)  # a local directory as the store (s3://... in real life)
+    flag = [] if chunk_mib is None else ["--chunk-size-mib", str(chunk_mib)]
+    size = f"{chunk_mib} MiB chunks" if chunk_mib else f"{_cli_chunk_mib()} MiB chunks, the default"
+    print(f"every node pushes its part ({size}):")
+    for k, node_dir in enumerate(nodes):
+        got = _ferry(
+            root,
+            "push", str(node_dir.relative_to(root)), "store", "--job", DRILL_JOB,
+            "--step", str(DRILL_STEP), "--node", f"n{k}", "--part", *flag,
+        )  # fmt: skip
+        print(f"    {_human(got['bytes_raw'])} raw, {_human(got['bytes_transferred'])} sent")
+    print()
+
+
+def pull_shares(root: Path, world_size: int) -> dict[str, dict[str, Any]]:
+    """{survivor or "full": its pull's JSON}: each survivor pulls the share its new ranks
+    read into root/<survivor>; "full" is a whole pull (root/full), for comparison."""
+    print(f"the 2 survivors pull the shares their ranks read at world size {world_size}:")
+    pulls = {}
+    for name, ranks in _ranks_of(world_size).items():
+        pulls[name] = _ferry(
+            root,
+            "pull", "store", name, "--job", DRILL_JOB, "--step", str(DRILL_STEP),
+            "--world-size", str(world_size), "--ranks", _ranks_flag(ranks),
+        )  # fmt: skip
+    print("and, for comparison, a full pull:")
+    pulls["full"] = _ferry(
+        root, "pull", "store", "full", "--job", DRILL_JOB, "--step", str(DRILL_STEP)
+    )
+    print()
+    return pulls
+
+
+def print_pulls(pulls: dict[str, dict[str, Any]], world_size: int, raw: int) -> None:
+    print(f"bytes per pull, against the step's {_human(raw)} raw:")
+    rows = [["pull", "ranks", "share", "chunks covering it", "moved (compressed)"]]
+    ranks = _ranks_of(world_size)
+
+    def cell(n: int) -> str:
+        return f"{_human(n)} {n / raw:.2f}x"
+
+    for name, got in pulls.items():
+        share = got["share"] or {"bytes": got["bytes_raw"], "chunk_bytes": got["bytes_raw"]}
+        rows.append(
+            [
+                f"survivor {name}" if name in ranks else "full",
+                _ranks_flag(ranks[name]) if name in ranks else "all",
+                cell(share["bytes"]),
+                cell(share["chunk_bytes"]),
+                cell(got["bytes_transferred"]),
+            ]
+        )
+    _table(rows, right={2, 3, 4})
+
+
+def print_chunk_note(
+    save: Path, pulls: dict[str, dict[str, Any]], chunk_mib: int, raw: int
+) -> None:
+    """What fetching in whole chunks costs: the chunks a share cuts through come whole."""
+    file_size = _rank_file_size(save)
+    per_file = file_size / (chunk_mib << 20)
+    beyond = max(
+        g["share"]["chunk_bytes"] - g["share"]["bytes"] for g in pulls.values() if g["share"]
+    )
+    whole_files = "\n  files this small cost a share nearly every file it touches, whole."
+    print(
+        f"note: a share comes in whole {chunk_mib} MiB chunks and the rank files are "
+        f"~{_human(file_size)} ({per_file:.1f} chunks),\n"
+        f"  so the chunks covering a share hold up to {beyond / raw:.2f}x of the step beyond it"
+        + (":" + whole_files if per_file <= 2 else ".")
+    )
+    print("  Smaller chunks (--chunk-size-mib 1) or bigger files (--width) cut that; real rank")
+    print("  files are GBs. 'moved' is what was read from the store: compressed (the AdamW")
+    print("  moments of rows no batch touched are zeros), neighbouring reads merged.\n")
+
+
+def _differences(want: dict[str, Any], have: dict[str, Any]) -> list[str]:
+    """The state keys (model.*, optim.*) whose values differ between two loads."""
+    bad = []
+    for kind in ("model", "optim"):
+        for key in want[kind].keys() | have[kind].keys():
+            a, b = want[kind].get(key), have[kind].get(key)
+            same = a.equal(b) if hasattr(a, "equal") and hasattr(b, "equal") else a == b
+            if not same:
+                bad.append(f"{kind}.{key}")
+    return sorted(bad)
+
+
+def load_both(root: Path, save: Path, world_size: int, width: int) -> bool:
+    """N ranks dcp.load from the survivors' copies and from the whole save; True if equal."""
+    from tests.dcp_drill import load_drill
+
+    ranks = _ranks_of(world_size)
+    from_copies = {r: root / name for name, rs in ranks.items() for r in rs}
+    started = time.monotonic()
+    resharded = load_drill(from_copies, world_size, width=width)
+    reference = load_drill(dict.fromkeys(range(world_size), save), world_size, width=width)
+    bad = _differences(reference, resharded)
+    count = len(reference["model"]) + len(reference["optim"])
+    print(
+        f"{world_size} ranks dcp.load from the survivors' copies and from the whole save "
+        f"({time.monotonic() - started:.1f} s):"
+    )
+    print(f"  every tensor equal: {'yes' if not bad else 'NO'} ({count} state entries)")
+    if bad:
+        print("  differ: " + ", ".join(bad))
+    for what, key in (("loss", "loss"), ("loss after one more step", "loss_after")):
+        print(f"  {what}: {resharded[key]:.6f} (whole save: {reference[key]:.6f})")
+    same_loss = all(resharded[k] == reference[k] for k in ("loss", "loss_after"))
+    return not bad and same_loss
+
+
+def run_drill(args: argparse.Namespace) -> int:
+    started = time.monotonic()
+    print(
+        f"scale-down drill: {SAVED_RANKS} ranks save, {args.world_size} resume on "
+        f"{len(SURVIVORS)} survivors ({args.world_size // 2} each); width {args.width}\n"
+    )
+    with tempfile.TemporaryDirectory(prefix="ferry-drill-") as tmp:
+        root = (args.workdir or Path(tmp)).resolve()
+        root.mkdir(parents=True, exist_ok=True)
+        try:
+            save, nodes = save_on_nodes(root, args.width)
+            push_nodes(root, nodes, args.chunk_size_mib)
+            pulls = pull_shares(root, args.world_size)
+            raw = sum(p.stat().st_size for p in save.iterdir())
+            print_pulls(pulls, args.world_size, raw)
+            print_chunk_note(save, pulls, args.chunk_size_mib or _cli_chunk_mib(), raw)
+            equal = load_both(root, save, args.world_size, args.width)
+        except (Abort, RuntimeError) as exc:  # RuntimeError: dcp_drill's DrillError (a rank failed)
+            print(f"drill failed: {exc}", file=sys.stderr, flush=True)
+            return 1
+    print(f"\n{'OK' if equal else 'FAILED'}: drill done in {time.monotonic() - started:.1f} s")
+    return 0 if equal else 1
+
+
 def main(argv: list[str] | None = None) -> int:
+    if _drill_requested(argv):
+        return run_drill(parse_drill_args(argv))
     args = parse_args(argv)
     try:
         token = args.token_file.read_text(encoding="utf-8").strip()

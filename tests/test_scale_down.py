@@ -158,3 +158,141 @@ def test_agent_prefetches_a_share_then_completes_it_in_place(
     (entry,) = listed["jobs"]["drill"]
     assert entry["local"] is False  # a partial copy never holds the step
     assert entry["share"]["layout"] == {"world_size": 4, "ranks": [0, 1]}
+
+
+def test_a_torn_step_never_lands_whole_and_a_leftover_never_leaks_into_a_share(
+    drill: tuple[Path, list[Path]],
+    local_url: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Every part in, one shard missing from the union (node 3 pushed without it): a pull
+    of the step fails naming it, and nothing lands. And a share pull that adopts a killed
+    restore's staging dir (here full of 0xAA) leaves zeros, not stale bytes, outside the
+    share: a rank reading there must fail, not load what an earlier restore left."""
+    from transfer.engine.catalog import Catalog, resolve_manifests
+    from transfer.engine.dcpshare import Layout
+    from transfer.engine.share import plan_share
+    from transfer.engine.staging import STAGING_MARK
+
+    save, nodes = drill
+    torn = tmp_path / "node3"
+    shutil.copytree(nodes[3], torn)
+    (torn / "__7_0.distcp").unlink()
+    push_parts(local_url, [*nodes[:3], torn])
+    dest = tmp_path / "whole"
+    capsys.readouterr()
+    assert ferry(["pull", local_url, str(dest), "--job", "drill", "--step", str(STEP)]) == 1
+    err = capsys.readouterr().err
+    assert "drill step 100 is not whole: .metadata names __7_0.distcp" in err, err
+    assert not dest.exists()
+
+    whole_store = tmp_path / "whole-store"
+    whole_store.mkdir()
+    push_parts(str(whole_store), nodes)
+
+    async def share_over_leftover() -> tuple[Any, Path]:
+        store = open_test_store(str(whole_store))
+        try:
+            manifests = await resolve_manifests(store, "drill", STEP)
+            share = await plan_share(Catalog(store), manifests, Layout(4, (0,)))
+            into = tmp_path / "share"
+            leftover = tmp_path / f".share{STAGING_MARK}0123abcd"
+            leftover.mkdir()
+            for f in (f for m in manifests for f in m.files):
+                (leftover / f.path).write_bytes(b"\xaa" * f.size)
+            await pull(store, into, job="drill", step=STEP, manifests=manifests, share=share)
+            return share, into
+        finally:
+            await store.close()
+
+    from transfer.engine import pull
+
+    share, into = asyncio.run(share_over_leftover())
+    for path in sorted(share.storage):
+        if path not in share.ranges:
+            assert not (into / path).exists(), path  # nothing of it is in the share
+            continue
+        data = bytearray((into / path).read_bytes())
+        for lo, hi in share.ranges[path]:
+            assert data[lo:hi] == (save / path).read_bytes()[lo:hi]
+            data[lo:hi] = bytes(hi - lo)
+        assert not any(data), f"{path}: bytes outside the share are not zero"
+
+
+def test_survivors_with_different_layouts_read_each_chunk_once_in_all(
+    drill: tuple[Path, list[Path]],
+    s3_env: Any,
+    s3_url: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """4 survivors, 4 layouts (ranks 0, 1, 2, 3 of 4), one fan-out group: each chunk is
+    owned by a member whose share needs it, so the group reads the union of its shares
+    about once from S3 (pack bytes counted at a proxy in front of the real server), where
+    each alone reads its own share and the items every rank reads are read four times."""
+    from bench.fleet import CountingProxy
+
+    _, nodes = drill
+    asyncio.run(push_parts_small_chunks(s3_url, nodes))
+    union = asyncio.run(_union_of_rank_shares(s3_url))
+    proxy = CountingProxy(s3_env.url, s3_env.bucket)
+    proxy.start()
+    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)  # every S3 byte passes the proxy
+    read = {}
+    try:
+        for tag, fanout in (("alone", False), ("fan", True)):
+            tally = proxy.begin(s3_url.split("/", 3)[3])
+            done = asyncio.run(_prefetch_ranks(tmp_path, s3_url, tag, fanout))
+            assert all(d["state"] == "ready" and d["satisfied_by"] == "restored" for d in done)
+            read[tag] = tally.bytes["data_down"] / union
+    finally:
+        proxy.stop()
+    assert read["fan"] <= 1.1, read
+    assert read["alone"] > read["fan"], read
+
+
+async def _union_of_rank_shares(url: str) -> int:
+    """Stored bytes of the chunks the shares of ranks 0..3 of 4 need, together."""
+    from transfer.engine.catalog import Catalog, resolve_manifests
+    from transfer.engine.chunkindex import ChunkIndex
+    from transfer.engine.dcpshare import Layout
+    from transfer.engine.pull import share_chunk_ids
+    from transfer.engine.share import plan_shares
+
+    store = open_test_store(url)
+    try:
+        manifests = await resolve_manifests(store, "drill", STEP)
+        index = ChunkIndex()
+        for m in manifests:
+            index.add_manifest(m)
+        asks = {r: (Layout(4, (r,)), None) for r in range(4)}
+        shares = await plan_shares(Catalog(store), manifests, asks)
+        ids = set().union(*(share_chunk_ids(manifests, s) for s in shares.values()))
+        return sum(index[cid].stored for cid in ids)
+    finally:
+        await store.close()
+
+
+async def _prefetch_ranks(tmp_path: Path, url: str, tag: str, fanout: bool) -> list[Any]:
+    """4 agents prefetch rank r's share of 4 each, at once (one fan-out group, or not)."""
+    import contextlib
+
+    from agent.client import FerryClient
+    from tests.harness import TOKEN, agent
+
+    async with contextlib.AsyncExitStack() as stack:
+        urls = []
+        for i in range(4):
+            hot = tmp_path / f"{tag}-{i}" / "hot"
+            urls.append(await stack.enter_async_context(agent(hot, [url], node=f"{tag}{i}")))
+        clients = [await stack.enter_async_context(FerryClient(u, TOKEN)) for u in urls]
+        layouts = {u: (4, [i]) for i, u in enumerate(urls)}
+        group = {"fanout": None, "fanout_layouts": None}
+        ids = []
+        for c, u in zip(clients, urls, strict=True):
+            if fanout:
+                group = {"fanout": (urls, u), "fanout_layouts": layouts}
+            ids.append(await c.prefetch("drill", STEP, layout=layouts[u], **group))  # type: ignore[arg-type]
+        waits = (c.wait_prefetch(i, within_s=120) for c, i in zip(clients, ids, strict=True))
+        return list(await asyncio.gather(*waits))

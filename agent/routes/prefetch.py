@@ -29,11 +29,12 @@ async def post_prefetch(request: web.Request) -> web.Response:
     deadline = body.get("deadline_s")
     if deadline is not None and not finite_number(deadline, 0, 7 * 24 * 3600):
         raise ValueError("deadline_s must be a number of seconds in (0, 604800]")
-    fanout = _fanout(body.get("fanout"))
+    group = _fanout(body.get("fanout"))
     layout, items = _share(body.get("layout"), body.get("items"))
     record = request.app[PREFETCHER].submit(
-        job, step, deadline, fanout=fanout, layout=layout, items=items
-    )
+        job, step, deadline, layout=layout, items=items,
+        fanout=group[:2] if group else None, fanout_layouts=group[2] if group else None,
+    )  # fmt: skip
     request.app[METRICS].inc("ferry_prefetch_started_total")
     return web.json_response({"id": record.id}, status=202)
 
@@ -57,13 +58,18 @@ def _share(layout: object, items: object) -> tuple[dict[str, Any] | None, list[A
     return layout, None
 
 
-def _fanout(value: object) -> tuple[tuple[str, ...], str] | None:
-    """``{"members": [the group's agent URLs], "me": this agent's URL}`` (``me`` may be
-    among the members or not) as (the group, me), or None."""
+def _fanout(value: object) -> tuple[tuple[str, ...], str, dict[str, Any]] | None:
+    """``{"members": [the group's agent URLs], "me": this agent's URL, "layouts": {URL:
+    layout}}`` (``me`` may be among the members or not; ``layouts``, optional: the share
+    each member prefetches, absent or null for the whole step) as (the group, me,
+    layouts), or None."""
     if value is None:
         return None
-    if not isinstance(value, dict) or set(value) != {"members", "me"}:
-        raise ValueError('fanout must be {"members": [agent URLs], "me": this agent\'s URL}')
+    if not isinstance(value, dict) or not {"members", "me"} <= set(value) <= _FANOUT_KEYS:
+        raise ValueError(
+            'fanout must be {"members": [agent URLs], "me": this agent\'s URL, "layouts": '
+            "{URL: layout}}"
+        )
     members, me = value["members"], value["me"]
     if (
         not isinstance(members, list)
@@ -75,7 +81,25 @@ def _fanout(value: object) -> tuple[tuple[str, ...], str] | None:
     if not isinstance(me, str) or not _is_agent_url(me):
         raise ValueError("fanout.me must be this agent's http(s) URL")
     group = dict.fromkeys(m.rstrip("/") for m in [*members, me])  # me may be listed or not
-    return tuple(group), me.rstrip("/")
+    return tuple(group), me.rstrip("/"), _layouts(value.get("layouts"))
+
+
+_FANOUT_KEYS = {"members", "me", "layouts"}
+
+
+def _layouts(value: object) -> dict[str, Any]:
+    """fanout.layouts: {member URL: layout or null}, each layout in the spec's shape."""
+    if value is None:
+        return {}
+    if not isinstance(value, dict) or len(value) > MAX_FANOUT:
+        raise ValueError(f"fanout.layouts must map at most {MAX_FANOUT} member URLs to layouts")
+    out = {}
+    for url, layout in value.items():
+        if not _is_agent_url(url):
+            raise ValueError("fanout.layouts must be keyed by the members' http(s) URLs")
+        if layout is not None:
+            out[url.rstrip("/")] = _share(layout, None)[0]
+    return out
 
 
 #: an agent's URL as the spec gives it (docs/openapi.yaml): http(s), a host without brackets

@@ -87,7 +87,7 @@ async def list_steps(store: Store, job: str) -> list[int]:
     list the step's parts before they act on it."""
     steps = []
     for name in await store.list_dirs(layout.manifest_prefix(job)):
-        if len(name) == 18 and name.isdigit():
+        if len(name) == 18 and name.isascii() and name.isdigit():
             steps.append(int(name))
     return sorted(steps)
 
@@ -165,11 +165,11 @@ class Catalog:
         """After a commit: the node's head names ``step`` too, and no longer the steps this
         view found deleted. Best effort: a failure only costs the next push a listing."""
         gone = {s for j, s, n in self.gone if (j, n) == (job, node)}
-        steps = sorted((set(await self.node_steps(job, node)) - gone) | {step})
-        steps = steps[-layout.HEAD_STEPS :]
-        doc = {"format": layout.HEAD_FORMAT, "version": layout.HEAD_VERSION, "job": job}
-        doc |= {"node": node, "steps": steps}
         try:
+            steps = sorted((set(await self.node_steps(job, node)) - gone) | {step})
+            steps = steps[-layout.HEAD_STEPS :]
+            doc = {"format": layout.HEAD_FORMAT, "version": layout.HEAD_VERSION, "job": job}
+            doc |= {"node": node, "steps": steps}
             await self.store.put(layout.node_head_key(job, node), json.dumps(doc).encode())
         except FerryError as exc:
             log.warning("could not update the head of %s/%s: %s", job, node, exc)
@@ -195,6 +195,9 @@ async def read_node_head(store: Store, job: str, node: str) -> list[int] | None:
         return None
     except ValueError:
         log.warning("%s is not JSON; listing the job instead", key)
+        return None
+    except FerryError as exc:  # e.g. a bucket policy that predates heads: list instead
+        log.warning("cannot read %s (%s); listing the job instead", key, exc)
         return None
     if (
         not isinstance(doc, dict)
@@ -294,8 +297,10 @@ async def latest_complete_step(store: Store, job: str, expected_nodes: Sequence[
     markers = await completion_markers(store, job)
     catalog = Catalog(store)
     for step in reversed(await catalog.steps(job)):
+        if step in markers:  # whole by its marker: no older step is asked about
+            return step
         nodes = {c.node for c in await catalog.parts(job, step)}
-        if nodes and step_is_complete(nodes, step in markers, expected_nodes, bool(markers)):
+        if nodes and step_is_complete(nodes, False, expected_nodes, bool(markers)):
             return step
     raise CheckpointNotFoundError(f"no complete checkpoint of job {job!r} in {store.url}")
 

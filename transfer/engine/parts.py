@@ -65,13 +65,20 @@ async def check_step_whole(catalog: Catalog, job: str, step: int) -> list[Manife
     if METADATA not in merged or merged[METADATA][0].size > MAX_METADATA_BYTES:
         return manifests
     entry, owner = merged[METADATA]
-    need = required_lengths(await read_file(catalog, owner, entry))
-    for path, length in sorted((need or {}).items()):
-        have = merged[path][0].size if path in merged else None
+    metadata = await read_file(catalog, owner, entry)
+    sizes = {path: f.size for path, (f, _) in merged.items()}
+    check_files_whole(metadata, sizes, f"{job} step {step}", len(manifests))
+    return manifests
+
+
+def check_files_whole(metadata: bytes, sizes: dict[str, int], what: str, parts: int) -> None:
+    """Raise IncompleteStepError unless ``sizes`` (the merged parts' files) hold every file
+    ``metadata`` names at the length its ranges need."""
+    for path, length in sorted((required_lengths(metadata) or {}).items()):
+        have = sizes.get(path)
         if have is None or have < length:
             held = "no part holds it" if have is None else f"its part holds {have} bytes"
             raise IncompleteStepError(
-                f"{job} step {step} is not whole: {METADATA} names {path} ({length} bytes) "
-                f"and {held} ({len(manifests)} parts in)"
+                f"{what} is not whole: {METADATA} names {path} ({length} bytes) and {held} "
+                f"({parts} parts in; a node's part still to come? pull --node for one part)"
             )
-    return manifests

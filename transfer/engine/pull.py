@@ -25,9 +25,10 @@ from transfer.codec import check_encoding
 from transfer.codec.transforms import Buffer
 from transfer.engine.catalog import resolve_manifests
 from transfer.engine.chunkindex import ChunkIndex, StoredChunk
+from transfer.engine.dcp import MAX_METADATA_BYTES, METADATA
 from transfer.engine.dcpshare import overlaps
 from transfer.engine.fetch import fetch_chunks
-from transfer.engine.parts import merge_parts
+from transfer.engine.parts import check_files_whole, merge_parts
 from transfer.engine.progress import NoProgress, Progress
 from transfer.engine.ratelimit import RateLimit
 from transfer.engine.resolver import ChunkResolver, read_local_into
@@ -147,9 +148,13 @@ async def pull(
             run = _Restore(
                 ChunkResolver(store, index, pool, base_dir),
                 staging, files, targets, hints, out, progress, options, on_landed, on_moved,
-                clips,
             )  # fmt: skip
             got = await run.gather(base_manifests, chunk_source, own_share, rate_limit)
+            await _to_thread_to_the_end(
+                _clear_unwritten, out, files, targets, clips, staging.adopted
+            )
+        if share is None and node is None:  # every part: together they must be the save
+            await _to_thread_to_the_end(_check_whole, staging.path, files, manifests)
         if share is not None:
             job_step = manifests[0].job, manifests[0].step
             await _to_thread_to_the_end(write_record, staging.path, *job_step, share)
@@ -182,8 +187,9 @@ async def _kept_if_resumable(staging: Staging) -> AsyncIterator[None]:
 
 Targets = dict[str, list[tuple[int, int]]]  # chunk id -> [(file index, offset)] to write it
 Hints = dict[str, tuple[str, int]]  # chunk id -> its first (path, offset)
-#: (file index, offset) of a chunk that a share covers in part -> the file's ranges to write
-Clips = dict[tuple[int, int], list[tuple[int, int]]]
+#: (file index, offset) of a chunk that a share covers in part -> (its size, the file's
+#: ranges of it the share holds)
+Clips = dict[tuple[int, int], tuple[int, list[tuple[int, int]]]]
 
 
 def _plan(manifests: list[Manifest]) -> tuple[list[FileEntry], ChunkIndex, Targets, Hints]:
@@ -242,10 +248,67 @@ def _plan_share(
             if c.id == _zero_chunk_id(c.size):
                 continue  # the staging files start zero-filled (sparse)
             if pieces != [(offset, end)]:
-                clips[(fi, offset)] = pieces
+                clips[(fi, offset)] = (c.size, pieces)
             targets[c.id].append((fi, offset))
             hints.setdefault(c.id, (f.path, offset))
     return kept, targets, hints, clips, covered
+
+
+def _check_whole(root: Path, files: list[FileEntry], manifests: list[Manifest]) -> None:
+    """A restore of every part of a DCP step holds every file its (verified, staged)
+    ``.metadata`` names, at full length: a step whose parts are all in but torn (a node's
+    part missing a shard) never lands as a whole checkpoint."""
+    entry = next((f for f in files if f.path == METADATA), None)
+    if entry is None or entry.size > MAX_METADATA_BYTES:
+        return
+    metadata = (root / METADATA).read_bytes()  # validated relative path, staged and verified
+    what = f"{manifests[0].job} step {manifests[0].step}"
+    check_files_whole(metadata, {f.path: f.size for f in files}, what, len(manifests))
+
+
+def share_chunk_ids(manifests: list[Manifest], share: Share) -> set[str]:
+    """The chunks a pull of ``share`` fetches (a fan-out member's needs)."""
+    return set(_plan_share([f for f, _ in merge_parts(manifests)], share)[1])
+
+
+def _clear_unwritten(
+    out: StagingFiles, files: list[FileEntry], targets: Targets, clips: Clips, adopted: bool
+) -> None:
+    """Zero what the restore must not leave behind. The bytes of each chunk a share cuts
+    through that lie outside the share: chunks are written whole while the restore runs (a
+    fan-out serves them whole to its members from the staging files), and what is left
+    must be exactly the share, so that a rank reading an item outside it finds zeros,
+    which torch.load refuses, never another item's bytes. In an adopted staging dir (a
+    killed restore's, perhaps of another step), every byte this restore did not write:
+    its all-zero chunks and, for a share, everything outside it."""
+    for (fi, offset), (size, pieces) in clips.items():
+        _zero_gaps(out, fi, offset, offset + size, pieces)
+    if not adopted:
+        return  # the rest of a new staging file is a hole already
+    placed = {pos for positions in targets.values() for pos in positions}
+    for fi, f in enumerate(files):
+        written: list[tuple[int, int]] = []
+        for offset, c in f.chunk_offsets():
+            if (fi, offset) in placed:
+                clip = clips.get((fi, offset))
+                written += [(offset, offset + c.size)] if clip is None else clip[1]
+        _zero_gaps(out, fi, 0, f.size, written)  # (positions are in order, disjoint)
+
+
+def _zero_gaps(
+    out: StagingFiles, fi: int, start: int, end: int, keep: list[tuple[int, int]]
+) -> None:
+    """Write zeros over ``[start, end)`` of file ``fi`` except the sorted ``keep`` ranges."""
+    at = start
+    for lo, hi in [*keep, (end, end)]:
+        while at < lo:
+            n = min(lo - at, _ZEROS_AT_ONCE)
+            out.pwrite(fi, at, bytes(n))
+            at += n
+        at = max(at, hi)
+
+
+_ZEROS_AT_ONCE = 8 << 20
 
 
 @dataclass
@@ -273,10 +336,8 @@ class _Restore:
         options: TransferOptions,
         on_landed: Callable[[str, tuple[Path, int, int]], None] | None,
         on_moved: Callable[[str, int], None] | None = None,
-        clips: Clips | None = None,
     ) -> None:
         self.resolver = resolver
-        self.clips = clips or {}
         self.on_moved = on_moved
         self.index = resolver.index
         self.staging = staging
@@ -300,26 +361,16 @@ class _Restore:
         positions = self.targets.get(c.id, ())
         with self.resolver.clock.timing("write"):
             for fi, offset in positions:
-                self._put(fi, offset, data)
+                self.out.pwrite(fi, offset, data)
         self.progress.advance(len(data) * max(1, len(positions)))
         self._landed(c.id)
 
     def write_elsewhere(self, c: StoredChunk, data: Buffer) -> None:
         """A chunk found in place in an adopted staging dir: its other positions."""
         for fi, offset in self.targets[c.id][1:]:
-            self._put(fi, offset, data)
+            self.out.pwrite(fi, offset, data)
         self.progress.advance(len(data) * len(self.targets[c.id]))
         self._landed(c.id)
-
-    def _put(self, fi: int, offset: int, data: Buffer) -> None:
-        """A chunk at one position: whole, or only the share's ranges of it."""
-        pieces = self.clips.get((fi, offset))
-        if pieces is None:
-            self.out.pwrite(fi, offset, data)
-            return
-        view = memoryview(data)
-        for lo, hi in pieces:
-            self.out.pwrite(fi, lo, view[lo - offset : hi - offset])
 
     def _landed(self, cid: str) -> None:
         if self.on_landed is not None and cid in self.targets:

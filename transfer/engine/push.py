@@ -112,7 +112,9 @@ async def push(
     files its ``.metadata`` names (those it holds must be whole); else it must hold all.
 
     Reads of the store's control objects do not grow with the job's nodes: the node's own
-    head and newest parts (its base and dedupe window), never other nodes' manifests."""
+    head and newest parts (its base and dedupe window), and one listing of the step; other
+    nodes' manifests only for a push that is not a part (a single-node save: it has
+    none, unless the same step was pushed under another node name)."""
     options = options or TransferOptions()
     progress = progress or NoProgress()
     check_name("job", job)
@@ -124,6 +126,9 @@ async def push(
     catalog = Catalog(store)
     # one push of a part at a time: a second one waits, then finds it committed
     async with push_lease(store, job, step, node):
+        others = [] if part else await _other_parts(catalog, job, step, node)
+        if (why := _clash(sources, others)) is not None:
+            raise _clash_error(job, step, node, why)
         base = None
         if options.delta and not full:
             base = await choose_base(
@@ -138,6 +143,9 @@ async def push(
             placed = await run.encode_all(sources)
         await run.check_unchanged(ckpt_dir, sources)
         manifest = _manifest(job, step, node, options, sources, placed, index)
+        if (why := _clash(manifest, others)) is not None:
+            await run.writer_abort()  # nobody will reference what we wrote
+            raise _clash_error(job, step, node, why)
         already = await _commit(store, manifest, run)
         await catalog.record_head(job, node, step)
         progress.finish()
@@ -519,6 +527,47 @@ class _Tag(NamedTuple):
     size: int
     enc: str
     base: str | None
+
+
+def _clash(ours: Manifest | list[SourceFile], others: list[Manifest]) -> str | None:
+    """Why the parts of one step (one per node) would not merge into one checkpoint, or
+    None. Two parts may hold the same file only with the same bytes (a replicated
+    .metadata); the usual cause is the same checkpoint pushed again under another node name
+    (the host name is the default). Judged by size before reading (``ours`` the scanned
+    sources), by chunk ids before the commit (``ours`` the manifest)."""
+    by_content = isinstance(ours, Manifest)
+
+    def print_of(f: FileEntry | SourceFile) -> object:
+        return (f.mode, [c.id for c in f.chunks]) if isinstance(f, FileEntry) else f.size
+
+    mine = {f.path: print_of(f) for f in (ours.files if isinstance(ours, Manifest) else ours)}
+    for other in others:
+        for f in other.files:
+            theirs = print_of(f) if by_content else f.size
+            if f.path in mine and mine[f.path] != theirs:
+                return f"{f.path} differs from node {other.node}'s"
+    return None
+
+
+def _clash_error(job: str, step: int, node: str, why: str) -> FerryError:
+    return FerryError(
+        f"{job} step {step} already has another node's part and this push as node {node} "
+        f"would make it unrestorable: {why} (the same checkpoint under another node name? "
+        "pass --node with the name it was pushed as)"
+    )
+
+
+async def _other_parts(catalog: Catalog, job: str, step: int, node: str) -> list[Manifest]:
+    """The step's other parts, for the clash check of a push that is not a part of a
+    multi-node save: one listing of the step, and its other parts' manifests, which a
+    single-node job does not have (a multi-node part is judged with the whole step, once,
+    by parts.check_step_whole: reading every other part here made each push of an N-node
+    job read N manifests)."""
+    return [
+        await catalog.manifest(job, step, c.node)
+        for c in await catalog.parts(job, step)
+        if c.node != node
+    ]
 
 
 async def _check_reused_packs(store: Store, pack_ids: set[str], run: _PushRun) -> None:

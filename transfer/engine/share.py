@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 from transfer.engine.catalog import Catalog
 from transfer.engine.dcp import MAX_METADATA_BYTES, METADATA, required_lengths
@@ -36,6 +38,8 @@ from transfer.engine.parts import merge_parts, read_file
 from transfer.errors import FerryError, FormatError
 from transfer.format.manifest import Manifest
 from transfer.format.share import SHARE_FORMAT, SHARE_MARKER, SHARE_VERSION
+
+K = TypeVar("K", bound=Hashable | None)
 
 
 @dataclass(frozen=True)
@@ -82,25 +86,51 @@ async def plan_share(
     """The share of the step ``manifests`` make for ``layout`` (dcpshare's rule) or for an
     explicit item list ``items`` (JSON, as dcpplan_torch writes it): one read of the step's
     ``.metadata`` from the store."""
+    return (await plan_shares(catalog, manifests, {None: (layout, items)}))[None]
+
+
+async def plan_shares(
+    catalog: Catalog,
+    manifests: list[Manifest],
+    asks: Mapping[K, tuple[Layout | None, object]],
+) -> dict[K, Share]:
+    """plan_share for several (layout, items) asks at once (a fan-out group's members),
+    reading ``.metadata`` once."""
     merged = {f.path: (f, m) for f, m in merge_parts(manifests)}
     job, step = manifests[0].job, manifests[0].step
     if METADATA not in merged:
-        raise FerryError(f"{job} step {step} has no {METADATA}: not a DCP save, no share of it")
+        raise FerryError(
+            f"{job} step {step} has no {METADATA} in its {len(manifests)} part(s): rank 0's "
+            "node has not pushed its part yet (or it is not a DCP save); a share needs it"
+        )
     entry, owner = merged[METADATA]
     if entry.size > MAX_METADATA_BYTES:
         raise FormatError(f"{job} step {step}: {METADATA} is {entry.size} bytes, over the limit")
     metadata = await read_file(catalog, owner, entry)
     storage = frozenset(required_lengths(metadata) or ())
+    sizes = {path: f.size for path, (f, _) in merged.items() if path in storage}
+    return {key: _share(metadata, storage, sizes, *ask) for key, ask in asks.items()}
+
+
+def _share(
+    metadata: bytes,
+    storage: frozenset[str],
+    sizes: dict[str, int],
+    layout: Layout | None,
+    items: object,
+) -> Share:
     if items is not None:
         ranges = ranges_from_items(items)
     elif layout is not None:
         ranges = share_ranges(metadata, layout)
     else:
-        raise ValueError("plan_share needs a layout or an item list")
+        raise ValueError("a share needs a layout or an item list")
     for path, spans in ranges.items():
-        size = merged[path][0].size if path in merged else None
-        if size is None or path not in storage or spans[-1][1] > size:
-            raise FormatError(f"the share names {path} up to {spans[-1][1]}, which the step lacks")
+        if path not in sizes or spans[-1][1] > sizes[path]:
+            raise FormatError(
+                f"the share names {path} up to byte {spans[-1][1]}, which the step's parts do "
+                "not hold (the step is not complete yet? ask for a complete step)"
+            )
     return Share(ranges, storage, layout)
 
 
