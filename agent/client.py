@@ -56,14 +56,23 @@ class FerryClient:
         return await self._call("GET", "/v1/checkpoints")  # type: ignore[no-any-return]
 
     async def estimate(
-        self, job: str, step: int | str = "latest", *, gpus: int = 1, gpu_hour_price: float = 0
+        self,
+        job: str,
+        step: int | str = "latest",
+        *,
+        gpus: int = 1,
+        gpu_hour_price: float = 0,
+        layout: tuple[int, list[int]] | None = None,
     ) -> dict[str, Any]:
+        """What a prefetch here would cost; ``layout``: of the share those ranks read."""
         params = {
             "job": job,
             "step": str(step),
             "gpus": str(gpus),
             "gpu_hour_price": str(gpu_hour_price),
         }
+        if layout is not None:
+            params["layout"] = f"{layout[0]}:{','.join(map(str, layout[1]))}"
         return await self._call("GET", "/v1/estimate", params=params)  # type: ignore[no-any-return]
 
     async def prefetch(

@@ -14,9 +14,11 @@ from agent.config import AgentConfig
 from agent.estimate import PREFETCH_START_SECONDS, BandwidthMeter, estimate_migration
 from agent.hotdir import LocalCheckpoint
 from agent.prefetch import Prefetcher
-from transfer.engine.catalog import list_checkpoints, load_manifest, resolve_checkpoint
+from transfer.engine.catalog import Catalog, resolve_checkpoint
 from transfer.engine.chunkindex import ChunkIndex
-from transfer.engine.pull import local_bases
+from transfer.engine.dcpshare import Layout, parse_ranks
+from transfer.engine.pull import local_bases, share_chunk_ids
+from transfer.engine.share import Share, covers, plan_share, read_record
 from transfer.errors import CheckpointNotFoundError, FerryError, StoreError
 from transfer.format.manifest import Manifest
 from transfer.store.base import Store
@@ -40,17 +42,28 @@ class PrefetchEstimator:
     prefetcher: Prefetcher
 
     async def estimate(
-        self, job: str, step: int | None, *, gpus: int, gpu_hour_price: float
+        self,
+        job: str,
+        step: int | None,
+        *,
+        gpus: int,
+        gpu_hour_price: float,
+        layout: str | None = None,
     ) -> dict[str, Any]:
         """The estimate document for (job, step; None: the step a prefetch would pick), from
-        the first tier that holds it. CheckpointNotFoundError when none does; StoreError
-        when none that could be read did."""
+        the first tier that holds it; with ``layout`` ("W:A,B" or "W:A-B": ranks of a world
+        of W), of a prefetch of the share those ranks read (its bytes and its chunks only).
+        CheckpointNotFoundError when no tier holds it; StoreError when none that could be
+        read did."""
         unreachable: list[str] = []
         for name, store in self.tiers:
             try:
                 manifests = await resolve_checkpoint(store, job, step, self.config.expected_nodes)
-                total = sum(f.size for m in manifests for f in m.files)
-                sourcing = await self._sourcing(name, store, job, manifests, total)
+                share = None
+                if layout is not None:
+                    share = await plan_share(Catalog(store), manifests, _layout(layout))
+                total = share.nbytes if share else sum(f.size for m in manifests for f in m.files)
+                sourcing = await self._sourcing(name, store, job, manifests, total, share)
             except CheckpointNotFoundError:
                 continue
             except StoreError as exc:  # the next tier may answer (as a prefetch would use it)
@@ -68,6 +81,7 @@ class PrefetchEstimator:
             doc.update(job=job, step=manifests[0].step, node=self.config.node)
             doc.update(source=sourcing.source)
             doc.update(bytes_bases=sourcing.bases, rate_basis=sourcing.rate_basis)
+            doc.update(share=None if share is None else _share_doc(share))
             return doc
         which = "latest" if step is None else str(step)
         if unreachable:
@@ -77,14 +91,26 @@ class PrefetchEstimator:
         raise CheckpointNotFoundError(f"no tier holds job {job!r} step {which}")
 
     async def _sourcing(
-        self, tier: str, store: Store, job: str, manifests: list[Manifest], total: int
+        self,
+        tier: str,
+        store: Store,
+        job: str,
+        manifests: list[Manifest],
+        total: int,
+        share: Share | None,
     ) -> Sourcing:
         step = manifests[0].step
         here = self._held_here(job, step)
         if here is not None:  # nothing moves: a replica is checked by stat, a copy re-hashed
             return await self._held_sourcing(job, step, here, total)
+        wanted = None
+        if share is not None:
+            copy = self.config.hot.step_path(job, step)
+            if self.config.hot.is_share(copy) and covers(read_record(copy) or {}, share):
+                return Sourcing("local", {"local": 0}, 0, "default")  # held: nothing to do
+            wanted = share_chunk_ids(manifests, share)
         held = await self._held_manifests(store, job, step)
-        return await self._source_of(tier, store, manifests, held)
+        return await self._source_of(tier, store, manifests, held, wanted)
 
     async def _source_of(
         self,
@@ -92,6 +118,7 @@ class PrefetchEstimator:
         store: Store,
         manifests: list[Manifest],
         held: dict[LocalCheckpoint, list[Manifest]],
+        wanted: set[str] | None = None,
     ) -> Sourcing:
         """Where a prefetch would get the chunks this node lacks and what it would move
         from there: the first peer that serves a sample of them (as deltas against what
@@ -102,7 +129,11 @@ class PrefetchEstimator:
         for m in manifests:
             index.add_manifest(m)
         needed = {
-            c.id for m in manifests for f in m.files for c in f.chunks if c.id not in held_ids
+            c.id
+            for m in manifests
+            for f in m.files
+            for c in f.chunks
+            if c.id not in held_ids and (wanted is None or c.id in wanted)
         }
         # what the newest earlier step held here has at each chunk's position
         base = next((c for c in held if c.step < manifests[0].step), None)
@@ -160,16 +191,32 @@ class PrefetchEstimator:
         missing."""
         here = [c for c in self.config.hot.checkpoints(job) if c.step <= step]
         found: dict[LocalCheckpoint, list[Manifest]] = {c: [] for c in here}
-        by_step = {c.step: c for c in here}
-        for part in await list_checkpoints(store, job):
-            if part.step in by_step:
+        catalog = Catalog(store)
+        for held in here:  # one listing per held step, not one of the whole job
+            for part in await catalog.parts(job, held.step):
                 try:
-                    found[by_step[part.step]].append(
-                        await load_manifest(store, job, part.step, part.node)
-                    )
+                    found[held].append(await catalog.manifest(job, held.step, part.node))
                 except FerryError:
                     continue
         return found
+
+
+def _layout(text: str) -> Layout:
+    """``"W:A,B"`` as a Layout; a share that cannot exist (a rank outside the world) is a
+    checkpoint share not found, as the spec's shape cannot say so."""
+    world, _, ranks = text.partition(":")
+    try:
+        if not world.isascii() or not world.isdigit() or len(world) > 7:
+            raise FerryError(f"layout: expected W:A,B or W:A-B, got {text!r}")
+        return Layout(int(world), parse_ranks(ranks))
+    except FerryError as exc:
+        raise CheckpointNotFoundError(f"no such share: {exc}") from None
+
+
+def _share_doc(share: Share) -> dict[str, Any]:
+    layout = share.layout
+    assert layout is not None  # (an estimate's share is always a layout's)
+    return {"world_size": layout.world_size, "ranks": list(layout.ranks), "bytes": share.nbytes}
 
 
 def _to_move(index: ChunkIndex, needed: set[str], held: set[str]) -> tuple[int, int]:

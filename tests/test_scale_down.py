@@ -140,14 +140,21 @@ def test_agent_prefetches_a_share_then_completes_it_in_place(
     async def go() -> list[dict[str, Any]]:
         done = []
         async with agent(hot, [local_url], node="survivor") as url, FerryClient(url, TOKEN) as c:
+            done.append(await c.estimate("drill", STEP, layout=(4, [0, 1])))
             for layout in ((4, [0, 1]), (4, [1]), None):
                 done.append(await c.wait_prefetch(await c.prefetch("drill", STEP, layout=layout)))
                 if layout == (4, [1]):
                     done.append(await c.checkpoints())
         return done
 
-    first, narrower, listed, whole = asyncio.run(go())
+    estimate, first, narrower, listed, whole = asyncio.run(go())
     raw = sum(p.stat().st_size for p in save.iterdir())
+    # the estimate is the share's: its bytes, and the stored bytes of its chunks
+    assert estimate["share"] == {"world_size": 4, "ranks": [0, 1], "bytes": estimate["bytes_total"]}
+    assert estimate["bytes_total"] <= 0.55 * raw
+    # (the restore reads through small gaps between the chunks it needs, in one request)
+    moved = sum(first["bytes_by_source"].values())
+    assert estimate["bytes_missing"] <= moved <= 1.1 * estimate["bytes_missing"], (estimate, moved)
     assert first["state"] == "ready" and first["satisfied_by"] == "restored", first
     assert first["layout"] == {"world_size": 4, "ranks": [0, 1]}
     assert sum(first["bytes_by_source"].values()) <= 0.55 * raw

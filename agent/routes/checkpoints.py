@@ -36,9 +36,10 @@ async def get_estimate(request: web.Request) -> web.Response:
     price = float(query.get("gpu_hour_price", "0"))
     if not 0 <= gpus <= 1_000_000 or not (math.isfinite(price) and 0 <= price <= 1e6):
         raise ValueError("gpus must be in 0..1000000 and gpu_hour_price a price in 0..1e6")
+    layout = query.get("layout")  # "W:A,B": the share those ranks of W would read
     app = request.app
     estimator = PrefetchEstimator(app[CONFIG], app[TIERS], app[METER], app[PREFETCHER])
-    doc = await estimator.estimate(job, step, gpus=gpus, gpu_hour_price=price)
+    doc = await estimator.estimate(job, step, gpus=gpus, gpu_hour_price=price, layout=layout)
     return web.json_response(doc)
 
 
