@@ -95,6 +95,17 @@ class HotDir:
         found.sort(key=lambda c: c.step, reverse=True)
         return found
 
+    def shares(self) -> list[LocalCheckpoint]:
+        """Partial copies (shares) of every job, newest first within a job."""
+        found = [
+            LocalCheckpoint(d.job, d.step, d.path)
+            for job in self.jobs()
+            for d in self.step_dirs(job)
+            if self.is_share(d.path)
+        ]
+        found.sort(key=lambda c: (c.job, -c.step))
+        return found
+
     def all_checkpoints(self) -> list[LocalCheckpoint]:
         """Committed step directories of every job."""
         return [c for job in self.jobs() for c in self.checkpoints(job)]

@@ -109,7 +109,27 @@ async def plan_hot(
         HotStep(c.job, c.step, str(c.path), sizes[(c.job, c.step)], *decisions[(c.job, c.step)])
         for c in held
     ]
+    plan.steps += await _partial_copies(hot, held, protected)
     return plan
+
+
+async def _partial_copies(
+    hot: HotDir, held: list[LocalCheckpoint], protected: Collection[Key]
+) -> list[HotStep]:
+    """Partial copies (shares a prefetch made for some ranks): each came from a tier, so
+    none is ever the only copy; the newest of a job is kept (a survivor's ranks restart
+    from it), an older one goes once a newer step of its job is here, whole or a share."""
+    out = []
+    shares = hot.shares()
+    for c in shares:
+        newer = [o.step for o in [*held, *shares] if o.job == c.job and o.step > c.step]
+        size = await asyncio.to_thread(_tree_bytes, c.path)
+        if (c.job, c.step) in protected or not newer:
+            out.append(HotStep(c.job, c.step, str(c.path), size, "keep", "a partial copy"))
+        else:
+            why = f"a partial copy; step {max(newer)} is here"
+            out.append(HotStep(c.job, c.step, str(c.path), size, "evict", why))
+    return out
 
 
 def _with_bases(protected: Collection[Key], held: list[LocalCheckpoint]) -> set[Key]:

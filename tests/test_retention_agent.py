@@ -258,3 +258,27 @@ def test_hot_dir_on_a_small_tmpfs_keeps_min_free(local_url: str, tmp_path: Path)
         asyncio.run(go())
     finally:
         subprocess.run(["umount", "-l", str(hot)], check=False)
+
+
+def test_partial_copies_are_kept_while_newest_and_evicted_once_superseded(tmp_path: Path) -> None:
+    """A share a prefetch made (.ferry-share.json) is never the only copy: the newest of a
+    job is kept (a survivor restarts from it), an older one goes once a newer step of its
+    job is here (whole or a share), unless a prefetch holds it."""
+    from transfer.format.share import SHARE_MARKER
+
+    hot = tmp_path / "hot"
+    for step in (10, 20, 30):
+        d = hot / JOB / f"step_{step:06d}"
+        d.mkdir(parents=True)
+        (d / ".metadata").write_bytes(b"m")
+        (d / "__0_0.distcp").write_bytes(b"x" * 1000)
+        (d / SHARE_MARKER).write_text("{}")
+
+    async def plan(protected: set[tuple[str, int]]) -> dict[int, str]:
+        journal = Journal(tmp_path / "j.sqlite3", "a")
+        done = await plan_hot(HotDir(hot, ".metadata"), node="a", keep_last=2, budget_bytes=None,
+                              tiers=[], journal=journal, protected=protected)  # fmt: skip
+        return {s.step: s.action for s in done.steps}
+
+    assert asyncio.run(plan(set())) == {10: "evict", 20: "evict", 30: "keep"}
+    assert asyncio.run(plan({(JOB, 10)})) == {10: "keep", 20: "evict", 30: "keep"}
