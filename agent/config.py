@@ -527,9 +527,11 @@ def _parse_listen(listen: str) -> tuple[str, int]:
 
 
 def _commit_marker(value: object) -> str:
+    """A file name, or "" (no marker: a step directory is committed once its files are
+    quiet; for the nodes of a node-local multi-node save that never hold .metadata)."""
     marker = str(value)
-    if not marker or "/" in marker or marker in (".", ".."):
-        raise ConfigError(f"commit_marker: expected a file name, got {marker!r}")
+    if "/" in marker or marker in (".", ".."):
+        raise ConfigError(f"commit_marker: expected a file name or \"\", got {marker!r}")
     return marker
 
 
@@ -618,7 +620,10 @@ listen = "127.0.0.1:7070"
 token_file = "ferry.token"
 # Training writes checkpoints to <hot_dir>/<job>/<step dir>/ (required). e.g. "/nvme/ckpt"
 hot_dir = "ckpt/hot"
-# A step directory is complete once this file exists (PyTorch DCP writes it last).
+# A step directory is complete once this file exists (PyTorch DCP writes it last). In a
+# multi-node job saving to each node's own disk, only rank 0's node gets .metadata: on the
+# others set "" (a step is pushed once its files are quiet; the step is judged whole, against
+# .metadata, by the node that finds the last part in, before it writes the completion marker).
 commit_marker = ".metadata"
 # Stores to copy checkpoints to, hottest first: paths, file:// or s3://bucket/prefix.
 # e.g. ["/mnt/nfs/ckpt", "s3://bucket/ckpt"]

@@ -79,7 +79,11 @@ class HotDir:
         """A save that is whole here: its commit marker is there, and it is not a partial
         copy (a share pulled for some ranks: share.py), which is never pushed, served to a
         peer, or counted as holding the step."""
-        return os.path.isfile(step_dir / self.commit_marker) and not self.is_share(step_dir)
+        if self.is_share(step_dir):
+            return False
+        if not self.commit_marker:  # a node without .metadata in a node-local multi-node
+            return _holds_a_file(step_dir)  # save: its files are the part (pushed once quiet)
+        return os.path.isfile(step_dir / self.commit_marker)
 
     def is_share(self, step_dir: Path) -> bool:
         """A partial copy: the share some ranks read, recorded by the pull that made it."""
@@ -146,6 +150,13 @@ def path_in_step_dir(step_dir: Path, rel: str) -> Path:
                 f"{here} is a symlink or not a directory; refusing to write through it"
             )
     return step_dir / rel
+
+
+def _holds_a_file(step_dir: Path) -> bool:
+    try:
+        return any(e.is_file(follow_symlinks=False) for e in os.scandir(step_dir))
+    except OSError:
+        return False
 
 
 def is_hidden(name: str) -> bool:

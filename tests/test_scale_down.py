@@ -303,3 +303,46 @@ async def _prefetch_ranks(tmp_path: Path, url: str, tag: str, fanout: bool) -> l
             ids.append(await c.prefetch("drill", STEP, layout=layouts[u], **group))  # type: ignore[arg-type]
         waits = (c.wait_prefetch(i, within_s=120) for c, i in zip(clients, ids, strict=True))
         return list(await asyncio.gather(*waits))
+
+
+def test_every_nodes_agent_pushes_its_part_and_the_last_one_in_completes_the_step(
+    drill: tuple[Path, list[Path]], local_url: str, tmp_path: Path
+) -> None:
+    """A node-local save on 4 nodes, one agent each (expected_nodes n0..n3): rank 0's node
+    commits on .metadata, the others (commit_marker "") once their files are quiet; each
+    pushes its part, and the step is complete (marker written) once all four are in and
+    together hold every file .metadata names. A pull of it is the save, byte for byte."""
+    import contextlib
+    import time
+
+    from tests.harness import agent
+    from transfer.engine.catalog import is_complete
+
+    save, nodes = drill
+    expected = ("n0", "n1", "n2", "n3")
+
+    async def go() -> bool:
+        async with contextlib.AsyncExitStack() as stack:
+            for k, node_dir in enumerate(nodes):
+                hot = tmp_path / f"n{k}" / "hot"
+                shutil.copytree(node_dir, hot / "drill" / f"step_{STEP:06d}")
+                env = {"FERRY_EXPECTED_NODES": ",".join(expected)}
+                marker = 'commit_marker = ""\n' if k else None  # (an empty variable is unset)
+                await stack.enter_async_context(
+                    agent(hot, [local_url], f"n{k}", extra_env=env, config_text=marker)
+                )
+            store = open_test_store(local_url)
+            try:
+                deadline = time.monotonic() + 60
+                while time.monotonic() < deadline:
+                    if await store.exists(f"complete/drill/{STEP:018d}.json"):
+                        return await is_complete(store, "drill", STEP, ())  # by its marker
+                    await asyncio.sleep(0.2)
+                return False
+            finally:
+                await store.close()
+
+    assert asyncio.run(go())
+    whole = tmp_path / "whole"
+    assert ferry(["pull", local_url, str(whole), "--job", "drill", "--step", str(STEP)]) == 0
+    assert tree_bytes(whole) == tree_bytes(save)
