@@ -531,7 +531,7 @@ def _commit_marker(value: object) -> str:
     quiet; for the nodes of a node-local multi-node save that never hold .metadata)."""
     marker = str(value)
     if "/" in marker or marker in (".", ".."):
-        raise ConfigError(f"commit_marker: expected a file name or \"\", got {marker!r}")
+        raise ConfigError(f'commit_marker: expected a file name or "", got {marker!r}')
     return marker
 
 
