@@ -308,9 +308,13 @@ async def op_pull(store: Store, fleet: Fleet, step: int | None, node: str | None
 
 
 async def op_push(store: Store, fleet: Fleet) -> None:
+    """One node's part of the next step, pushed as the agent of a multi-node job pushes it
+    (``part=True``: the step is judged whole once, by the node that finds its last part in,
+    so a part reads no other node's part and lists nothing of the step)."""
     rank = measured_rank(fleet.n)
     step = step_of(fleet.saves)
-    await push(store, part_dir(fleet.root, rank, step), job=JOB, step=step, node=fleet.me)
+    d = part_dir(fleet.root, rank, step)
+    await push(store, d, job=JOB, step=step, node=fleet.me, part=True)
 
 
 async def op_retention(store: Store, fleet: Fleet) -> None:
