@@ -11,7 +11,9 @@ source "$(dirname "$0")/env.sh" test
 if [ "${FERRY_WITH_TORCH:-}" = 1 ]; then
   pip install --quiet --disable-pip-version-check "torch==2.13.0"
 fi
-echo "== ruff";          ruff check . && ruff format --check .
+# one command per line: under `set -e`, a failure on the left of `&&` does not stop the script
+echo "== ruff";          ruff check .
+echo "== ruff format";   ruff format --check .
 echo "== mypy";          mypy
 echo "== import-linter"; lint-imports
 workers="${FERRY_TEST_WORKERS:-$(n=$(nproc); echo $((n < 4 ? n : 4)))}"
