@@ -440,3 +440,31 @@ def test_an_agent_that_cannot_start_says_why_and_leaves_nothing_running(
     while store_threads() and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not store_threads()
+
+
+@pytest.mark.parametrize("command", ["ls", "push", "pull"])
+@pytest.mark.parametrize("where", ["flag", "env"])
+def test_an_endpoint_without_a_scheme_is_one_line_not_a_panic(
+    command: str,
+    where: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``--endpoint-url 127.0.0.1:41007`` (or AWS_ENDPOINT_URL without http://) made the S3
+    reader panic (a Rust backtrace, then ``PanicException: request valid``); it is refused
+    in one line where every endpoint is resolved, naming what was meant."""
+    ckpt = make_checkpoint(tmp_path / "step_000001", shard_bytes=10_000)
+    args = {
+        "ls": ["ls", "s3://bucket/p"],
+        "push": ["push", str(ckpt), "s3://bucket/p", "--job", "j", "--node", "n"],
+        "pull": ["pull", "s3://bucket/p", str(tmp_path / "out"), "--job", "j"],
+    }[command]
+    if where == "flag":
+        args += ["--endpoint-url", "127.0.0.1:41007"]
+    else:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", "127.0.0.1:41007")
+    err = ferry_fails(capsys, *args)
+    assert "S3 endpoint '127.0.0.1:41007' is not an http(s) URL" in err
+    assert "did you mean http://127.0.0.1:41007?" in err
+    assert "Traceback" not in err and "panic" not in err.lower() and len(err.splitlines()) == 1

@@ -55,7 +55,7 @@ def open_store(url: str, options: StoreOptions | None = None) -> Store:
 def _s3_store(url: str, parsed: ParseResult, options: StoreOptions) -> Store:
     if not parsed.netloc:
         raise ValueError(f"store URL {url!r} names no bucket (s3://bucket/prefix)")
-    endpoint = (
+    endpoint = _checked_endpoint(
         options.endpoint_url
         or os.environ.get("AWS_ENDPOINT_URL_S3")
         or os.environ.get("AWS_ENDPOINT_URL")
@@ -74,6 +74,25 @@ def _s3_store(url: str, parsed: ParseResult, options: StoreOptions) -> Store:
         read_timeout=options.settings.read_timeout_seconds,
         retry=options.retry_policy(),
     )
+
+
+def _checked_endpoint(endpoint: str | None) -> str | None:
+    """The S3 endpoint, refused in one line unless it is an http(s) URL with a host: the
+    S3 clients below panic (obstore) or guess on anything else (``127.0.0.1:9000``)."""
+    if not endpoint:
+        return None
+    try:
+        parsed = urlparse(endpoint)
+        ok = parsed.scheme in ("http", "https") and bool(parsed.hostname) and parsed.port != 0
+    except ValueError:  # a port that is not a number, a bad IPv6 literal
+        ok = False
+    if not ok:
+        hint = f" (did you mean http://{endpoint}?)" if "://" not in endpoint else ""
+        raise ValueError(
+            f"S3 endpoint {endpoint!r} is not an http(s) URL with a host{hint}; from "
+            "--endpoint-url, the agent's endpoint_url, or AWS_ENDPOINT_URL(_S3)"
+        )
+    return endpoint
 
 
 def _file_store(url: str, parsed: ParseResult, options: StoreOptions) -> Store:
