@@ -724,6 +724,19 @@ def _plan(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The ``ferry`` command. Its one broken-pipe rule: output cut short by its reader
+    (``ferry ls | head -1``) ends the command quietly, as a tool killed by SIGPIPE does."""
+    try:
+        return _main(argv)
+    except BrokenPipeError:
+        # what is still buffered would fail again at exit: send it nowhere
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 128 + 13  # SIGPIPE
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     import asyncio  # only now: `ferry --help` never needs it (~0.1 s of start-up)

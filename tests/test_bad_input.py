@@ -468,3 +468,26 @@ def test_an_endpoint_without_a_scheme_is_one_line_not_a_panic(
     assert "S3 endpoint '127.0.0.1:41007' is not an http(s) URL" in err
     assert "did you mean http://127.0.0.1:41007?" in err
     assert "Traceback" not in err and "panic" not in err.lower() and len(err.splitlines()) == 1
+
+
+@pytest.mark.parametrize("command", [["ls"], ["du"], ["du", "--json"]])
+def test_output_cut_short_by_its_reader_ends_quietly(
+    command: list[str], local_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``ferry ls | head -1``: the reader goes away before ferry writes; ferry ends as a
+    tool killed by SIGPIPE does (141, nothing on stderr), not with a BrokenPipeError
+    traceback."""
+    import subprocess
+    import sys
+
+    pushed(local_url, tmp_path, capsys)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "agent", *command, local_url],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # the reader is gone before the first line
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=60) == 141, err
+    assert "Traceback" not in err and "BrokenPipe" not in err, err
