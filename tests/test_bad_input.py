@@ -491,3 +491,21 @@ def test_output_cut_short_by_its_reader_ends_quietly(
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=60) == 141, err
     assert "Traceback" not in err and "BrokenPipe" not in err, err
+
+
+@pytest.mark.parametrize("command", ["push", "pull"])
+def test_a_base_dir_that_is_not_there_is_refused(
+    command: str, local_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--base-dir /nonexistent`` was taken as "nothing to reuse" (exit 0, "0 chunks
+    reused"): a typo must say so, and leave the store and the destination untouched."""
+    src = pushed(local_url, tmp_path, capsys)
+    before = store_objects(local_url)
+    missing = tmp_path / "no-such-dir"
+    if command == "push":
+        args = ["push", str(src), local_url, "--job", "j", "--node", "n2", *SMALL]
+    else:
+        args = ["pull", local_url, str(tmp_path / "out"), "--job", "j"]
+    err = ferry_fails(capsys, *args, "--base-dir", str(missing))
+    assert f"base directory {missing} does not exist or is not a directory" in err
+    assert store_objects(local_url) == before and not (tmp_path / "out").exists()

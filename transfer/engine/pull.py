@@ -32,6 +32,7 @@ from transfer.engine.parts import check_files_whole, merge_parts
 from transfer.engine.progress import NoProgress, Progress
 from transfer.engine.ratelimit import RateLimit
 from transfer.engine.resolver import ChunkResolver, read_local_into
+from transfer.engine.scan import check_base_dir
 from transfer.engine.settle import boot_id
 from transfer.engine.share import Share, write_record
 from transfer.engine.staging import (
@@ -129,6 +130,7 @@ async def pull(
     progress = progress or NoProgress()
     started = time.monotonic()
     manifests = manifests or await resolve_manifests(store, job, step, node)
+    check_base_dir(base_dir)
     if base_dir is not None and base_manifests is None:
         base_manifests = await _manifests_named_by(store, job, base_dir)
     files, index, targets, hints = _plan(manifests)

@@ -45,7 +45,13 @@ from transfer.engine.progress import NoProgress, Progress
 from transfer.engine.pushlease import push_lease
 from transfer.engine.resolver import ChunkResolver
 from transfer.engine.resume import ResumeLog
-from transfer.engine.scan import SourceFile, check_unchanged, read_range, scan_checkpoint
+from transfer.engine.scan import (
+    SourceFile,
+    check_base_dir,
+    check_unchanged,
+    read_range,
+    scan_checkpoint,
+)
 from transfer.engine.share import describe, read_record
 from transfer.errors import AlreadyExistsError, FerryError, NotFoundError, SourceChangedError
 from transfer.format import layout
@@ -121,6 +127,7 @@ async def push(
     check_name("node", node)
     check_step(step)
     started = time.monotonic()
+    check_base_dir(base_dir)
     sources = await asyncio.to_thread(_complete_sources, ckpt_dir, part)
     await open_catalog(store, create=True)
     catalog = Catalog(store)

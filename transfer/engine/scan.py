@@ -95,3 +95,10 @@ def read_range(path: Path, offset: int, length: int) -> bytearray:
         return out
     finally:
         os.close(fd)
+
+
+def check_base_dir(base_dir: Path | None) -> None:
+    """A base directory named on purpose must be one: a typo must not pass for "nothing
+    in it to reuse" (it did: "0 chunks reused", exit 0)."""
+    if base_dir is not None and not base_dir.is_dir():
+        raise FerryError(f"base directory {base_dir} does not exist or is not a directory")
