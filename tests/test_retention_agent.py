@@ -16,7 +16,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from agent.client import FerryClient
+from agent.client import FerryClient, RpcError
 from agent.holds import StepHolds
 from agent.hotdir import EVICTING_MARK, HotDir
 from agent.hotretention import plan_hot
@@ -282,3 +282,20 @@ def test_partial_copies_are_kept_while_newest_and_evicted_once_superseded(tmp_pa
 
     assert asyncio.run(plan(set())) == {10: "evict", 20: "evict", 30: "keep"}
     assert asyncio.run(plan({(JOB, 10)})) == {10: "keep", 20: "evict", 30: "keep"}
+
+
+def test_a_run_asked_as_a_dry_run_changes_nothing(local_url: str, tmp_path: Path) -> None:
+    """POST /v1/retention/run with {"dry_run": true} plans and reports (it ran for real:
+    the body was ignored); a body that is not one is refused."""
+    hot = tmp_path / "hot"
+    hot.mkdir()
+
+    async def go() -> None:
+        async with retaining_agent(hot, [local_url], RETAIN) as (_, client):
+            dry = await client._call("POST", "/v1/retention/run", json={"dry_run": True})
+            real = await client._call("POST", "/v1/retention/run", json={})
+            assert (dry["dry_run"], real["dry_run"]) == (True, False)
+            with pytest.raises(RpcError, match="dry_run"):
+                await client._call("POST", "/v1/retention/run", json={"dry_run": "yes"})
+
+    asyncio.run(go())

@@ -7,6 +7,7 @@ import logging
 from aiohttp import web
 
 from agent.appkeys import RETENTION
+from agent.middleware import json_body
 from transfer.errors import CheckpointNotFoundError
 
 log = logging.getLogger(__name__)
@@ -26,11 +27,16 @@ async def get_retention(request: web.Request) -> web.Response:
 
 
 async def post_retention_run(request: web.Request) -> web.Response:
-    """Run retention now (as the schedule would) and return its report."""
+    """Run retention now (as the schedule would) and return its report; a body of
+    ``{"dry_run": true}`` plans the run and changes nothing (it was ignored: the run was
+    real)."""
+    body = await json_body(request) if request.can_read_body else {}
+    if set(body) - {"dry_run"} or not isinstance(body.get("dry_run", False), bool):
+        raise ValueError('the body must be empty or {"dry_run": true|false}')
     runner = request.app.get(RETENTION)
     if runner is None:
         raise CheckpointNotFoundError("retention is not configured ([retention] in the config)")
-    return web.json_response(await runner.run_once())
+    return web.json_response(await runner.run_once(dry_run=body.get("dry_run", False)))
 
 
 ROUTES = [
