@@ -159,8 +159,9 @@ def estimate_migration(
     if gpus < 0 or not gpu_hour_price >= 0:
         raise ValueError("gpus and gpu_hour_price must not be negative")
     # (missing may exceed bytes_total: a delta-coded step restored onto a node without its
-    # base fetches the base's chunks too)
-    missing = sum(bytes_by_source.values())
+    # base fetches the base's chunks too). Bytes re-read here ("local": a held step's
+    # re-check) take time but are not missing: a node holding the step misses nothing.
+    missing = sum(n for s, n in bytes_by_source.items() if _kind(s) != "local")
     moving = [(n, meter.rate(s), 2 * meter.spread(s)) for s, n in bytes_by_source.items() if n]
     combine = max if parallel else sum
 

@@ -45,7 +45,8 @@ def test_the_estimate_names_the_peer_that_will_serve_and_probes_it_first(
             assert abs(est["bytes_missing"] - moved) <= 0.25 * moved, (est, moved)
             again = await b.estimate("llm", 40)  # held now: nothing moves, a re-check
             assert (again["source"], again["rate_basis"]) == ("local", "probe")
-            assert again["bytes_by_source"] == {"local": again["bytes_total"]}
+            assert again["bytes_by_source"] == {"local": again["bytes_total"]}  # re-read
+            assert again["bytes_missing"] == 0  # (was the step's size: nothing is missing)
             # the probe's rate stands until a re-check measures one: step 20 was written
             # here, not restored, so its prefetch re-hashes it
             assert (await b.estimate("llm", 20))["rate_basis"] == "measured"
