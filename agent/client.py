@@ -121,9 +121,15 @@ class FerryClient:
                 raise TimeoutError(f"prefetch {prefetch_id} still {status['state']}")
             await asyncio.sleep(poll)
 
-    async def standby(self, job: str) -> dict[str, Any]:
-        """Make the node a standby for ``job``: it copies each new durable step at once."""
-        return await self._call("PUT", f"/v1/standby/{job}")  # type: ignore[no-any-return]
+    async def standby(
+        self, job: str, layout: tuple[int, list[int]] | None = None
+    ) -> dict[str, Any]:
+        """Make the node a standby for ``job``: it copies each new durable step at once
+        (``layout``: only the share those ranks of that world size will read)."""
+        body = None
+        if layout is not None:
+            body = {"layout": {"world_size": layout[0], "ranks": list(layout[1])}}
+        return await self._call("PUT", f"/v1/standby/{job}", json=body)  # type: ignore[no-any-return]
 
     async def pin(self, job: str, step: int, ttl_s: float = 3600) -> dict[str, Any]:
         body = {"job": job, "step": step, "ttl_s": ttl_s}

@@ -103,3 +103,38 @@ def parse_step_arg(value: object) -> int | None:
     if isinstance(value, str) and value.isdigit():
         value = int(value)
     return parse_step(value)
+
+
+#: ranks one node hosts (far above any node's GPUs), and the largest world
+MAX_LAYOUT_RANKS = 4096
+MAX_WORLD = 1 << 20
+
+
+def parse_layout(value: object) -> dict[str, Any] | None:
+    """A request's ``layout``, ``{"world_size": W, "ranks": [ranks this node runs]}``, in
+    the spec's shape (whether the ranks fit the world is the share planner's to say), or
+    None."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or set(value) != {"world_size", "ranks"}:
+        raise ValueError('layout must be {"world_size": W, "ranks": [ranks this node runs]}')
+    world, ranks = _whole(value["world_size"]), value["ranks"]
+    if world is None or not 1 <= world <= MAX_WORLD:
+        raise ValueError(f"layout.world_size must be a whole number in 1..{MAX_WORLD}")
+    if not isinstance(ranks, list) or not 1 <= len(ranks) <= MAX_LAYOUT_RANKS:
+        raise ValueError(f"layout.ranks must be a list of 1..{MAX_LAYOUT_RANKS} ranks")
+    wholes = [_whole(r) for r in ranks]
+    if not all(r is not None and 0 <= r < MAX_WORLD for r in wholes) or len(set(wholes)) != len(
+        wholes
+    ):
+        raise ValueError(f"layout.ranks must be distinct whole numbers in 0..{MAX_WORLD - 1}")
+    return {"world_size": world, "ranks": wholes}
+
+
+def _whole(value: object) -> int | None:
+    """A JSON integer (``3`` or ``3.0``, as JSON Schema counts them), or None."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    if isinstance(value, float) and not (math.isfinite(value) and value.is_integer()):
+        return None
+    return int(value)

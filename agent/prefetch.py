@@ -414,9 +414,10 @@ class Prefetcher:
             record.satisfied_by = "held"
             return
         with self.holds.hold((record.job, record.step)):
-            if had is None:
-                held = self.hot_dir.checkpoints(record.job)
-                base = next((c for c in held if c.step < record.step), None)
+            if had is None:  # its base: the newest older step here, whole or a share
+                held = [*self.hot_dir.checkpoints(record.job), *self.hot_dir.shares()]
+                older = [c for c in held if c.job == record.job and c.step < record.step]
+                base = max(older, key=lambda c: c.step, default=None)
                 await self._restore(record, name, store, manifests, dest,
                                     base.path if base else None, share=share)  # fmt: skip
                 record.satisfied_by = "restored"

@@ -9,6 +9,10 @@ second (the training job's own traffic comes first). When the decision comes, th
 prefetch of that step finds it here, restored and verified by this agent and untouched
 since (sizes, mtimes and inodes), and is ready in the time it takes to check that.
 
+With a layout (``PUT /v1/standby/{job}`` with ``{"layout": {"world_size", "ranks"}}``: the
+ranks this node will run after the change), only that share of each step is replicated, a
+partial copy; the decision's prefetch of that share finds it here and is "held".
+
 Older replicas leave the hot dir through hot retention, as any restored step does.
 """
 
@@ -38,6 +42,9 @@ class StandbyJob:
     since: float
     #: who asked: "config" (standby_jobs) or "rpc" (PUT /v1/standby/{job})
     source: str
+    #: the share to replicate (``{"world_size", "ranks"}``: this node's ranks after the
+    #: change); None: every new step whole
+    layout: dict[str, Any] | None = None
     #: the newest step a replication made ready here
     replicated_step: int | None = None
     #: the replication running now, if any, and the last one that ended
@@ -51,6 +58,7 @@ class StandbyJob:
             "job": self.job,
             "since": self.since,
             "source": self.source,
+            "layout": self.layout,
             "replicated_step": self.replicated_step,
             "replicating": running.to_dict() if running and running.state not in FINAL else None,
             "last_replication": self.last.to_dict() if self.last else None,
@@ -79,13 +87,19 @@ class Standby:
         for job in jobs:
             self.register(job, source="config")
 
-    def register(self, job: str, *, source: str = "rpc") -> StandbyJob:
-        """Be a standby for ``job`` (idempotent); the next poll starts at once."""
+    def register(
+        self, job: str, *, source: str = "rpc", layout: dict[str, Any] | None = None
+    ) -> StandbyJob:
+        """Be a standby for ``job`` (idempotent; ``layout``: of that share, which a later
+        registration may change); the next poll starts at once."""
         check_name("job", job)
         entry = self.jobs.get(job)
-        if entry is None:
-            entry = self.jobs[job] = StandbyJob(job, time.time(), source)
-            event(log, "standby", job=job, source=source, action="registered")
+        if entry is None or entry.layout != layout:
+            if entry is not None and entry.running is not None:
+                self.prefetcher.cancel(entry.running.id)  # it replicates the old share
+            entry = self.jobs[job] = StandbyJob(job, time.time(), source, layout)
+            event(log, "standby", job=job, source=source, action="registered",
+                  layout=None if layout is None else str(layout))  # fmt: skip
         self._poke.set()
         return entry
 
@@ -133,7 +147,9 @@ class Standby:
         if newest in held and not self.prefetcher.is_replica(entry.job, newest):
             entry.replicated_step = newest  # training wrote it here: nothing to replicate
             return
-        entry.running = self.prefetcher.submit(entry.job, newest, None, background=True)
+        entry.running = self.prefetcher.submit(
+            entry.job, newest, None, background=True, layout=entry.layout
+        )
 
     async def _newest_durable(self, job: str) -> int | None:
         """The newest complete step of ``job`` in the first tier that answers."""

@@ -346,3 +346,45 @@ def test_every_nodes_agent_pushes_its_part_and_the_last_one_in_completes_the_ste
     whole = tmp_path / "whole"
     assert ferry(["pull", local_url, str(whole), "--job", "drill", "--step", str(STEP)]) == 0
     assert tree_bytes(whole) == tree_bytes(save)
+
+
+def test_a_standby_replicates_its_share_before_the_decision(
+    drill: tuple[Path, list[Path]], local_url: str, tmp_path: Path
+) -> None:
+    """PUT /v1/standby/{job} with the layout this node will run: each new durable step's
+    share is copied here in the background (a partial copy), and the decision's prefetch of
+    that share is ready at once, moving nothing."""
+    import time
+
+    from agent.client import FerryClient
+    from tests.harness import TOKEN, agent
+
+    _, nodes = drill
+    asyncio.run(push_parts_small_chunks(local_url, nodes))
+    hot = tmp_path / "hot"
+    hot.mkdir()
+
+    async def go() -> tuple[dict[str, Any], dict[str, Any]]:
+        fast = {"FERRY_STANDBY_POLL_SECONDS": "0.2"}
+        async with (
+            agent(hot, [local_url], "s", extra_env=fast) as url,
+            FerryClient(url, TOKEN) as c,
+        ):
+            entry = await c.standby("drill", layout=(4, [2, 3]))
+            assert entry["layout"] == {"world_size": 4, "ranks": [2, 3]}
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                doc = await c._call("GET", "/v1/standby")
+                (entry,) = doc["jobs"]
+                if entry["replicated_step"] == STEP:
+                    break
+                await asyncio.sleep(0.2)
+            decision = await c.wait_prefetch(await c.prefetch("drill", STEP, layout=(4, [2, 3])))
+            return entry, decision
+
+    entry, decision = asyncio.run(go())
+    assert entry["replicated_step"] == STEP, entry
+    assert entry["last_replication"]["layout"] == {"world_size": 4, "ranks": [2, 3]}
+    assert decision["satisfied_by"] == "held", decision
+    assert sum(decision["bytes_by_source"].values()) == 0
+    assert (hot / "drill" / f"step_{STEP:06d}" / ".ferry-share.json").exists()

@@ -10,7 +10,7 @@ from urllib.parse import urlsplit
 from aiohttp import web
 
 from agent.appkeys import METRICS, PREFETCHER
-from agent.middleware import finite_number, json_body, parse_step_arg
+from agent.middleware import finite_number, json_body, parse_layout, parse_step_arg
 from transfer.format.names import check_name
 
 log = logging.getLogger(__name__)
@@ -18,8 +18,6 @@ log = logging.getLogger(__name__)
 
 #: members of one fan-out restore (each asks the others for their shares)
 MAX_FANOUT = 64
-#: ranks one node hosts (far above any node's GPUs)
-MAX_LAYOUT_RANKS = 4096
 
 
 async def post_prefetch(request: web.Request) -> web.Response:
@@ -48,14 +46,7 @@ def _share(layout: object, items: object) -> tuple[dict[str, Any] | None, list[A
         raise ValueError("give layout or items, not both: items names the share itself")
     if items is not None and not isinstance(items, list):
         raise ValueError("items must be a list of {path, offset, length}")
-    if layout is None:
-        return None, items
-    if not isinstance(layout, dict) or set(layout) != {"world_size", "ranks"}:
-        raise ValueError('layout must be {"world_size": W, "ranks": [ranks this node runs]}')
-    ranks = layout["ranks"]
-    if not isinstance(ranks, list) or not 1 <= len(ranks) <= MAX_LAYOUT_RANKS:
-        raise ValueError(f"layout.ranks must be a list of 1..{MAX_LAYOUT_RANKS} ranks")
-    return layout, None
+    return parse_layout(layout), items
 
 
 def _fanout(value: object) -> tuple[tuple[str, ...], str, dict[str, Any]] | None:
