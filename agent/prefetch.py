@@ -528,7 +528,11 @@ async def _members_needs(
         return {}
     asks = {url: (Layout(v["world_size"], tuple(v["ranks"])), None) for url, v in layouts.items()}
     shares = await plan_shares(Catalog(store), manifests, asks)
-    return {url: share_chunk_ids(manifests, s) for url, s in shares.items()}
+    # off the loop: every member plans every member's share at the same moment, and a loop
+    # busy for seconds fails the others' health probes of it (32 agents on one box did)
+    return await asyncio.to_thread(
+        lambda: {url: share_chunk_ids(manifests, s) for url, s in shares.items()}
+    )
 
 
 def _count_moved(record: PrefetchJob, tier: str, origin: str, n: int) -> None:

@@ -225,6 +225,9 @@ def test_a_torn_step_never_lands_whole_and_a_leftover_never_leaks_into_a_share(
             assert data[lo:hi] == (save / path).read_bytes()[lo:hi]
             data[lo:hi] = bytes(hi - lo)
         assert not any(data), f"{path}: bytes outside the share are not zero"
+    # and they are holes, not written zeros: the copy takes about the share on disk
+    on_disk = sum(p.stat().st_blocks * 512 for p in into.iterdir())
+    assert on_disk <= 1.1 * share.nbytes + (64 << 10), (on_disk, share.nbytes)
 
 
 def test_survivors_with_different_layouts_read_each_chunk_once_in_all(

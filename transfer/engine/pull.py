@@ -300,17 +300,12 @@ def _clear_unwritten(
 def _zero_gaps(
     out: StagingFiles, fi: int, start: int, end: int, keep: list[tuple[int, int]]
 ) -> None:
-    """Write zeros over ``[start, end)`` of file ``fi`` except the sorted ``keep`` ranges."""
+    """Clear ``[start, end)`` of file ``fi`` (holes, or zeros) but the sorted ``keep``."""
     at = start
     for lo, hi in [*keep, (end, end)]:
-        while at < lo:
-            n = min(lo - at, _ZEROS_AT_ONCE)
-            out.pwrite(fi, at, bytes(n))
-            at += n
+        if at < lo:
+            out.clear(fi, at, lo - at)
         at = max(at, hi)
-
-
-_ZEROS_AT_ONCE = 8 << 20
 
 
 @dataclass

@@ -16,6 +16,7 @@ served to a peer as the step, or counted as holding the step.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 from collections.abc import Hashable, Mapping
@@ -107,9 +108,13 @@ async def plan_shares(
     if entry.size > MAX_METADATA_BYTES:
         raise FormatError(f"{job} step {step}: {METADATA} is {entry.size} bytes, over the limit")
     metadata = await read_file(catalog, owner, entry)
-    storage = frozenset(required_lengths(metadata) or ())
-    sizes = {path: f.size for path, (f, _) in merged.items() if path in storage}
-    return {key: _share(metadata, storage, sizes, *ask) for key, ask in asks.items()}
+
+    def plan() -> dict[K, Share]:  # pure Python over the whole .metadata: off the loop
+        storage = frozenset(required_lengths(metadata) or ())
+        sizes = {path: f.size for path, (f, _) in merged.items() if path in storage}
+        return {key: _share(metadata, storage, sizes, *ask) for key, ask in asks.items()}
+
+    return await asyncio.to_thread(plan)
 
 
 def _share(

@@ -12,6 +12,7 @@ older than ``RESUME_KEEP_SECONDS``, or when a newer one of the same destination 
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import errno
 import fcntl
 import os
@@ -245,6 +246,20 @@ class StagingFiles:
     def _open(self, index: int) -> int:
         return os.open(self._paths[index], os.O_WRONLY | os.O_NOFOLLOW)
 
+    def clear(self, index: int, offset: int, length: int) -> None:
+        """Make ``[offset, offset + length)`` of file ``index`` read as zeros: a hole where
+        the file system punches one (what a share leaves outside itself costs no disk),
+        else written zeros."""
+        fd = self._open(index)
+        try:
+            if _punch_hole(fd, offset, length):
+                return
+            for at in range(offset, offset + length, _ZEROS):
+                n = min(_ZEROS, offset + length - at)
+                os.pwrite(fd, bytes(n), at)
+        finally:
+            os.close(fd)
+
     def pwrite(self, index: int, offset: int, data: Buffer) -> None:
         kept = index in self._keep
         direct = None
@@ -342,3 +357,20 @@ def worth_resuming(exc: BaseException) -> bool:
     if isinstance(exc, asyncio.CancelledError | KeyboardInterrupt):
         return True
     return isinstance(exc, StoreError) and not isinstance(exc, AccessDeniedError)
+
+
+_ZEROS = 8 << 20
+_FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
+
+
+def _punch_hole(fd: int, offset: int, length: int) -> bool:
+    """fallocate(2) PUNCH_HOLE (Linux; the os module has no binding): False where the
+    file system or the platform cannot, and the caller writes zeros instead."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fallocate = libc.fallocate
+    except (OSError, AttributeError):
+        return False
+    fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    mode = _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE
+    return bool(fallocate(fd, mode, offset, length) == 0)
