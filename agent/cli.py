@@ -14,7 +14,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from transfer.errors import CheckpointNotFoundError, FerryError
+from transfer.errors import CheckpointNotFoundError, FerryError, FormatError
 from transfer.format.names import check_name, step_from_dirname
 from transfer.options import StoreSettings, TransferOptions, TransferSettings, knobs
 
@@ -438,7 +438,11 @@ async def _cmd_ls(store: Store, args: argparse.Namespace) -> tuple[dict[str, Any
             f"{', '.join(jobs) or 'none'})"
         )
     for c in found:
-        m = await load_manifest(store, c.job, c.step, c.node)
+        try:
+            m = await load_manifest(store, c.job, c.step, c.node)
+        except FormatError as exc:  # listed as what it is; the others still are
+            rows.append({"job": c.job, "step": c.step, "node": c.node, "error": str(exc)})
+            continue
         depths = chain_depths(m)
         content = [ch for f in m.files for ch in f.chunks]
         rows.append(
@@ -460,8 +464,12 @@ async def _cmd_ls(store: Store, args: argparse.Namespace) -> tuple[dict[str, Any
         f"{'JOB':<24} {'STEP':>10} {'NODE':<16} {'FILES':>6} {'SIZE':>12}  {'CODED':<18} CREATED"
     ]
     table += [
-        f"{r['job']:<24} {r['step']:>10} {r['node']:<16} {r['files']:>6} "
-        f"{_human(r['bytes_raw']):>12}  {_coded(r):<18} {r['created_at']}"
+        f"{r['job']:<24} {r['step']:>10} {r['node']:<16} "
+        + (
+            f"UNREADABLE: {r['error']}"
+            if "error" in r
+            else f"{r['files']:>6} {_human(r['bytes_raw']):>12}  {_coded(r):<18} {r['created_at']}"
+        )
         for r in rows
     ]
     return {"store": store.url, "checkpoints": rows}, "\n".join(table)
@@ -547,11 +555,14 @@ async def _cmd_verify(store: Store, args: argparse.Namespace) -> tuple[dict[str,
     if args.job:
         check_name("job", args.job)
     r = await verify(store, job=args.job, step=args.step, options=_transfer_options(args))
-    lines = [f"BAD chunk {b.chunk}: {b.reason}; needed by {', '.join(b.used_by)}" for b in r.bad]
+    lines = [f"BAD manifest {why}" for why in r.bad_manifests]
+    lines += [f"BAD chunk {b.chunk}: {b.reason}; needed by {', '.join(b.used_by)}" for b in r.bad]
+    verdict = f"{len(r.bad)} BAD chunk(s)"
+    if r.bad_manifests:
+        verdict = f"{len(r.bad_manifests)} unreadable manifest(s), " + verdict
     lines.append(
         f"verified {r.checkpoints} checkpoint part(s), {r.chunks} chunks, "
-        f"{_human(r.bytes_read)} read in {r.seconds:.2f}s: "
-        + ("all good" if r.ok else f"{len(r.bad)} BAD chunk(s)")
+        f"{_human(r.bytes_read)} read in {r.seconds:.2f}s: " + ("all good" if r.ok else verdict)
     )
     if not r.ok:
         raise _VerifyFailed(r.to_dict(), "\n".join(lines))

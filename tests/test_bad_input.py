@@ -509,3 +509,24 @@ def test_a_base_dir_that_is_not_there_is_refused(
     err = ferry_fails(capsys, *args, "--base-dir", str(missing))
     assert f"base directory {missing} does not exist or is not a directory" in err
     assert store_objects(local_url) == before and not (tmp_path / "out").exists()
+
+
+def test_one_truncated_manifest_is_named_and_hides_nothing_else(
+    local_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One cut manifest broke ``ls`` and ``verify`` of the whole store with "manifest is not
+    valid JSON", naming no file: now ``ls`` lists it as unreadable, naming its key, beside
+    the others, and ``verify`` checks the others and fails naming it."""
+    src = pushed(local_url, tmp_path, capsys)  # job j, step 7, node n
+    assert ferry(["push", str(src), local_url, "--job", "j", "--node", "m", *SMALL]) == 0
+    key = manifest_key("j", 7, "m")
+    path = Path(local_url) / key
+    path.write_bytes(path.read_bytes()[:40])
+    capsys.readouterr()
+    assert ferry(["ls", local_url]) == 0
+    out = capsys.readouterr().out
+    assert f"UNREADABLE: {key}: manifest is not valid JSON" in out and " n " in out, out
+    assert ferry(["verify", local_url]) == 1
+    err = capsys.readouterr().err
+    assert f"BAD manifest {key}: manifest is not valid JSON" in err
+    assert "1 unreadable manifest(s), 0 BAD chunk(s)" in err

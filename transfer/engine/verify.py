@@ -11,7 +11,7 @@ from transfer.engine.catalog import list_checkpoints, load_manifest, open_catalo
 from transfer.engine.chunkindex import ChunkIndex
 from transfer.engine.fetch import fetch_chunks
 from transfer.engine.resolver import ChunkResolver
-from transfer.errors import CheckpointNotFoundError
+from transfer.errors import CheckpointNotFoundError, FormatError
 from transfer.options import TransferOptions
 from transfer.store.base import Store
 
@@ -30,10 +30,12 @@ class VerifyResult:
     bytes_read: int = 0
     seconds: float = 0.0
     bad: list[BadChunk] = field(default_factory=list)
+    #: parts whose manifest could not be read: "key: why" (the others are still verified)
+    bad_manifests: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        return not self.bad
+        return not self.bad and not self.bad_manifests
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -43,6 +45,7 @@ class VerifyResult:
             "bytes_transferred": self.bytes_read,
             "seconds": self.seconds,
             "bad_chunks": [b.__dict__ for b in self.bad],
+            "bad_manifests": list(self.bad_manifests),
         }
 
 
@@ -64,7 +67,11 @@ async def verify(
     index = ChunkIndex()
     used_by: dict[str, list[str]] = defaultdict(list)
     for c in entries:
-        m = await load_manifest(store, c.job, c.step, c.node)
+        try:
+            m = await load_manifest(store, c.job, c.step, c.node)
+        except FormatError as exc:  # one unreadable part must not hide the others' state
+            result.bad_manifests.append(str(exc))
+            continue
         index.add_manifest(m)
         for f in m.files:
             for ch in f.chunks:
