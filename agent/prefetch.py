@@ -155,6 +155,9 @@ class _JobProgress:
 class Prefetcher:
     """Owns every prefetch job and its task; at most ``concurrency`` run at once."""
 
+    #: finished prefetches kept for GET /v1/prefetch/{id} (the oldest are forgotten)
+    HISTORY = 1000
+
     def __init__(
         self,
         hot_dir: HotDir,
@@ -225,9 +228,21 @@ class Prefetcher:
         )  # fmt: skip
         if fanout is not None:
             self.landing.begin()  # ended when the job ends (_run)
+        self._forget_oldest_finished()
         self.jobs[record.id] = record
         record.task = asyncio.create_task(self._run(record), name=f"prefetch-{record.id}")
         return record
+
+    def _forget_oldest_finished(self) -> None:
+        """Keep at most HISTORY finished prefetches (GET /v1/prefetch/{id} of an older one
+        is a 404), and the destination locks of running ones only: a daemon that serves
+        prefetches and standby replications for months must not grow with them."""
+        finished = [r for r in self.jobs.values() if r.state in FINAL]
+        for record in sorted(finished, key=lambda r: r.finished or 0)[: -self.HISTORY or None]:
+            del self.jobs[record.id]
+        active = {(r.job, r.step) for r in self.jobs.values() if r.state not in FINAL}
+        for key in [k for k in self._dest_locks if k not in active]:
+            del self._dest_locks[key]
 
     def cancel(self, job_id: str) -> PrefetchJob | None:
         record = self.jobs.get(job_id)

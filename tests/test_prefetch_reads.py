@@ -7,6 +7,8 @@ import asyncio
 from collections import Counter
 from pathlib import Path
 
+import pytest
+
 from agent.estimate import BandwidthMeter
 from agent.hotdir import HotDir
 from agent.prefetch import Prefetcher, State
@@ -65,3 +67,34 @@ def test_a_prefetch_reads_each_manifest_once(tmp_path: Path) -> None:
     assert (hot.step_path(JOB, 20) / "__0_0.distcp").read_bytes() == (
         ckpt / "__0_0.distcp"
     ).read_bytes()
+
+
+def test_finished_prefetches_are_forgotten_beyond_the_history(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A daemon serving prefetches for months kept every record (and every destination
+    lock) forever, and /metrics walked them all: only the newest HISTORY finished ones are
+    kept, the running ones always."""
+    monkeypatch.setattr(Prefetcher, "HISTORY", 5)
+    (tmp_path / "store").mkdir()
+    store = open_test_store(str(tmp_path / "store"))
+    prefetcher = Prefetcher(
+        HotDir(tmp_path / "hot", ".metadata"), [("t", store)], TransferOptions(), BandwidthMeter()
+    )
+
+    async def go() -> list[str]:
+        ckpt = make_checkpoint(tmp_path / "src", shard_bytes=10_000)
+        await push(store, ckpt, job=JOB, step=1, node="a")  # step 1 restores: it takes a lock
+        ids = []
+        for step in range(40):  # no other step is in the store: each fails at once
+            record = prefetcher.submit(JOB, step, None)
+            assert record.task is not None
+            await record.task
+            ids.append(record.id)
+        return ids
+
+    ids = asyncio.run(go())
+    assert len(prefetcher.jobs) <= 6  # 5 finished + the newest
+    assert ids[-1] in prefetcher.jobs and ids[0] not in prefetcher.jobs
+    assert prefetcher.jobs[ids[-1]].state is State.FAILED
+    assert not prefetcher._dest_locks  # step 1's, taken by its restore, went with it
