@@ -21,7 +21,9 @@ from agent.cli import main as ferry
 from tests.conftest import open_test_store, tree_bytes
 
 pytest.importorskip("torch")
-from tests.dcp_drill import DrillError, load_drill, save_drill, split_by_node
+from tests.dcp_drill import DrillError, load_drill, save_drill, split_by_node  # noqa: E402
+
+pytestmark = pytest.mark.slow  # each test runs real gloo ranks (a 10 s drill save per worker)
 
 WIDTH = 2048  # emb 512 x 2048 fp32: ~1.6 MB per rank file with its AdamW moments
 STEP = 100
