@@ -21,7 +21,7 @@ from agent.cli import main as ferry
 from tests.conftest import open_test_store, tree_bytes
 
 pytest.importorskip("torch")
-from tests.dcp_drill import DrillError, load_drill, save_drill, split_by_node  # noqa: E402
+from tests.dcp_drill import DrillError, load_drill, save_drill, split_by_node
 
 pytestmark = pytest.mark.slow  # each test runs real gloo ranks (a 10 s drill save per worker)
 
