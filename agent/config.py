@@ -230,6 +230,11 @@ def load_config(
         sources=sources,
     )
     _parse_listen(config.listen)
+    if not config.commit_marker and config.quiet_seconds <= 0:
+        raise ConfigError(
+            'commit_marker = "" needs quiet_seconds > 0: without a marker, files that stayed '
+            "the same that long are the only sign a part is finished"
+        )
     if config.token_file is not None:
         if create_token:
             _create_token_file(config.token_file)

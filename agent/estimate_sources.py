@@ -6,6 +6,7 @@ fed to agent/estimate.py's arithmetic."""
 from __future__ import annotations
 
 import asyncio
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,6 +14,7 @@ from agent import probe
 from agent.config import AgentConfig
 from agent.estimate import PREFETCH_START_SECONDS, BandwidthMeter, estimate_migration
 from agent.hotdir import LocalCheckpoint
+from agent.middleware import MAX_LAYOUT_RANKS
 from agent.prefetch import Prefetcher
 from transfer.engine.catalog import Catalog, resolve_checkpoint
 from transfer.engine.chunkindex import ChunkIndex
@@ -56,12 +58,13 @@ class PrefetchEstimator:
         CheckpointNotFoundError when no tier holds it; StoreError when none that could be
         read did."""
         unreachable: list[str] = []
+        ranks = None if layout is None else _layout(layout)  # checked once, not per tier
         for name, store in self.tiers:
             try:
                 manifests = await resolve_checkpoint(store, job, step, self.config.expected_nodes)
                 share = None
-                if layout is not None:
-                    share = await plan_share(Catalog(store), manifests, _layout(layout))
+                if ranks is not None:
+                    share = await plan_share(Catalog(store), manifests, ranks)
                 total = share.nbytes if share else sum(f.size for m in manifests for f in m.files)
                 sourcing = await self._sourcing(name, store, job, manifests, total, share)
             except CheckpointNotFoundError:
@@ -201,14 +204,22 @@ class PrefetchEstimator:
         return found
 
 
+#: the spec's pattern for ``layout`` (docs/openapi.yaml)
+_LAYOUT = re.compile(r"[0-9]{1,7}:[0-9]{1,7}(-[0-9]{1,7})?(,[0-9]{1,7}(-[0-9]{1,7})?)*")
+
+
 def _layout(text: str) -> Layout:
-    """``"W:A,B"`` as a Layout; a share that cannot exist (a rank outside the world) is a
-    checkpoint share not found, as the spec's shape cannot say so."""
+    """``"W:A,B"`` as a Layout: text that is not one is a bad request; a share that
+    cannot exist (a rank outside the world) a share not found, as the spec's shape cannot
+    say so."""
     world, _, ranks = text.partition(":")
-    try:
-        if not world.isascii() or not world.isdigit() or len(world) > 7:
-            raise FerryError(f"layout: expected W:A,B or W:A-B, got {text!r}")
-        return Layout(int(world), parse_ranks(ranks))
+    if not _LAYOUT.fullmatch(text):
+        raise ValueError(f"layout: expected W:A,B or W:A-B, got {text!r}")
+    try:  # the shape is right: what is wrong now is the share, which cannot exist
+        picked = parse_ranks(ranks)
+        if len(picked) > MAX_LAYOUT_RANKS:
+            raise FerryError(f"at most {MAX_LAYOUT_RANKS} ranks per node, not {len(picked)}")
+        return Layout(int(world), picked)
     except FerryError as exc:
         raise CheckpointNotFoundError(f"no such share: {exc}") from None
 

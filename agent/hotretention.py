@@ -123,7 +123,7 @@ async def _partial_copies(
     shares = hot.shares()
     for c in shares:
         newer = [o.step for o in [*held, *shares] if o.job == c.job and o.step > c.step]
-        size = await asyncio.to_thread(_tree_bytes, c.path)
+        size = await asyncio.to_thread(_tree_bytes, c.path, True)  # holes cost nothing
         if (c.job, c.step) in protected or not newer:
             out.append(HotStep(c.job, c.step, str(c.path), size, "keep", "a partial copy"))
         else:
@@ -281,10 +281,13 @@ def _free_bytes(path: Path) -> int:
     return st.f_bavail * st.f_frsize
 
 
-def _tree_bytes(root: Path) -> int:
+def _tree_bytes(root: Path, allocated: bool = False) -> int:
+    """Bytes of the files under ``root``: their sizes, or (``allocated``) the disk they
+    take (a partial copy is mostly holes)."""
     total = 0
     for dirpath, _, files in os.walk(root):
         for name in files:
             with contextlib.suppress(FileNotFoundError):
-                total += os.lstat(os.path.join(dirpath, name)).st_size
+                st = os.lstat(os.path.join(dirpath, name))
+                total += st.st_blocks * 512 if allocated else st.st_size
     return total

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import enum
 import functools
 import logging
@@ -428,11 +429,12 @@ class Prefetcher:
         if had is not None and share is not None and covers(had, share):
             record.satisfied_by = "held"
             return
-        with self.holds.hold((record.job, record.step)):
-            if had is None:  # its base: the newest older step here, whole or a share
-                held = [*self.hot_dir.checkpoints(record.job), *self.hot_dir.shares()]
-                older = [c for c in held if c.job == record.job and c.step < record.step]
-                base = max(older, key=lambda c: c.step, default=None)
+        # its base, when it starts from nothing: the newest older step here, whole or a share
+        held = [*self.hot_dir.checkpoints(record.job), *self.hot_dir.shares()]
+        older = [c for c in held if c.job == record.job and c.step < record.step]
+        base = max(older, key=lambda c: c.step, default=None) if had is None else None
+        with self.holds.hold((record.job, record.step), (record.job, base.step) if base else None):
+            if had is None:
                 await self._restore(record, name, store, manifests, dest,
                                     base.path if base else None, share=share)  # fmt: skip
                 record.satisfied_by = "restored"
@@ -490,6 +492,12 @@ class Prefetcher:
         chunk_source, own_share = self.chunk_source, None
         if record.fanout is not None and self.fanout_client is not None:
             needs = await _members_needs(store, manifests, record.fanout_layouts)
+            me = record.fanout[
+                1
+            ]  # this member's needs are its own request's, whatever the map said
+            needs.pop(me, None)
+            if share is not None:
+                needs[me] = await asyncio.to_thread(share_chunk_ids, manifests, share)
             fan = FanoutSource(self.fanout_client, *record.fanout, needs)
             await fan.probe()
             chunk_source, own_share = fan, fan.mine
@@ -562,13 +570,38 @@ def _count_moved(record: PrefetchJob, tier: str, origin: str, n: int) -> None:
 
 
 def _swap_in(new: Path, old: Path) -> None:
-    """Replace the copy at ``old`` with ``new`` (both complete: a reader of either sees a
-    whole one); the old one is moved aside first and removed after."""
-    aside = staging_path(old, "fill-")
-    os.rename(old, aside)
-    os.rename(new, old)
+    """Replace the copy at ``old`` with ``new`` (both complete): in one step where the
+    kernel exchanges two names (renameat2 RENAME_EXCHANGE: a rank opening a file of it
+    never finds the directory missing), else the old one moved aside first; the old one is
+    removed after (files a rank holds open stay readable until it closes them)."""
+    if not _exchange(new, old):
+        aside = staging_path(old, "fill-")
+        os.rename(old, aside)
+        os.rename(new, old)
+        new = aside
     fsync_dir(old.parent)
-    shutil.rmtree(aside, ignore_errors=True)
+    shutil.rmtree(new, ignore_errors=True)  # (after the exchange: the old copy)
+
+
+_AT_FDCWD, _RENAME_EXCHANGE = -100, 2
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """renameat2(a, b, RENAME_EXCHANGE) (Linux >= 3.15, glibc >= 2.28); False where not."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [
+        ctypes.c_int,
+        ctypes.c_char_p,
+        ctypes.c_int,
+        ctypes.c_char_p,
+        ctypes.c_uint,
+    ]
+    return bool(
+        renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0
+    )
 
 
 def _move_missing(source: Path, target: Path, manifests: list[Manifest]) -> None:

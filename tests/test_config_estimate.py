@@ -538,3 +538,15 @@ def test_open_store_gives_every_backend_the_settings_retry_policy(tmp_path: Path
             3.0,
             7.0,
         )  # type: ignore[attr-defined]
+
+
+def test_no_commit_marker_needs_a_quiet_period(tmp_path: Path) -> None:
+    """``commit_marker = ""`` (a node of a node-local multi-node save that never holds
+    .metadata): files staying the same ``quiet_seconds`` apart are then the only sign a
+    part is finished, so no quiet period is refused, and one is accepted."""
+    with pytest.raises(ConfigError, match='commit_marker = "" needs quiet_seconds > 0'):
+        load_config(
+            write(tmp_path, 'hot_dir = "/x"\ncommit_marker = ""\nquiet_seconds = 0\n'), env={}
+        )
+    config = load_config(write(tmp_path, 'hot_dir = "/x"\ncommit_marker = ""\n'), env={})
+    assert config.commit_marker == "" and config.quiet_seconds > 0

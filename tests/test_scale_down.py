@@ -130,7 +130,7 @@ def test_agent_prefetches_a_share_then_completes_it_in_place(
     """POST /v1/prefetch with a layout: the survivor's agent fetches its share, reports it
     partial (never "holds the step"), answers a second ask from what it holds, and a later
     prefetch of the whole step completes the copy in place: byte-exact, then committed."""
-    from agent.client import FerryClient
+    from agent.client import FerryClient, RpcError
     from tests.harness import TOKEN, agent
 
     save, nodes = drill
@@ -143,6 +143,11 @@ def test_agent_prefetches_a_share_then_completes_it_in_place(
         done = []
         async with agent(hot, [local_url], node="survivor") as url, FerryClient(url, TOKEN) as c:
             done.append(await c.estimate("drill", STEP, layout=(4, [0, 1])))
+            for bad, status in (("abc", 400), ("4:9", 404)):  # not a layout; no such share
+                params = {"job": "drill", "step": str(STEP), "layout": bad}
+                with pytest.raises(RpcError) as refused:
+                    await c._call("GET", "/v1/estimate", params=params)
+                assert refused.value.status == status, refused.value
             for layout in ((4, [0, 1]), (4, [1]), None):
                 done.append(await c.wait_prefetch(await c.prefetch("drill", STEP, layout=layout)))
                 if layout == (4, [1]):

@@ -15,6 +15,7 @@ import asyncio
 import ctypes
 import errno
 import fcntl
+import functools
 import os
 import re
 import shutil
@@ -22,6 +23,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from transfer.codec.transforms import Buffer
 from transfer.directio import open_direct, write_at
@@ -254,9 +256,9 @@ class StagingFiles:
         try:
             if _punch_hole(fd, offset, length):
                 return
-            for at in range(offset, offset + length, _ZEROS):
-                n = min(_ZEROS, offset + length - at)
-                os.pwrite(fd, bytes(n), at)
+            at, end = offset, offset + length
+            while at < end:
+                at += os.pwrite(fd, bytes(min(_ZEROS, end - at)), at)
         finally:
             os.close(fd)
 
@@ -366,11 +368,20 @@ _FALLOC_FL_KEEP_SIZE, _FALLOC_FL_PUNCH_HOLE = 0x01, 0x02
 def _punch_hole(fd: int, offset: int, length: int) -> bool:
     """fallocate(2) PUNCH_HOLE (Linux; the os module has no binding): False where the
     file system or the platform cannot, and the caller writes zeros instead."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        fallocate = libc.fallocate
-    except (OSError, AttributeError):
+    fallocate = _fallocate64()
+    if fallocate is None:
         return False
-    fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
     mode = _FALLOC_FL_PUNCH_HOLE | _FALLOC_FL_KEEP_SIZE
     return bool(fallocate(fd, mode, offset, length) == 0)
+
+
+@functools.cache
+def _fallocate64() -> Any:
+    """glibc's fallocate64 (64-bit offsets on every platform, 32-bit ones included)."""
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).fallocate64
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    fn.restype = ctypes.c_int
+    return fn
