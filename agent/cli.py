@@ -682,6 +682,12 @@ _COMMANDS = {
 async def _run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     from transfer.store import open_store
 
+    if args.store_url.startswith("memory://"):
+        # an in-process store ends with this process: a push would "succeed" into nothing
+        raise _UsageError(
+            f"{args.store_url}: an in-process (memory://) store lives only as long as one "
+            "command; use a path, file:// or s3:// (memory:// is for code and tests)"
+        )
     store = open_store(args.store_url, _store_options(args))
     try:
         return await _COMMANDS[args.command](store, args)

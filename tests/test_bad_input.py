@@ -530,3 +530,16 @@ def test_one_truncated_manifest_is_named_and_hides_nothing_else(
     err = capsys.readouterr().err
     assert f"BAD manifest {key}: manifest is not valid JSON" in err
     assert "1 unreadable manifest(s), 0 BAD chunk(s)" in err
+
+
+def test_an_in_process_store_is_refused_by_the_cli(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``ferry push CKPT memory://x`` reported success, then the data was gone with the
+    process: the one-shot CLI refuses memory:// (it stays for code and tests)."""
+    ckpt = make_checkpoint(tmp_path / "step_000001", shard_bytes=10_000)
+    with pytest.raises(SystemExit) as exited:
+        ferry(["push", str(ckpt), "memory://scratch", "--job", "j", "--node", "n"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "an in-process (memory://) store lives only as long as one command" in err
