@@ -421,9 +421,7 @@ class Prefetcher:
         assert record.step is not None
         share = None
         if record.layout is not None or record.items is not None:
-            layout = None
-            if record.layout is not None:
-                layout = Layout(record.layout["world_size"], tuple(record.layout["ranks"]))
+            layout = None if record.layout is None else _layout_of(record.layout)
             share = await plan_share(Catalog(store), manifests, layout, record.items)
         had = read_record(dest) if self.hot_dir.is_share(dest) else None
         if had is not None and share is not None and covers(had, share):
@@ -542,6 +540,12 @@ class Prefetcher:
         record.chunks_resumed = result.chunks_resumed
 
 
+def _layout_of(doc: dict[str, Any]) -> Layout:
+    """A request's layout (``{"world_size", "ranks"}``, shaped by middleware.parse_layout)
+    as the share planner's Layout, which says whether the ranks fit the world."""
+    return Layout(doc["world_size"], tuple(doc["ranks"]))
+
+
 async def _members_needs(
     store: Store, manifests: list[Manifest], layouts: dict[str, dict[str, Any]]
 ) -> dict[str, set[str]]:
@@ -549,7 +553,7 @@ async def _members_needs(
     step's .metadata, read once); a member not named prefetches the whole step."""
     if not layouts:
         return {}
-    asks = {url: (Layout(v["world_size"], tuple(v["ranks"])), None) for url, v in layouts.items()}
+    asks = {url: (_layout_of(v), None) for url, v in layouts.items()}
     shares = await plan_shares(Catalog(store), manifests, asks)
     # off the loop: every member plans every member's share at the same moment, and a loop
     # busy for seconds fails the others' health probes of it (32 agents on one box did)

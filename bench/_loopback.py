@@ -3,19 +3,23 @@ environment pointing at it, and real agents (aiohttp apps) started in this proce
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import socket
+import sys
 import tempfile
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
+from typing import Any
 
 from aiohttp import web
 
 from agent.client import FerryClient
 from agent.config import load_config
 from agent.rpc import create_app
+from bench._env import reproduce_command
 from tests.s3server import S3Endpoint, start_s3_server
 
 TOKEN = "bench"
@@ -43,6 +47,23 @@ def loopback_s3(prefix: str) -> Iterator[tuple[Path, S3Endpoint]]:
     finally:
         server.stop()
         shutil.rmtree(work, ignore_errors=True)
+
+
+def run_main(
+    module: str,
+    argv: Sequence[str] | None,
+    parse_args: Callable[[Sequence[str] | None], argparse.Namespace],
+    run: Callable[[argparse.Namespace, S3Endpoint], Any],
+    report: Callable[[Any], str],
+) -> None:
+    """A loopback benchmark's ``main``: print the command that reproduces it, run it against
+    a fresh server, print its report."""
+    args = parse_args(argv)
+    argv = list(argv if argv is not None else sys.argv[1:])
+    print(reproduce_command([sys.executable, "-m", module, *argv]), flush=True)
+    with loopback_s3(f"ferry-{module.rsplit('.', 1)[-1]}-") as (_work, ep):
+        doc = run(args, ep)
+    print(report(doc), flush=True)
 
 
 @asynccontextmanager

@@ -49,7 +49,6 @@ import os
 import random
 import secrets
 import shutil
-import sys
 import tempfile
 import time
 from collections import Counter
@@ -60,8 +59,8 @@ from typing import Any
 
 from aiohttp import web
 
-from bench._env import machine_info, reproduce_command, source_info
-from bench._loopback import loopback_s3
+from bench._env import machine_info, source_info
+from bench._loopback import run_main
 from tests.faultproxy import FaultProxy
 from tests.s3server import S3Endpoint
 from transfer.engine import pull, push
@@ -517,12 +516,7 @@ def node_list(text: str) -> list[int]:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    args = parse_args(argv)
-    print(reproduce_command([sys.executable, "-m", "bench.fleet", *(argv or sys.argv[1:])]))
-    with loopback_s3("ferry-fleet-") as (_work, ep):
-        doc = run(args, ep)
-    print(report(doc))
-    sys.stdout.flush()
+    run_main("bench.fleet", argv, parse_args, run, report)
 
 
 if __name__ == "__main__":

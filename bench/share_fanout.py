@@ -43,7 +43,6 @@ import json
 import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
@@ -53,8 +52,8 @@ from typing import Any
 
 from aiohttp import web
 
-from bench._env import machine_info, reproduce_command, source_info
-from bench._loopback import agent, loopback_s3
+from bench._env import machine_info, source_info
+from bench._loopback import agent, run_main
 from bench.fleet import CountingProxy, Tally
 from tests.s3server import S3Endpoint
 from transfer.engine import push, resolve_manifests
@@ -512,13 +511,7 @@ def round_list(text: str) -> list[str]:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    args = parse_args(argv)
-    argv = list(argv if argv is not None else sys.argv[1:])
-    print(reproduce_command([sys.executable, "-m", "bench.share_fanout", *argv]), flush=True)
-    with loopback_s3("ferry-share-fanout-") as (_work, ep):
-        doc = run(args, ep)
-    print(report(doc))
-    sys.stdout.flush()
+    run_main("bench.share_fanout", argv, parse_args, run, report)
 
 
 if __name__ == "__main__":

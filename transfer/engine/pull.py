@@ -133,11 +133,9 @@ async def pull(
     check_base_dir(base_dir)
     if base_dir is not None and base_manifests is None:
         base_manifests = await _manifests_named_by(store, job, base_dir)
-    files, index, targets, hints = _plan(manifests)
-    clips: Clips = {}
-    covered = 0
-    if share is not None:
-        files, targets, hints, clips, covered = _plan_share(files, share)
+    index = _checked_index(manifests)
+    merged = [f for f, _ in merge_parts(manifests)]
+    files, targets, hints, clips, covered = _plan_writes(merged, share)
     staging = await _to_thread_to_the_end(open_staging, dest)
     async with _kept_if_resumable(staging):
         await _to_thread_to_the_end(create_files, staging, files, targets)
@@ -194,13 +192,6 @@ Hints = dict[str, tuple[str, int]]  # chunk id -> its first (path, offset)
 Clips = dict[tuple[int, int], tuple[int, list[tuple[int, int]]]]
 
 
-def _plan(manifests: list[Manifest]) -> tuple[list[FileEntry], ChunkIndex, Targets, Hints]:
-    """The one file list of every part, the checked chunk index, and where each chunk is
-    written and first found (_plan_targets)."""
-    files = [f for f, _ in merge_parts(manifests)]
-    return (files, _checked_index(manifests), *_plan_targets(files))
-
-
 def _checked_index(manifests: list[Manifest]) -> ChunkIndex:
     """The chunk index, every encoding one this version decodes (the parser accepts any
     name, and checked that each encoding and its base agree)."""
@@ -212,35 +203,24 @@ def _checked_index(manifests: list[Manifest]) -> ChunkIndex:
     return index
 
 
-def _plan_targets(files: list[FileEntry]) -> tuple[Targets, Hints]:
+def _plan_writes(
+    files: list[FileEntry], share: Share | None = None
+) -> tuple[list[FileEntry], Targets, Hints, Clips, int]:
     """Where each chunk is written, and its first position (path, offset): the hint for
     finding it, or its base, in a local copy. All-zero chunks are left out: the staging
-    files start zero-filled (sparse)."""
-    targets: Targets = defaultdict(list)
-    hints: Hints = {}
-    for fi, f in enumerate(files):
-        for offset, c in f.chunk_offsets():
-            if c.id != _zero_chunk_id(c.size):
-                targets[c.id].append((fi, offset))
-                hints.setdefault(c.id, (f.path, offset))
-    return targets, hints
-
-
-def _plan_share(
-    files: list[FileEntry], share: Share
-) -> tuple[list[FileEntry], Targets, Hints, Clips, int]:
-    """A share's files (a storage file it needs nothing of is left out), where each chunk
-    that covers some of its ranges is written, which of those are written only in part
-    (the rest of such a chunk belongs to items outside the share: left a hole), and the
-    bytes of the file ranges those chunks cover (all-zero chunks included: they cost a
-    hole, not a fetch)."""
-    kept = [f for f in files if share.spans_of(f.path) != ()]
+    files start zero-filled (sparse). With ``share``: only its files (a storage file it
+    needs nothing of is left out) and the chunks that cover some of its ranges, which of
+    those are written only in part (the rest of such a chunk belongs to items outside the
+    share: left a hole), and the bytes of the file ranges those chunks cover (all-zero
+    chunks included: they cost a hole, not a fetch). Returns (files, targets, hints,
+    clips, covered)."""
+    kept = [f for f in files if share is None or share.spans_of(f.path) != ()]
     targets: Targets = defaultdict(list)
     hints: Hints = {}
     clips: Clips = {}
     covered = 0
     for fi, f in enumerate(kept):
-        spans = share.spans_of(f.path)
+        spans = None if share is None else share.spans_of(f.path)
         for offset, c in f.chunk_offsets():
             end = offset + c.size
             pieces = [(offset, end)] if spans is None else overlaps(spans, offset, end)
@@ -270,7 +250,7 @@ def _check_whole(root: Path, files: list[FileEntry], manifests: list[Manifest]) 
 
 def share_chunk_ids(manifests: list[Manifest], share: Share) -> set[str]:
     """The chunks a pull of ``share`` fetches (a fan-out member's needs)."""
-    return set(_plan_share([f for f, _ in merge_parts(manifests)], share)[1])
+    return set(_plan_writes([f for f, _ in merge_parts(manifests)], share)[1])
 
 
 def _clear_unwritten(
@@ -670,7 +650,7 @@ def local_bases(
     """For each chunk of ``manifests``, what ``base_dir`` holds at its position if that
     differs (a source may send the chunk as a delta against it)."""
     held = _held_at(base_manifests)
-    _, hints = _plan_targets([f for f, _ in merge_parts(manifests)])
+    hints = _plan_writes([f for f, _ in merge_parts(manifests)])[2]
     found = {cid: _local_base(base_dir, held, hint, cid) for cid, hint in hints.items()}
     return {cid: base for cid, base in found.items() if base is not None}
 
