@@ -5,10 +5,12 @@ from __future__ import annotations
 
 from aiohttp import web
 
+from agent.auth import Credentials
 from agent.config import AgentConfig
 from agent.estimate import BandwidthMeter
 from agent.fanout import Landing
 from agent.holds import StepHolds
+from agent.limits import InFlight
 from agent.metrics import Metrics
 from agent.peers import HotIndex, PeerSource
 from agent.pins import LocalPins
@@ -16,10 +18,16 @@ from agent.prefetch import Prefetcher
 from agent.pushqueue import PushQueue
 from agent.retention import RetentionRunner
 from agent.standby import Standby
+from agent.tls import AgentTls
 
 CONFIG = web.AppKey("config", AgentConfig)
 
-TOKEN = web.AppKey("token", str)
+CREDENTIALS = web.AppKey("credentials", Credentials)
+
+TLS = web.AppKey("tls", AgentTls)
+
+#: chunk requests in flight, per client (agent/limits.py)
+CHUNK_CLIENTS = web.AppKey("chunk_clients", InFlight)
 
 TIERS = web.AppKey("tiers", list)
 

@@ -10,13 +10,14 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from transfer.errors import CheckpointNotFoundError, FerryError, FormatError
 from transfer.format.names import check_name, step_from_dirname
 from transfer.options import StoreSettings, TransferOptions, TransferSettings, knobs
+from transfer.units import format_size
 
 if TYPE_CHECKING:  # the commands import what they need when they run: `ferry --help` is fast
     from transfer.engine.progress import Progress
@@ -35,25 +36,36 @@ def _default_node() -> str:
     return os.environ.get("FERRY_NODE") or socket.gethostname().split(".")[0] or "node"
 
 
-def _add_store_args(p: argparse.ArgumentParser) -> None:
+def _add_store_args(p: argparse.ArgumentParser, *, writes: bool = True) -> None:
     p.add_argument("--endpoint-url", help="S3 endpoint (default: $AWS_ENDPOINT_URL)")
-    _add_knobs(p, StoreSettings)
+    _add_knobs(p, StoreSettings, writes)
     p.add_argument("--json", action="store_true", help="print one JSON object on stdout")
 
 
-def _add_transfer_args(p: argparse.ArgumentParser) -> None:
-    _add_knobs(p, TransferSettings)
+def _add_transfer_args(p: argparse.ArgumentParser, *, writes: bool = True) -> None:
+    _add_knobs(p, TransferSettings, writes)
 
 
-def _add_knobs(p: argparse.ArgumentParser, settings: type) -> None:
-    """A flag per tunable the settings class declares (transfer/options.py)."""
+def _add_knobs(p: argparse.ArgumentParser, settings: type, writes: bool) -> None:
+    """A flag per tunable the settings class declares (transfer/options.py). A command
+    that only reads (``writes`` false) does not list the knobs only writing uses; it still
+    accepts them, so one set of flags serves a script's push and pull alike."""
     for knob in knobs(settings):
         flag = "--" + knob.name.replace("_", "-")
+        listed = writes or not knob.writes
         if knob.kind is bool:  # a switch: --delta / --no-delta
             on = f"{knob.help} (default {'on' if knob.default else 'off'})"
-            p.add_argument(flag, action="store_true", default=knob.default, help=on)
             p.add_argument(
-                "--no-" + flag[2:], dest=knob.name, action="store_false", help=f"{flag} off"
+                flag,
+                action="store_true",
+                default=knob.default,
+                help=on if listed else argparse.SUPPRESS,
+            )
+            p.add_argument(
+                "--no-" + flag[2:],
+                dest=knob.name,
+                action="store_false",
+                help=f"{flag} off" if listed else argparse.SUPPRESS,
             )
         else:
             p.add_argument(
@@ -61,17 +73,27 @@ def _add_knobs(p: argparse.ArgumentParser, settings: type) -> None:
                 type=knob.kind,
                 choices=knob.choices or None,
                 default=knob.default,
-                help=f"{knob.help} (default {knob.default})",
+                help=f"{knob.help} {knob.default_help()}" if listed else argparse.SUPPRESS,
             )
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ferry", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    for add in (_add_push, _add_pull, _add_listings, _add_agent, _add_estimate, _add_plan,
-                _add_demo, _add_retention, _add_pins, _add_verify):  # fmt: skip
+    for add in (_add_init, _add_push, _add_pull, _add_listings, _add_agent, _add_estimate,
+                _add_plan, _add_demo, _add_retention, _add_pins, _add_verify):  # fmt: skip
         add(sub)
     return parser
+
+
+def _add_init(sub: _Commands) -> None:
+    p = sub.add_parser(
+        "init",
+        help="make a store: an empty (or missing) directory or prefix gets ferry-store.json; "
+        "an existing store is left as it is",
+    )
+    p.add_argument("store_url")
+    _add_store_args(p)
 
 
 def _add_push(sub: _Commands) -> None:
@@ -98,6 +120,11 @@ def _add_push(sub: _Commands) -> None:
         action="store_true",
         help="CKPT_DIR is this node's part of a multi-node save (rank 0's node holds "
         ".metadata): files it names may be on other nodes; those here must be whole",
+    )
+    p.add_argument(
+        "--init",
+        action="store_true",
+        help="make STORE_URL a store first if it is not one yet (as `ferry init`; for scripts)",
     )
     _add_store_args(p)
     _add_transfer_args(p)
@@ -135,22 +162,22 @@ def _add_pull(sub: _Commands) -> None:
         help="pull only the storage items this JSON list names ([{path, offset, length}], "
         "as written by transfer.engine.dcpplan_torch for layouts the rule does not cover)",
     )
-    _add_store_args(p)
-    _add_transfer_args(p)
+    _add_store_args(p, writes=False)
+    _add_transfer_args(p, writes=False)
 
 
 def _add_listings(sub: _Commands) -> None:
     p = sub.add_parser("ls", help="list committed checkpoints")
     p.add_argument("store_url")
     p.add_argument("--job")
-    _add_store_args(p)
+    _add_store_args(p, writes=False)
 
     p = sub.add_parser(
         "du", help="what a store's bytes are for: per step own/shared, dead, what expiring frees"
     )
     p.add_argument("store_url")
     p.add_argument("--job", help="only this job's steps (totals stay store-wide)")
-    _add_store_args(p)
+    _add_store_args(p, writes=False)
 
 
 def _add_agent(sub: _Commands) -> None:
@@ -161,13 +188,22 @@ def _add_agent(sub: _Commands) -> None:
 
 def _add_estimate(sub: _Commands) -> None:
     p = sub.add_parser("estimate", help="ask an agent what moving a checkpoint there costs")
-    p.add_argument("agent_url", help="e.g. http://node-b:7070")
+    p.add_argument("agent_url", help="e.g. http://node-b:7070 (https:// for a TLS agent)")
     p.add_argument("--token-file", type=Path, required=True)
+    _add_tls_args(p)
     p.add_argument("--job", required=True)
     p.add_argument("--step", default="latest")
     p.add_argument("--gpus", type=int, default=1, help="GPUs idle while the job migrates")
     p.add_argument("--gpu-hour-price", type=float, default=0.0)
     p.add_argument("--json", action="store_true")
+
+
+def _add_tls_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ca-file", type=Path, help="verify an https agent against this CA bundle "
+                   "(the agents' tls_ca_file; default: the system store)")  # fmt: skip
+    p.add_argument("--cert-file", type=Path, help="client certificate, for an agent with "
+                   "tls_client_auth (PEM; the key in it, or --key-file)")  # fmt: skip
+    p.add_argument("--key-file", type=Path, help="the client certificate's key (PEM)")
 
 
 def _add_plan(sub: _Commands) -> None:
@@ -251,8 +287,8 @@ def _add_verify(sub: _Commands) -> None:
     p.add_argument("store_url")
     p.add_argument("--job")
     p.add_argument("--step", type=int)
-    _add_store_args(p)
-    _add_transfer_args(p)
+    _add_store_args(p, writes=False)
+    _add_transfer_args(p, writes=False)
 
 
 def _transfer_options(args: argparse.Namespace) -> TransferOptions:
@@ -281,22 +317,34 @@ def _progress(args: argparse.Namespace) -> Progress:
     return TerminalProgress() if not args.json and sys.stderr.isatty() else NoProgress()
 
 
-def _human(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:,.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1000
-    return str(n)
+#: every size the CLI prints: decimal MB/GB (transfer/units.py; retention's tables too)
+_human = format_size
+
+
+async def _cmd_init(store: Store, args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    from transfer.engine.catalog import init_store
+
+    created = await init_store(store)  # idempotent: an existing store is left as it is
+    return {"store": store.url, "created": created}, (
+        f"created a ckpt-ferry store at {store.url}"
+        if created
+        else f"{store.url} is already a ckpt-ferry store (nothing changed)"
+    )
 
 
 async def _cmd_push(store: Store, args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     from agent.journal import cli_push_journal, default_state_dir
     from transfer.engine import push
+    from transfer.engine.catalog import init_store, require_store
 
     step = args.step if args.step is not None else step_from_dirname(args.ckpt_dir.name)
     if step is None:
         raise _UsageError(f"cannot tell the step from {args.ckpt_dir.name!r}: pass --step")
     node = args.node or _default_node()
+    check_name("job", args.job)
+    check_name("node", node)
+    # before anything is written anywhere: a directory that is no store stays untouched
+    await (init_store(store) if args.init else require_store(store, hint=" (or pass --init)"))
     if not args.node and not os.environ.get("FERRY_NODE"):
         await _warn_if_new_part(store, args.job, step, node)
     # a push killed half way and run again reuses the packs it had made durable
@@ -314,6 +362,7 @@ async def _cmd_push(store: Store, args: argparse.Namespace) -> tuple[dict[str, A
             base_dir=args.base_dir,
             resume=journal.resume(args.job, step, store.url),
             part=args.part,
+            create_store=False,
         )
         journal.remove()  # committed: its manifest references every pack
     finally:
@@ -333,10 +382,8 @@ async def _cmd_push(store: Store, args: argparse.Namespace) -> tuple[dict[str, A
 async def _warn_if_new_part(store: Store, job: str, step: int, node: str) -> None:
     """The node name defaulted to the host name, and the step already has other nodes'
     parts: in a container every run is a new host, so say what is about to happen."""
-    from transfer.engine.catalog import list_parts, open_catalog
+    from transfer.engine.catalog import list_parts
 
-    if not await open_catalog(store, create=False):
-        return
     nodes = [c.node for c in await list_parts(store, job, step)]
     if nodes and node not in nodes:
         print(
@@ -419,17 +466,13 @@ async def _share_of(store: Store, args: argparse.Namespace, step: int | None) ->
 
 
 async def _cmd_ls(store: Store, args: argparse.Namespace) -> tuple[dict[str, Any], str]:
-    from transfer.engine.catalog import list_checkpoints, load_manifest, open_catalog
+    from transfer.engine.catalog import list_checkpoints, load_manifest, require_store
     from transfer.format.manifest import chain_depths
 
     if args.job:
         check_name("job", args.job)
     rows: list[dict[str, Any]] = []
-    if not await open_catalog(store, create=False):
-        # a typo'd URL must not look like an empty store
-        raise CheckpointNotFoundError(
-            f"{store.url} is not a ckpt-ferry store (nothing was ever pushed there)"
-        )
+    await require_store(store)  # a typo'd URL must not look like an empty store
     found = await list_checkpoints(store, args.job)
     if args.job and not found:
         jobs = sorted({c.job for c in await list_checkpoints(store)})
@@ -485,17 +528,14 @@ def _coded(row: dict[str, Any]) -> str:
 async def _cmd_du(store: Store, args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     import time
 
-    from transfer.engine.catalog import list_checkpoints, open_catalog
+    from transfer.engine.catalog import list_checkpoints, require_store
     from transfer.retention import take_inventory
     from transfer.retention.policy import format_size as size
     from transfer.retention.usage import store_usage
 
     if args.job:
         check_name("job", args.job)
-    if not await open_catalog(store, create=False):
-        raise CheckpointNotFoundError(
-            f"{store.url} is not a ckpt-ferry store (nothing was ever pushed there)"
-        )
+    await require_store(store)
     if args.job and not await list_checkpoints(store, args.job):
         raise CheckpointNotFoundError(f"no checkpoint of job {args.job!r} in {store.url}")
     now = time.time()
@@ -503,7 +543,13 @@ async def _cmd_du(store: Store, args: argparse.Namespace) -> tuple[dict[str, Any
     lines = [
         f"{u.url}: {size(u.total_bytes)} stored: {size(u.live_bytes)} live, "
         f"{size(u.dead_bytes)} dead inside kept packs, {size(u.unreferenced_bytes)} in "
-        f"{u.unreferenced_packs} unreferenced packs, {size(u.manifest_bytes)} of manifests",
+        f"{u.unreferenced_packs} unreferenced packs, {size(u.manifest_bytes)} of manifests"
+        + (
+            f"; and {size(u.unfinished_upload_bytes)} in {u.unfinished_uploads} unfinished "
+            "pack uploads (a running push's, or a killed one's: retention aborts those)"
+            if u.unfinished_uploads
+            else ""
+        ),
         f"{'JOB':<24} {'STEP':>10} {'NODES':>5} {'RAW':>10} {'OWN':>10} {'SHARED':>10} "
         f"{'FREES':>10}  NOTE",
     ]
@@ -524,10 +570,12 @@ async def _cmd_du(store: Store, args: argparse.Namespace) -> tuple[dict[str, Any
 
 
 async def _cmd_pin(store: Store, args: argparse.Namespace) -> tuple[dict[str, Any], str]:
-    """``ferry pin`` / ``ferry unpin``: the same pins agents and retention use."""
+    """``ferry pin`` / ``ferry unpin``: the same pins agents and retention use. Unpinning
+    what that holder never pinned exits 0 (it is not pinned, as asked) and says so: "was
+    not pinned", ``"removed": false``."""
     from datetime import UTC, datetime
 
-    from transfer.engine.catalog import list_parts, open_catalog
+    from transfer.engine.catalog import list_parts, require_store
     from transfer.errors import CheckpointNotFoundError
     from transfer.retention.pins import pin, unpin
 
@@ -535,13 +583,16 @@ async def _cmd_pin(store: Store, args: argparse.Namespace) -> tuple[dict[str, An
     holder = check_name("holder", args.holder or f"cli-{_default_node()}")
     what = f"{args.job} step {args.step}"
     if args.command == "unpin":
-        await unpin(store, args.job, args.step, holder)
-        return {"job": args.job, "step": args.step, "holder": holder, "pinned": False}, (
+        removed = await unpin(store, args.job, args.step, holder)
+        doc = {"job": args.job, "step": args.step, "holder": holder, "pinned": False}
+        line = (
             f"unpinned {what} in {store.url} (holder {holder})"
+            if removed
+            else f"{what} in {store.url} was not pinned (holder {holder}): nothing to unpin"
         )
-    if not await open_catalog(store, create=False) or not await list_parts(
-        store, args.job, args.step
-    ):
+        return doc | {"removed": removed}, line
+    await require_store(store)
+    if not await list_parts(store, args.job, args.step):
         raise CheckpointNotFoundError(f"no committed checkpoint {what} in {store.url}")
     expires = await pin(store, args.job, args.step, holder, args.ttl)
     until = datetime.fromtimestamp(expires, UTC).isoformat(timespec="seconds")
@@ -572,7 +623,7 @@ async def _cmd_verify(store: Store, args: argparse.Namespace) -> tuple[dict[str,
 async def _cmd_retention(store: Store, args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     import time
 
-    from transfer.engine.catalog import open_catalog
+    from transfer.engine.catalog import require_store
     from transfer.retention import Tier, TierPolicy, apply_plan, make_plan
     from transfer.retention.repack import RepackPolicy
     from transfer.store import open_store
@@ -585,9 +636,10 @@ async def _cmd_retention(store: Store, args: argparse.Namespace) -> tuple[dict[s
         tiers.append(Tier(colder, TierPolicy()))
     nodes = tuple(check_name("node", n) for n in args.expected_nodes.split(",") if n)
     try:
-        if not await open_catalog(store, create=False):
-            raise FerryError(f"{store.url} is not a ckpt-ferry store (no ferry-store.json)")
-        plan = await make_plan(tiers, now=time.time(), expected_nodes=nodes)
+        for tier in tiers:  # the colder store too: a store is made on purpose
+            await require_store(tier.store)
+        repacking = None if args.no_repack else RepackPolicy(args.repack_min_dead)
+        plan = await make_plan(tiers, now=time.time(), expected_nodes=nodes, repacking=repacking)
         await apply_plan(
             plan,
             tiers,
@@ -596,7 +648,6 @@ async def _cmd_retention(store: Store, args: argparse.Namespace) -> tuple[dict[s
             expected_nodes=nodes,
             deep_verify=args.deep_verify,
             dry_run=args.dry_run,
-            repacking=None if args.no_repack else RepackPolicy(args.repack_min_dead),
         )
     finally:
         if colder is not None:
@@ -668,6 +719,7 @@ def _parse_step(value: str) -> int:
 
 _COMMANDS: dict[str, Callable[[Store, argparse.Namespace], Awaitable[tuple[dict[str, Any], str]]]]
 _COMMANDS = {
+    "init": _cmd_init,
     "pin": _cmd_pin,
     "unpin": _cmd_pin,
     "push": _cmd_push,
@@ -701,7 +753,8 @@ async def _cmd_estimate(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     from agent.client import FerryClient, RpcError
 
     token = args.token_file.read_text().strip()
-    async with FerryClient(args.agent_url, token) as client:
+    tls = {"ca_file": args.ca_file, "cert_file": args.cert_file, "key_file": args.key_file}
+    async with FerryClient(args.agent_url, token, **tls) as client:
         try:
             doc: dict[str, Any] = await client.estimate(
                 args.job, args.step, gpus=args.gpus, gpu_hour_price=args.gpu_hour_price
@@ -753,6 +806,43 @@ def main(argv: list[str] | None = None) -> int:
         return 128 + 13  # SIGPIPE
 
 
+class _Terminated(Exception):
+    """SIGTERM arrived: the command was cancelled and its cleanups ran."""
+
+
+def _run_terminable(command: Coroutine[Any, Any, S]) -> S:
+    """``asyncio.run``, with SIGTERM cancelling the command the way Ctrl-C does, so its
+    cleanups run (a push releases its lease and aborts its unfinished uploads) instead of
+    the process vanishing mid-write and leaving them behind."""
+    import asyncio
+    import signal
+
+    terminated = False
+
+    async def run() -> S:
+        nonlocal terminated
+        task, loop = asyncio.current_task(), asyncio.get_running_loop()
+        assert task is not None
+
+        def on_term() -> None:
+            nonlocal terminated
+            terminated = True
+            task.cancel()
+
+        loop.add_signal_handler(signal.SIGTERM, on_term)
+        try:
+            return await command
+        finally:
+            loop.remove_signal_handler(signal.SIGTERM)
+
+    try:
+        return asyncio.run(run())
+    except asyncio.CancelledError:
+        if terminated:
+            raise _Terminated() from None
+        raise
+
+
 def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -777,7 +867,7 @@ def _main(argv: list[str] | None) -> int:
 
         return demo(args.workdir, keep=args.workdir is not None)
     try:
-        doc, line = asyncio.run(_run(args))
+        doc, line = _run_terminable(_run(args))
     except _UsageError as exc:
         parser.error(str(exc))  # exits 2
     except _VerifyFailed as exc:
@@ -794,6 +884,9 @@ def _main(argv: list[str] | None) -> int:
     except KeyboardInterrupt:
         print(f"ferry {args.command}: interrupted", file=sys.stderr)
         return 130
+    except _Terminated:
+        print(f"ferry {args.command}: terminated (SIGTERM); stopped cleanly", file=sys.stderr)
+        return 128 + 15
     if args.json:
         print(json.dumps(doc))
     else:

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import ssl
 import time
+from pathlib import Path
 from types import TracebackType
 from typing import Any
 
 import aiohttp
+
+from agent.tls import client_context
 
 
 class RpcError(Exception):
@@ -17,15 +21,34 @@ class RpcError(Exception):
 
 
 class FerryClient:
-    def __init__(self, base_url: str, token: str, *, timeout: float = 30.0) -> None:
+    """One agent's RPC. Over https:// the agent is verified against ``ca_file`` (a PEM
+    bundle: the agents' tls_ca_file; None: the system store) and ``cert_file`` (with
+    ``key_file``, unless the key is in it) is presented to an agent that requires a client
+    certificate (``tls_client_auth``). A URL without a scheme is https:// when either is
+    given, else http://."""
+
+    def __init__(
+        self,
+        base_url: str,
+        token: str,
+        *,
+        timeout: float = 30.0,
+        ca_file: Path | str | None = None,
+        cert_file: Path | str | None = None,
+        key_file: Path | str | None = None,
+    ) -> None:
         if "://" not in base_url:  # "node-b:7070", as people write it
-            base_url = f"http://{base_url}"
+            base_url = f"{'https' if ca_file or cert_file else 'http'}://{base_url}"
         if not base_url.startswith(("http://", "https://")):
             raise ValueError(f"agent URL {base_url!r} is not http:// or https://")
         self.base_url = base_url.rstrip("/")
+        verify: ssl.SSLContext | bool = True
+        if self.base_url.startswith("https://"):
+            verify = client_context(ca_file, cert_file, key_file)
         self._session = aiohttp.ClientSession(
             headers={"Authorization": f"Bearer {token}"},
             timeout=aiohttp.ClientTimeout(total=timeout),
+            connector=aiohttp.TCPConnector(ssl=verify),
         )
 
     async def __aenter__(self) -> FerryClient:

@@ -106,6 +106,19 @@ class AgentConfig:
     standby_poll_seconds: float = 5.0
     #: cap on a standby replication's bytes per second (0: none)
     standby_max_rate: int = 250_000_000
+    #: the token peers present: good for what peers read of each other only (GET
+    #: /v1/chunks/...); this agent presents it to its peers too. None: peers use token_file's
+    peer_token_file: Path | None = None
+    #: TLS on the listener (PEM; re-read when they change): both or neither; with them the
+    #: agent serves HTTPS only, and its peers' http:// URLs become https://
+    tls_cert_file: Path | None = None
+    tls_key_file: Path | None = None
+    #: CA bundle outgoing calls verify agents against (None: the system store), and that
+    #: clients' certificates must chain to with ``tls_client_auth``
+    tls_ca_file: Path | None = None
+    #: require a client certificate (signed by tls_ca_file) on every route but /healthz;
+    #: the agent presents its own (tls_cert_file) to its peers
+    tls_client_auth: bool = False
     #: where each key set by the operator came from: "file" or "env FERRY_..."
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
 
@@ -131,15 +144,23 @@ class AgentConfig:
 
     def read_token(self) -> str | None:
         """The bearer token, re-read on every call so a rotated file takes effect."""
-        if self.token_file is None:
-            return None
-        try:
-            token = self.token_file.read_text(encoding="utf-8").strip()
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"cannot read token_file {self.token_file}: {exc}") from exc
-        if not token:
-            raise ConfigError(f"token_file {self.token_file} is empty")
-        return token
+        return None if self.token_file is None else read_secret(self.token_file, "token_file")
+
+    @property
+    def tls_serving(self) -> bool:
+        return self.tls_cert_file is not None
+
+
+def read_secret(path: Path, key: str) -> str:
+    """A token file's token (``key``: its config key, for the message; the token itself is
+    never in one)."""
+    try:
+        token = path.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read {key} {path}: {exc}") from exc
+    if not token:
+        raise ConfigError(f"{key} {path} is empty")
+    return token
 
 
 # Key -> the TOML type it must have; env strings are converted to that type first.
@@ -163,6 +184,11 @@ _TOP_KEYS: dict[str, type] = {
     "standby_jobs": list,
     "standby_poll_seconds": float,
     "standby_max_rate": object,  # bytes per second, or a size string: "250MB"
+    "peer_token_file": str,
+    "tls_cert_file": str,
+    "tls_key_file": str,
+    "tls_ca_file": str,
+    "tls_client_auth": bool,
 }
 #: top-level keys from before the [store] table, still read: key -> its type
 _MOVED_TO_STORE: dict[str, type] = {"checksum": str}
@@ -205,7 +231,7 @@ def load_config(
         token_file=_path("token_file", top["token_file"]) if "token_file" in top else None,
         commit_marker=_commit_marker(top.get("commit_marker", AgentConfig.commit_marker)),
         tiers=tuple(_tier_url(u) for u in _strs(top.get("tiers"))),
-        peers=tuple(_http_url("peers", u).rstrip("/") for u in _strs(top.get("peers"))),
+        peers=tuple(_peer_url(u, "tls_cert_file" in top) for u in _strs(top.get("peers"))),
         expected_nodes=_expected_nodes(_strs(top.get("expected_nodes"))),
         endpoint_url=_http_url("endpoint_url", top["endpoint_url"])
         if "endpoint_url" in top
@@ -227,6 +253,7 @@ def load_config(
         standby_jobs=tuple(_name("standby_jobs", j) for j in _strs(top.get("standby_jobs"))),
         standby_poll_seconds=_seconds("standby_poll_seconds", top.get("standby_poll_seconds", 5.0)),
         standby_max_rate=_rate(top.get("standby_max_rate", AgentConfig.standby_max_rate)),
+        **_security(top),  # type: ignore[arg-type]
         sources=sources,
     )
     _parse_listen(config.listen)
@@ -240,7 +267,39 @@ def load_config(
             _create_token_file(config.token_file)
         config.read_token()  # fail at startup, not on the first request
         _warn_if_shared(config.token_file)
+    if config.peer_token_file is not None:
+        peer_token = read_secret(config.peer_token_file, "peer_token_file")
+        if config.token_file is not None and peer_token == config.read_token():
+            raise ConfigError(
+                "peer_token_file holds token_file's token: the peers' token must be another "
+                "(it is good for chunk reads only)"
+            )
+        _warn_if_shared(config.peer_token_file, "peer_token_file")
     return config
+
+
+def _security(top: Mapping[str, object]) -> dict[str, object]:
+    """The credential and TLS keys: paths, and which go together (docs/SECURITY.md)."""
+    paths = {
+        key: _path(key, top[key]) if key in top else None
+        for key in ("peer_token_file", "tls_cert_file", "tls_key_file", "tls_ca_file")
+    }
+    if (paths["tls_cert_file"] is None) != (paths["tls_key_file"] is None):
+        raise ConfigError("tls_cert_file and tls_key_file go together: set both or neither")
+    client_auth = bool(top.get("tls_client_auth", False))
+    if client_auth and (paths["tls_cert_file"] is None or paths["tls_ca_file"] is None):
+        raise ConfigError(
+            "tls_client_auth = true needs tls_cert_file and tls_key_file (what the agent "
+            "serves and presents to its peers) and tls_ca_file (what clients' certificates "
+            "must chain to)"
+        )
+    return {**paths, "tls_client_auth": client_auth}
+
+
+def _peer_url(url: str, tls: bool) -> str:
+    """A peer's base URL; https:// when this agent serves TLS (its fleet does too)."""
+    url = _http_url("peers", url).rstrip("/")
+    return "https://" + url[len("http://") :] if tls and url.startswith("http://") else url
 
 
 def _read_toml(path: Path) -> dict[str, object]:
@@ -575,14 +634,14 @@ def _create_token_file(path: Path) -> None:
     log.warning("created token_file %s with a new random token (give it to the scheduler)", path)
 
 
-def _warn_if_shared(token_file: Path) -> None:
+def _warn_if_shared(token_file: Path, key: str = "token_file") -> None:
     # Warn rather than refuse: secrets mounted by Kubernetes are often 0644 by default.
     try:
         mode = token_file.stat().st_mode
     except OSError:
         return
     if mode & stat.S_IRWXO:  # group access is the norm for a mounted Secret with fsGroup
-        log.warning("token_file %s is readable by others (chmod o-rwx it)", token_file)
+        log.warning("%s %s is readable by others (chmod o-rwx it)", key, token_file)
 
 
 def _example_table(settings: type) -> str:
@@ -592,16 +651,18 @@ def _example_table(settings: type) -> str:
         default = knob.default
         value = str(default).lower() if isinstance(default, bool) else repr(default)
         line = f"{knob.name} = {value}".replace("'", '"')
-        if knob.name == "workers":  # the default is this machine's cores: not a value to copy
-            line = f"# {line}"
-        lines.append((line, knob.help))
+        help_text = knob.help
+        if knob.default_text:  # e.g. this machine's cores: not a value to copy
+            line, help_text = f"# {line}", f"{help_text} (default: {knob.default_text})"
+        lines.append((line, help_text))
     width = max(25, *(len(line) + 1 for line, _ in lines))
     return "\n".join(f"{line:<{width}} # {help_text}" for line, help_text in lines)
 
 
 def example_toml() -> str:
-    """A commented example that runs as printed (``mkdir -p ckpt/hot ckpt/store`` first) on
-    one node; the production values are in the comments (a test keeps it honest)."""
+    """A commented example that runs as printed (``ferry init ckpt/store`` first) on
+    one node, deleting nothing (its ``[retention]`` table is commented out); the production
+    values are in the comments (a test keeps it honest)."""
     return _EXAMPLE_TOML.format(
         transfer=_example_table(TransferSettings), store=_example_table(StoreSettings)
     )
@@ -612,7 +673,8 @@ def example_toml() -> str:
 _EXAMPLE_TOML = """\
 # ckpt-ferry node agent: `ferry agent --config ferry.toml`, from this file's directory
 # (relative paths are relative to where the agent starts). As printed it is a one-node
-# setup on this machine: checkpoints under ckpt/hot are pushed to the store ckpt/store.
+# setup on this machine: checkpoints under ckpt/hot are pushed to the store ckpt/store
+# (made a store first, once: `ferry init ckpt/store`; the agent makes none).
 # Every key can be overridden by FERRY_<KEY> (e.g. FERRY_HOT_DIR, FERRY_TIERS="a,b";
 # [transfer] keys as FERRY_TRANSFER_<KEY>, [store] keys as FERRY_STORE_<KEY>); the agent
 # logs where each value came from.
@@ -623,6 +685,19 @@ node = "node-a"
 listen = "127.0.0.1:7070"
 # Bearer token for the API, read from this file; created (random, mode 600) when missing.
 token_file = "ferry.token"
+# The token peers present to each other (the same file on every node): it reads chunks
+# (GET /v1/chunks/...) and nothing else; this agent sends it to its peers. Unset: peers
+# use token_file's token. Re-read when it changes, as token_file is (docs/SECURITY.md).
+# peer_token_file = "/etc/ferry/peer-token/token"
+# TLS (PEM files; a rotated certificate is picked up without a restart): with a certificate
+# the agent serves HTTPS only, and its peers' http:// URLs become https://. Outgoing calls
+# verify agents against tls_ca_file (unset: the system store). tls_client_auth = true: every
+# client but a health probe must present a certificate signed by tls_ca_file (the agent
+# presents its own to its peers).
+# tls_cert_file = "/etc/ferry/tls/tls.crt"
+# tls_key_file = "/etc/ferry/tls/tls.key"
+# tls_ca_file = "/etc/ferry/tls/ca.crt"
+# tls_client_auth = false
 # Training writes checkpoints to <hot_dir>/<job>/<step dir>/ (required). e.g. "/nvme/ckpt"
 hot_dir = "ckpt/hot"
 # A step directory is complete once this file exists (PyTorch DCP writes it last). In a
@@ -669,21 +744,24 @@ standby_max_rate = "250MB"
 [store]
 {store}
 
-# Without this table the agent never deletes anything. With it: every interval_seconds and
-# after each push, the hot dir and each tier are trimmed to their policy (docs/RETENTION.md).
-[retention]
-interval_seconds = 600
-grace_seconds = 3600        # unreferenced packs wait this long; must exceed a push
-deep_verify = false         # re-hash a step in the next tier before it leaves this one
-repack = true               # store deltas whose base expired whole; empty mostly-dead packs
-repack_min_dead = 0.2       # ... packs with at least this fraction of dead bytes
-hot_keep_last = 2           # committed steps kept per job in hot_dir (at least 2)
-# hot_budget = "800GB"      # evict older steps (already in a colder tier) beyond this
-# hot_min_free = "100GB"    # ... and while the hot filesystem has less free than this
-
-[[retention.tiers]]         # policy of tiers[0]; one table per tier, in order
-keep_last = 20
-keep_every = 1000           # milestones: every step divisible by 1000
-max_age = "90d"
-# budget = "20TiB"
+# Retention, commented out: as printed the agent never deletes anything, anywhere. Uncomment
+# the table (remove one "# " from each line below) to let it delete: every interval_seconds
+# and after each push it evicts older steps from hot_dir (keeping the newest hot_keep_last
+# per job, and only what a colder tier holds) and trims each tier to its policy
+# (docs/RETENTION.md).
+# [retention]
+# interval_seconds = 600
+# grace_seconds = 3600        # unreferenced packs wait this long; must exceed a push
+# deep_verify = false         # re-hash a step in the next tier before it leaves this one
+# repack = true               # store deltas whose base expired whole; empty mostly-dead packs
+# repack_min_dead = 0.2       # ... packs with at least this fraction of dead bytes
+# hot_keep_last = 2           # committed steps kept per job in hot_dir (at least 2)
+# # hot_budget = "800GB"      # evict older steps (already in a colder tier) beyond this
+# # hot_min_free = "100GB"    # ... and while the hot filesystem has less free than this
+#
+# [[retention.tiers]]         # policy of tiers[0]; one table per tier, in order
+# keep_last = 20
+# keep_every = 1000           # milestones: every step divisible by 1000
+# max_age = "90d"
+# # budget = "20TiB"
 """

@@ -13,6 +13,7 @@ from pathlib import Path
 from aiohttp import web
 
 from agent import logs
+from agent.appkeys import TLS
 from agent.config import AgentConfig, ConfigError, effective_config, example_toml, load_config
 from agent.logs import event
 from agent.rpc import create_app
@@ -59,7 +60,7 @@ async def serve(config: AgentConfig, token: str, ready: asyncio.Event | None = N
     runner = web.AppRunner(app, handle_signals=False)
     try:
         await runner.setup()
-        site = web.SockSite(runner, sock)
+        site = web.SockSite(runner, sock, ssl_context=app[TLS].server_context())  # HTTPS only
         await site.start()
     except BaseException:
         sock.close()
@@ -71,8 +72,9 @@ async def serve(config: AgentConfig, token: str, ready: asyncio.Event | None = N
         loop.add_signal_handler(sig, stop.set)
     for key, value, source in effective_config(config):
         event(log, "config", key=key, value=value, source=source)
-    event(log, "listening", node=config.node, address=f"http://{host}:{port}")
-    print(f"ferry agent {config.node} listening on http://{host}:{port}", flush=True)
+    address = f"{'https' if config.tls_serving else 'http'}://{host}:{port}"
+    event(log, "listening", node=config.node, address=address)
+    print(f"ferry agent {config.node} listening on {address}", flush=True)
     if ready is not None:
         ready.set()
     try:

@@ -67,6 +67,17 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+async def _init_store(path: Path) -> None:
+    from transfer.engine.catalog import init_store
+    from transfer.store import open_store
+
+    store = open_store(str(path))
+    try:
+        await init_store(store)
+    finally:
+        await store.close()
+
+
 async def _start_agent(name: str, hot: Path, store: Path, port: int, peer: int) -> web.AppRunner:
     env = {
         "FERRY_NODE": name,
@@ -113,7 +124,7 @@ async def _scale_down(
 
 async def run_demo(workdir: Path) -> bool:
     store, hot_a, hot_b = workdir / "store", workdir / "node-a", workdir / "node-b"
-    store.mkdir(parents=True)
+    await _init_store(store)  # `ferry init STORE`: agents write only into a store made so
     port_a, port_b = _free_port(), _free_port()
     runner_a = await _start_agent("node-a", hot_a, store, port_a, port_b)
     runner_b = await _start_agent("node-b", hot_b, store, port_b, port_a)

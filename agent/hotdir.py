@@ -8,12 +8,13 @@ first, so training and prefetch never see half a directory; what a crash leaves 
 swept at start).
 
 Hidden entries (a leading dot: ``is_hidden``) are never checkpoints: the agent's state dir,
-pull staging dirs (``.<name>.ferry-staging-*``), eviction leftovers and settle markers live
-beside them.
+its lock file (``AGENT_LOCK``: one agent per hot dir, ``AgentLock``), pull staging dirs
+(``.<name>.ferry-staging-*``), eviction leftovers and settle markers live beside them.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import secrets
 import shutil
@@ -25,6 +26,51 @@ from transfer.format.names import check_name, step_from_dirname
 from transfer.format.share import SHARE_MARKER
 
 EVICTING_MARK = ".evicting-"  # in a step dir's hidden name while an eviction deletes it
+AGENT_LOCK = ".ferry-agent.lock"  # in the hot dir: flocked by the one agent running on it
+
+
+class HotDirInUseError(FerryError):
+    """Another agent holds the hot dir's lock."""
+
+
+class AgentLock:
+    """One agent per hot dir: an exclusive ``flock`` on ``<hot_dir>/.ferry-agent.lock``,
+    held for the agent's lifetime (before its journal opens or anything in the hot dir is
+    touched, wherever its state dir is); the file says who holds it (pid, listen address)
+    for the refusal a second agent prints. The kernel drops the lock when its holder dies,
+    so a file a dead agent left behind is simply taken over (never deleted: deleting it
+    could let two agents lock two different files)."""
+
+    def __init__(self, fd: int, path: Path) -> None:
+        self.fd, self.path = fd, path
+
+    @classmethod
+    def acquire(cls, root: Path, holder: str) -> AgentLock:
+        """Lock ``root`` (made if missing, as a prefetch into it would) for ``holder``, a
+        line of text naming this agent; HotDirInUseError names the agent that holds it."""
+        root.mkdir(parents=True, exist_ok=True)
+        path = root / AGENT_LOCK
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            other = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "still starting"
+            os.close(fd)
+            raise HotDirInUseError(
+                f"hot dir {root} is in use by another agent ({other}; its lock: {path}): "
+                "one agent per hot dir"
+            ) from None
+        except BaseException:
+            os.close(fd)
+            raise
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (holder.strip() + "\n").encode(), 0)
+        return cls(fd, path)
+
+    def release(self) -> None:
+        if self.fd >= 0:
+            fd, self.fd = self.fd, -1
+            os.close(fd)  # the lock goes with the last descriptor of the open file
 
 
 @dataclass(frozen=True)
@@ -118,9 +164,15 @@ class HotDir:
         """Delete a step directory: renamed to a hidden name first (atomic: training and
         prefetch never see half a directory), then deleted. A crash in between leaves the
         hidden ``.<name>.evicting-<hex>`` directory, which ``sweep_evictions`` deletes."""
+        shutil.rmtree(self.hide(step_dir))
+
+    def hide(self, step_dir: Path) -> Path:
+        """The first half of ``evict``: rename the directory to its hidden name (one
+        rename: from then on no listing shows it) and return that name; ``shutil.rmtree``
+        it next (a crash in between: ``sweep_evictions``)."""
         hidden = step_dir.with_name(f".{step_dir.name}{EVICTING_MARK}{secrets.token_hex(4)}")
         os.rename(step_dir, hidden)
-        shutil.rmtree(hidden)
+        return hidden
 
     def sweep_evictions(self) -> list[Path]:
         """Delete the directories an eviction renamed but did not finish deleting (a

@@ -17,7 +17,8 @@ import asyncio
 import contextlib
 import logging
 import os
-from collections.abc import Collection, Sequence
+import shutil
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -174,17 +175,22 @@ async def _by_rank(
 
 
 async def apply_hot(
-    hot: HotDir, plan: HotPlan, journal: Journal, protected: Collection[Key]
+    hot: HotDir, plan: HotPlan, journal: Journal, protected: Callable[[], Collection[Key]]
 ) -> HotPlan:
-    """Evict what the plan says (re-checking that nothing took a hold meanwhile)."""
+    """Evict what the plan says, re-checking just before each step goes that nothing took
+    a hold on it (or on a step it is the base of) since the plan: ``protected`` is asked
+    each time, and the step is renamed away on the event loop right after, so a prefetch
+    (which takes its holds on the loop as it lists the hot dir) either never sees it or
+    keeps it; only the deletion of the renamed directory runs in a thread."""
     for s in plan.steps:
         if s.action != "evict":
             continue
-        if (s.job, s.step) in protected:
+        if (s.job, s.step) in _with_bases(protected(), hot.all_checkpoints()):
             plan.errors.append(f"{s.job} step {s.step} came into use; kept")
             continue
         try:
-            await asyncio.to_thread(hot.evict, Path(s.path))
+            hidden = hot.hide(Path(s.path))  # (one rename: no await between check and act)
+            await asyncio.to_thread(shutil.rmtree, hidden)
         except OSError as exc:
             plan.errors.append(f"could not evict {s.path}: {exc}")
             continue

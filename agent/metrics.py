@@ -1,6 +1,7 @@
 """Prometheus text exposition, hand-rolled: a handful of counters and gauges do not justify
 a dependency. Every metric the agent exports is declared once, in CATALOG (its type and
-help text); setting one that is not there is a bug and raises."""
+help text); setting one that is not there is a bug and raises. One rule for the ``tier``
+label: a tier's store URL as configured (an entry of ``tiers``), ``hot`` for the hot dir."""
 
 from __future__ import annotations
 

@@ -1,18 +1,21 @@
-"""HTTP plumbing every route shares: bearer-token auth, one mapping from error classes
-to status codes and one-line JSON errors, and the validators of request input."""
+"""HTTP plumbing every route shares: auth (client certificates, bearer tokens and their
+scopes), one mapping from error classes to status codes and one-line JSON errors, and the
+validators of request input."""
 
 from __future__ import annotations
 
-import hmac
+import asyncio
 import json
 import logging
 import math
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 from aiohttp import web
 
-from agent.appkeys import TOKEN
+from agent import limits
+from agent.appkeys import CONFIG, CREDENTIALS
+from agent.auth import PEER_ROUTES, Scope
 from transfer.errors import (
     AccessDeniedError,
     CheckpointNotFoundError,
@@ -34,13 +37,32 @@ def error_response(status: int, message: str, kind: str) -> web.Response:
 
 @web.middleware
 async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every route but /healthz: a client certificate when ``tls_client_auth`` (the TLS
+    handshake verified any that was sent), then a bearer token; the peer token only for the
+    routes peers call (agent/auth.py)."""
     if request.path != "/healthz":
-        expected = request.app[TOKEN]
-        header = request.headers.get("Authorization", "")
-        scheme, _, given = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.encode(), expected.encode()):
+        if request.app[CONFIG].tls_client_auth and not _client_certificate(request):
+            return error_response(401, "a client certificate is required", "Unauthorized")
+        scope = request.app[CREDENTIALS].scope(request.headers.get("Authorization", ""))
+        if scope is None:
             return error_response(401, "missing or wrong bearer token", "Unauthorized")
+        if scope is Scope.PEER and _route(request) not in PEER_ROUTES:
+            return error_response(
+                403, "the peer token reads chunks only (GET /v1/chunks/{id})", "Forbidden"
+            )
     return await handler(request)
+
+
+def _client_certificate(request: web.Request) -> bool:
+    """Whether the connection's client presented a certificate (verified in the handshake
+    against tls_ca_file: one that did not verify ended the connection there)."""
+    transport = request.transport
+    return transport is not None and bool(transport.get_extra_info("peercert"))
+
+
+def _route(request: web.Request) -> tuple[str, str | None]:
+    resource = request.match_info.route.resource  # None: no route matched (404, 405)
+    return request.method, resource.canonical if resource is not None else None
 
 
 _STATUS = [
@@ -70,13 +92,28 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
 
 
 async def json_body(request: web.Request) -> dict[str, Any]:
+    """The request's JSON object body; a body that does not arrive within BODY_SECONDS
+    (a client sending it slowly, or not at all) is a 408 and the connection is closed."""
     try:
-        body = await request.json()
+        async with asyncio.timeout(limits.BODY_SECONDS):
+            body = await request.json()
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise ValueError("request body is not JSON") from None
+    except TimeoutError:
+        request.protocol.close()  # the connection ends after the 408 (the rest is unread)
+        raise web.HTTPRequestTimeout(reason="the request body did not arrive in time") from None
     if not isinstance(body, dict):
         raise ValueError("request body must be a JSON object")
     return body
+
+
+def required(values: Mapping[str, Any], name: str, where: str) -> Any:
+    """``values[name]``, or a 400 naming what is missing (``where``: "query parameter",
+    "body field"), not the validator's "invalid job name None"."""
+    value = values.get(name)
+    if value is None or value == "":
+        raise ValueError(f"missing {where} {name!r}")
+    return value
 
 
 def finite_number(value: object, low: float, high: float) -> bool:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import http.client
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -24,6 +25,7 @@ import aiohttp
 
 from agent.hotdir import HotDir
 from agent.peerwire import PeerWire
+from agent.tls import AgentTls
 from transfer.codec import KNOWN_ENCODINGS, check_encoding, decode, encode, encode_as, needs_base
 from transfer.codec.encodings import RAW
 from transfer.codec.transforms import Buffer
@@ -133,15 +135,28 @@ PEER_SILENCE_SECONDS = 10.0
 
 
 class PeerSource:
-    """The chunk source a prefetch uses: asks each live peer in turn."""
+    """The chunk source a prefetch uses: asks each live peer in turn. ``token``: the bearer
+    token to present (a callable: asked per request, so a rotated token file takes effect);
+    ``tls``: how to reach a peer over TLS (verified against tls_ca_file, this agent's
+    certificate presented; agent/tls.py), and that a peer named http:// is reached by
+    https:// when this agent serves TLS. A peer keeps the name it was given (in the
+    fan-out split, ``bytes_by_peer``, ``peer:<url>`` sources)."""
 
-    def __init__(self, peers: tuple[str, ...], token: str, *, down_seconds: float = 10.0) -> None:
+    def __init__(
+        self,
+        peers: tuple[str, ...],
+        token: str | Callable[[], str],
+        *,
+        down_seconds: float = 10.0,
+        tls: AgentTls | None = None,
+    ) -> None:
         self.peers = [p.rstrip("/") for p in peers]
-        self.token = token
+        self.token = token if callable(token) else (lambda: token)
         self.down_seconds = down_seconds
+        self._tls = tls or AgentTls()
         self._down_until: dict[str, float] = {}
         self._session: aiohttp.ClientSession | None = None  # health checks
-        self._wire = PeerWire(token)
+        self._wire = PeerWire(self.token, tls=self._tls.client_context)
         self._buffers = ThreadBuffers()  # each receiving thread's decode buffer
         self._pool = ThreadPoolExecutor(PEER_THREADS, thread_name_prefix="ferry-peer")
 
@@ -172,9 +187,11 @@ class PeerSource:
 
     async def alive(self, peer: str, within: float = 2.0) -> bool:
         """Whether ``peer``'s agent answers its health check (marked down if not)."""
+        url = f"{self._tls.origin(peer)}/healthz"
+        verify = self._tls.client_context() if url.startswith("https://") else True
         try:
             async with self._client().get(
-                f"{peer}/healthz", timeout=aiohttp.ClientTimeout(total=within)
+                url, timeout=aiohttp.ClientTimeout(total=within), ssl=verify
             ) as resp:
                 if resp.status == 200:
                     return True
@@ -185,9 +202,8 @@ class PeerSource:
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None:
-            self._session = aiohttp.ClientSession(
-                headers={"Authorization": f"Bearer {self.token}"},
-                timeout=aiohttp.ClientTimeout(total=60, sock_connect=2),
+            self._session = aiohttp.ClientSession(  # (/healthz: no token)
+                timeout=aiohttp.ClientTimeout(total=60, sock_connect=2)
             )
         return self._session
 
@@ -234,7 +250,7 @@ class PeerSource:
         timeout: float,
         land: Land | None,
     ) -> Supplied | None:
-        got = self._wire.get_chunk(peer, chunk.id, query, chunk.size, timeout)
+        got = self._wire.get_chunk(self._tls.origin(peer), chunk.id, query, chunk.size, timeout)
         if got is None:
             return None
         enc, body = got

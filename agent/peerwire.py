@@ -17,6 +17,8 @@ costs time, never correctness (the receiver checks every chunk's hash).
 from __future__ import annotations
 
 import http.client
+import ssl
+from collections.abc import Callable
 from urllib.parse import urlencode
 
 from transfer.codec.encodings import RAW
@@ -30,11 +32,24 @@ _ERROR_BODY_MAX = 64 << 10
 
 
 class PeerWire:
-    """GETs of ``/v1/chunks/{id}`` from peers, callable from many threads at once."""
+    """GETs of ``/v1/chunks/{id}`` from peers, callable from many threads at once.
+    ``token``: the bearer token (a callable: asked per request, so a rotated token takes
+    effect); ``tls``: the context of each new https connection (asked per connection, so a
+    rotated certificate does too; default: the system store's verification)."""
 
-    def __init__(self, token: str, connect_timeout: float = 2.0) -> None:
-        self._auth = {"Authorization": f"Bearer {token}"}
-        self._conns = KeptConnections(connect_timeout)
+    def __init__(
+        self,
+        token: str | Callable[[], str],
+        connect_timeout: float = 2.0,
+        *,
+        tls: Callable[[], ssl.SSLContext] | None = None,
+    ) -> None:
+        self._token = token if callable(token) else (lambda: token)
+        self._conns = (
+            KeptConnections(connect_timeout, tls, reload_tls=True)
+            if tls is not None
+            else KeptConnections(connect_timeout)
+        )
         self._buffers = ThreadBuffers()  # each thread's receive buffer
 
     def get_chunk(
@@ -49,7 +64,7 @@ class PeerWire:
             try:
                 assert conn.sock is not None
                 conn.sock.settimeout(timeout)
-                conn.request("GET", path, headers=self._auth)
+                conn.request("GET", path, headers={"Authorization": f"Bearer {self._token()}"})
                 reply = conn.getresponse()
             except (ConnectionError, http.client.HTTPException):
                 self._drop(conn)

@@ -1,11 +1,20 @@
 """Pins set on this agent through the RPC: (job, step) -> expiry. The hot dir's retention
 keeps a pinned step, and the checkpoint listing shows it; each tier's store holds its own
 copy of the pin (transfer.retention.pin), so that no node's retention deletes it there. In
-memory: a restart forgets them here, while the store pins expire on their own."""
+memory: a restart forgets them here, while the store pins expire on their own.
+
+Only a step that exists is pinned (``ferry pin`` and ``POST /v1/pins`` alike): a pin of a
+step number nobody pushed protects nothing, and a typo'd step must not look protected."""
 
 from __future__ import annotations
 
+import asyncio
 import time
+
+from agent.hotdir import HotDir
+from transfer.engine.catalog import list_parts, open_catalog
+from transfer.errors import CheckpointNotFoundError
+from transfer.store.base import Store
 
 Key = tuple[str, int]  # (job, step)
 
@@ -19,8 +28,10 @@ class LocalPins:
         expiry = self._expiry[(job, step)] = time.time() + ttl
         return expiry
 
-    def unpin(self, job: str, step: int) -> None:
-        self._expiry.pop((job, step), None)
+    def unpin(self, job: str, step: int) -> bool:
+        """Remove the pin; True if (job, step) was pinned (not yet expired)."""
+        expiry = self._expiry.pop((job, step), None)
+        return expiry is not None and expiry > time.time()
 
     def pinned(self, job: str, step: int) -> bool:
         expiry = self._expiry.get((job, step))
@@ -29,3 +40,24 @@ class LocalPins:
     def active(self) -> set[Key]:
         now = time.time()
         return {key for key, expiry in self._expiry.items() if expiry > now}
+
+
+async def store_holds(store: Store, job: str, step: int) -> bool:
+    """True when ``store`` holds a committed part of (job, step): one listing of the step."""
+    return await open_catalog(store, create=False) and bool(await list_parts(store, job, step))
+
+
+async def check_pinnable(hot: HotDir, tiers: list[tuple[str, Store]], job: str, step: int) -> None:
+    """Raise CheckpointNotFoundError unless this node's hot dir or one of ``tiers`` holds
+    (job, step) committed."""
+    held = await asyncio.to_thread(hot.checkpoints, job)
+    if any(c.step == step for c in held):
+        return
+    for _, store in tiers:
+        if await store_holds(store, job, step):
+            return
+    names = ", ".join(name for name, _ in tiers) or "none"
+    raise CheckpointNotFoundError(
+        f"no committed checkpoint {job} step {step} on this node or in any tier ({names}): "
+        "only a step that exists can be pinned"
+    )

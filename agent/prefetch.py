@@ -9,6 +9,7 @@ is renamed into place only when every chunk is verified. It never overwrites a c
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import ctypes
 import enum
@@ -27,7 +28,7 @@ from agent.drain import drain_tasks
 from agent.estimate import BandwidthMeter
 from agent.fanout import FanoutSource, Landing
 from agent.holds import StepHolds
-from agent.hotdir import HotDir, path_in_step_dir
+from agent.hotdir import HotDir, LocalCheckpoint, path_in_step_dir
 from agent.logs import event
 from agent.peers import PeerSource
 from transfer.durable import fsync_dir
@@ -198,6 +199,11 @@ class Prefetcher:
         self.options = options
         self.meter = meter
         self.jobs: dict[str, PrefetchJob] = {}
+        #: what every finished prefetch took and moved per source, this agent's life long
+        #: (GET /metrics: counters, which must not drop when a record is forgotten)
+        self.finished_seconds = 0.0
+        self.finished_bytes: dict[str, int] = {}
+        self._finished: collections.deque[str] = collections.deque()  # ids, oldest first
         self.swept = self._sweep()
         self._slots = asyncio.Semaphore(concurrency)
         self._dest_locks: dict[tuple[str, int], asyncio.Lock] = {}
@@ -236,14 +242,27 @@ class Prefetcher:
 
     def _forget_oldest_finished(self) -> None:
         """Keep at most HISTORY finished prefetches (GET /v1/prefetch/{id} of an older one
-        is a 404), and the destination locks of running ones only: a daemon that serves
-        prefetches and standby replications for months must not grow with them."""
-        finished = [r for r in self.jobs.values() if r.state in FINAL]
-        for record in sorted(finished, key=lambda r: r.finished or 0)[: -self.HISTORY or None]:
-            del self.jobs[record.id]
+        is a 404), the destination locks of running ones only, and what a restore looked
+        like only while its directory is still here (hot retention evicts it): a daemon
+        that serves prefetches and standby replications for months must not grow with
+        them (docs/RELIABILITY.md, "Bounded state")."""
+        while len(self._finished) > self.HISTORY:
+            self.jobs.pop(self._finished.popleft(), None)
         active = {(r.job, r.step) for r in self.jobs.values() if r.state not in FINAL}
         for key in [k for k in self._dest_locks if k not in active]:
             del self._dest_locks[key]
+        for job, step in [k for k in self._restored if not self.hot_dir.step_path(*k).is_dir()]:
+            del self._restored[(job, step)]
+
+    def bytes_moved(self) -> dict[str, int]:
+        """Bytes prefetched per source over this agent's life: the finished prefetches'
+        and the running ones' so far (never less than an earlier answer)."""
+        moved = dict(self.finished_bytes)
+        for record in self.jobs.values():
+            if record.state not in FINAL:
+                for source, nbytes in record.bytes_by_source.items():
+                    moved[source] = moved.get(source, 0) + nbytes
+        return moved
 
     def cancel(self, job_id: str) -> PrefetchJob | None:
         record = self.jobs.get(job_id)
@@ -282,6 +301,11 @@ class Prefetcher:
             if record.fanout is not None:
                 self.landing.end()
             record.finished = time.time()
+            self.finished_seconds += record.finished - (record.started or record.finished)
+            for source, nbytes in record.bytes_by_source.items():
+                self.finished_bytes[source] = self.finished_bytes.get(source, 0) + nbytes
+            self._finished.append(record.id)
+            self._forget_oldest_finished()
             event(log, "prefetch", level=logging.INFO if record.state is State.READY
                   else logging.WARNING, id=record.id, job=record.job, step=record.step,
                   outcome=record.state.value,
@@ -369,6 +393,24 @@ class Prefetcher:
         dest = self.hot_dir.step_path(record.job, record.step)
         record.dest = str(dest)
         held = self.hot_dir.checkpoints(record.job)
+        base = next((c for c in held if c.step < record.step), None)
+        # held from the listing on, with no await in between: hot retention checks the holds
+        # just before it takes a step away (hotretention.apply_hot), so neither the step
+        # found here nor the base chosen is evicted under this prefetch
+        with self.holds.hold((record.job, record.step), (record.job, base.step) if base else None):
+            await self._pull_here(record, name, store, manifests, dest, held, base)
+
+    async def _pull_here(
+        self,
+        record: PrefetchJob,
+        name: str,
+        store: Store,
+        manifests: list[Manifest],
+        dest: Path,
+        held: list[LocalCheckpoint],
+        base: LocalCheckpoint | None,
+    ) -> None:
+        assert record.step is not None
         here = next((c for c in held if c.step == record.step), None)
         if here is not None:
             # already here (written by training on this node, or an earlier prefetch):
@@ -390,14 +432,12 @@ class Prefetcher:
                     f"({'; '.join(problems[:3])}); it is never overwritten"
                 )
             if problems:  # this node's own part of a multi-node step: add the other parts
-                with self.holds.hold((record.job, record.step)):
-                    await self._fill_in(record, name, store, here.path, manifests)
+                await self._fill_in(record, name, store, here.path, manifests)
             record.satisfied_by = "filled_in" if problems else "held"
             return
         if record.layout is not None or record.items is not None or self.hot_dir.is_share(dest):
             await self._pull_share(record, name, store, manifests, dest)
             return
-        base = next((c for c in held if c.step < record.step), None)
         base_manifests = None
         if base is not None:  # where its chunks are, so unchanged ones are all we read
             try:
@@ -405,8 +445,7 @@ class Prefetcher:
             except FerryError:
                 base_manifests = None  # not in this tier: look everywhere, as without it
         base_dir = base.path if base is not None else None
-        with self.holds.hold((record.job, record.step), (record.job, base.step) if base else None):
-            await self._restore(record, name, store, manifests, dest, base_dir, base_manifests)
+        await self._restore(record, name, store, manifests, dest, base_dir, base_manifests)
         record.satisfied_by = "restored"
         files = await asyncio.to_thread(scan_checkpoint, dest)
         self._restored[(record.job, record.step)] = (files, record.background)

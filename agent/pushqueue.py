@@ -287,6 +287,7 @@ class PushQueue:
             options=self.options,
             resume=self.journal.resume(job, step, name),
             part=bool(self.expected_nodes),  # a multi-node job: this node's part of each save
+            create_store=False,  # the agent never makes a store (`ferry init` does)
         )
         await self._complete_if_all_pushed(store, job, step)
         return result

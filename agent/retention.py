@@ -104,13 +104,18 @@ class RetentionRunner:
                 protected=self._protected(),
             )
             if not dry_run:
-                hot = await apply_hot(self.hot_dir, hot, self.journal, self._protected())
+                hot = await apply_hot(self.hot_dir, hot, self.journal, self._protected)
             report["hot"] = hot.to_dict()
             tiers = [
                 Tier(store, self.settings.tier_policy(i)) for i, (_, store) in enumerate(self.tiers)
             ]
             try:
-                plan = await make_plan(tiers, now=now, pins=self._protected())
+                plan = await make_plan(
+                    tiers,
+                    now=now,
+                    pins=self._protected(),
+                    repacking=self.settings.repack_policy(self.options),
+                )
                 await apply_plan(
                     plan,
                     tiers,
@@ -118,7 +123,6 @@ class RetentionRunner:
                     holder=f"agent-{self.node}",
                     deep_verify=self.settings.deep_verify,
                     dry_run=dry_run,
-                    repacking=self.settings.repack_policy(self.options),
                 )
                 report["tiers"] = plan.to_dict()["tiers"]
                 errors = [e for t in plan.tiers for e in t.errors]
@@ -146,23 +150,27 @@ class RetentionRunner:
         )
         m.inc("ferry_hot_evicted_total", len(hot.evicted))
         m.set("ferry_journal_rows", self.journal.row_count())
+        # a tier's label is its URL as configured (as the push queue's), not the store's
+        # resolved URL (an absolute path for a relative one): one label per tier
+        names = {store.url: name for name, store in self.tiers}
         for t in plan.tiers if plan else []:
+            tier = names.get(t.url, t.url)
             for a in t.done:
-                event(log, "tier_" + a.action, tier=t.url, job=a.job, step=a.step,
+                event(log, "tier_" + a.action, tier=tier, job=a.job, step=a.step,
                       reason=a.reason)  # fmt: skip
             if t.repack is not None and t.repack.parts_rewritten:
                 r = t.repack
-                event(log, "repack", tier=t.url, parts=r.parts_rewritten, moved=r.bytes_moved,
+                event(log, "repack", tier=tier, parts=r.parts_rewritten, moved=r.bytes_moved,
                       reencoded=r.chunks_reencoded, packs_vacated=len(r.packs_vacated))  # fmt: skip
-                m.inc("ferry_repack_moved_bytes_total", r.bytes_moved, tier=t.url)
-                m.inc("ferry_repack_reencoded_chunks_total", r.chunks_reencoded, tier=t.url)
+                m.inc("ferry_repack_moved_bytes_total", r.bytes_moved, tier=tier)
+                m.inc("ferry_repack_reencoded_chunks_total", r.chunks_reencoded, tier=tier)
             if t.gc is not None and t.gc.deleted_packs:
-                event(log, "gc", tier=t.url, packs_deleted=len(t.gc.deleted_packs),
+                event(log, "gc", tier=tier, packs_deleted=len(t.gc.deleted_packs),
                       bytes_freed=t.gc.freed_bytes)  # fmt: skip
             freed = t.gc.freed_bytes if t.gc else 0  # manifests are noise next to packs
-            m.set("ferry_tier_bytes", t.bytes_before - freed, tier=t.url)
-            m.inc("ferry_retention_expired_total", len(t.done), tier=t.url)
+            m.set("ferry_tier_bytes", t.bytes_before - freed, tier=tier)
+            m.inc("ferry_retention_expired_total", len(t.done), tier=tier)
             if t.gc is not None:
-                m.inc("ferry_gc_deleted_packs_total", len(t.gc.deleted_packs), tier=t.url)
-                m.inc("ferry_gc_freed_bytes_total", t.gc.freed_bytes, tier=t.url)
-                m.set("ferry_gc_marked_packs", t.gc.marked_packs, tier=t.url)
+                m.inc("ferry_gc_deleted_packs_total", len(t.gc.deleted_packs), tier=tier)
+                m.inc("ferry_gc_freed_bytes_total", t.gc.freed_bytes, tier=tier)
+                m.set("ferry_gc_marked_packs", t.gc.marked_packs, tier=tier)

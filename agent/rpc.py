@@ -12,11 +12,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 
 from aiohttp import web
 
 from agent.appkeys import (
+    CHUNK_CLIENTS,
     CONFIG,
+    CREDENTIALS,
     HOLDS,
     HOT_INDEX,
     LANDING,
@@ -30,12 +33,15 @@ from agent.appkeys import (
     RETENTION,
     STANDBY,
     TIERS,
-    TOKEN,
+    TLS,
 )
+from agent.auth import Credentials, SecretFile
 from agent.config import AgentConfig
 from agent.drain import drain_tasks
 from agent.estimate import BandwidthMeter
 from agent.holds import StepHolds
+from agent.hotdir import AgentLock
+from agent.limits import CHUNK_REQUESTS_PER_CLIENT, InFlight
 from agent.logs import event
 from agent.metrics import Metrics
 from agent.middleware import auth_middleware, error_middleware
@@ -46,9 +52,11 @@ from agent.pushqueue import PushQueue
 from agent.retention import RetentionRunner
 from agent.routes import route_modules
 from agent.standby import Standby
+from agent.tls import AgentTls
 from agent.watcher import watch_hot_dir
+from transfer.engine.catalog import not_a_store, open_catalog
 from transfer.engine.orphans import abort_orphaned_uploads
-from transfer.errors import FerryError
+from transfer.errors import FerryError, NotAStoreError, StoreError
 from transfer.store import StoreOptions, open_store
 from transfer.store.base import Store
 
@@ -56,24 +64,52 @@ log = logging.getLogger(__name__)
 
 
 def create_app(config: AgentConfig, token: str) -> web.Application:
+    """``token``: the main token (config's ``token_file``, when set, is read again whenever
+    it changes). TlsError when the TLS files do not load."""
     if not token:
         raise ValueError("the RPC needs a non-empty bearer token")
     app = web.Application(
         middlewares=[error_middleware, auth_middleware], client_max_size=config.max_body_bytes
     )
     app[CONFIG] = config
-    app[TOKEN] = token
+    app[CREDENTIALS] = _credentials(config, token)
+    app[CHUNK_CLIENTS] = InFlight(CHUNK_REQUESTS_PER_CLIENT)
+    app[TLS] = AgentTls(
+        config.tls_cert_file,
+        config.tls_key_file,
+        config.tls_ca_file,
+        client_auth=config.tls_client_auth,
+    )
     app[METER] = BandwidthMeter()
     app[METRICS] = Metrics()
     app[PINS] = LocalPins()
     app[PART_SIZES] = {}
-    app.cleanup_ctx.extend([_tiers, _peers, _services])
+    app.cleanup_ctx.extend([_hot_dir_lock, _tiers, _peers, _services])
     app.add_routes([route for module in route_modules() for route in module.ROUTES])
     return app
 
 
+def _credentials(config: AgentConfig, token: str) -> Credentials:
+    main = SecretFile(config.token_file, "token_file") if config.token_file else token
+    peer = config.peer_token_file
+    return Credentials(main, SecretFile(peer, "peer_token_file") if peer else None)
+
+
+async def _hot_dir_lock(app: web.Application):  # type: ignore[no-untyped-def]
+    """One agent per hot dir, first of all: a second agent on it stops here, before it
+    opens a store or the journal or touches the hot dir (agent/hotdir.py's AgentLock)."""
+    config = app[CONFIG]
+    holder = f"pid {os.getpid()}, node {config.node}, listening on {config.listen}"
+    lock = await asyncio.to_thread(AgentLock.acquire, config.hot_dir, holder)
+    try:
+        yield
+    finally:
+        lock.release()
+
+
 async def _tiers(app: web.Application):  # type: ignore[no-untyped-def]
-    """The configured stores, closed at the end (or when a later start-up step fails)."""
+    """The configured stores, closed at the end (or when a later start-up step fails).
+    Each must be a ckpt-ferry store already: the agent never makes one (``ferry init``)."""
     config = app[CONFIG]
     options = StoreOptions.for_window(
         config.transfer.window, endpoint_url=config.endpoint_url, settings=config.store
@@ -83,6 +119,8 @@ async def _tiers(app: web.Application):  # type: ignore[no-untyped-def]
     try:
         for url in config.tiers:
             tiers.append((url, open_store(url, options)))
+        for url, store in tiers:
+            await _check_tier(url, store)
         yield
     finally:
         for _, store in tiers:
@@ -94,7 +132,7 @@ async def _peers(app: web.Application):  # type: ignore[no-untyped-def]
     the index of this node's hot chunks that peers ask for."""
     config = app[CONFIG]
     app[HOT_INDEX] = HotIndex(config.hot, app[TIERS])
-    app[PEERS] = PeerSource(config.peers, app[TOKEN])
+    app[PEERS] = PeerSource(config.peers, app[CREDENTIALS].for_peers, tls=app[TLS])
     try:
         yield
     finally:
@@ -170,6 +208,22 @@ def _retention(app: web.Application, queue: PushQueue) -> RetentionRunner:
         metrics=app[METRICS],
         options=config.transfer_options(),
     )
+
+
+async def _check_tier(url: str, store: Store) -> None:
+    """Refuse to start on a tier that answers it is not a store (an empty mount point, a
+    typo'd prefix, a directory for something else: no descriptor there): the agent writes
+    only into stores made on purpose, and its pushes never make one (``create_store=False``,
+    so a tier that becomes reachable later is refused by each push instead). A tier that
+    cannot be asked now (down, denied, its directory or bucket missing: an NFS mount not
+    there yet) does not stop the agent: it is logged, and the other tiers serve."""
+    try:
+        if await open_catalog(store, create=False):
+            return
+    except StoreError as exc:
+        log.warning("could not check that tier %s is a ckpt-ferry store: %s", url, exc)
+        return
+    raise NotAStoreError(f"tier {not_a_store(url)}")
 
 
 async def _abort_orphaned_uploads(config: AgentConfig, tiers: list[tuple[str, Store]]) -> None:

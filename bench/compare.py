@@ -214,6 +214,8 @@ class Run:
         token.write_text(TOKEN + "\n")
         token.chmod(0o600)
         tier = self.cmd.s3("ferry")
+        init = [*self.cmd.ferry, "init", tier, "--endpoint-url", self.ep.url]
+        subprocess.run(init, env=self.env, capture_output=True, check=True)  # agents make none
 
         def make(name: str, peers: list[str]) -> Agent:
             hot = self.work / f"hot-{name}"

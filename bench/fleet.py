@@ -321,11 +321,10 @@ async def op_retention(store: Store, fleet: Fleet) -> None:
     tiers = [Tier(store, TierPolicy(keep_last=1))]
     if not await open_catalog(store, create=False):
         raise SystemExit(f"{store.url} is not a store")
-    plan = await make_plan(tiers, now=time.time(), expected_nodes=fleet.nodes)
-    await apply_plan(
-        plan, tiers, grace_s=0.0, holder="bench-fleet", expected_nodes=fleet.nodes,
-        repacking=RepackPolicy(0.2),
-    )  # fmt: skip
+    plan = await make_plan(
+        tiers, now=time.time(), expected_nodes=fleet.nodes, repacking=RepackPolicy(0.2)
+    )
+    await apply_plan(plan, tiers, grace_s=0.0, holder="bench-fleet", expected_nodes=fleet.nodes)
     errors = [e for t in plan.tiers for e in t.errors]
     if errors:
         raise SystemExit(f"retention failed: {errors}")

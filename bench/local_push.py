@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         base_store = work / "base-store"
         base_store.mkdir()
         subprocess.run(
-            [*ferry, str(k), str(base_store), "--step", "20", "--full"],
+            [*ferry, str(k), str(base_store), "--step", "20", "--full", "--init"],
             check=True,
             capture_output=True,
         )

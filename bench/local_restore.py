@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
         store = work / "store"
         store.mkdir()
         for step, ckpt in ((20, k), (40, k1)):
-            push = [*ferry, "push", str(ckpt), str(store), "--job", "j", "--node", "n0"]
+            push = [*ferry, "push", str(ckpt), str(store), "--job", "j", "--node", "n0", "--init"]
             subprocess.run([*push, "--step", str(step)], check=True, capture_output=True)
         digest = tree_digest(k1)
         pull = [*ferry, "pull", str(store), "DEST", "--job", "j", "--step", "40"]

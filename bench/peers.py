@@ -53,7 +53,7 @@ class Commands:
     def ferry_push(self, ckpt: Path, store: str, job: str, step: int) -> list[str]:
         return [
             *self.ferry, "push", str(ckpt), self.s3(store), "--job", job, "--step", str(step),
-            "--node", "n0", "--endpoint-url", self.ep.url, "--json",
+            "--node", "n0", "--endpoint-url", self.ep.url, "--json", "--init",
         ]  # fmt: skip
 
     def ferry_pull(self, store: str, job: str, step: int, dest: Path) -> list[str]:

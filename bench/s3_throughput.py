@@ -197,6 +197,7 @@ class Bench:
             "--endpoint-url",
             self.ep.url,
             "--json",
+            "--init",  # a new prefix is made a store by its first push
             *extra,
         ]
 

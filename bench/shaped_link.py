@@ -109,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
         ferry = ferry_command()
         store = f"s3://{ep.bucket}/ferry"
         for step, ckpt in ((20, k), (40, k1)):  # on the host, unshaped
-            push = [*ferry, "push", str(ckpt), store, "--job", "j", "--node", "n0"]
+            push = [*ferry, "push", str(ckpt), store, "--job", "j", "--node", "n0", "--init"]
             subprocess.run([*push, "--step", str(step)], env=env, check=True, capture_output=True)
         upload = ["s5cmd", "--endpoint-url", ep.url, "cp", f"{k1}/*", f"s3://{ep.bucket}/s5cmd/"]
         subprocess.run(upload, env=env, check=True, capture_output=True)

@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         tiny = work / "ckpt" / "step_000001"  # `ferry ls` of a non-store is an error now
         tiny.mkdir(parents=True)
         (tiny / ".metadata").write_bytes(b"x")
-        push = [*ferry_command(), "push", str(tiny), store, "--job", "j"]
+        push = [*ferry_command(), "push", str(tiny), store, "--job", "j", "--init"]
         subprocess.run(push, env=env | {"PYTHONPATH": str(REPO)}, check=True, capture_output=True)
         checkouts = {"ferry": REPO} | ({"ferry (old)": args.old.resolve()} if args.old else {})
         cases: dict[str, tuple[list[str], dict[str, str]]] = {}

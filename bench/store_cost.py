@@ -88,8 +88,8 @@ async def push_series(store: Store, dirs: list[Path], *, first_full: bool = True
 async def retain(store: Store, keep_last: int, repacking: RepackPolicy | None) -> tuple[int, float]:
     tiers = [Tier(store, TierPolicy(keep_last=keep_last))]
     began = time.monotonic()
-    plan = await make_plan(tiers, now=time.time())
-    await apply_plan(plan, tiers, grace_s=0.0, holder="bench", repacking=repacking)
+    plan = await make_plan(tiers, now=time.time(), repacking=repacking)
+    await apply_plan(plan, tiers, grace_s=0.0, holder="bench")
     errors = [e for t in plan.tiers for e in t.errors]
     if errors:
         raise SystemExit(f"retention failed: {errors}")

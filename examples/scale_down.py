@@ -17,6 +17,9 @@ from. The scheduler:
     python examples/scale_down.py --job llama --survivors http://10.0.0.7:7070 \\
         http://10.0.0.8:7070 --token-file /etc/ferry/token --gpus 8 --gpu-hour-price 2.5
 
+Agents serving TLS: https:// URLs, ``--ca-file`` (the CA their certificates chain to), and
+``--cert-file``/``--key-file`` when they require a client certificate (``tls_client_auth``).
+
 Exit status: 0 after "COMMIT scale-down", 1 after "ABORT scale-down", 2 on usage errors.
 
 ``--world-size N`` plays the same scale-down on this machine instead, with no agents and the
@@ -54,6 +57,7 @@ from typing import Any
 import aiohttp
 
 from agent.client import FerryClient, RpcError
+from agent.tls import TlsError
 
 FINAL = ("ready", "failed", "cancelled")
 #: Errors of one RPC: an HTTP error answer, a connection problem, or a request timeout.
@@ -131,6 +135,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="agent URLs of the nodes that keep running the job (http://HOST:7070)",
     )
     p.add_argument("--token-file", type=Path, required=True, help="the agents' bearer token")
+    p.add_argument(
+        "--ca-file",
+        type=Path,
+        help="verify https:// agents against this CA bundle (default: the system store)",
+    )
+    p.add_argument(
+        "--cert-file",
+        type=Path,
+        help="client certificate (PEM) for agents with tls_client_auth = true",
+    )
+    p.add_argument("--key-file", type=Path, help="the client certificate's key (PEM)")
     p.add_argument("--gpus", type=_count, default=1, help="GPUs idle while the job migrates")
     p.add_argument("--gpu-hour-price", type=_non_negative, default=0.0, help="per GPU-hour")
     p.add_argument(
@@ -328,11 +343,17 @@ def print_measured(survivors: list[Survivor]) -> None:
     _table(rows, right={1, 2, 3, 4})
 
 
+def tls_files(args: argparse.Namespace) -> dict[str, Path | None]:
+    """FerryClient's TLS arguments: the CA the agents' certificates chain to, and the
+    client certificate an agent with ``tls_client_auth`` requires."""
+    return {"ca_file": args.ca_file, "cert_file": args.cert_file, "key_file": args.key_file}
+
+
 async def register_standbys(args: argparse.Namespace, token: str) -> int:
     """Ahead of the decision: every survivor starts copying each new durable step."""
     failed = 0
     for url in args.survivors:
-        async with FerryClient(url, token, timeout=30.0) as client:
+        async with FerryClient(url, token, timeout=30.0, **tls_files(args)) as client:
             try:
                 await client.standby(args.job)
                 print(f"{url}: standby for {args.job}")
@@ -348,7 +369,10 @@ async def run(args: argparse.Namespace, token: str) -> int:
     started = time.monotonic()
     deadline = started + args.timeout
     per_call = min(30.0, args.timeout)
-    survivors = [Survivor(url, FerryClient(url, token, timeout=per_call)) for url in args.survivors]
+    survivors = [
+        Survivor(url, FerryClient(url, token, timeout=per_call, **tls_files(args)))
+        for url in args.survivors
+    ]
     step: int | None = None
     try:
         try:
@@ -487,7 +511,7 @@ def _rank_file_size(save: Path) -> int:
 
 
 def push_nodes(root: Path, nodes: list[Path], chunk_mib: int | None) -> None:
-    (root / "store").mkdir(exist_ok=True)  # a local directory as the store (s3://... in real life)
+    _ferry(root, "init", "store")  # a local directory as the store (s3://... in real life)
     flag = [] if chunk_mib is None else ["--chunk-size-mib", str(chunk_mib)]
     size = f"{chunk_mib} MiB chunks" if chunk_mib else f"{_cli_chunk_mib()} MiB chunks, the default"
     print(f"every node pushes its part ({size}):")
@@ -637,6 +661,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return asyncio.run(run(args, token))
+    except TlsError as exc:  # --ca-file / --cert-file unreadable or not a certificate
+        print(str(exc), file=sys.stderr)
+        return 2
     except KeyboardInterrupt:  # run() has cancelled the prefetches, unpinned, said ABORT
         return 1
 

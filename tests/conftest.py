@@ -15,6 +15,7 @@ import pytest
 from agent.client import FerryClient
 from tests.faultproxy import FaultProxy
 from tests.s3server import S3Endpoint, start_s3_server
+from transfer.engine.catalog import init_store
 from transfer.store import StoreOptions, open_store
 from transfer.store.base import Store
 
@@ -54,9 +55,16 @@ def s3_env(s3_endpoint: S3Endpoint, monkeypatch: pytest.MonkeyPatch) -> S3Endpoi
 
 
 @pytest.fixture
-def s3_url(s3_env: S3Endpoint) -> str:
-    """A fresh, empty store URL in the test bucket."""
+def empty_s3_url(s3_env: S3Endpoint) -> str:
+    """A fresh, empty prefix in the test bucket: not a store yet (``ferry init`` makes one)."""
     return f"s3://{s3_env.bucket}/t-{secrets.token_hex(6)}"
+
+
+@pytest.fixture
+def s3_url(empty_s3_url: str) -> str:
+    """A fresh, empty ckpt-ferry store in the test bucket (made as ``ferry init`` makes one:
+    the CLI and the agent write only into stores made on purpose)."""
+    return init_test_store(empty_s3_url)
 
 
 @pytest.fixture
@@ -72,10 +80,17 @@ def s3_proxy(s3_env: S3Endpoint) -> Iterator[FaultProxy]:
 
 
 @pytest.fixture
-def local_url(tmp_path: Path) -> str:
+def empty_local_url(tmp_path: Path) -> str:
+    """A fresh, empty directory: not a store yet (``ferry init`` makes one)."""
     root = tmp_path / "store"
     root.mkdir()
     return str(root)
+
+
+@pytest.fixture
+def local_url(empty_local_url: str) -> str:
+    """A fresh, empty ckpt-ferry store in a directory (made as ``ferry init`` makes one)."""
+    return init_test_store(empty_local_url)
 
 
 @pytest.fixture(params=["local", "s3"])
@@ -88,6 +103,20 @@ def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 
 def open_test_store(url: str) -> Store:
     return open_store(url, StoreOptions())
+
+
+def init_test_store(url: str) -> str:
+    """Make ``url`` a ckpt-ferry store (what ``ferry init URL`` does); returns it."""
+
+    async def go() -> None:
+        store = open_test_store(url)
+        try:
+            await init_store(store)
+        finally:
+            await store.close()
+
+    asyncio.run(go())
+    return url
 
 
 def run(coro):  # type: ignore[no-untyped-def]

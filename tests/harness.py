@@ -11,12 +11,14 @@ import filecmp
 import json
 import os
 import socket
+import ssl
 import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
 from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +28,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from agent.appkeys import TLS
 from agent.client import FerryClient
 from agent.config import load_config
 from agent.hotdir import HotDir
@@ -35,6 +38,8 @@ from agent.rpc import create_app
 from agent.watcher import watch_hot_dir
 from tests.conftest import write_file
 from transfer.engine import TransferOptions, push
+from transfer.engine.catalog import init_store
+from transfer.errors import StoreError
 from transfer.format.layout import MANIFESTS_PREFIX, PACKS_PREFIX
 from transfer.store import open_store
 from transfer.store.base import Store, Upload
@@ -68,10 +73,14 @@ async def agent(
     peers: tuple[str, ...] = (),
     extra_env: dict[str, str] | None = None,
     config_text: str | None = None,
+    init_tiers: bool = True,
 ) -> AsyncIterator[str]:
     """A real agent app on a loopback port; yields its base URL. ``config_text``: a TOML
     config file (for what the environment cannot say, like retention tiers). The port is
-    bound (port 0) before the config is read, as ``ferry agent`` binds before it starts."""
+    bound (port 0) before the config is read, as ``ferry agent`` binds before it starts.
+    ``init_tiers``: first make each reachable tier a store (``init_reachable``)."""
+    if init_tiers:
+        await init_reachable(tiers)
     sock = socket.create_server(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     env = {
@@ -93,11 +102,13 @@ async def agent(
         config_file = hot.parent / f"ferry-{node}.toml"
         config_file.write_text(config_text)
     with sock:  # closed on the way out, however far start-up got
-        runner = web.AppRunner(create_app(load_config(config_file, env), TOKEN))
+        app = create_app(load_config(config_file, env), TOKEN)
+        tls = app[TLS].server_context()  # FERRY_TLS_CERT_FILE and the rest: an https agent
+        runner = web.AppRunner(app)
         try:
             await runner.setup()
-            await web.SockSite(runner, sock).start()
-            yield f"http://127.0.0.1:{port}"
+            await web.SockSite(runner, sock, ssl_context=tls).start()
+            yield f"{'https' if tls else 'http'}://127.0.0.1:{port}"
         finally:
             await runner.cleanup()
 
@@ -105,6 +116,33 @@ async def agent(
 def peer_agent(hot: Path, tiers: list[str], peers: list[str], node: str):  # type: ignore[no-untyped-def]
     """agent() with peers configured."""
     return agent(hot, tiers, node, tuple(peers))
+
+
+async def init_reachable(tiers: list[str]) -> None:
+    """What a deployment does once before its agents start: ``ferry init`` of each tier
+    (the agent refuses a tier that is not a store and never makes one). A tier a test made
+    unreachable on purpose (a directory that does not exist, a server that is down) is
+    left as it is."""
+    for url in tiers:
+        store = open_store(url)
+        try:
+            await store.check()
+        except StoreError:
+            continue
+        finally:
+            await store.close()
+        store = open_store(url)
+        try:
+            await init_store(store)
+        finally:
+            await store.close()
+
+
+def init_reachable_sync(tiers: list[str]) -> None:
+    """``init_reachable`` from synchronous code, also where an event loop is running (a
+    test body that builds a queue): on a thread of its own, with a loop of its own."""
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(asyncio.run, init_reachable(tiers)).result()
 
 
 async def push_series(store_url: str, dirs: list[Path], node: str = "a") -> None:
@@ -185,16 +223,26 @@ class Node:
     log: Path
     proc: subprocess.Popen[bytes] | None = None
     _logs: list[Any] = field(default_factory=list)
+    #: more of the command line (``["--config", path]``: what the environment cannot say)
+    args: list[str] = field(default_factory=list)
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        scheme = "https" if self.env.get("FERRY_TLS_CERT_FILE") else "http"
+        return f"{scheme}://127.0.0.1:{self.port}"
+
+    def tls(self) -> ssl.SSLContext | None:
+        """A context that verifies this agent (against its own tls_ca_file), if it serves
+        TLS: enough for /healthz, never a client certificate."""
+        if not self.env.get("FERRY_TLS_CERT_FILE"):
+            return None
+        return ssl.create_default_context(cafile=self.env.get("FERRY_TLS_CA_FILE"))
 
     def start(self, within: float = 30.0) -> None:
         fh = self.log.open("ab")
         self._logs.append(fh)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "agent", "agent"],
+            [sys.executable, "-m", "agent", "agent", *self.args],
             env=self.env,
             cwd=REPO,
             stdout=fh,
@@ -205,7 +253,7 @@ class Node:
             if self.proc.poll() is not None:
                 pytest.fail(f"agent {self.name} exited {self.proc.returncode}:\n{self.logs()}")
             try:
-                doc = get_json(self.url + "/healthz", token=None, timeout=1.0)
+                doc = get_json(self.url + "/healthz", token=None, timeout=1.0, context=self.tls())
                 assert doc["node"] == self.name, doc  # not some other process on the port
                 return
             except (OSError, urllib.error.URLError):
@@ -249,18 +297,33 @@ class Node:
         pytest.fail(f"{job} step {step} not durable on {self.name}: {rows}\n{self.logs()}")
 
 
-def get_json(url: str, token: str | None = TOKEN, timeout: float = 10.0) -> dict[str, Any]:
+def get_json(
+    url: str,
+    token: str | None = TOKEN,
+    timeout: float = 10.0,
+    context: ssl.SSLContext | None = None,
+) -> dict[str, Any]:
     request = urllib.request.Request(url)
     if token is not None:
         request.add_header("Authorization", f"Bearer {token}")
-    with urllib.request.urlopen(request, timeout=timeout) as resp:
+    with urllib.request.urlopen(request, timeout=timeout, context=context) as resp:
         doc: dict[str, Any] = json.loads(resp.read())
         return doc
 
 
 def make_node(
-    tmp_path: Path, name: str, tiers: list[str], *, port: int | None = None, **extra: str
+    tmp_path: Path,
+    name: str,
+    tiers: list[str],
+    *,
+    port: int | None = None,
+    init_tiers: bool = True,
+    **extra: str,
 ) -> Node:
+    """A ``ferry agent`` process's setup (started by ``Node.start``); ``init_tiers``: its
+    reachable tiers are made stores first (``init_reachable``)."""
+    if init_tiers:
+        init_reachable_sync(tiers)
     token_file = tmp_path / "token"
     if not token_file.exists():
         token_file.write_text(TOKEN + "\n")
@@ -360,6 +423,9 @@ def tier_states(queue: PushQueue, job: str, step: int) -> dict[str, dict[str, ob
 def make_queue(
     tiers: list[str], state: Path, node: str = "n1", **kw: object
 ) -> tuple[PushQueue, list[Store]]:
+    """A push queue on ``tiers`` (the reachable ones made stores first, as for an agent:
+    its pushes never make one)."""
+    init_reachable_sync(tiers)
     stores = [open_store(t) for t in tiers]
     queue = PushQueue(
         list(zip(tiers, stores, strict=True)),

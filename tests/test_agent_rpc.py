@@ -162,6 +162,85 @@ def test_pins_expire_and_show_in_the_listing(local_url: str, tmp_path: Path) -> 
     asyncio.run(go())
 
 
+def test_pinning_a_step_that_does_not_exist_is_refused_by_the_rpc_as_by_the_cli(
+    local_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 29 (d): `ferry pin` refused a step nobody pushed while POST /v1/pins accepted
+    it (and the listing then showed nothing pinned). Both refuse now: the RPC with a 404
+    and the reason, pinning nothing."""
+    (k0,) = adamw_series(tmp_path / "a", 1)
+
+    async def go() -> None:
+        await push_series(local_url, [k0])
+        async with agent(tmp_path / "hot", [local_url]) as url, FerryClient(url, TOKEN) as client:
+            with pytest.raises(RpcError) as missing:
+                await client.pin("llm", 21, ttl_s=60)
+            assert missing.value.status == 404
+            assert "no committed checkpoint llm step 21" in str(missing.value)
+            assert local_url in str(missing.value)  # the tiers it looked in
+            assert (await client.pin("llm", 20, ttl_s=60))["step"] == 20  # one that exists
+        assert not (Path(local_url) / "pins" / "llm" / f"{21:018d}").exists()
+
+    asyncio.run(go())
+    assert ferry(["pin", local_url, "--job", "llm", "--step", "21"]) == 1
+    assert "no committed checkpoint llm step 21" in capsys.readouterr().err
+
+
+def test_unpin_says_whether_a_pin_was_removed(
+    local_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 29 (e): `ferry unpin` of a step never pinned printed "unpinned". Both doors say
+    whether a pin was removed; unpinning what is not pinned still succeeds (exit 0)."""
+    (k0,) = adamw_series(tmp_path / "a", 1)
+    asyncio.run(push_series(local_url, [k0]))
+    where = [local_url, "--job", "llm", "--step", "20"]
+    assert ferry(["unpin", *where]) == 0
+    out = capsys.readouterr().out
+    assert "was not pinned" in out and "unpinned" not in out
+    assert ferry(["pin", *where]) == 0
+    capsys.readouterr()
+    assert ferry(["unpin", *where, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["removed"] is True
+    assert ferry(["unpin", *where, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["removed"] is False
+
+    async def go() -> None:
+        async with agent(tmp_path / "hot", [local_url]) as url, FerryClient(url, TOKEN) as client:
+            assert (await client.unpin("llm", 20))["removed"] is False
+            await client.pin("llm", 20, ttl_s=60)
+            assert (await client.unpin("llm", 20)) == {
+                "job": "llm",
+                "step": 20,
+                "pinned": False,
+                "removed": True,
+            }
+            assert (await client.unpin("llm", 20))["removed"] is False
+
+    asyncio.run(go())
+
+
+def test_unpin_without_its_parameters_names_the_missing_one(local_url: str, tmp_path: Path) -> None:
+    """Issue 29 (h): DELETE /v1/pins without parameters answered "invalid job name None"."""
+
+    async def go() -> None:
+        headers = {"Authorization": f"Bearer {TOKEN}"}
+        async with (
+            agent(tmp_path / "hot", [local_url]) as url,
+            aiohttp.ClientSession(headers=headers) as s,
+        ):
+            for query, missing in (("", "'job'"), ("?step=3", "'job'"), ("?job=llm", "'step'")):
+                async with s.delete(f"{url}/v1/pins{query}") as r:
+                    doc = await r.json()
+                    assert r.status == 400, doc
+                    assert doc["error"] == f"missing query parameter {missing}", doc
+                    assert "None" not in doc["error"]
+            async with s.post(f"{url}/v1/pins", json={}) as r:
+                assert r.status == 400
+                assert (await r.json())["error"] == "missing body field 'job'"
+
+    asyncio.run(go())
+
+
 def test_ferry_agent_process_serves_and_stops_on_sigterm(
     local_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -213,8 +292,9 @@ def test_ferry_agent_process_serves_and_stops_on_sigterm(
 
 def test_the_printed_example_config_runs_as_printed(tmp_path: Path) -> None:
     """The README's agent quick start, in a fresh directory: print the example, make its
-    two directories, start the agent; it creates its token, pushes a committed step from
-    ckpt/hot to ckpt/store, and logs where each config value came from."""
+    hot dir and its store (`ferry init ckpt/store`), start the agent; it creates its token,
+    pushes a committed step from ckpt/hot to ckpt/store, and logs where each config value
+    came from."""
     ferry_cmd = [sys.executable, "-m", "agent"]
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
     printed = subprocess.run(
@@ -223,7 +303,8 @@ def test_the_printed_example_config_runs_as_printed(tmp_path: Path) -> None:
     )  # fmt: skip
     (tmp_path / "ferry.toml").write_text(printed.stdout)
     (tmp_path / "ckpt" / "hot").mkdir(parents=True)
-    (tmp_path / "ckpt" / "store").mkdir()
+    init = [*ferry_cmd, "init", "ckpt/store"]
+    subprocess.run(init, capture_output=True, check=True, cwd=tmp_path, env=env)
     port = reserve_port()  # the one value changed: 7070 may be taken on a shared machine
     proc = subprocess.Popen(
         [*ferry_cmd, "agent", "--config", "ferry.toml"],

@@ -1,11 +1,13 @@
 """A start that fails part-way releases exactly what had started: the stores opened before
-the failure are closed, and so is the push journal (agent/rpc.py's cleanup contexts, run by
-daemon.serve's runner.cleanup)."""
+the failure are closed, and so are the push journal and the hot dir's lock (agent/rpc.py's
+cleanup contexts, run by daemon.serve's runner.cleanup)."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,8 +15,11 @@ import pytest
 from agent import rpc
 from agent.config import load_config
 from agent.daemon import serve
+from agent.hotdir import AGENT_LOCK, HotDir, is_hidden
 from agent.pushqueue import JOURNAL_FILE
-from tests.harness import TOKEN, reserve_port
+from tests.conftest import init_test_store
+from tests.harness import REPO, TOKEN, Node, get_json, make_node, reserve_port, running, save
+from transfer.engine.settle import UNSYNCED_MARK
 from transfer.store import StoreOptions
 from transfer.store.base import Store
 
@@ -34,13 +39,14 @@ def _open_files() -> set[Path]:
 def test_a_failed_start_releases_exactly_what_started(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # a hot dir that is a file: the stores open, then the journal, and then the prefetcher's
-    # start-up sweep of the hot dir fails for real (NotADirectoryError)
+    # the hot dir's lock is taken, the stores open, then the journal, and then the
+    # prefetcher's start-up sweep of the hot dir fails for real: a settle marker that is a
+    # directory (IsADirectoryError when the sweep removes it)
     hot = tmp_path / "hot"
-    hot.write_text("not a directory")
+    (hot / "llm" / f".step_000001{UNSYNCED_MARK}").mkdir(parents=True)
     tiers = [tmp_path / "fast", tmp_path / "cold"]
     for d in tiers:
-        d.mkdir()
+        init_test_store(str(d))
     env = {
         "FERRY_NODE": "a",
         "FERRY_HOT_DIR": str(hot),
@@ -66,12 +72,64 @@ def test_a_failed_start_releases_exactly_what_started(
         return store
 
     monkeypatch.setattr(rpc, "open_store", recording_open_store)
-    with pytest.raises(NotADirectoryError):
+    with pytest.raises(IsADirectoryError):
         asyncio.run(serve(config, TOKEN))
 
     state = (tmp_path / "state").resolve()
     assert (state / JOURNAL_FILE).exists(), "it failed before the journal opened: no test"
     assert opened == [str(d) for d in tiers]
     assert sorted(closed) == sorted(opened)  # each store closed, once
-    held = {p for p in _open_files() if state in p.parents}
-    assert not held, f"the journal was left open: {held}"
+    held = {p for p in _open_files() if state in p.parents or p.name == AGENT_LOCK}
+    assert not held, f"the journal or the hot dir's lock was left open: {held}"
+
+
+def _second_agent_env(first: Node, name: str, **extra: str) -> tuple[dict[str, str], int]:
+    """``first``'s environment (so the same hot dir) for another agent on another port."""
+    port = reserve_port()
+    return {**first.env, "FERRY_NODE": name, "FERRY_LISTEN": f"127.0.0.1:{port}", **extra}, port
+
+
+def test_a_second_agent_on_a_hot_dir_exits_naming_the_first(local_url: str, tmp_path: Path) -> None:
+    """Issue 29 (10): two agents on one hot dir, the second wrote failed pushes into the
+    first's journal. Now the second exits 1 at start, one line naming the first one's pid
+    and address, before it opens a journal: wherever its state dir is."""
+    first = make_node(tmp_path, "a", [local_url])
+    with running(first):
+        assert first.proc is not None
+        save(first.hot / "llm" / "step_000140", {"__0_0.distcp": os.urandom(50_000)})
+        first.wait_durable("llm", 140)
+        rows = first.pushes()
+        elsewhere = tmp_path / "elsewhere-state"
+        for extra in ({}, {"FERRY_STATE_DIR": str(elsewhere)}):
+            env, _ = _second_agent_env(first, "b", **extra)
+            done = subprocess.run(
+                [sys.executable, "-m", "agent", "agent"],
+                env=env, cwd=REPO, capture_output=True, text=True, timeout=60, check=False,
+            )  # fmt: skip
+            assert done.returncode == 1, done.stderr
+            errors = [line for line in done.stderr.splitlines() if "error" in line]
+            assert len(errors) == 1 and "Traceback" not in done.stderr, done.stderr
+            assert errors[0].startswith(f"ferry agent: error: hot dir {first.hot} is in use")
+            assert f"pid {first.proc.pid}, node a, listening on 127.0.0.1:{first.port}" in errors[0]
+        assert not elsewhere.exists(), "the second agent opened a journal"
+        assert first.pushes() == rows  # nothing in the first one's journal from the second
+        lock = (first.hot / AGENT_LOCK).read_text()
+        assert lock == f"pid {first.proc.pid}, node a, listening on 127.0.0.1:{first.port}\n"
+
+
+def test_a_lock_file_a_killed_agent_left_does_not_block_and_is_no_checkpoint(
+    local_url: str, tmp_path: Path
+) -> None:
+    first = make_node(tmp_path, "a", [local_url])
+    with running(first):
+        first.kill()  # SIGKILL: the kernel drops its flock; the file stays
+    assert (first.hot / AGENT_LOCK).is_file()
+    env, port = _second_agent_env(first, "b")
+    second = Node("b", first.hot, port, env, tmp_path / "agent-b.log")
+    with running(second):
+        assert second.proc is not None
+        lock = (first.hot / AGENT_LOCK).read_text()
+        assert lock == f"pid {second.proc.pid}, node b, listening on 127.0.0.1:{second.port}\n"
+        # hidden: never taken for a job or a checkpoint
+        assert is_hidden(AGENT_LOCK) and HotDir(first.hot, ".metadata").jobs() == []
+        assert get_json(second.url + "/v1/checkpoints")["jobs"] == {}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -61,6 +62,56 @@ def test_wrong_credentials(
     err = ferry_fails(capsys, "pull", s3_url, str(tmp_path / "d"), "--job", "j")
     assert "access denied" in err
     assert not (tmp_path / "d").exists()
+
+
+def test_access_denied_is_one_readable_line_with_the_s3_code_and_message(
+    s3_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 29 (a): access denied embedded the reply's raw XML, cut mid-word
+    ("<Error><Code>SignatureDoesNotMatch</Code><Message>); check..."). Now: the bucket and
+    key, "access denied", the S3 error's Code and Message, on every transport."""
+    from transfer.errors import AccessDeniedError
+    from transfer.store.retry import RetryPolicy
+    from transfer.store.s3client import S3Client, S3Settings
+
+    src = pushed(s3_url, tmp_path, capsys)
+    bucket, prefix = s3_url.removeprefix("s3://").split("/", 1)
+    said = "SignatureDoesNotMatch: The request signature we calculated does not match"
+
+    def readable(line: str, key: str) -> None:
+        assert "\n" not in line.strip() and "<" not in line and "xml" not in line, line
+        assert f"access denied to s3://{bucket}/{prefix}/{key}" in line, line
+        assert said in line and line.rstrip().endswith("check the AWS credentials"), line
+
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "definitely-wrong")
+    for argv in (
+        ["push", str(src), s3_url, "--job", "j", "--step", "8", "--node", "n"],
+        ["pull", s3_url, str(tmp_path / "d"), "--job", "j"],
+        ["ls", s3_url],
+    ):
+        readable(ferry_fails(capsys, *argv), "")
+    # each transport: obstore (get, list), s3ranges (ranged reads), botocore (writes)
+    endpoint = os.environ["AWS_ENDPOINT_URL"]
+    key_id = os.environ["AWS_ACCESS_KEY_ID"]
+    client = S3Client(
+        S3Settings(bucket, endpoint, key=key_id, secret="wrong"), RetryPolicy(attempts=1)
+    )
+    full = f"{prefix}/ferry-store.json"
+    try:
+        for attempt, key in (
+            (lambda: client.get(full, "get ferry-store.json"), "ferry-store.json"),
+            (lambda: client.list(f"{prefix}/ferry", "list 'ferry'"), "ferry"),
+            (
+                lambda: client.read_into(full, 0, memoryview(bytearray(8)), "get"),
+                "ferry-store.json",
+            ),
+            (lambda: client.call("put_object", "put", Key=full, Body=b"x"), "ferry-store.json"),
+        ):
+            with pytest.raises(AccessDeniedError) as denied:
+                attempt()
+            readable(str(denied.value), key)
+    finally:
+        client.close()
 
 
 def corrupt_first_pack(store_url: str) -> str:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import argparse
 import logging
+import re
 from collections.abc import Callable
 from dataclasses import fields
 from pathlib import Path
@@ -59,7 +61,16 @@ def test_example_toml_loads_with_its_values(
     assert config.quiet_seconds == 2.0 and config.log_format == "text"
     assert config.transfer == TransferSettings()  # the example shows the defaults
     assert config.store == StoreSettings()
-    assert config.retention is not None and config.retention.tier_policy(0).keep_last == 20
+    assert config.retention is None  # as printed it deletes nothing (its table is commented)
+
+
+def _uncommented_retention(text: str) -> str:
+    """The example with its [retention] table uncommented, as its comment says: one "# "
+    off each line from "# [retention]" on."""
+    head, sep, tail = text.partition("# [retention]\n")
+    assert sep, "the example has no commented [retention] table"
+    lines = (sep + tail).splitlines(keepends=True)
+    return head + "".join(line[2:] if line.startswith("# ") else line[1:] for line in lines)
 
 
 def test_example_toml_documents_every_key() -> None:
@@ -67,14 +78,52 @@ def test_example_toml_documents_every_key() -> None:
     for f in [*fields(AgentConfig), *fields(TransferSettings), *fields(StoreSettings)]:
         if f.name not in ("transfer", "store", "retention", "sources"):  # tables; provenance
             assert f"\n{f.name} =" in text or f"\n# {f.name} =" in text, f.name
-    assert "\n[retention]\n" in text and "\n[[retention.tiers]]" in text
+    retention = _uncommented_retention(text)
+    assert "\n[retention]\n" in retention and "\n[[retention.tiers]]" in retention
     for f in fields(RetentionSettings):
         key = {
             "hot_budget_bytes": "hot_budget",
             "hot_min_free_bytes": "hot_min_free",
             "tiers": "[[retention.tiers]]",
         }.get(f.name, f.name)
-        assert f"\n{key}" in text or f"\n# {key}" in text, key
+        assert f"\n{key}" in retention or f"\n# {key}" in retention, key
+
+
+def test_the_printed_config_deletes_nothing_as_the_readme_says(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 29 (11): the printed config had `[retention] hot_keep_last = 2` live, so an agent
+    started from it evicted step 100 from the hot dir, while the README said "as printed ...
+    is pushed" and "without the table nothing is ever deleted"."""
+    import asyncio
+
+    from agent.client import FerryClient
+    from tests.harness import TOKEN, agent
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "ferry.token").write_text(TOKEN)
+    printed = example_toml()
+    assert load_config(write(tmp_path, printed), env={}).retention is None
+    assert not any(line.startswith("[retention") for line in printed.splitlines())
+    readme = " ".join((Path(__file__).resolve().parents[1] / "README.md").read_text().split())
+    as_printed = readme[readme.index("As printed, a checkpoint") :].split(". ")[0]
+    assert "nothing is ever deleted" in as_printed and "commented out" in as_printed
+    assert "Without the table nothing is ever deleted" in readme
+    # uncommented, as its comment says: the policy the README describes
+    retention = load_config(write(tmp_path, _uncommented_retention(printed)), env={}).retention
+    assert retention is not None and retention.hot_keep_last == 2
+    assert retention.tier_policy(0).keep_last == 20
+
+    async def started_from_it() -> dict[str, object]:
+        (tmp_path / "ckpt" / "hot").mkdir(parents=True)
+        (tmp_path / "ckpt" / "store").mkdir()
+        async with (
+            agent(tmp_path / "ckpt" / "hot", ["ckpt/store"], config_text=printed) as url,
+            FerryClient(url, TOKEN) as client,
+        ):
+            return await client.retention()
+
+    assert asyncio.run(started_from_it()) == {"enabled": False}
 
 
 def test_retention_table_is_validated(tmp_path: Path) -> None:
@@ -550,3 +599,48 @@ def test_no_commit_marker_needs_a_quiet_period(tmp_path: Path) -> None:
         )
     config = load_config(write(tmp_path, 'hot_dir = "/x"\ncommit_marker = ""\n'), env={})
     assert config.commit_marker == "" and config.quiet_seconds > 0
+
+
+def _subcommands() -> dict[str, argparse.ArgumentParser]:
+    from agent.cli import build_parser
+
+    parser = build_parser()
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return dict(sub.choices)
+
+
+def test_every_flag_says_its_default_once() -> None:
+    """Issue 29 (b): `--workers` read "hash/codec threads (default: cores) (default 2)"."""
+    for name, parser in _subcommands().items():
+        for action in parser._actions:
+            if action.help and action.help != argparse.SUPPRESS:
+                assert action.help.count("default") <= 1, (name, action.option_strings)
+    help_text = " ".join(_subcommands()["push"].format_help().split())
+    cores = TransferSettings().workers
+    assert f"hash/codec threads (default: this machine's cores, {cores} here)" in help_text
+
+
+def test_each_command_lists_only_the_knobs_it_uses() -> None:
+    """Issue 29 (c): `ferry pull --help` listed push-only flags (--zstd-level, --max-chain,
+    ...). A read lists what a read uses; the push-only flags are still accepted there."""
+    commands = _subcommands()
+    push_only = {"--" + k.name.replace("_", "-") for k in knobs(TransferSettings) if k.writes}
+    push_only |= {"--no-delta", "--checksum"}
+    assert {"--zstd-level", "--max-chain", "--dedupe-steps", "--delta"} <= push_only
+    read_knobs = {"--part-size-mib", "--window", "--workers", "--memory-mib"}
+    for name in ("pull", "verify"):
+        listed = set(re.findall(r"--[a-z-]+", commands[name].format_help()))
+        assert not listed & push_only, (name, listed & push_only)
+        assert read_knobs <= listed, name
+    for name in ("ls", "du"):
+        listed = set(re.findall(r"--[a-z-]+", commands[name].format_help()))
+        assert "--checksum" not in listed and "--attempts" in listed, name
+    push_help = set(re.findall(r"--[a-z-]+", commands["push"].format_help()))
+    assert push_only | read_knobs <= push_help
+    for name in ("pin", "retention"):  # they write to the store
+        assert "--checksum" in commands[name].format_help(), name
+    # one set of flags still serves a script's push and pull
+    from agent.cli import build_parser
+
+    args = build_parser().parse_args(["pull", "s", "d", "--job", "j", "--zstd-level", "3"])
+    assert args.zstd_level == 3

@@ -15,7 +15,13 @@ from aiohttp import web
 
 from agent.cli import main as ferry
 from agent.client import FerryClient
-from tests.conftest import adamw_series, make_checkpoint, open_test_store, tree_bytes
+from tests.conftest import (
+    adamw_series,
+    init_test_store,
+    make_checkpoint,
+    open_test_store,
+    tree_bytes,
+)
 from tests.harness import TOKEN, DyingProxy, agent, prefetch_through, push_series
 from transfer.engine.catalog import load_manifest
 from transfer.format.layout import pack_key
@@ -153,10 +159,7 @@ def _cold_pull_of_step_40_fails(
 def test_prefetch_falls_back_to_the_next_tier_and_names_the_chunk_when_none_is_good(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    tiers = []
-    for name in ("warm", "cold"):
-        (tmp_path / name).mkdir()
-        tiers.append(str(tmp_path / name))
+    tiers = [init_test_store(str(tmp_path / name)) for name in ("warm", "cold")]
     src = make_checkpoint(tmp_path / "src" / "step_000007", shard_bytes=4_000_000)
     for tier in tiers:
         assert ferry(["push", str(src), tier, "--job", "j", "--node", "n", *ONE_PER_PACK]) == 0

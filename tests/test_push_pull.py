@@ -343,3 +343,40 @@ def test_two_pushes_of_one_part_at_once_store_it_once(local_url: str, tmp_path: 
     stored = sum(p.stat().st_size for p in Path(local_url).rglob("*.pack"))
     assert stored < 25_000_000  # one copy (random data: ~raw size), not two
     assert not list(Path(local_url).glob("locks/push/**/*.json"))  # released
+
+
+def test_breaking_a_dead_push_lease_logs_who_held_it_readably(
+    local_url: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 29 (g): the log printed a Python dict ("breaking the push lease of {'host':
+    ..."). It says "holder T on host H pid P" and why the lease was broken."""
+    import logging
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # a process of this host that is gone: its lease is broken at once
+    src = make_checkpoint(tmp_path / "step_000003")
+    lease = Path(local_url) / "locks/push/j/000000000000000003/n.json"
+    lease.parent.mkdir(parents=True)
+    host = socket.gethostname()
+    holder = {"host": host, "pid": dead.pid, "token": "9f3c", "expires_at": time.time() + 60}
+    lease.write_text(json.dumps(holder))
+
+    async def go() -> None:
+        store = open_test_store(local_url)
+        try:
+            await push(store, src, job="j", step=3, node="n")
+        finally:
+            await store.close()
+
+    with caplog.at_level(logging.WARNING, logger="transfer.engine.pushlease"):
+        asyncio.run(go())
+    (line,) = [r.getMessage() for r in caplog.records if "breaking" in r.getMessage()]
+    assert line == (
+        "breaking the push lease locks/push/j/000000000000000003/n.json of holder 9f3c on host "
+        f"{host} pid {dead.pid} (its process is gone)"
+    )
+    assert "{" not in line and not lease.exists()

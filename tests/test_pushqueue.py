@@ -19,7 +19,7 @@ from agent.hotdir import HotDir
 from agent.journal import Journal
 from agent.pushqueue import PushQueue, completion_key
 from agent.watcher import watch_hot_dir
-from tests.conftest import random_bytes, tree_bytes, write_file
+from tests.conftest import init_test_store, random_bytes, tree_bytes, write_file
 from tests.harness import MARKER, POLL, make_queue, save, tier_states, until
 from tests.harness import QUEUE_OPTS as OPTS
 from tests.harness import queue_agent as agent
@@ -30,11 +30,8 @@ from transfer.store.local import LocalStore
 
 
 def tiers_in(tmp_path: Path, *names: str) -> list[str]:
-    urls = []
-    for name in names:
-        (tmp_path / name).mkdir()
-        urls.append(str(tmp_path / name))
-    return urls
+    """New stores (as `ferry init` makes them: a push queue never makes one)."""
+    return [init_test_store(str(tmp_path / name)) for name in names]
 
 
 def test_watcher_reports_each_committed_step_dir_once(tmp_path: Path) -> None:

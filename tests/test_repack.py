@@ -3,6 +3,7 @@ whole-pack GC cannot, and a kill at any moment of it loses nothing."""
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -52,8 +53,8 @@ async def _pack_bytes(store: Store) -> int:
 
 async def _retention(store: Store, keep_last: int, repacking: RepackPolicy | None):  # type: ignore[no-untyped-def]
     tiers = [Tier(store, TierPolicy(keep_last=keep_last))]
-    plan = await make_plan(tiers, now=time.time())
-    return await apply_plan(plan, tiers, grace_s=0.0, holder="test", repacking=repacking)
+    plan = await make_plan(tiers, now=time.time(), repacking=repacking)
+    return await apply_plan(plan, tiers, grace_s=0.0, holder="test")
 
 
 async def _assert_every_step_pulls(store: Store, dirs: list[Path], tmp: Path) -> list[int]:
@@ -161,11 +162,44 @@ def test_live_chunks_leave_mostly_dead_packs(local_url: str, tmp_path: Path) -> 
     run(go())
 
 
+def test_plan_du_and_run_give_one_size(
+    local_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 29: on a delta chain, ``ferry retention --keep-last 1 --grace 0`` printed
+    "469.4 MiB -> 469.4 MiB" in the dry run and the real run, the dry run "would delete 0
+    packs", and ``du`` that keep_last=1 "frees 33.1 KiB", while the real run left a third.
+    Now the plan counts the repacking it does: its "after" is what ``du`` predicts, the real
+    run's store holds about that much (re-encoded chunks are estimated), and it says exactly
+    what it stores once done."""
+    from agent.cli import main as ferry
+
+    store = open_test_store(local_url)
+    dirs = adamw_series(tmp_path / "hot", 4)
+    run(_push_all(store, dirs))
+
+    def cli(*args: str) -> dict:  # type: ignore[type-arg]
+        assert ferry([*args, "--json"]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    retention = ["retention", local_url, "--keep-last", "1", "--grace", "0"]
+    dry = cli(*retention, "--dry-run")["tiers"][0]
+    forecast = next(p for p in cli("du", local_url)["policies"] if p["policy"] == "keep_last=1")
+    assert forecast["bytes_after"] == dry["bytes_after"] < 0.5 * dry["bytes_before"]
+    assert dry["gc"]["deleted_packs"]  # the packs repacking empties go in the same run
+    done = cli(*retention)["tiers"][0]
+    assert done["bytes_after"] == dry["bytes_after"]  # the same plan
+    stored = sum(o.size for o in run(store.list(layout.PACKS_PREFIX)))
+    stored += sum(o.size for o in run(store.list(layout.MANIFESTS_PREFIX)))
+    assert done["bytes_stored"] == stored and done["bytes_awaiting_gc"] == 0
+    assert abs(done["bytes_after"] - stored) <= 0.1 * stored, (done["bytes_after"], stored)
+    run(_assert_every_step_pulls(store, dirs, tmp_path))
+
+
 async def _dry(store: Store, policy: RepackPolicy):  # type: ignore[no-untyped-def]
     tiers = [Tier(store, TierPolicy(keep_last=1))]
-    plan = await make_plan(tiers, now=time.time())
+    plan = await make_plan(tiers, now=time.time(), repacking=policy)
     before = sorted(o.key for o in await store.list(""))
-    await apply_plan(plan, tiers, grace_s=0.0, holder="t", repacking=policy, dry_run=True)
+    await apply_plan(plan, tiers, grace_s=0.0, holder="t", dry_run=True)
     assert sorted(o.key for o in await store.list("")) == before  # a dry run changes nothing
     return plan.tiers[0].repack
 

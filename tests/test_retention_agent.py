@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import shutil
 import subprocess
 import time
@@ -297,5 +298,31 @@ def test_a_run_asked_as_a_dry_run_changes_nothing(local_url: str, tmp_path: Path
             assert (dry["dry_run"], real["dry_run"]) == (True, False)
             with pytest.raises(RpcError, match="dry_run"):
                 await client._call("POST", "/v1/retention/run", json={"dry_run": "yes"})
+
+    asyncio.run(go())
+
+
+def test_every_tier_label_is_a_configured_tier(
+    local_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 29 (f): the `tier` label was the tier as configured (`ckpt/store`) on the push
+    series and the store's resolved URL (an absolute path) on retention's. One rule now: the
+    URL as configured (`hot` for the hot dir), on every series of a real agent's /metrics."""
+    monkeypatch.chdir(tmp_path)
+    tier = os.path.relpath(local_url, tmp_path)  # "store", as a config names it
+    hot = tmp_path / "hot"
+
+    async def go() -> None:
+        config = "[[retention.tiers]]\nkeep_last = 1\n"
+        async with retaining_agent(hot, [tier], RETAIN, config) as (url, client):
+            adamw_series(hot / JOB, 2, seed=4)
+            await _wait_pushed(client, 40)
+            report = await client.run_retention()
+            assert report["errors"] == [] and await _store_steps(local_url) == [40]
+            text = await _metrics(url)
+        labels = set(re.findall(r'[{,]tier="([^"]*)"', text))
+        assert labels == {"hot", tier}, labels
+        for series in ("ferry_push_total", "ferry_tier_bytes", "ferry_retention_expired_total"):
+            assert re.search(rf'^{series}{{[^}}]*tier="{tier}"', text, re.M), series
 
     asyncio.run(go())

@@ -127,9 +127,9 @@ class RetentionMachine(RuleBasedStateMachine):
     def retention(self, repacking: bool) -> None:
         tiers = self._tiers()
         before = [self._committed(t) for t in (0, 1)]
-        plan = self.run(make_plan(tiers, now=time.time()))
         policy = RepackPolicy(min_dead=0.2, options=OPTS) if repacking else None
-        self.run(apply_plan(plan, tiers, grace_s=0.0, holder="model", repacking=policy))
+        plan = self.run(make_plan(tiers, now=time.time(), repacking=policy))
+        self.run(apply_plan(plan, tiers, grace_s=0.0, holder="model"))
         assert [t.errors for t in plan.tiers] == [[], []]
         after = [self._committed(t) for t in (0, 1)]
         # a step that left the hot tier is in the cold tier, or the cold policy drops it

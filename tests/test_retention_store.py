@@ -388,7 +388,7 @@ def test_dead_bytes_in_kept_packs_are_reported(local_url: str, tmp_path: Path) -
             await push(store, d, job=JOB, step=step, node=NODE)
         plan = await make_plan([Tier(store, TierPolicy(keep_last=1))], now=time.time())
         assert plan.tiers[0].dead_bytes_after == 500_000  # step 1's big.bin, stored raw
-        assert "500000" not in plan.table() and "488.3 KiB of it in packs" in plan.table()
+        assert "500000" not in plan.table() and "500.0 KB of it in packs" in plan.table()
 
     run(go())
 
@@ -431,15 +431,37 @@ def test_du_accounts_for_every_byte(
     assert doc["live_bytes"] + doc["dead_bytes"] + doc["unreferenced_bytes"] == pack_bytes
     keep1 = doc["policies"][0]
     assert keep1["policy"] == "keep_last=1"
-    # step 1's pack stays (step 2 reuses a chunk in it): only its manifest and the garbage go
-    assert 22 < keep1["frees_bytes"] < 22 + 2000
+    # a run repacks (the CLI's default): step 1's pack is mostly dead, the chunk step 2 reuses
+    # moves out, and the pack goes with step 1's manifest and the garbage
+    assert 500_000 + 22 < keep1["frees_bytes"] < 500_000 + 22 + 2000
 
     assert ferry(["du", local_url, "--job", JOB]) == 0
     out = capsys.readouterr().out
-    assert "488.3 KiB" in out and "22 B in 1 unreferenced packs" in out
+    assert "500.0 KB" in out and "22 B in 1 unreferenced packs" in out
     assert "retention keep_last=1:" in out
     assert ferry(["du", local_url, "--job", "nope"]) == 1
     assert "no checkpoint of job 'nope'" in capsys.readouterr().err
+
+
+def test_du_prints_sizes_in_the_units_push_and_ls_print(
+    local_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 29 (i): `ferry du` printed MiB where `push` and `ls` print MB. One formatter
+    (transfer/units.py): the same bytes read the same in every command."""
+    from agent.cli import main as ferry
+
+    src = tmp_path / "step_000001"
+    write_file(src / "big.bin", random_bytes(3_000_000, 1))
+    assert ferry(["push", str(src), local_url, "--job", JOB, "--node", NODE]) == 0
+    pushed = capsys.readouterr().out
+    assert ferry(["ls", local_url]) == 0
+    listed = capsys.readouterr().out
+    assert ferry(["du", local_url]) == 0
+    du = capsys.readouterr().out
+    assert "3.0 MB" in pushed and "3.0 MB" in listed, (pushed, listed)
+    (row,) = [line for line in du.splitlines() if line.startswith(JOB)]
+    assert "3.0 MB" in row, du
+    assert "iB" not in du and "MB" in du.splitlines()[0], du
 
 
 def test_cli_plans_applies_and_reports_errors(

@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from agent.cli import main as ferry
-from tests.conftest import open_test_store, tree_bytes
+from tests.conftest import init_test_store, open_test_store, tree_bytes
 
 pytest.importorskip("torch")
 from tests.dcp_drill import DrillError, load_drill, save_drill, split_by_node
@@ -201,8 +201,7 @@ def test_a_torn_step_never_lands_whole_and_a_leftover_never_leaks_into_a_share(
     assert "drill step 100 is not whole: .metadata names __7_0.distcp" in err, err
     assert not dest.exists()
 
-    whole_store = tmp_path / "whole-store"
-    whole_store.mkdir()
+    whole_store = Path(init_test_store(str(tmp_path / "whole-store")))
     push_parts(str(whole_store), nodes)
 
     async def share_over_leftover() -> tuple[Any, Path]:

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+import pytest
 
 from agent.cli import main as ferry
 from tests.conftest import open_test_store, random_bytes, tree_bytes, write_file
 from transfer.engine import pull, push
-from transfer.engine.settle import boot_id, marker_path, settle
+from transfer.engine.settle import boot_id, mark_unsynced, marker_path, settle
 
 
 def _restore(tmp_path: Path, name: str) -> tuple[Path, Path]:
@@ -60,3 +63,20 @@ def test_cli_pull_settles_the_parent_first_and_fsync_leaves_no_marker(tmp_path: 
     # the pre-reboot restore is gone; the --fsync one is flushed and needs no marker
     assert sorted(p.name for p in first.parent.iterdir()) == ["second"]
     assert tree_bytes(first.parent / "second") == tree_bytes(src)
+
+
+@pytest.mark.skipif(boot_id() is None, reason="needs a boot id (Linux)")
+def test_two_settles_of_one_directory_at_once_keep_every_restore(tmp_path: Path) -> None:
+    """Two prefetches of one job that finish together settle the job's directory at once.
+    A marker the other settle had just dropped was read as unreadable ("assume the
+    worst"), and the verified restore of this boot it named was deleted (found by
+    tests/test_soak.py: a prefetch of a step restored a moment before found it gone)."""
+    parent, boot = tmp_path / "llm", boot_id()
+    assert boot is not None
+    restores = [write_file(parent / f"step_{i:06d}" / "x", b"x").parent for i in range(40)]
+    for dest in restores:
+        mark_unsynced(dest, boot)
+    with ThreadPoolExecutor(2) as pool:
+        removed = [f.result() for f in [pool.submit(settle, parent) for _ in range(2)]]
+    assert removed == [[], []]
+    assert sorted(p.name for p in parent.iterdir()) == [d.name for d in restores]  # no marker

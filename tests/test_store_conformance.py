@@ -14,12 +14,13 @@ from transfer.store.base import Store
 
 @pytest.fixture(params=["local", "s3", "memory"])
 def store_url(request: pytest.FixtureRequest) -> str:
-    """This module's backends: conftest's two, plus the fsspec one."""
+    """This module's backends: conftest's two (an empty directory or prefix, no store
+    descriptor in it), plus the fsspec one."""
     if request.param == "memory":
         import secrets
 
         return f"memory://conformance-{secrets.token_hex(6)}"
-    return str(request.getfixturevalue(f"{request.param}_url"))
+    return str(request.getfixturevalue(f"empty_{request.param}_url"))
 
 
 def with_store(url: str, body):  # type: ignore[no-untyped-def]
@@ -131,6 +132,20 @@ def test_aborted_upload_leaves_nothing(store_url: str) -> None:
         await up.abort()
         assert not await store.exists("gone")
         assert await store.list("") == []
+
+    with_store(store_url, body)
+
+
+def test_holds_objects_sees_any_object_below_the_root(store_url: str) -> None:
+    """Whether a new store may be made here (``ferry init``): any object, however deep."""
+
+    async def body(store: Store) -> None:
+        await store.create_root()  # there already: nothing changes
+        assert not await store.holds_objects()
+        await store.put("deep/down/one", b"1")
+        assert await store.holds_objects()
+        await store.delete("deep/down/one")
+        assert not await store.holds_objects()
 
     with_store(store_url, body)
 

@@ -111,6 +111,70 @@ def test_a_shard_rewritten_in_place_during_a_push_commits_nothing(tmp_path: Path
     asyncio.run(go())
 
 
+class _DeleteOnStart:
+    """A Progress that deletes ``path`` once the push has scanned the directory and before
+    it reads a byte: a file removed under a running push (by training, by hand)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def start(self, total_bytes: int, what: str) -> None:
+        self.path.unlink()
+
+    def advance(self, nbytes: int) -> None:
+        pass
+
+    def finish(self) -> None:
+        pass
+
+
+def test_a_file_deleted_during_a_push_fails_naming_it_and_commits_nothing(
+    local_url: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Issue 29 (j): a file deleted during a push ended in a bare `[Errno 2] No such file or
+    directory`. One line names it and says it vanished while the push read it; nothing is
+    committed; the directory as it is now then pushes."""
+    import agent.cli
+    from agent.cli import main as ferry
+
+    ckpt = tmp_path / "job" / "step_000010"
+    write_file(ckpt / "__0_0.distcp", random_bytes(1_500_000, seed=1))
+    write_file(ckpt / "__1_0.distcp", random_bytes(700_000, seed=2))
+    write_file(ckpt / "notes.txt", b"x")
+    url = local_url
+    store = open_store(url)
+    victim = ckpt / "__1_0.distcp"
+
+    async def go() -> None:
+        with pytest.raises(SourceChangedError) as vanished:
+            await push(store, ckpt, job="j", step=10, node="n", options=OPTS,
+                       progress=_DeleteOnStart(victim))  # fmt: skip
+        assert str(vanished.value).startswith(f"{victim} vanished while the push read it")
+        assert "nothing was committed" in str(vanished.value)
+        assert await list_checkpoints(store, "j") == []
+
+    asyncio.run(go())
+    write_file(victim, random_bytes(700_000, seed=2))
+    monkeypatch.setattr(agent.cli, "_progress", lambda args: _DeleteOnStart(victim))
+    capsys.readouterr()
+    assert ferry(["push", str(ckpt), url, "--job", "j", "--node", "n"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Errno" not in err, err
+    assert err.startswith(f"ferry push: error: {victim} vanished while the push read it"), err
+
+    async def after() -> None:
+        assert await list_checkpoints(store, "j") == []
+        await push(store, ckpt, job="j", step=10, node="n", options=OPTS)  # as it is now
+        await pull(store, tmp_path / "restored", job="j", step=10)
+        assert tree_bytes(tmp_path / "restored") == tree_bytes(ckpt)
+        await store.close()
+
+    asyncio.run(after())
+
+
 def test_a_dcp_save_whose_metadata_names_a_longer_shard_is_refused(tmp_path: Path) -> None:
     torch = pytest.importorskip("torch")
     dcp = pytest.importorskip("torch.distributed.checkpoint")

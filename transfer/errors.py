@@ -57,6 +57,14 @@ class CheckpointNotFoundError(FerryError):
     """No committed checkpoint matches the request."""
 
 
+class NotAStoreError(CheckpointNotFoundError):
+    """The URL holds no store descriptor: it was never made a store (``ferry init``)."""
+
+
+class StoreNotEmptyError(FerryError):
+    """A new store was asked for where other objects are already stored."""
+
+
 class IncompleteStepError(FerryError):
     """A step's parts are all in, and together they still lack a file (or bytes of one)
     its ``.metadata`` names: a torn part. The step is never reported complete."""

@@ -21,10 +21,18 @@ class KeptConnections:
     """Connections per (thread, origin); ``close`` ends all of them, from any thread."""
 
     def __init__(
-        self, connect_timeout: float, tls: Callable[[], ssl.SSLContext] = ssl.create_default_context
+        self,
+        connect_timeout: float,
+        tls: Callable[[], ssl.SSLContext] = ssl.create_default_context,
+        *,
+        reload_tls: bool = False,
     ) -> None:
+        """``tls``: makes the context of https connections, once (at the first), or for
+        each new connection with ``reload_tls`` (a context that changes: the agent's own,
+        whose certificate rotates, agent/tls.py)."""
         self._connect_timeout = connect_timeout
         self._tls = tls
+        self._reload_tls = reload_tls
         self._context: ssl.SSLContext | None = None  # made at the first https connection
         self._local = threading.local()
         self._all: list[http.client.HTTPConnection] = []
@@ -74,7 +82,7 @@ class KeptConnections:
         host, timeout = url.hostname or "localhost", self._connect_timeout
         conn: http.client.HTTPConnection
         if url.scheme == "https":
-            if self._context is None:
+            if self._context is None or self._reload_tls:
                 self._context = self._tls()
             conn = http.client.HTTPSConnection(
                 host, url.port, timeout=timeout, context=self._context

@@ -78,8 +78,16 @@ MiB = 1 << 20
 _DEFAULT_TRANSFER = TransferOptions()
 
 
-def _knob(default: int | float | bool | str, help: str, choices: tuple[str, ...] = ()) -> Any:
-    return field(default=default, metadata={"help": help, "choices": choices})
+def _knob(
+    default: int | float | bool | str,
+    help: str,
+    choices: tuple[str, ...] = (),
+    *,
+    writes: bool = False,
+    default_text: str = "",
+) -> Any:
+    meta = {"help": help, "choices": choices, "writes": writes, "default_text": default_text}
+    return field(default=default, metadata=meta)
 
 
 @dataclass(frozen=True)
@@ -92,6 +100,18 @@ class Knob:
     default: int | float | bool | str
     help: str
     choices: tuple[str, ...]
+    #: only writing to a store uses it (a push; S3's upload checksum): the commands that
+    #: only read (pull, verify, ls, du) do not list it
+    writes: bool = False
+    #: what the default is when it is not one fixed value ("this machine's cores"); the
+    #: value computed here is shown beside it
+    default_text: str = ""
+
+    def default_help(self) -> str:
+        """``(default 16)``, or ``(default: this machine's cores, 2 here)``."""
+        if self.default_text:
+            return f"(default: {self.default_text}, {self.default} here)"
+        return f"(default {self.default})"
 
 
 def knobs(settings: type) -> list[Knob]:
@@ -104,6 +124,8 @@ def knobs(settings: type) -> list[Knob]:
             cast(int | float | bool | str, f.default),
             f.metadata["help"],
             f.metadata["choices"],
+            f.metadata["writes"],
+            f.metadata["default_text"],
         )
         for f in fields(settings)
     ]
@@ -115,28 +137,40 @@ class TransferSettings:
     (``--chunk-size-mib``...), the agent's ``[transfer]`` table, its ``FERRY_TRANSFER_*``
     variables and the example config are all made from these fields (``knobs()``)."""
 
-    chunk_size_mib: int = _knob(_DEFAULT_TRANSFER.chunk_size // MiB, "chunk size")
+    chunk_size_mib: int = _knob(_DEFAULT_TRANSFER.chunk_size // MiB, "chunk size", writes=True)
     part_size_mib: int = _knob(_DEFAULT_TRANSFER.part_size // MiB, "multipart part / ranged GET")
-    pack_size_mib: int = _knob(_DEFAULT_TRANSFER.pack_size // MiB, "a pack is closed at this size")
+    pack_size_mib: int = _knob(
+        _DEFAULT_TRANSFER.pack_size // MiB, "a pack is closed at this size", writes=True
+    )
     window: int = _knob(_DEFAULT_TRANSFER.window, "parts/ranges in flight")
-    workers: int = _knob(_DEFAULT_TRANSFER.workers, "hash/codec threads (default: cores)")
-    zstd_level: int = _knob(_DEFAULT_TRANSFER.zstd_level or 0, "zstd level; 0 stores raw")
+    workers: int = _knob(
+        _DEFAULT_TRANSFER.workers, "hash/codec threads", default_text="this machine's cores"
+    )
+    zstd_level: int = _knob(
+        _DEFAULT_TRANSFER.zstd_level or 0, "zstd level; 0 stores raw", writes=True
+    )
     dedupe_steps: int = _knob(
-        _DEFAULT_TRANSFER.dedupe_steps, "a push dedupes against its node's newest this many parts"
+        _DEFAULT_TRANSFER.dedupe_steps,
+        "a push dedupes against its node's newest this many parts",
+        writes=True,
     )
     delta: bool = _knob(
-        _DEFAULT_TRANSFER.delta, "delta-code changed chunks against the previous step"
+        _DEFAULT_TRANSFER.delta, "delta-code changed chunks against the previous step", writes=True
     )
     max_chain: int = _knob(
-        _DEFAULT_TRANSFER.max_chain, "most decode steps a restore may need (else a keyframe)"
+        _DEFAULT_TRANSFER.max_chain,
+        "most decode steps a restore may need (else a keyframe)",
+        writes=True,
     )
     delta_min_saving: float = _knob(
         _DEFAULT_TRANSFER.delta_min_saving,
         "a delta is kept only if this much smaller than a keyframe",
+        writes=True,
     )
     max_cold_cost: float = _knob(
         _DEFAULT_TRANSFER.max_cold_cost,
         "... and if a cold restore of it fetches at most this many keyframes",
+        writes=True,
     )
     memory_mib: int = _knob(0, "cap on transfer buffers (shrinks window); 0: none")
 
@@ -166,7 +200,10 @@ class StoreSettings:
     ``open_store`` hands them to whichever backend a URL picks."""
 
     checksum: str = _knob(
-        CHECKSUMS[0], "per-part integrity header sent to S3: crc32, md5 or none", CHECKSUMS
+        CHECKSUMS[0],
+        "per-part integrity header sent to S3: crc32, md5 or none",
+        CHECKSUMS,
+        writes=True,
     )
     # at a 10% fault rate all six tries of a request fail once in a million
     attempts: int = _knob(6, "tries per store request while it fails transiently")

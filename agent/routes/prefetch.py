@@ -9,6 +9,7 @@ from urllib.parse import urlsplit
 
 from aiohttp import web
 
+from agent import limits
 from agent.appkeys import METRICS, PREFETCHER
 from agent.middleware import finite_number, json_body, parse_layout, parse_step_arg
 from transfer.format.names import check_name
@@ -21,6 +22,8 @@ MAX_FANOUT = 64
 
 
 async def post_prefetch(request: web.Request) -> web.Response:
+    if request.app[PREFETCHER].active() >= limits.MAX_PREFETCHES:  # before reading the body
+        return limits.too_many(f"{limits.MAX_PREFETCHES} prefetches queued or running already")
     body = await json_body(request)
     job = check_name("job", body.get("job"))
     step = parse_step_arg(body.get("step", "latest"))

@@ -7,6 +7,7 @@ import logging
 from aiohttp import web
 
 from agent.appkeys import CONFIG, METER, METRICS, PREFETCHER, PUSHQUEUE
+from agent.prefetch import State
 
 log = logging.getLogger(__name__)
 
@@ -19,19 +20,16 @@ async def metrics(request: web.Request) -> web.Response:
     m = request.app[METRICS]
     prefetcher = request.app[PREFETCHER]
     m.set("ferry_prefetch_queue_depth", prefetcher.active())
-    by_state: dict[str, int] = {}
-    seconds = 0.0
-    moved: dict[str, int] = {}
+    # every state, 0 included: a state no record is in now must not keep its old count
+    by_state = dict.fromkeys(State, 0)
     for job in prefetcher.jobs.values():
-        by_state[job.state.value] = by_state.get(job.state.value, 0) + 1
-        if job.started and job.finished:
-            seconds += job.finished - job.started
-        for source, nbytes in job.bytes_by_source.items():
-            moved[source] = moved.get(source, 0) + nbytes
+        by_state[job.state] += 1
     for state, count in by_state.items():
-        m.set("ferry_prefetch_total", count, state=state)
-    m.set("ferry_prefetch_seconds_total", seconds)
-    for source, nbytes in moved.items():
+        m.set("ferry_prefetch_total", count, state=state.value)
+    # counters over the agent's life, not over the records it still remembers (the oldest
+    # finished ones are forgotten: Prefetcher.HISTORY), so they never go down
+    m.set("ferry_prefetch_seconds_total", prefetcher.finished_seconds)
+    for source, nbytes in prefetcher.bytes_moved().items():
         m.set("ferry_prefetch_bytes_total", nbytes, source=source, direction="in")
     request.app[PUSHQUEUE].publish(m)
     for source, rate in request.app[METER].snapshot().items():

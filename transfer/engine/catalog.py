@@ -13,7 +13,9 @@ from transfer.errors import (
     CheckpointNotFoundError,
     FerryError,
     FormatError,
+    NotAStoreError,
     NotFoundError,
+    StoreNotEmptyError,
 )
 from transfer.format import layout
 from transfer.format.manifest import Manifest, parse_manifest
@@ -35,25 +37,71 @@ class CheckpointInfo:
 
 
 async def open_catalog(store: Store, *, create: bool) -> bool:
-    """Check the store descriptor (creating it when ``create``). False: not a store yet."""
+    """Check the store descriptor (creating it when ``create``). False: not a store yet.
+    ``create`` is for the Python API (``push``) and tests; the CLI and the agent make a
+    store only on purpose (``init_store``) and otherwise ask ``require_store``."""
     await store.check()
     try:
         raw = await store.get(layout.STORE_DESCRIPTOR_KEY)
     except NotFoundError:
         if not create:
             return False
-        descriptor = json.dumps(layout.store_descriptor()).encode()
-        try:
-            await store.put(layout.STORE_DESCRIPTOR_KEY, descriptor, create_only=True)
-            return True
-        except AlreadyExistsError:  # a concurrent first push won the race
-            raw = await store.get(layout.STORE_DESCRIPTOR_KEY)
+        await _write_descriptor(store)
+        return True
+    _check_descriptor(raw)
+    return True
+
+
+async def require_store(store: Store, *, hint: str = "") -> None:
+    """Raise NotAStoreError (naming ``ferry init``; ``hint`` appended) unless ``store``
+    holds a store descriptor."""
+    if not await open_catalog(store, create=False):
+        raise not_a_store(store.url, hint)
+
+
+def not_a_store(url: str, hint: str = "") -> NotAStoreError:
+    return NotAStoreError(
+        f"{url} is not a ckpt-ferry store (no {layout.STORE_DESCRIPTOR_KEY}): create it with "
+        f"`ferry init {url}`{hint}"
+    )
+
+
+async def init_store(store: Store) -> bool:
+    """Make ``store`` a ckpt-ferry store (``ferry init``): its root made if it is a local
+    directory not there yet, then its descriptor written. True: created; False: it already
+    was one (nothing changed: idempotent). A store that holds other objects and no
+    descriptor (a directory or prefix in use for something else) is refused:
+    StoreNotEmptyError, nothing written."""
+    await store.create_root()
+    if await open_catalog(store, create=False):
+        return False
+    if await store.holds_objects():
+        raise StoreNotEmptyError(
+            f"{store.url} is not empty and is not a ckpt-ferry store (no "
+            f"{layout.STORE_DESCRIPTOR_KEY}): a store is made only in an empty directory or "
+            "prefix"
+        )
+    return await _write_descriptor(store)
+
+
+async def _write_descriptor(store: Store) -> bool:
+    """Write the descriptor, create-only. False: a concurrent init or push wrote it first
+    (the one there is checked)."""
+    descriptor = json.dumps(layout.store_descriptor()).encode()
+    try:
+        await store.put(layout.STORE_DESCRIPTOR_KEY, descriptor, create_only=True)
+        return True
+    except AlreadyExistsError:  # a concurrent first push won the race
+        _check_descriptor(await store.get(layout.STORE_DESCRIPTOR_KEY))
+        return False
+
+
+def _check_descriptor(raw: bytes) -> None:
     try:
         doc = json.loads(raw)
     except ValueError:
         raise FormatError(f"{layout.STORE_DESCRIPTOR_KEY} is not JSON") from None
     layout.check_store_descriptor(doc)
-    return True
 
 
 async def list_checkpoints(store: Store, job: str | None = None) -> list[CheckpointInfo]:

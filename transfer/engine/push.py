@@ -35,7 +35,7 @@ from transfer.codec import (
 )
 from transfer.codec.transforms import Buffer
 from transfer.engine import dcp
-from transfer.engine.catalog import Catalog, load_manifest, open_catalog
+from transfer.engine.catalog import Catalog, load_manifest, not_a_store, open_catalog
 from transfer.engine.chunkindex import ChunkIndex, StoredChunk, build_refs
 from transfer.engine.deltabase import BasePlan, choose_base
 from transfer.engine.errors import first_error
@@ -107,6 +107,7 @@ async def push(
     full: bool = False,
     resume: ResumeLog | None = None,
     part: bool = False,
+    create_store: bool = True,
 ) -> PushResult:
     """Push ``ckpt_dir`` as (job, step, node). ``full`` forces a keyframe (no delta base);
     ``base_dir`` is a local copy of the base checkpoint (default: a sibling directory named
@@ -116,6 +117,10 @@ async def push(
     completed with what landed; this attempt records its own packs and parts there.
     ``part``: ``ckpt_dir`` is one node's part of a multi-node save, which holds some of the
     files its ``.metadata`` names (those it holds must be whole); else it must hold all.
+    ``create_store``: a ``store`` that is not a ckpt-ferry store yet is made one (its
+    descriptor written), as this Python API always has (tests and benchmarks rely on it);
+    False refuses it with NotAStoreError before anything is written there (what the CLI,
+    unless ``--init``, and the agent pass: a store is made on purpose, ``ferry init``).
 
     Reads of the store's control objects do not grow with the job's nodes: the node's own
     head and newest parts (its base and dedupe window), and one listing of the step; other
@@ -129,7 +134,8 @@ async def push(
     started = time.monotonic()
     check_base_dir(base_dir)
     sources = await asyncio.to_thread(_complete_sources, ckpt_dir, part)
-    await open_catalog(store, create=True)
+    if not await open_catalog(store, create=create_store):
+        raise not_a_store(store.url)
     catalog = Catalog(store)
     # one push of a part at a time: a second one waits, then finds it committed
     async with push_lease(store, job, step, node):

@@ -41,6 +41,20 @@ def holder_identity() -> dict[str, object]:
     return {"host": socket.gethostname(), "pid": os.getpid()}
 
 
+def describe_holder(holder: dict[str, object]) -> str:
+    """A lease's holder as a log line reads it: ``holder H on host X pid P``, each part
+    that the lease names ("an unreadable lease" when it names none)."""
+    parts = []
+    name = holder.get("holder") or holder.get("token")  # a push lease: its attempt's token
+    if name:
+        parts.append(f"holder {name}")
+    if holder.get("host"):
+        parts.append(f"on host {holder['host']}")
+    if holder.get("pid") is not None:
+        parts.append(f"pid {holder['pid']}")
+    return " ".join(parts) or "an unreadable lease"
+
+
 def holder_alive(holder: dict[str, object]) -> bool:
     """False only when the holder is known dead: a process of this host that is gone."""
     if holder.get("host") != socket.gethostname() or not isinstance(holder.get("pid"), int):
@@ -80,13 +94,16 @@ async def push_lease(store: Store, job: str, step: int, node: str) -> AsyncItera
                 < time.time()
             )
             if expired or not holder_alive(holder):
-                log.warning("breaking the push lease of %s (%s)", holder, key)
+                why = "it expired" if expired else "its process is gone"
+                log.warning(
+                    "breaking the push lease %s of %s (%s)", key, describe_holder(holder), why
+                )
                 await store.delete(key)
                 continue
             if not told:
                 log.warning(
-                    "another push of %s step %s node %s is running (%s pid %s); waiting for it",
-                    job, step, node, holder.get("host"), holder.get("pid"),
+                    "another push of %s step %s node %s is running (%s); waiting for it",
+                    job, step, node, describe_holder(holder),
                 )  # fmt: skip
                 told = True
             await asyncio.sleep(POLL_SECONDS)

@@ -34,7 +34,10 @@ def scan_checkpoint(root: Path) -> list[SourceFile]:
         dirnames.sort()
         for name in [*filenames, *dirnames]:
             full = Path(dirpath, name)
-            st = full.lstat()
+            try:
+                st = full.lstat()
+            except FileNotFoundError:
+                raise _vanished(full, "scanned") from None
             rel = full.relative_to(root).as_posix()
             if stat.S_ISLNK(st.st_mode):
                 raise FerryError(f"{full}: symbolic links are not supported in a checkpoint")
@@ -64,7 +67,7 @@ def check_unchanged(root: Path, sources: list[SourceFile]) -> None:
     for f in sources:
         cur = now.pop(f.path, None)
         if cur is None:
-            raise SourceChangedError(f"{f.abspath} was removed while it was being pushed")
+            raise _vanished(f.abspath, "read")
         if cur.inode != f.inode:
             raise SourceChangedError(f"{f.abspath} was replaced while it was being pushed")
         if cur.size != f.size:
@@ -81,7 +84,10 @@ def check_unchanged(root: Path, sources: list[SourceFile]) -> None:
 def read_range(path: Path, offset: int, length: int) -> bytearray:
     """Exactly ``length`` bytes at ``offset`` (a file shrinking under us is an error)."""
     out = bytearray(length)
-    fd = os.open(path, os.O_RDONLY)
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        raise _vanished(path, "read") from None
     try:
         with memoryview(out) as view:
             got = 0
@@ -95,6 +101,15 @@ def read_range(path: Path, offset: int, length: int) -> bytearray:
         return out
     finally:
         os.close(fd)
+
+
+def _vanished(path: Path, doing: str) -> SourceChangedError:
+    """A file of the checkpoint deleted under the push (it was there when scanned): one
+    line naming it, not the bare ``[Errno 2]``; the push commits nothing."""
+    return SourceChangedError(
+        f"{path} vanished while the push {doing} it: the checkpoint changed under the push "
+        "(deleted by training or retention?); nothing was committed"
+    )
 
 
 def check_base_dir(base_dir: Path | None) -> None:

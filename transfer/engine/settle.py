@@ -99,6 +99,8 @@ def settle(parent: Path) -> list[Path]:
         dest = parent / marker.name[1 : -len(UNSYNCED_MARK)]
         try:
             made_in = json.loads(marker.read_text()).get("boot_id")
+        except FileNotFoundError:
+            continue  # another settle of this directory (a prefetch beside) dropped it first
         except (OSError, ValueError, AttributeError):
             made_in = None  # unreadable: assume the worst
         if dest.is_dir() and not dest.is_symlink():

@@ -57,6 +57,15 @@ class GcResult:
     dry_run: bool = False
     #: pushes holding their lease: without a grace period, deleting waits for them
     running_pushes: int = 0
+    #: unfinished pack uploads aborted (a killed push's ``.tmp`` file or multipart upload:
+    #: no live push holds its lease, or it is older than the grace period), their bytes where
+    #: the store tells, and the younger ones left for a push that may still finish them
+    aborted_uploads: int = 0
+    aborted_upload_bytes: int = 0
+    pending_uploads: int = 0
+    #: packs and manifests the store holds once this sweep is done (the inventory's count;
+    #: 0 in a dry run, whose repacking writes nothing: the plan's ``bytes_after`` says it)
+    bytes_stored: int = 0
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -139,15 +148,21 @@ async def collect_garbage(
             doomed.append(pack_id)
         else:
             marks[pack_id] = first_seen if first_seen is not None else now
+    freed = sum(fresh.pack_sizes[p] for p in doomed)
+    stale = [u for u in fresh.uploads if _may_abort(u.initiated, grace_s, now, pushes)]
     result = GcResult(
         store.url,
         referenced_packs=len(referenced),
         marked_packs=len(marks),
         marked_bytes=sum(fresh.pack_sizes[p] for p in marks),
         deleted_packs=doomed,
-        freed_bytes=sum(fresh.pack_sizes[p] for p in doomed),
+        freed_bytes=freed,
         dry_run=dry_run,
         running_pushes=pushes,
+        bytes_stored=0 if dry_run else fresh.total_bytes() - freed,
+        aborted_uploads=len(stale),
+        aborted_upload_bytes=sum(u.size or 0 for u in stale),
+        pending_uploads=len(fresh.uploads) - len(stale),
     )
     if dry_run:
         return result
@@ -156,6 +171,9 @@ async def collect_garbage(
     await save_gc_state(store, marks, now)
     for pack_id in doomed:
         await store.delete(layout.pack_key(pack_id))
+    for upload in stale:
+        await store.abort_upload(upload)
+        log.info("gc %s: aborted the unfinished upload of %s", store.url, upload.key)
     if doomed:
         log.info("gc %s: deleted %d packs, %d bytes", store.url, len(doomed), result.freed_bytes)
     return result
@@ -175,6 +193,14 @@ def _may_delete(
     if pushes:
         return False  # a running push may reference it before it commits
     return first_seen is not None or pack_id in released
+
+
+def _may_abort(initiated: float, grace_s: float, now: float, pushes: int) -> bool:
+    """An unfinished upload is a dead push's once it is older than the grace period, or,
+    without one, once no push holds its lease (a live push always does)."""
+    if grace_s > 0:
+        return now - initiated >= grace_s
+    return not pushes
 
 
 async def load_gc_state(store: Store) -> dict[str, float]:

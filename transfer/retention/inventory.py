@@ -11,8 +11,9 @@ from datetime import UTC, datetime
 from transfer.engine.catalog import list_checkpoints, load_manifest, step_is_complete
 from transfer.errors import FerryError, FormatError
 from transfer.format import layout
+from transfer.format.manifest import Manifest
 from transfer.retention.pins import pin_expiry
-from transfer.store.base import Store
+from transfer.store.base import PendingUpload, Store
 
 Key = tuple[str, int]  # (job, step)
 
@@ -32,6 +33,9 @@ class StepEntry:
     parts: dict[str, frozenset[str]] = field(default_factory=dict)
     #: node -> manifest size in bytes
     manifest_bytes: dict[str, int] = field(default_factory=dict)
+    #: node -> the manifest, as read by this inventory (absent for parts passed as ``known``):
+    #: repacking and the space forecast read it here instead of fetching it again
+    manifests: dict[str, Manifest] = field(default_factory=dict, repr=False)
     #: pack -> {offset: stored length} of the chunks the step's parts use in it
     extents: dict[str, dict[int, int]] = field(default_factory=dict)
     #: the checkpoint's own size, all parts (0 for parts read before: see ``known``)
@@ -57,6 +61,9 @@ class Inventory:
     pack_sizes: dict[str, int]
     #: (job, step) -> latest pin expiry (unix time), expired pins left out
     pins: dict[Key, float]
+    #: pack uploads begun and never finished: a running push's, or a killed one's left-over
+    #: (a local store's hidden ``.<pack>.tmp-*`` file, an S3 multipart upload)
+    uploads: list[PendingUpload] = field(default_factory=list)
 
     def jobs(self) -> list[str]:
         return sorted({job for job, _ in self.steps})
@@ -125,6 +132,7 @@ async def take_inventory(
                     "unreadable (it cannot tell which packs that manifest needs)"
                 ) from exc
         entry = steps[(job, step)]
+        entry.manifests[node] = manifest
         entry.parts[node] = frozenset(manifest.packs)
         entry.bytes_raw += manifest.bytes_raw
         for chunk in manifest.all_chunks():
@@ -147,7 +155,8 @@ async def take_inventory(
         if (pack_id := layout.parse_pack_key(obj.key)) is not None
     }
     pins = await read_pins(store, now=now)
-    return Inventory(store.url, steps, pack_sizes, pins)
+    uploads = await store.list_uploads(layout.PACKS_PREFIX)
+    return Inventory(store.url, steps, pack_sizes, pins, uploads)
 
 
 async def _mark_complete(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import time
 
-from transfer.errors import FerryError
+from transfer.errors import FerryError, NotFoundError
 from transfer.format import layout
 from transfer.store.base import Store
 
@@ -30,8 +30,19 @@ async def pin(store: Store, job: str, step: int, holder: str, ttl_s: float) -> f
     return expires
 
 
-async def unpin(store: Store, job: str, step: int, holder: str) -> None:
-    await store.delete(layout.pin_key(job, step, holder))
+async def unpin(store: Store, job: str, step: int, holder: str) -> bool:
+    """Remove ``holder``'s pin of (job, step); True if it was pinned (an unexpired or
+    unreadable pin was there: retention honoured it), False if there was nothing to remove."""
+    key = layout.pin_key(job, step, holder)
+    try:
+        doc = await store.get(key)
+    except NotFoundError:
+        return False
+    await store.delete(key)
+    try:
+        return float(json.loads(doc)["expires_at"]) > time.time()
+    except (ValueError, KeyError, TypeError):
+        return True  # unreadable: read_pins treated it as pinned
 
 
 async def pin_expiry(store: Store, key: str) -> float | None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Collection, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 from transfer.engine.verify import verify
 from transfer.errors import FerryError
@@ -28,6 +28,7 @@ from transfer.retention.policy import (
     select,
 )
 from transfer.retention.repack import RepackPolicy, RepackResult, repack
+from transfer.retention.space import space_after
 from transfer.store.base import Store
 
 log = logging.getLogger(__name__)
@@ -61,10 +62,13 @@ class TierPlan:
     url: str
     policy: str
     bytes_before: int
+    #: what the tier holds once this run (expiries, repacking, GC) is done: ``space.py``
     bytes_after: int
     actions: list[StepAction]
     #: bytes in retained packs that no retained chunk uses (freed only with the whole pack)
     dead_bytes_after: int = 0
+    #: of ``bytes_after``, what repacking writes anew (re-encoded chunks estimated)
+    bytes_rewritten: int = 0
     #: over budget even after dropping everything the rules allow
     over_budget: bool = False
     #: filled in by apply_plan
@@ -72,6 +76,10 @@ class TierPlan:
     gc: GcResult | None = None
     repack: RepackResult | None = None
     done: list[StepAction] = field(default_factory=list)
+    #: measured once a real run is done: what the tier stores now, and how much of it is
+    #: unreferenced packs waiting out the grace period (a later run deletes them)
+    bytes_stored: int | None = None
+    bytes_awaiting_gc: int = 0
 
     def count(self, action: str) -> int:
         return sum(a.action == action for a in self.actions)
@@ -88,9 +96,15 @@ class RetentionPlan:
     tiers: list[TierPlan]
     now: float
     inventories: list[Inventory] = field(repr=False, default_factory=list)
+    #: how the run compacts and repacks after its expiries (None: whole-pack GC only)
+    repacking: RepackPolicy | None = None
 
     def to_dict(self) -> dict[str, object]:
-        return {"now": self.now, "tiers": [t.to_dict() for t in self.tiers]}
+        return {
+            "now": self.now,
+            "repacking": self.repacking is not None,
+            "tiers": [t.to_dict() for t in self.tiers],
+        }
 
     def table(self) -> str:
         lines = []
@@ -98,10 +112,18 @@ class RetentionPlan:
             lines.append(
                 f"{t.url}  [{t.policy}]  {len(t.actions)} steps: keep {t.count(KEEP)}, "
                 f"demote {t.count(DEMOTE)}, expire {t.count(EXPIRE)}; "
-                f"{format_size(t.bytes_before)} -> {format_size(t.bytes_after)} "
+                f"{format_size(t.bytes_before)} -> {format_size(t.bytes_after)} once done "
                 f"({format_size(t.dead_bytes_after)} of it in packs kept for other chunks)"
                 + ("  (OVER BUDGET: only protected steps left)" if t.over_budget else "")
             )
+            if t.bytes_stored is not None:
+                waiting = ""
+                if t.bytes_awaiting_gc:
+                    waiting = (
+                        f", {format_size(t.bytes_awaiting_gc)} of it unreferenced packs that a "
+                        "run after the grace period deletes"
+                    )
+                lines.append(f"  stored now: {format_size(t.bytes_stored)}{waiting}")
             for a in t.actions:
                 lines.append(f"  {a.job:<20} {a.step:>10}  {a.action:<7} {a.reason}")
             if t.repack is not None and (t.repack.chunks_reencoded or t.repack.chunks_moved):
@@ -123,6 +145,13 @@ class RetentionPlan:
                     f"  gc: {verb} {len(g.deleted_packs)} packs ({format_size(g.freed_bytes)}); "
                     f"{g.marked_packs} unreferenced packs ({format_size(g.marked_bytes)}) {waiting}"
                 )
+                if g.aborted_uploads or g.pending_uploads:
+                    verb = "would abort" if g.dry_run else "aborted"
+                    lines.append(
+                        f"  gc: {verb} {g.aborted_uploads} unfinished pack uploads of pushes "
+                        f"that died ({format_size(g.aborted_upload_bytes)}); "
+                        f"{g.pending_uploads} younger ones left (a push may still finish them)"
+                    )
             lines.extend(f"  error: {e}" for e in t.errors)
         return "\n".join(lines)
 
@@ -160,10 +189,13 @@ async def make_plan(
     now: float,
     expected_nodes: Sequence[str] = (),
     pins: Collection[Key] = (),
+    repacking: RepackPolicy | None = None,
 ) -> RetentionPlan:
     """Read every tier and decide. ``pins`` adds the caller's own pins (an agent's); pins in
     any tier's store protect the step in every tier, which is why one unreadable tier stops
-    the whole plan (its error propagates): a pin only it holds must still protect the others."""
+    the whole plan (its error propagates): a pin only it holds must still protect the others.
+    ``repacking``: the run compacts chains and repacks after its expiries (``repack.py``);
+    each tier's ``bytes_after`` counts it."""
     inventories = [
         await take_inventory(t.store, now=now, expected_nodes=expected_nodes) for t in tiers
     ]
@@ -187,18 +219,20 @@ async def make_plan(
             actions.append(
                 StepAction(*key, action, reason, sorted(entry.parts), entry.complete, entry.created)
             )
+        space = space_after(inv, kept, repacking)
         plans.append(
             TierPlan(
                 tier.url,
                 tier.policy.describe(),
                 inv.total_bytes(),
-                inv.bytes_of(kept),
+                space.bytes_after,
                 actions,
-                dead_bytes_after=inv.dead_bytes(kept),
+                dead_bytes_after=space.dead_bytes_after,
+                bytes_rewritten=space.bytes_rewritten,
                 over_budget=over,
             )
         )
-    return RetentionPlan(plans, now, inventories)
+    return RetentionPlan(plans, now, inventories, repacking)
 
 
 async def apply_plan(
@@ -210,21 +244,21 @@ async def apply_plan(
     expected_nodes: Sequence[str] = (),
     deep_verify: bool = False,
     dry_run: bool = False,
-    repacking: RepackPolicy | None = None,
 ) -> RetentionPlan:
     """Carry the plan out, tier by tier under each store's lease; errors are collected per
-    tier (a failed demotion keeps its step) rather than stopping the other tiers.
-    ``repacking``: after the expiries, compact chains and repack (``repack.py``)."""
+    tier (a failed demotion keeps its step) rather than stopping the other tiers. After the
+    expiries, the plan's ``repacking`` compacts chains and repacks (``repack.py``)."""
+    repacking = plan.repacking
     for i, (tier, tplan, inv) in enumerate(zip(tiers, plan.tiers, plan.inventories, strict=True)):
         released = frozenset(inv.referenced())  # before this run's expiries
         if dry_run:
+            after = _without(inv, tplan)
             if repacking is not None:
-                tplan.repack = await repack(
-                    tier.store, _without(inv, tplan), repacking, dry_run=True
-                )
+                tplan.repack = await repack(tier.store, after, repacking, dry_run=True)
+                after = _without_packs(after, frozenset(tplan.repack.packs_vacated))
             tplan.gc = await collect_garbage(
                 tier.store,
-                _without(inv, tplan),
+                after,
                 grace_s=grace_s,
                 now=plan.now,
                 released=released,
@@ -254,6 +288,8 @@ async def apply_plan(
                     released=released,
                     expected_nodes=tuple(expected_nodes),
                 )
+                tplan.bytes_stored = tplan.gc.bytes_stored
+                tplan.bytes_awaiting_gc = tplan.gc.marked_bytes
         except GcBusyError as exc:
             tplan.errors.append(str(exc))
         except FerryError as exc:
@@ -300,4 +336,14 @@ async def delete_step(store: Store, inv: Inventory, job: str, step: int) -> None
 def _without(inv: Inventory, tplan: TierPlan) -> Inventory:
     gone = {(a.job, a.step) for a in tplan.actions if a.action != KEEP}
     steps = {k: e for k, e in inv.steps.items() if k not in gone}
-    return Inventory(inv.url, steps, inv.pack_sizes, inv.pins)
+    return Inventory(inv.url, steps, inv.pack_sizes, inv.pins, inv.uploads)
+
+
+def _without_packs(inv: Inventory, vacated: frozenset[str]) -> Inventory:
+    """``inv`` as a dry run's GC sees it once repacking emptied ``vacated``: no kept part
+    references them any more (their chunks live on in new packs a dry run does not write)."""
+    steps = {
+        key: replace(e, parts={node: packs - vacated for node, packs in e.parts.items()})
+        for key, e in inv.steps.items()
+    }
+    return Inventory(inv.url, steps, inv.pack_sizes, inv.pins, inv.uploads)

@@ -20,6 +20,9 @@ import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
+# re-exported: plans print sizes as every command does (decimal units)
+from transfer.units import format_size as format_size
+
 # Reasons a step is kept, as printed in plans.
 NEWEST = "newest complete"
 PINNED = "pinned"
@@ -183,14 +186,3 @@ def format_duration(seconds: float | None) -> str:
         if seconds >= _UNITS_S[unit] and seconds % _UNITS_S[unit] == 0:
             return f"{int(seconds // _UNITS_S[unit])}{unit}"
     return f"{seconds:g}s"
-
-
-def format_size(nbytes: int | None) -> str:
-    if nbytes is None:
-        return "-"
-    size = float(nbytes)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if size < 1024:
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    return f"{size:.1f} TiB"

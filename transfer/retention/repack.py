@@ -130,11 +130,73 @@ async def repack(
 
 
 async def _load_parts(store: Store, inv: Inventory) -> dict[Part, Manifest]:
+    """Every kept part's manifest: the inventory's copy, fetched only where it has none."""
     out: dict[Part, Manifest] = {}
     for (job, step), entry in sorted(inv.steps.items()):
         for node in sorted(entry.parts):
-            out[(job, step, node)] = await load_manifest(store, job, step, node)
+            held = entry.manifests.get(node)
+            out[(job, step, node)] = held or await load_manifest(store, job, step, node)
     return out
+
+
+@dataclass(frozen=True)
+class RepackForecast:
+    """What repacking would leave of some kept steps, without writing anything."""
+
+    #: packs the kept steps reference today that repacking empties (GC deletes them)
+    packs_vacated: frozenset[str]
+    #: the packs left in place, with the bytes of each that the kept steps still use
+    live_in_kept_packs: dict[str, int]
+    #: stored bytes copied as they are into new packs
+    bytes_moved: int
+    #: raw bytes of the delta chunks stored again whole (their stored size is only known
+    #: once encoded: ``bytes_reencoded_estimate`` scales them by the kept keyframes' ratio)
+    raw_reencoded: int
+    bytes_reencoded_estimate: int
+
+
+def forecast(
+    inv: Inventory, kept: Iterable[tuple[str, int]], policy: RepackPolicy
+) -> RepackForecast:
+    """What ``repack`` would do to ``kept`` (steps of ``inv`` whose manifests it read)."""
+    keys = set(kept)
+    manifests = {
+        (job, step, node): m
+        for (job, step), entry in inv.steps.items()
+        if (job, step) in keys
+        for node, m in entry.manifests.items()
+    }
+    missing = sum(len(inv.steps[k].parts) for k in keys) - len(manifests)
+    if missing:  # a bug: every caller forecasts from an inventory that read its manifests
+        raise RetentionError(f"cannot forecast repacking: {missing} kept manifests not read")
+    plan = _Layout(manifests, inv.pack_sizes, policy)
+    vacated = plan.vacated()
+    live: Counter[str] = Counter()
+    for chunk in plan.live():
+        if chunk.id not in plan.reencode and chunk.pack_id not in vacated:
+            live[chunk.pack_id] += chunk.stored
+    reencoded = [c for cid in plan.reencode if (c := plan.index.get(cid)) is not None]
+    raw = sum(c.size for c in reencoded)
+    return RepackForecast(
+        packs_vacated=frozenset(vacated),
+        live_in_kept_packs={p: live[p] for p in plan.packs_before - vacated},
+        bytes_moved=sum(c.stored for c in plan.moving()),
+        raw_reencoded=raw,
+        bytes_reencoded_estimate=round(raw * _keyframe_ratio(inv)),
+    )
+
+
+def _keyframe_ratio(inv: Inventory) -> float:
+    """Stored over raw bytes of the chunks the store holds whole, in every step it read: what
+    a chunk re-encoded as a keyframe is expected to cost (1.0 with nothing to learn from)."""
+    raw = stored = 0
+    for entry in inv.steps.values():
+        for m in entry.manifests.values():
+            for c in m.all_chunks():
+                if c.base is None:
+                    raw += c.size
+                    stored += c.stored
+    return stored / raw if raw else 1.0
 
 
 class _Layout:
@@ -312,6 +374,7 @@ def _refresh(inv: Inventory, manifests: dict[Part, Manifest]) -> None:
             continue
         entry.extents = {}
         for node, m in parts.items():
+            entry.manifests[node] = m
             entry.parts[node] = frozenset(m.packs)
             for c in m.all_chunks():
                 entry.extents.setdefault(m.packs[c.pack], {})[c.offset] = c.stored

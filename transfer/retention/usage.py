@@ -16,6 +16,11 @@ from dataclasses import asdict, dataclass, field
 from transfer.retention.inventory import Inventory
 from transfer.retention.plan import kept_steps
 from transfer.retention.policy import TierPolicy
+from transfer.retention.repack import RepackPolicy
+from transfer.retention.space import space_after
+
+#: how the policy lines assume a run repacks: ``ferry retention``'s default
+DEFAULT_REPACKING = RepackPolicy()
 
 #: keep-last values whose effect ``ferry du`` reports
 KEEP_LAST_CHOICES = (1, 2, 3)
@@ -59,6 +64,10 @@ class StoreUsage:
     #: packs no step references: garbage a retention run collects
     unreferenced_packs: int
     unreferenced_bytes: int
+    #: pack uploads begun and never finished (a killed push's: retention aborts them) and
+    #: their bytes where the store tells (a local store's ``.tmp`` files)
+    unfinished_uploads: int = 0
+    unfinished_upload_bytes: int = 0
     steps: list[StepUsage] = field(default_factory=list)
     policies: list[PolicyEffect] = field(default_factory=list)
 
@@ -66,9 +75,16 @@ class StoreUsage:
         return asdict(self)
 
 
-def store_usage(inv: Inventory, *, now: float, job: str | None = None) -> StoreUsage:
+def store_usage(
+    inv: Inventory,
+    *,
+    now: float,
+    job: str | None = None,
+    repacking: RepackPolicy | None = DEFAULT_REPACKING,
+) -> StoreUsage:
     """Account for every byte of ``inv``; ``job`` limits the per-step rows (the totals and
-    the policies stay store-wide: packs are shared across jobs)."""
+    the policies stay store-wide: packs are shared across jobs). The policy lines say what a
+    retention run with ``repacking`` (the CLI's default) would leave: the plan's own figure."""
     users: Counter[Extent] = Counter()
     sizes: dict[Extent, int] = {}
     for entry in inv.steps.values():
@@ -115,8 +131,10 @@ def store_usage(inv: Inventory, *, now: float, job: str | None = None) -> StoreU
         ),
         unreferenced_packs=len(unreferenced),
         unreferenced_bytes=sum(inv.pack_sizes[p] for p in unreferenced),
+        unfinished_uploads=len(inv.uploads),
+        unfinished_upload_bytes=sum(u.size or 0 for u in inv.uploads),
         steps=steps,
-        policies=[_effect(inv, TierPolicy(keep_last=n), now) for n in KEEP_LAST_CHOICES],
+        policies=[_effect(inv, TierPolicy(keep_last=n), now, repacking) for n in KEEP_LAST_CHOICES],
     )
 
 
@@ -124,7 +142,9 @@ def _keys(pack_id: str, extents: dict[int, int]) -> list[Extent]:
     return [(pack_id, offset) for offset in extents]
 
 
-def _effect(inv: Inventory, policy: TierPolicy, now: float) -> PolicyEffect:
+def _effect(
+    inv: Inventory, policy: TierPolicy, now: float, repacking: RepackPolicy | None
+) -> PolicyEffect:
     kept, _ = kept_steps(inv, policy, now, inv.pins)
-    after = inv.bytes_of(kept)
-    return PolicyEffect(policy.describe(), after, inv.total_bytes() - after)
+    after = space_after(inv, kept, repacking).bytes_after
+    return PolicyEffect(policy.describe(), after, max(inv.total_bytes() - after, 0))

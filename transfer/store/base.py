@@ -31,6 +31,8 @@ class PendingUpload:
     key: str
     upload_id: str
     initiated: float  # unix time
+    #: bytes it holds so far, where the backend tells without more requests (local files)
+    size: int | None = None
 
 
 PendingUploads = list[PendingUpload]  # (a name: inside Store, ``list`` is the method)
@@ -153,6 +155,18 @@ class Store(ABC):
     @abstractmethod
     async def check(self) -> None:
         """Raise NotFoundError/AccessDeniedError when the store root is unusable."""
+
+    async def create_root(self) -> None:
+        """Make the store's root exist (``ferry init`` only: a local directory that is not
+        there yet is made; nothing else creates one, so a missing mount stays an error).
+        This default creates nothing: a bucket is never created, a prefix needs no
+        creating; it checks the root as ``check`` does."""
+        await self.check()
+
+    async def holds_objects(self) -> bool:
+        """True when the store holds any object at all (whether a new store may be made
+        here). This default lists every object; backends override it to stop at the first."""
+        return bool(await self.list(""))
 
     @abstractmethod
     async def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:

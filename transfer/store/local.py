@@ -227,6 +227,19 @@ class LocalStore(Store):
         if not os.access(self.root, os.R_OK | os.X_OK):
             raise AccessDeniedError(f"store directory {self.root}: permission denied")
 
+    async def create_root(self) -> None:
+        await self.run(f"create {self.root}", lambda: self.root.mkdir(parents=True, exist_ok=True))
+        await self.check()
+
+    async def holds_objects(self) -> bool:
+        """Any file under the root, hidden ones included (a directory with only a
+        ``.bashrc`` in it is not empty); empty directories (``lost+found``) are not objects."""
+
+        def any_file() -> bool:
+            return any(filenames for _, _, filenames in os.walk(self.root))
+
+        return await self.run(f"list {self.root}", any_file)
+
     async def get(self, key: str, start: int | None = None, end: int | None = None) -> bytes:
         path = self.path_of(key)
 
@@ -346,7 +359,8 @@ class LocalStore(Store):
                         key = target.relative_to(self.root).as_posix()
                         if key.startswith(prefix):
                             with contextlib.suppress(FileNotFoundError):
-                                found.append(PendingUpload(key, name, path.stat().st_mtime))
+                                st = path.stat()
+                                found.append(PendingUpload(key, name, st.st_mtime, st.st_size))
             return found
 
         return await self.run(f"list uploads {prefix!r}", walk) if start.is_dir() else []

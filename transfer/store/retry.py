@@ -56,12 +56,31 @@ def _transient_types() -> tuple[type[BaseException], ...]:
 
 class ReplyError(Exception):
     """An HTTP error reply from a client that does not type it (obstore, s3ranges): its
-    status, and the S3 error code when the reply named one."""
+    status, and the S3 error code and message when the reply named them."""
 
-    def __init__(self, status: int, message: str, code: str | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, code: str | None = None, detail: str | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.code = code
+        self.detail = detail
+
+
+def s3_error(exc: BaseException) -> tuple[str | None, str | None]:
+    """The S3 error reply's ``Code`` and ``Message`` (either None where it had none)."""
+    for cause in (exc, exc.__cause__, exc.__context__):
+        if isinstance(cause, ReplyError):
+            return cause.code, cause.detail
+        response = getattr(cause, "response", None)
+        if isinstance(response, dict):
+            error = response.get("Error", {})
+            code, message = error.get("Code"), error.get("Message")
+            return (
+                code if isinstance(code, str) and code else None,
+                message if isinstance(message, str) and message else None,
+            )
+    return None, None
 
 
 class ShortBodyError(Exception):

@@ -239,6 +239,11 @@ class S3Store(Store):
         except NotFoundError as exc:
             raise NotFoundError(f"bucket {self.bucket!r} does not exist") from exc
 
+    async def holds_objects(self) -> bool:
+        full = self.full_key_prefix()
+        what = f"list {self.url}"
+        return bool(await self.on_thread(lambda: self.client.holds_objects(full, what)))
+
     def full_key_prefix(self) -> str:
         return f"{self.prefix}/" if self.prefix else ""
 

@@ -31,13 +31,16 @@ from transfer.errors import (
 )
 from transfer.options import StoreSettings
 from transfer.store.base import RangeStream
-from transfer.store.retry import RetryPolicy, http_status
+from transfer.store.retry import RetryPolicy, http_status, s3_error
 
 T = TypeVar("T")
 
 
-def map_error(exc: BaseException, what: str, attempts: int = 1) -> StoreError:
-    """A client's failure as the store's error class, in one line."""
+def map_error(
+    exc: BaseException, what: str, attempts: int = 1, where: str | None = None
+) -> StoreError:
+    """A client's failure as the store's error class, in one line. ``where``: the bucket
+    and key (or prefix) asked for, ``s3://bucket/key``, named when access is denied."""
     status = http_status(exc)
     # botocore's own retries are off; its "(reached max retries: 0)" would only mislead
     text = " ".join(str(exc).replace(" (reached max retries: 0)", "").split())
@@ -48,7 +51,13 @@ def map_error(exc: BaseException, what: str, attempts: int = 1) -> StoreError:
     if status == 404:
         return NotFoundError(f"{what}: {text}")
     if status in (401, 403):
-        return AccessDeniedError(f"{what}: access denied ({text}); check the AWS credentials")
+        # the S3 error's Code and Message, not the client's text around the reply's XML
+        code, message = s3_error(exc)
+        reason = ": ".join(part for part in (code, message) if part) or f"HTTP {status}"
+        target = f" to {where}" if where else ""
+        return AccessDeniedError(
+            f"{what}: access denied{target} ({reason}); check the AWS credentials"
+        )
     detail = f"{type(exc).__name__}: {text}"
     if attempts > 1:
         return StoreError(f"{what}: failed {attempts} times, the store may be down ({detail})")
@@ -123,10 +132,13 @@ class S3Client:
                 on_try()
             return getattr(self._botocore(), method)(Bucket=self.bucket, **kwargs)
 
-        return self._retrying(what, once)
+        return self._retrying(what, once, kwargs.get("Key", kwargs.get("Prefix")))
 
-    def _retrying(self, what: str, attempt: Callable[[], T]) -> T:
-        return self.retry.run(attempt, lambda exc, tries: map_error(exc, what, tries))
+    def _retrying(self, what: str, attempt: Callable[[], T], key: str | None = None) -> T:
+        """``attempt`` under the retry policy; ``key``: the bucket key (or prefix) it asks
+        for, named in an access-denied error."""
+        where = f"s3://{self.bucket}/{key}" if key is not None else f"s3://{self.bucket}"
+        return self.retry.run(attempt, lambda exc, tries: map_error(exc, what, tries, where))
 
     def _ranged(self) -> Any:
         """The ranged-read transport (s3ranges.HttpRanges), or None: obstore's."""
@@ -148,7 +160,9 @@ class S3Client:
         buffer; the body is read inside the attempt, so a torn or short one is retried."""
         from transfer.store import s3objects
 
-        return self._retrying(what, lambda: s3objects.get(self._objects(), full_key, start, end))
+        return self._retrying(
+            what, lambda: s3objects.get(self._objects(), full_key, start, end), full_key
+        )
 
     def read_into(self, full_key: str, start: int, buf: memoryview, what: str) -> int:
         """Bytes of the object from ``start`` into ``buf``; how many it had there."""
@@ -156,7 +170,9 @@ class S3Client:
             return 0
         ranges = self._ranged()
         if ranges is not None:  # received straight into buf
-            return self._retrying(what, lambda: int(ranges.read_into(full_key, start, buf)))
+            return self._retrying(
+                what, lambda: int(ranges.read_into(full_key, start, buf)), full_key
+            )
         body = self.get(full_key, what, start, start + len(buf))
         buf[: len(body)] = memoryview(body)
         return len(body)
@@ -174,32 +190,42 @@ class S3Client:
         from transfer.store.s3ranges import ResumingStream
 
         return ResumingStream(
-            ranges, full_key, start, end, lambda attempt: self._retrying(what, attempt)
+            ranges, full_key, start, end, lambda attempt: self._retrying(what, attempt, full_key)
         )
 
     def head(self, full_key: str, what: str) -> int:
         """The object's size."""
         from transfer.store import s3objects
 
-        return self._retrying(what, lambda: s3objects.head(self._objects(), full_key))
+        return self._retrying(what, lambda: s3objects.head(self._objects(), full_key), full_key)
 
     def list_dirs(self, full_prefix: str, what: str) -> list[str]:
         """The names one level below ``full_prefix`` (a delimiter listing)."""
         from transfer.store import s3objects
 
-        return self._retrying(what, lambda: s3objects.list_dirs(self._objects(), full_prefix))
+        return self._retrying(
+            what, lambda: s3objects.list_dirs(self._objects(), full_prefix), full_prefix
+        )
 
     def list(self, full_prefix: str, what: str) -> list[tuple[str, int]]:
         """(key, size) of every object whose key starts with ``full_prefix``."""
         from transfer.store import s3objects
 
-        return self._retrying(what, lambda: s3objects.list_prefix(self._objects(), full_prefix))
+        return self._retrying(
+            what, lambda: s3objects.list_prefix(self._objects(), full_prefix), full_prefix
+        )
+
+    def holds_objects(self, full_prefix: str, what: str) -> bool:
+        """Whether anything is stored under ``full_prefix`` (one request)."""
+        from transfer.store import s3objects
+
+        return self._retrying(what, lambda: s3objects.holds_objects(self._objects(), full_prefix))
 
     def check(self, full_prefix: str, what: str) -> None:
         """Raises unless the bucket can be listed (one request)."""
         from transfer.store import s3objects
 
-        self._retrying(what, lambda: s3objects.reachable(self._objects(), full_prefix))
+        self._retrying(what, lambda: s3objects.reachable(self._objects(), full_prefix), full_prefix)
 
     def close(self) -> None:
         with self._lock:

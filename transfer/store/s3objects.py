@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import html
 import os
 import re
 from collections.abc import Callable
@@ -47,6 +48,8 @@ _STATUS = re.compile(r"status code: (\d{3})")
 _HTTP_KIND = re.compile(r"HttpError\s*\{\s*kind:\s*(\w+)")
 _OS_MESSAGE = re.compile(r'message: "([^"]+)"')
 _URL = re.compile(r"Error performing \w+ (\w+://[^/?\s]+)")
+_XML_CODE = re.compile(r"<Code>([^<]{1,100})</Code>")
+_XML_MESSAGE = re.compile(r"<Message>([^<]{1,500})</Message>")
 _NETWORK = {
     "Connect": "Could not connect to the endpoint",
     "Timeout": "no reply within the read timeout from",
@@ -158,12 +161,23 @@ def _typed_errors(call: Callable[P, R]) -> Callable[P, R]:
             status = _status_of(exc)
             if status is not None:
                 text = " ".join(str(exc).split("Debug source:")[0].split())
-                raise ReplyError(status, text[:300]) from exc
+                code, said = _xml_field(text, _XML_CODE), _xml_field(text, _XML_MESSAGE)
+                if code:  # the S3 error reply, parsed (not its XML, cut mid-word)
+                    text = f"{code} ({status})" + (f": {said}" if said else "")
+                raise ReplyError(status, text[:300], code=code, detail=said) from exc
             if isinstance(exc, GenericError):
                 raise ConnectionError(_describe_network_failure(exc)) from exc
             raise
 
     return typed
+
+
+def _xml_field(text: str, pattern: re.Pattern[str]) -> str | None:
+    """One field of an S3 error reply's XML body (None where the reply had no body)."""
+    match = pattern.search(text)
+    if match is None:
+        return None
+    return html.unescape(match.group(1)).strip() or None
 
 
 def _describe_network_failure(exc: BaseException) -> str:
@@ -226,3 +240,12 @@ def reachable(store: S3Store, prefix: str) -> None:
     of the store's top level (a few names: packs/, manifests/, ...), not a page of up to
     1,000 keys (252 KB at 512 nodes, on every command: bench/fleet.py)."""
     obstore.list_with_delimiter(store, prefix=prefix.rstrip("/") or None)
+
+
+@_typed_errors
+def holds_objects(store: S3Store, prefix: str) -> bool:
+    """Whether any object is stored under ``prefix``: the first object of a listing (one
+    request; not a delimiter listing, whose common prefixes SeaweedFS keeps for emptied
+    "directories")."""
+    first = next(iter(obstore.list(store, prefix=prefix.rstrip("/") or None, chunk_size=1)), [])
+    return bool(first)

@@ -20,6 +20,7 @@ ConnectionError or TimeoutError, each in one line.
 
 from __future__ import annotations
 
+import html
 import http.client
 import os
 import re
@@ -147,8 +148,11 @@ class HttpRanges:
             code = _CODE.search(text)
             message = _MESSAGE.search(text)
             name = code.group(1).decode(errors="replace") if code else reply.reason
-            detail = f": {message.group(1).decode(errors='replace')}" if message else ""
-            raise ReplyError(reply.status, f"{name} ({reply.status}){detail}", code=name)
+            said = html.unescape(message.group(1).decode(errors="replace")) if message else None
+            detail = f": {said}" if said else ""
+            raise ReplyError(
+                reply.status, f"{name} ({reply.status}){detail}", code=name, detail=said
+            )
         got_start = 0
         if reply.status == 206:
             content_range = reply.getheader("Content-Range", "")

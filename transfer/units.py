@@ -1,0 +1,20 @@
+"""Sizes as ``ferry`` prints them: one formatter, in decimal units (1 MB = 1000**2 bytes, as
+``ferry push``'s rates in MB/s are), for every command's output: push, pull, ls, verify,
+du, retention plans. Here, beside the layers, so the CLI and retention share it (typed
+sizes, ``parse_size``, accept both decimal and binary units)."""
+
+from __future__ import annotations
+
+_UNITS = ("B", "KB", "MB", "GB", "TB")
+
+
+def format_size(nbytes: float | None) -> str:
+    """``512 B``, ``4.2 MB``, ``1,234.5 TB``; ``-`` for None (unknown)."""
+    if nbytes is None:
+        return "-"
+    n = float(nbytes)
+    for unit in _UNITS:
+        if abs(n) < 1000 or unit == _UNITS[-1]:
+            return f"{int(n)} B" if unit == "B" else f"{n:,.1f} {unit}"
+        n /= 1000
+    raise AssertionError("unreachable")
