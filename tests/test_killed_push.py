@@ -5,6 +5,7 @@ checkpoint."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -34,16 +35,24 @@ def _store_with_one_step(tmp_path: Path) -> tuple[str, Path]:
 
 
 def _pushing(url: str, src: Path) -> subprocess.Popen[str]:
-    """``ferry push`` of ``src``, returned once its first pack is being written."""
+    """``ferry push`` of ``src``, returned once bytes of its first pack are on disk (the temp
+    file is created before the compressor emits anything)."""
     cmd = [sys.executable, "-m", "agent", "push", str(src), url, "--job", JOB,
            "--node", "n0", "--zstd-level", "19", "--full"]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
-    while not _temp_files(url):
+    while not any(_size(p) for p in _temp_files(url)):
         assert proc.poll() is None, proc.communicate()
         assert time.monotonic() < deadline, "the push never began a pack"
         time.sleep(0.05)
     return proc
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:  # renamed into its pack meanwhile
+        return 0
 
 
 def _temp_files(url: str) -> list[Path]:
@@ -103,16 +112,21 @@ def test_what_a_killed_push_leaves_is_counted_and_collected(
     _assert_step_1_pulls(url, tmp_path)
 
 
-def test_a_live_push_keeps_its_unfinished_upload(tmp_path: Path) -> None:
+def test_a_live_push_keeps_its_unfinished_upload(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """The other side of the rule: while a push holds its lease, retention without a grace
-    period aborts nothing (the upload is that push's), and the push then commits."""
+    period aborts nothing (the upload is that push's), and the push then commits (a deleted
+    temp file would fail its rename)."""
     from agent.cli import main as ferry
 
     url, two = _store_with_one_step(tmp_path)
     proc = _pushing(url, two)
     try:
         assert ferry(["retention", url, "--grace", "0"]) == 0
-        assert _temp_files(url) or proc.poll() is not None
+        out = capsys.readouterr().out
+        assert "1 pushes running: without grace, none goes" in out
+        assert not re.search(r"aborted [1-9]", out), out
     finally:
         _, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
