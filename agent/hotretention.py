@@ -190,12 +190,18 @@ async def apply_hot(
             continue
         try:
             hidden = hot.hide(Path(s.path))  # (one rename: no await between check and act)
-            await asyncio.to_thread(shutil.rmtree, hidden)
         except OSError as exc:
             plan.errors.append(f"could not evict {s.path}: {exc}")
             continue
+        # forgotten before the await: a prefetch may restore the step again meanwhile, and
+        # its "restored here" record must outlive this eviction (else hot retention keeps
+        # the restore for good and the watcher takes it for this node's own save)
         journal.forget(s.job, s.step)
         plan.evicted.append(s.path)
+        try:
+            await asyncio.to_thread(shutil.rmtree, hidden)
+        except OSError as exc:  # hidden already: sweep_evictions removes it at the next start
+            plan.errors.append(f"could not remove evicted {hidden}: {exc}")
         event(log, "hot_evicted", job=s.job, step=s.step, path=s.path, bytes=s.bytes,
               reason=s.reason)  # fmt: skip
     return plan

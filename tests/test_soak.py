@@ -18,14 +18,18 @@ import json
 import os
 import random
 import re
+import shutil
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import aiohttp
 import pytest
 
+from agent import hotretention
 from agent.config import RetentionSettings
 from agent.estimate import BandwidthMeter
 from agent.holds import StepHolds
@@ -233,6 +237,17 @@ async def soak(node: Node, store_url: str, src: Path) -> tuple[list[Sample], Dri
         return samples, d
 
 
+def _why_left(job_dir: Path, left: list[str], hot: dict[str, Any]) -> str:
+    """What the last retention run said of the step directories it left (and what they
+    hold): the message of a failure that only shows under load."""
+    out = []
+    for name in left:
+        said = [(h["action"], h["reason"]) for h in hot["steps"] if h["path"].endswith(name)]
+        files = sorted(p.name for p in (job_dir / name).iterdir())
+        out.append(f"{name}: plan {said or 'did not list it'}; files {files}")
+    return "; ".join(out) + f"; evicted {[Path(p).name for p in hot['evicted']]}"
+
+
 def soak_node(tmp_path: Path, store_url: str, **extra: str) -> Node:
     node = make_node(
         tmp_path,
@@ -305,10 +320,11 @@ def test_an_agent_serving_2000_prefetches_and_replications_stays_flat(
     assert m2000.rss_kib - m1000.rss_kib <= RSS_GROWTH_KIB, (m1000, m2000)
     # once retention has run, the hot dir holds the newest two steps and nothing else
     assert report["hot"]["errors"] == [] and report["errors"] == []
-    assert sorted(p.name for p in (node.hot / JOB).iterdir() if not p.name.startswith(".")) == [
+    left = sorted(p.name for p in (node.hot / JOB).iterdir() if not p.name.startswith("."))
+    assert left == [
         f"step_{FIRST_NEW + 198:06d}",
         f"step_{FIRST_NEW + 199:06d}",
-    ]
+    ], _why_left(node.hot / JOB, left, report["hot"])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -422,6 +438,43 @@ def test_a_step_that_comes_into_use_while_hot_retention_evicts_is_kept(tmp_path:
     on.journal.close()
     assert report["hot"]["errors"] == ["llm step 1 came into use; kept"]
     assert on.steps_here() == [1, 8, 9]
+
+
+def test_a_step_restored_again_while_its_eviction_is_removed_stays_a_restore(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Hot retention forgot an evicted step's journal rows after its directory was removed
+    (in a thread): a prefetch that restored the step again meanwhile lost its "restored
+    here" record, so the restore counted as this node's own save, "not in any colder tier
+    yet", kept for good (the soak, under load: a seed step left in the hot dir). The rows
+    go as the directory is renamed away, before the removal."""
+    removing, release = threading.Event(), threading.Event()
+
+    def slow_rmtree(path: Path, *args: Any) -> None:
+        removing.set()
+        release.wait(30)
+        shutil.rmtree(path, *args)
+
+    async def go() -> RestoredHere:
+        on = await RestoredHere.make(tmp_path, stored=[1, 8, 9], here=[1, 8, 9])
+        monkeypatch.setattr(hotretention, "shutil", SimpleNamespace(rmtree=slow_rmtree))
+        evicting = asyncio.create_task(on.retention.run_once())
+        while not removing.is_set():  # noqa: ASYNC110 (step 1 is hidden, its removal waits)
+            await asyncio.sleep(0.01)
+        record = await on.prefetched(1)  # not here any more: restored again
+        assert record.state is State.READY and record.satisfied_by == "restored", record
+        release.set()
+        report = await evicting
+        assert report["hot"]["errors"] == []
+        assert on.journal.is_restored(JOB, 1)
+        again = await on.retention.run_once()  # a restore the tier holds: evicted again
+        assert [Path(p).name for p in again["hot"]["evicted"]] == ["step_000001"], again["hot"]
+        await on.store.close()
+        return on
+
+    on = asyncio.run(go())
+    on.journal.close()
+    assert on.steps_here() == [8, 9]
 
 
 def test_prefetch_counters_never_go_down_when_records_are_forgotten(
