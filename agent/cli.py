@@ -296,11 +296,12 @@ def _transfer_options(args: argparse.Namespace) -> TransferOptions:
 
 
 def _store_options(args: argparse.Namespace) -> StoreOptions:
-    """The store options the command line chose, its pool sized to the command's window
-    (the default window where a command has no transfer flags)."""
+    """The store options the command line chose, its pool sized to the window the command
+    runs with (``--memory-mib`` may shrink ``--window``; the default window where a command
+    has no transfer flags)."""
     from transfer.store import StoreOptions
 
-    window = getattr(args, "window", TransferOptions.window)
+    window = _transfer_options(args).window if hasattr(args, "window") else TransferOptions.window
     settings = _chosen(args, StoreSettings)
     return StoreOptions.for_window(window, endpoint_url=args.endpoint_url, settings=settings)
 
@@ -315,6 +316,16 @@ def _progress(args: argparse.Namespace) -> Progress:
     from transfer.engine.progress import NoProgress
 
     return TerminalProgress() if not args.json and sys.stderr.isatty() else NoProgress()
+
+
+async def _require_store(store: Store, *, hint: str = "") -> None:
+    """The one check that a URL given to a command is a ckpt-ferry store, before the
+    command reads or writes anything there (a typo'd URL must not look like an empty store,
+    nor a directory in use for something else become one): NotAStoreError naming
+    ``ferry init`` (``hint`` appended), from ``require_store``."""
+    from transfer.engine.catalog import require_store
+
+    await require_store(store, hint=hint)
 
 
 #: every size the CLI prints: decimal MB/GB (transfer/units.py; retention's tables too)
@@ -334,8 +345,8 @@ async def _cmd_init(store: Store, args: argparse.Namespace) -> tuple[dict[str, A
 
 async def _cmd_push(store: Store, args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     from agent.journal import cli_push_journal, default_state_dir
-    from transfer.engine import push
-    from transfer.engine.catalog import init_store, require_store
+    from transfer.engine import PushPlan, push
+    from transfer.engine.catalog import init_store
 
     step = args.step if args.step is not None else step_from_dirname(args.ckpt_dir.name)
     if step is None:
@@ -344,7 +355,7 @@ async def _cmd_push(store: Store, args: argparse.Namespace) -> tuple[dict[str, A
     check_name("job", args.job)
     check_name("node", node)
     # before anything is written anywhere: a directory that is no store stays untouched
-    await (init_store(store) if args.init else require_store(store, hint=" (or pass --init)"))
+    await (init_store(store) if args.init else _require_store(store, hint=" (or pass --init)"))
     if not args.node and not os.environ.get("FERRY_NODE"):
         await _warn_if_new_part(store, args.job, step, node)
     # a push killed half way and run again reuses the packs it had made durable
@@ -358,11 +369,13 @@ async def _cmd_push(store: Store, args: argparse.Namespace) -> tuple[dict[str, A
             node=node,
             options=_transfer_options(args),
             progress=_progress(args),
-            base_step=args.base_step,
-            base_dir=args.base_dir,
-            resume=journal.resume(args.job, step, store.url),
-            part=args.part,
-            create_store=False,
+            plan=PushPlan(
+                base_step=args.base_step,
+                base_dir=args.base_dir,
+                resume=journal.resume(args.job, step, store.url),
+                part=args.part,
+                create_store=False,
+            ),
         )
         journal.remove()  # committed: its manifest references every pack
     finally:
@@ -395,7 +408,7 @@ async def _warn_if_new_part(store: Store, job: str, step: int, node: str) -> Non
 
 
 async def _cmd_pull(store: Store, args: argparse.Namespace) -> tuple[dict[str, Any], str]:
-    from transfer.engine import pull
+    from transfer.engine import PullEvents, PullPlan, Sources, pull
     from transfer.engine.settle import settle
 
     step = None if args.step == "latest" else _parse_step(args.step)
@@ -407,15 +420,10 @@ async def _cmd_pull(store: Store, args: argparse.Namespace) -> tuple[dict[str, A
     r = await pull(
         store,
         args.dest_dir,
-        job=args.job,
-        step=step,
-        node=args.node,
-        manifests=manifests,
-        options=_transfer_options(args),
-        progress=_progress(args),
-        base_dir=args.base_dir,
-        fsync=args.fsync,
-        share=share,
+        PullPlan(args.job, step, args.node, manifests, share=share, fsync=args.fsync),
+        Sources(base_dir=args.base_dir),
+        PullEvents(progress=_progress(args)),
+        _transfer_options(args),
     )
     rate = r.bytes_raw / r.seconds / 1e6 if r.seconds else 0.0
     what = f"{_human(r.bytes_raw)}"
@@ -466,13 +474,13 @@ async def _share_of(store: Store, args: argparse.Namespace, step: int | None) ->
 
 
 async def _cmd_ls(store: Store, args: argparse.Namespace) -> tuple[dict[str, Any], str]:
-    from transfer.engine.catalog import list_checkpoints, load_manifest, require_store
+    from transfer.engine.catalog import list_checkpoints, load_manifest
     from transfer.format.manifest import chain_depths
 
     if args.job:
         check_name("job", args.job)
     rows: list[dict[str, Any]] = []
-    await require_store(store)  # a typo'd URL must not look like an empty store
+    await _require_store(store)
     found = await list_checkpoints(store, args.job)
     if args.job and not found:
         jobs = sorted({c.job for c in await list_checkpoints(store)})
@@ -528,14 +536,14 @@ def _coded(row: dict[str, Any]) -> str:
 async def _cmd_du(store: Store, args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     import time
 
-    from transfer.engine.catalog import list_checkpoints, require_store
+    from transfer.engine.catalog import list_checkpoints
     from transfer.retention import take_inventory
     from transfer.retention.policy import format_size as size
     from transfer.retention.usage import store_usage
 
     if args.job:
         check_name("job", args.job)
-    await require_store(store)
+    await _require_store(store)
     if args.job and not await list_checkpoints(store, args.job):
         raise CheckpointNotFoundError(f"no checkpoint of job {args.job!r} in {store.url}")
     now = time.time()
@@ -575,7 +583,7 @@ async def _cmd_pin(store: Store, args: argparse.Namespace) -> tuple[dict[str, An
     not pinned", ``"removed": false``."""
     from datetime import UTC, datetime
 
-    from transfer.engine.catalog import list_parts, require_store
+    from transfer.engine.catalog import list_parts
     from transfer.errors import CheckpointNotFoundError
     from transfer.retention.pins import pin, unpin
 
@@ -591,7 +599,7 @@ async def _cmd_pin(store: Store, args: argparse.Namespace) -> tuple[dict[str, An
             else f"{what} in {store.url} was not pinned (holder {holder}): nothing to unpin"
         )
         return doc | {"removed": removed}, line
-    await require_store(store)
+    await _require_store(store)
     if not await list_parts(store, args.job, args.step):
         raise CheckpointNotFoundError(f"no committed checkpoint {what} in {store.url}")
     expires = await pin(store, args.job, args.step, holder, args.ttl)
@@ -623,7 +631,6 @@ async def _cmd_verify(store: Store, args: argparse.Namespace) -> tuple[dict[str,
 async def _cmd_retention(store: Store, args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     import time
 
-    from transfer.engine.catalog import require_store
     from transfer.retention import Tier, TierPolicy, apply_plan, make_plan
     from transfer.retention.repack import RepackPolicy
     from transfer.store import open_store
@@ -637,7 +644,7 @@ async def _cmd_retention(store: Store, args: argparse.Namespace) -> tuple[dict[s
     nodes = tuple(check_name("node", n) for n in args.expected_nodes.split(",") if n)
     try:
         for tier in tiers:  # the colder store too: a store is made on purpose
-            await require_store(tier.store)
+            await _require_store(tier.store)
         repacking = None if args.no_repack else RepackPolicy(args.repack_min_dead)
         plan = await make_plan(tiers, now=time.time(), expected_nodes=nodes, repacking=repacking)
         await apply_plan(

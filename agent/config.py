@@ -10,16 +10,18 @@ unknown ``FERRY_*`` variables are ignored because other tools (tests, scripts) u
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import secrets
 import socket
 import stat
+import textwrap
 import tomllib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from agent.hotdir import HotDir
@@ -70,55 +72,247 @@ class RetentionSettings:
         return self.tiers[index] if index < len(self.tiers) else TierPolicy()
 
 
+def _key(
+    help: str,
+    toml: type,
+    *,
+    example: object = MISSING,
+    commented: bool = False,
+    default_text: str = "",
+) -> dict[str, object]:
+    """An agent key's declaration, the metadata of its AgentConfig field (which holds its
+    default; none: required or computed, said by ``default_text``): ``help`` (one line),
+    its ``toml`` type (str, int, float, bool, list of strings, or object: any of several),
+    and how the example config shows it (``example``: another value than the default;
+    ``commented``: as a comment)."""
+    return {
+        "help": help,
+        "toml": toml,
+        "example": example,
+        "commented": commented,
+        "default_text": default_text,
+    }
+
+
+@dataclass(frozen=True)
+class AgentKey:
+    """One top-level key of the agent config, as AgentConfig declares it: ``name`` in the
+    file, ``FERRY_<NAME>`` in the environment."""
+
+    name: str
+    toml: type
+    default: object  # MISSING: required (hot_dir) or computed (node: the host name)
+    help: str
+    example: object
+    commented: bool
+    default_text: str
+    #: a path (the TOML string is one)
+    path: bool = False
+
+
+#: AgentConfig's fields that are not top-level keys: its tables and the keys' provenance
+_NOT_TOP_KEYS = frozenset({"transfer", "store", "retention", "sources"})
+
+
 @dataclass(frozen=True)
 class AgentConfig:
-    node: str
-    hot_dir: Path
-    listen: str = "127.0.0.1:7070"
-    token_file: Path | None = None
-    commit_marker: str = ".metadata"
-    #: store URLs, hottest first
-    tiers: tuple[str, ...] = ()
-    #: other agents' base URLs (``http://10.0.0.2:7070``)
-    peers: tuple[str, ...] = ()
-    #: nodes whose parts make up a complete step; empty means a single-node job
-    expected_nodes: tuple[str, ...] = ()
-    endpoint_url: str | None = None
+    """The agent's configuration. Each top-level key is declared once, here (a field with
+    its default and ``_key``'s metadata):
+    the keys load_config reads and their types and defaults, the example config
+    (``example_toml``), the start-up log (``effective_config``) and docs/CONFIG.md
+    (``config_reference``) are made from these fields (``agent_keys()``)."""
+
+    node: str = field(
+        metadata=_key(
+            "This node's name in store keys; name it in containers.",
+            str,
+            example="node-a",
+            default_text="the host name",
+        )
+    )
+    hot_dir: Path = field(
+        metadata=_key(
+            "Training writes checkpoints to <hot_dir>/<job>/<step dir>/ (required). "
+            'e.g. "/nvme/ckpt"',
+            str,
+            example="ckpt/hot",
+        )
+    )
+    listen: str = field(
+        default="127.0.0.1:7070",
+        metadata=_key(
+            'Address of the agent\'s HTTP API (HOST:PORT); in a cluster: "0.0.0.0:7070".', str
+        ),
+    )
+    token_file: Path | None = field(
+        default=None,
+        metadata=_key(
+            "Bearer token for the API, read from this file (re-read when it changes); `ferry "
+            "agent` creates it (random, mode 600) when missing.",
+            str,
+            example="ferry.token",
+        ),
+    )
+    commit_marker: str = field(
+        default=".metadata",
+        metadata=_key(
+            "A step directory is complete once this file exists (PyTorch DCP writes it last). In "
+            "a multi-node job saving to each node's own disk, only rank 0's node gets .metadata: "
+            'on the others set "" (a step is pushed once its files are quiet; the step is judged '
+            "whole, against .metadata, by the node that finds the last part in, before it writes "
+            "the completion marker).",
+            str,
+        ),
+    )
+    tiers: tuple[str, ...] = field(
+        default=(),
+        metadata=_key(
+            "Stores to copy checkpoints to, hottest first: paths, file:// or s3://bucket/prefix. "
+            'e.g. ["/mnt/nfs/ckpt", "s3://bucket/ckpt"]',
+            list,
+            example=("ckpt/store",),
+        ),
+    )
+    peers: tuple[str, ...] = field(
+        default=(),
+        metadata=_key(
+            'Other nodes\' agents (base URLs), for peer-to-peer restore. e.g. ["http://10.0.0.2:7070"]',
+            list,
+        ),
+    )
+    expected_nodes: tuple[str, ...] = field(
+        default=(),
+        metadata=_key(
+            "Nodes whose parts make up a complete step (empty: a single-node job). "
+            'e.g. ["node-07", "node-08"]',
+            list,
+        ),
+    )
+    endpoint_url: str | None = field(
+        default=None,
+        metadata=_key(
+            "S3 endpoint of the s3:// tiers.",
+            str,
+            example="http://127.0.0.1:9000",
+            commented=True,
+            default_text="$AWS_ENDPOINT_URL",
+        ),
+    )
     #: how every tier is talked to: checksum (md5 lets an interrupted push salvage
     #: unfinished packs on SeaweedFS), tries per request, S3 timeouts
     store: StoreSettings = field(default_factory=StoreSettings)
-    max_body_bytes: int = 1 * MiB
-    prefetch_concurrency: int = 2
-    drain_seconds: float = 30.0
-    #: at start, abort pack uploads older than this (their writer died); 0 disables
-    orphan_upload_seconds: float = 3600.0
-    #: a committed step is pushed once none of its files changed for this long
-    quiet_seconds: float = 2.0
-    #: left empty (``Path()``) it becomes ``<hot_dir>/.ferry``
-    state_dir: Path = Path()
+    max_body_bytes: int = field(
+        default=1 * MiB, metadata=_key("Largest accepted API request body.", int)
+    )
+    prefetch_concurrency: int = field(
+        default=2, metadata=_key("Prefetches (scheduler-requested pulls) running at once.", int)
+    )
+    drain_seconds: float = field(
+        default=30.0, metadata=_key("On SIGTERM, how long in-flight transfers may finish.", float)
+    )
+    orphan_upload_seconds: float = field(
+        default=3600.0,
+        metadata=_key(
+            "At start, abort pack uploads begun longer ago than this (a killed push's); 0: never.",
+            float,
+        ),
+    )
+    quiet_seconds: float = field(
+        default=2.0,
+        metadata=_key(
+            "A committed step is pushed once none of its files changed for this long (a commit "
+            "marker copied in before the shards, by cp -r or rsync, does not make a torn step "
+            "durable).",
+            float,
+        ),
+    )
+    state_dir: Path = field(
+        default=Path(),
+        metadata=_key(
+            'Agent state (its push journal), e.g. "/nvme/ckpt/.ferry".',
+            str,
+            example="ckpt/hot/.ferry",
+            commented=True,
+            default_text="<hot_dir>/.ferry",
+        ),
+    )
     transfer: TransferSettings = field(default_factory=TransferSettings)
     retention: RetentionSettings | None = None
-    #: agent log lines: "text" or "json" (agent/logs.py)
-    log_format: str = "text"
-    #: jobs this node replicates each new durable step of, in the background (also
-    #: ``PUT /v1/standby/{job}``): agent/standby.py
-    standby_jobs: tuple[str, ...] = ()
-    standby_poll_seconds: float = 5.0
-    #: cap on a standby replication's bytes per second (0: none)
-    standby_max_rate: int = 250_000_000
-    #: the token peers present: good for what peers read of each other only (GET
-    #: /v1/chunks/...); this agent presents it to its peers too. None: peers use token_file's
-    peer_token_file: Path | None = None
-    #: TLS on the listener (PEM; re-read when they change): both or neither; with them the
-    #: agent serves HTTPS only, and its peers' http:// URLs become https://
-    tls_cert_file: Path | None = None
-    tls_key_file: Path | None = None
-    #: CA bundle outgoing calls verify agents against (None: the system store), and that
-    #: clients' certificates must chain to with ``tls_client_auth``
-    tls_ca_file: Path | None = None
-    #: require a client certificate (signed by tls_ca_file) on every route but /healthz;
-    #: the agent presents its own (tls_cert_file) to its peers
-    tls_client_auth: bool = False
+    log_format: str = field(
+        default="text", metadata=_key('Log lines: "text", or "json" for a log shipper.', str)
+    )
+    standby_jobs: tuple[str, ...] = field(
+        default=(),
+        metadata=_key(
+            "Jobs whose every new durable step this node copies in the background, so a prefetch "
+            "at scale-down finds it here (the scheduler can also register: PUT "
+            "/v1/standby/<job>; agent/standby.py).",
+            list,
+        ),
+    )
+    standby_poll_seconds: float = field(
+        default=5.0,
+        metadata=_key("How often that background copy looks in the tiers for a new step.", float),
+    )
+    standby_max_rate: int = field(
+        default=250_000_000,
+        metadata=_key(
+            'Cap on that background copy, per second ("250MB", bytes; 0: none).',
+            object,
+            example="250MB",
+        ),
+    )
+    peer_token_file: Path | None = field(
+        default=None,
+        metadata=_key(
+            "The token peers present to each other (the same file on every node): it reads "
+            "chunks (GET /v1/chunks/...) and nothing else; this agent sends it to its peers. "
+            "Unset: peers use token_file's token. Re-read when it changes, as token_file is "
+            "(docs/SECURITY.md).",
+            str,
+            example="/etc/ferry/peer-token/token",
+            commented=True,
+        ),
+    )
+    tls_cert_file: Path | None = field(
+        default=None,
+        metadata=_key(
+            "TLS certificate (PEM; a rotated one is picked up without a restart), with "
+            "tls_key_file (both or neither): the agent then serves HTTPS only, and its peers' "
+            "http:// URLs become https://.",
+            str,
+            example="/etc/ferry/tls/tls.crt",
+            commented=True,
+        ),
+    )
+    tls_key_file: Path | None = field(
+        default=None,
+        metadata=_key(
+            "The TLS certificate's private key (PEM).",
+            str,
+            example="/etc/ferry/tls/tls.key",
+            commented=True,
+        ),
+    )
+    tls_ca_file: Path | None = field(
+        default=None,
+        metadata=_key(
+            "CA bundle outgoing calls verify agents against (unset: the system store), and that "
+            "clients' certificates must chain to with tls_client_auth.",
+            str,
+            example="/etc/ferry/tls/ca.crt",
+            commented=True,
+        ),
+    )
+    tls_client_auth: bool = field(
+        default=False,
+        metadata=_key(
+            "Every client but a health probe must present a certificate signed by tls_ca_file "
+            "(needs tls_cert_file, which the agent presents to its peers).",
+            bool,
+            commented=True,
+        ),
+    )
     #: where each key set by the operator came from: "file" or "env FERRY_..."
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
 
@@ -163,33 +357,38 @@ def read_secret(path: Path, key: str) -> str:
     return token
 
 
+def agent_keys(config_class: type = AgentConfig) -> list[AgentKey]:
+    """The top-level keys ``config_class`` declares, in order. A field that is neither a
+    table nor declared with ``_key`` is a TypeError: a key cannot be added without its type,
+    default and help (this module runs it on import)."""
+    keys = []
+    for f in fields(config_class):
+        if f.name in _NOT_TOP_KEYS:
+            continue
+        if "help" not in f.metadata:
+            raise TypeError(
+                f"{config_class.__name__}.{f.name} is not declared: give it its default and "
+                "`metadata=_key(help, toml type)` (agent/config.py)"
+            )
+        m = f.metadata
+        example = f.default if m["example"] is MISSING else m["example"]
+        keys.append(
+            AgentKey(
+                f.name,
+                m["toml"],
+                f.default,
+                m["help"],
+                example,
+                m["commented"],
+                m["default_text"],
+                path="Path" in str(f.type),
+            )
+        )
+    return keys
+
+
 # Key -> the TOML type it must have; env strings are converted to that type first.
-_TOP_KEYS: dict[str, type] = {
-    "node": str,
-    "listen": str,
-    "token_file": str,
-    "hot_dir": str,
-    "commit_marker": str,
-    "tiers": list,
-    "peers": list,
-    "expected_nodes": list,
-    "endpoint_url": str,
-    "max_body_bytes": int,
-    "prefetch_concurrency": int,
-    "drain_seconds": float,
-    "orphan_upload_seconds": float,
-    "quiet_seconds": float,
-    "state_dir": str,
-    "log_format": str,
-    "standby_jobs": list,
-    "standby_poll_seconds": float,
-    "standby_max_rate": object,  # bytes per second, or a size string: "250MB"
-    "peer_token_file": str,
-    "tls_cert_file": str,
-    "tls_key_file": str,
-    "tls_ca_file": str,
-    "tls_client_auth": bool,
-}
+_TOP_KEYS: dict[str, type] = {key.name: key.toml for key in agent_keys()}
 #: top-level keys from before the [store] table, still read: key -> its type
 _MOVED_TO_STORE: dict[str, type] = {"checksum": str}
 _RETENTION_KEYS: dict[str, type] = {
@@ -218,45 +417,28 @@ def load_config(
     transfer_raw = raw.pop("transfer", {})
     store_raw = raw.pop("store", {})
     sources: dict[str, str] = {}
-    top = _typed(raw, {**_TOP_KEYS, **_MOVED_TO_STORE}, env, "", ENV_PREFIX, sources)
+    given = _typed(raw, {**_TOP_KEYS, **_MOVED_TO_STORE}, env, "", ENV_PREFIX, sources)
     transfer = _transfer_settings(transfer_raw, env, sources)
-    moved = {k: top.pop(k) for k in _MOVED_TO_STORE if k in top}
+    moved = {k: given.pop(k) for k in _MOVED_TO_STORE if k in given}
     store = _store_settings(store_raw, moved, env, sources)
-    if "hot_dir" not in top:
+    if "hot_dir" not in given:
         raise ConfigError("hot_dir is required (in the config file or FERRY_HOT_DIR)")
+    # the declared defaults, overlaid with what the operator set, each value checked
+    top: dict[str, Any] = {k.name: k.default for k in agent_keys() if k.default is not MISSING}
+    for key, value in given.items():
+        top[key] = _CHECKS.get(key, _as_given)(key, value)
+    if "node" not in given:  # computed: the host name
+        top["node"] = _name("node", _host_name())
+    if top["tls_cert_file"] is not None:  # this agent serves TLS: its fleet does too
+        top["peers"] = tuple(_https(url) for url in top["peers"])
+    _check_security(top)
     config = AgentConfig(
-        node=_name("node", top.get("node") or _host_name()),
-        hot_dir=_path("hot_dir", top["hot_dir"]),
-        listen=str(top.get("listen", AgentConfig.listen)),
-        token_file=_path("token_file", top["token_file"]) if "token_file" in top else None,
-        commit_marker=_commit_marker(top.get("commit_marker", AgentConfig.commit_marker)),
-        tiers=tuple(_tier_url(u) for u in _strs(top.get("tiers"))),
-        peers=tuple(_peer_url(u, "tls_cert_file" in top) for u in _strs(top.get("peers"))),
-        expected_nodes=_expected_nodes(_strs(top.get("expected_nodes"))),
-        endpoint_url=_http_url("endpoint_url", top["endpoint_url"])
-        if "endpoint_url" in top
-        else None,
+        **top,
         store=store,
-        max_body_bytes=_int_at_least("max_body_bytes", top.get("max_body_bytes", 1 * MiB), 1),
-        prefetch_concurrency=_int_at_least(
-            "prefetch_concurrency", top.get("prefetch_concurrency", 2), 1
-        ),
-        drain_seconds=_seconds("drain_seconds", top.get("drain_seconds", 30.0)),
-        orphan_upload_seconds=_seconds(
-            "orphan_upload_seconds", top.get("orphan_upload_seconds", 3600.0)
-        ),
-        quiet_seconds=_seconds("quiet_seconds", top.get("quiet_seconds", 2.0)),
-        state_dir=_path("state_dir", top["state_dir"]) if "state_dir" in top else Path(),
         transfer=transfer,
-        retention=_retention(retention_raw, env, len(top.get("tiers") or [])),  # type: ignore[arg-type]
-        log_format=_one_of("log_format", top.get("log_format", "text"), ("text", "json")),
-        standby_jobs=tuple(_name("standby_jobs", j) for j in _strs(top.get("standby_jobs"))),
-        standby_poll_seconds=_seconds("standby_poll_seconds", top.get("standby_poll_seconds", 5.0)),
-        standby_max_rate=_rate(top.get("standby_max_rate", AgentConfig.standby_max_rate)),
-        **_security(top),  # type: ignore[arg-type]
+        retention=_retention(retention_raw, env, len(top["tiers"])),
         sources=sources,
     )
-    _parse_listen(config.listen)
     if not config.commit_marker and config.quiet_seconds <= 0:
         raise ConfigError(
             'commit_marker = "" needs quiet_seconds > 0: without a marker, files that stayed '
@@ -278,28 +460,21 @@ def load_config(
     return config
 
 
-def _security(top: Mapping[str, object]) -> dict[str, object]:
-    """The credential and TLS keys: paths, and which go together (docs/SECURITY.md)."""
-    paths = {
-        key: _path(key, top[key]) if key in top else None
-        for key in ("peer_token_file", "tls_cert_file", "tls_key_file", "tls_ca_file")
-    }
-    if (paths["tls_cert_file"] is None) != (paths["tls_key_file"] is None):
+def _check_security(top: Mapping[str, object]) -> None:
+    """The credential and TLS keys that go together (docs/SECURITY.md)."""
+    if (top["tls_cert_file"] is None) != (top["tls_key_file"] is None):
         raise ConfigError("tls_cert_file and tls_key_file go together: set both or neither")
-    client_auth = bool(top.get("tls_client_auth", False))
-    if client_auth and (paths["tls_cert_file"] is None or paths["tls_ca_file"] is None):
+    if top["tls_client_auth"] and (top["tls_cert_file"] is None or top["tls_ca_file"] is None):
         raise ConfigError(
             "tls_client_auth = true needs tls_cert_file and tls_key_file (what the agent "
             "serves and presents to its peers) and tls_ca_file (what clients' certificates "
             "must chain to)"
         )
-    return {**paths, "tls_client_auth": client_auth}
 
 
-def _peer_url(url: str, tls: bool) -> str:
-    """A peer's base URL; https:// when this agent serves TLS (its fleet does too)."""
-    url = _http_url("peers", url).rstrip("/")
-    return "https://" + url[len("http://") :] if tls and url.startswith("http://") else url
+def _https(url: str) -> str:
+    """A peer's base URL when this agent serves TLS: https://."""
+    return "https://" + url[len("http://") :] if url.startswith("http://") else url
 
 
 def _read_toml(path: Path) -> dict[str, object]:
@@ -526,10 +701,6 @@ def _from_env(name: str, text: str, kind: type) -> object:
         raise ConfigError(f"{name}: expected {_TYPE_NAMES[kind]}, got {text!r}") from None
 
 
-def _strs(value: object) -> list[str]:
-    return list(value) if isinstance(value, list) else []
-
-
 def _host_name() -> str:
     return socket.gethostname().split(".")[0] or "node"
 
@@ -644,6 +815,45 @@ def _warn_if_shared(token_file: Path, key: str = "token_file") -> None:
         log.warning("%s %s is readable by others (chmod o-rwx it)", key, token_file)
 
 
+def _as_given(key: str, value: object) -> object:
+    """A value of its declared TOML type (a list kept as a tuple: the config is frozen)."""
+    return tuple(value) if isinstance(value, list) else value
+
+
+def _listen(key: str, value: str) -> str:
+    _parse_listen(value)
+    return value
+
+
+#: how a top-level value the operator set is checked and converted (a key not here is
+#: taken as given, once of its declared TOML type); the declared defaults need none
+_CHECKS: dict[str, Callable[[str, Any], object]] = {
+    "node": lambda key, name: _name(key, name or _host_name()),
+    "hot_dir": _path,
+    "listen": _listen,
+    "token_file": _path,
+    "commit_marker": lambda key, marker: _commit_marker(marker),
+    "tiers": lambda key, urls: tuple(_tier_url(u) for u in urls),
+    "peers": lambda key, urls: tuple(_http_url(key, u).rstrip("/") for u in urls),
+    "expected_nodes": lambda key, names: _expected_nodes(names),
+    "endpoint_url": _http_url,
+    "max_body_bytes": lambda key, n: _int_at_least(key, n, 1),
+    "prefetch_concurrency": lambda key, n: _int_at_least(key, n, 1),
+    "drain_seconds": _seconds,
+    "orphan_upload_seconds": _seconds,
+    "quiet_seconds": _seconds,
+    "state_dir": _path,
+    "log_format": lambda key, fmt: _one_of(key, fmt, ("text", "json")),
+    "standby_jobs": lambda key, jobs: tuple(_name(key, j) for j in jobs),
+    "standby_poll_seconds": _seconds,
+    "standby_max_rate": lambda key, rate: _rate(rate),
+    "peer_token_file": _path,
+    "tls_cert_file": _path,
+    "tls_key_file": _path,
+    "tls_ca_file": _path,
+}
+
+
 def _example_table(settings: type) -> str:
     """A settings class's table: its keys with their defaults and what each does."""
     lines = []
@@ -664,12 +874,107 @@ def example_toml() -> str:
     one node, deleting nothing (its ``[retention]`` table is commented out); the production
     values are in the comments (a test keeps it honest)."""
     return _EXAMPLE_TOML.format(
-        transfer=_example_table(TransferSettings), store=_example_table(StoreSettings)
+        top=_example_top(),
+        transfer=_example_table(TransferSettings),
+        store=_example_table(StoreSettings),
     )
 
 
-# example_toml()'s text; {transfer} and {store}: those tables, made from TransferSettings and
-# StoreSettings
+def _example_top() -> str:
+    """The top-level keys as AgentConfig declares them: each one's help as a comment, then
+    its line (commented out where the example leaves it unset)."""
+    lines = []
+    for key in agent_keys():
+        about = key.help + (f" Default: {key.default_text}." if key.default_text else "")
+        lines += textwrap.wrap(about, 92, initial_indent="# ", subsequent_indent="# ")
+        line = f"{key.name} = {_toml_value(key.example)}"
+        lines.append(f"# {line}" if key.commented else line)
+    return "\n".join(lines)
+
+
+def _toml_value(value: object) -> str:
+    """``value`` as TOML (the types of the agent's keys: strings, paths, numbers, switches,
+    lists of strings)."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, tuple | list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return json.dumps(str(value))
+
+
+def config_reference() -> str:
+    """docs/CONFIG.md: every key of the agent's config, made from the declarations (a test
+    keeps the file equal to this)."""
+    out = [
+        "# The agent's configuration keys",
+        "",
+        "Generated from their declarations (`AgentConfig`, `TransferSettings` and "
+        "`StoreSettings`) by `agent.config.config_reference()`; `tests/test_config_keys.py` "
+        "fails when this file differs (regenerate it: `python -c 'from agent.config import "
+        'config_reference as r; print(r(), end="")\' > docs/CONFIG.md`). `ferry agent '
+        "--print-example-config` prints a "
+        "commented example config. Each key comes from the TOML file or the environment "
+        "variable beside it (the environment wins; lists comma-separated); unknown keys in "
+        "the file are errors.",
+        "",
+        "## Top level",
+        "",
+        "| key | type | default | environment | what it does |",
+        "|---|---|---|---|---|",
+    ]
+    for key in agent_keys():
+        if key.default_text or key.default in (MISSING, None):
+            default = key.default_text or ("required" if key.default is MISSING else "unset")
+        else:
+            default = f"`{_toml_value(key.default)}`"
+        kind = "a path" if key.path else _TYPE_NAMES.get(key.toml, "true or false")
+        kind = "bytes or a size" if key.toml is object else kind
+        out.append(
+            f"| `{key.name}` | {kind} | {_cell(default)} | `{ENV_PREFIX}{key.name.upper()}` | "
+            f"{_cell(key.help)} |"
+        )
+    for table, settings in (("transfer", TransferSettings), ("store", StoreSettings)):
+        out += [
+            "",
+            f"## [{table}]",
+            "",
+            f"The same names, with dashes, are the `ferry` commands' flags ({settings.__name__} "
+            "in transfer/options.py).",
+            "",
+            "| key | type | default | environment | what it does |",
+            "|---|---|---|---|---|",
+        ]
+        for knob in knobs(settings):
+            default = knob.default_text or f"`{_toml_value(knob.default)}`"
+            kind = (
+                f"one of {', '.join(knob.choices)}"
+                if knob.choices
+                else (_TYPE_NAMES.get(knob.kind, "true or false"))
+            )
+            env_name = f"{ENV_PREFIX}{table.upper()}_{knob.name.upper()}"
+            out.append(
+                f"| `{knob.name}` | {kind} | {default} | `{env_name}` | {_cell(knob.help)} |"
+            )
+    out += [
+        "",
+        "## [retention]",
+        "",
+        "Without the table the agent deletes nothing, anywhere: docs/RETENTION.md, and the "
+        "commented table in the example config.",
+        "",
+    ]
+    return "\n".join(out)
+
+
+def _cell(text: str) -> str:
+    """``text`` in a Markdown table cell (``<job>`` is no HTML tag)."""
+    return text.replace("|", "\\|").replace("<", "\\<")
+
+
+# example_toml()'s text; {top}: the top-level keys, made from AgentConfig; {transfer} and
+# {store}: those tables, made from TransferSettings and StoreSettings
 _EXAMPLE_TOML = """\
 # ckpt-ferry node agent: `ferry agent --config ferry.toml`, from this file's directory
 # (relative paths are relative to where the agent starts). As printed it is a one-node
@@ -679,63 +984,7 @@ _EXAMPLE_TOML = """\
 # [transfer] keys as FERRY_TRANSFER_<KEY>, [store] keys as FERRY_STORE_<KEY>); the agent
 # logs where each value came from.
 
-# This node's name in store keys (default: the host name; name it in containers).
-node = "node-a"
-# Address of the agent's HTTP API (HOST:PORT); in a cluster: "0.0.0.0:7070".
-listen = "127.0.0.1:7070"
-# Bearer token for the API, read from this file; created (random, mode 600) when missing.
-token_file = "ferry.token"
-# The token peers present to each other (the same file on every node): it reads chunks
-# (GET /v1/chunks/...) and nothing else; this agent sends it to its peers. Unset: peers
-# use token_file's token. Re-read when it changes, as token_file is (docs/SECURITY.md).
-# peer_token_file = "/etc/ferry/peer-token/token"
-# TLS (PEM files; a rotated certificate is picked up without a restart): with a certificate
-# the agent serves HTTPS only, and its peers' http:// URLs become https://. Outgoing calls
-# verify agents against tls_ca_file (unset: the system store). tls_client_auth = true: every
-# client but a health probe must present a certificate signed by tls_ca_file (the agent
-# presents its own to its peers).
-# tls_cert_file = "/etc/ferry/tls/tls.crt"
-# tls_key_file = "/etc/ferry/tls/tls.key"
-# tls_ca_file = "/etc/ferry/tls/ca.crt"
-# tls_client_auth = false
-# Training writes checkpoints to <hot_dir>/<job>/<step dir>/ (required). e.g. "/nvme/ckpt"
-hot_dir = "ckpt/hot"
-# A step directory is complete once this file exists (PyTorch DCP writes it last). In a
-# multi-node job saving to each node's own disk, only rank 0's node gets .metadata: on the
-# others set "" (a step is pushed once its files are quiet; the step is judged whole, against
-# .metadata, by the node that finds the last part in, before it writes the completion marker).
-commit_marker = ".metadata"
-# Stores to copy checkpoints to, hottest first: paths, file:// or s3://bucket/prefix.
-# e.g. ["/mnt/nfs/ckpt", "s3://bucket/ckpt"]
-tiers = ["ckpt/store"]
-# Other nodes' agents, for peer-to-peer restore. e.g. ["http://10.0.0.2:7070"]
-peers = []
-# Nodes whose parts make up a complete step (empty: a single-node job).
-# e.g. ["node-07", "node-08"]
-expected_nodes = []
-# S3 endpoint (default: $AWS_ENDPOINT_URL). e.g. "http://127.0.0.1:9000"
-# endpoint_url = "http://127.0.0.1:9000"
-# Largest accepted API request body.
-max_body_bytes = 1048576
-# Prefetches (scheduler-requested pulls) running at once.
-prefetch_concurrency = 2
-# On SIGTERM, how long in-flight transfers may finish.
-drain_seconds = 30.0
-# At start, abort pack uploads begun longer ago than this (a killed push's); 0: never.
-orphan_upload_seconds = 3600.0
-# A committed step is pushed once none of its files changed for this long (a commit marker
-# copied in before the shards, by cp -r or rsync, does not make a torn step durable).
-quiet_seconds = 2.0
-# Agent state (default: <hot_dir>/.ferry). e.g. "/nvme/ckpt/.ferry"
-# state_dir = "ckpt/hot/.ferry"
-# Log lines: "text", or "json" for a log shipper.
-log_format = "text"
-# Jobs whose every new durable step this node copies in the background, so a prefetch at
-# scale-down finds it here (the scheduler can also register: PUT /v1/standby/<job>).
-standby_jobs = []
-standby_poll_seconds = 5.0
-# Cap on that background copy, per second ("250MB", bytes; 0: none).
-standby_max_rate = "250MB"
+{top}
 
 [transfer]
 {transfer}

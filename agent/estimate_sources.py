@@ -20,9 +20,10 @@ from transfer.engine.catalog import Catalog, resolve_checkpoint
 from transfer.engine.chunkindex import ChunkIndex
 from transfer.engine.dcpshare import Layout, parse_ranks
 from transfer.engine.pull import local_bases, share_chunk_ids
+from transfer.engine.pullplan import merged_files
 from transfer.engine.share import Share, covers, plan_share, read_record
 from transfer.errors import CheckpointNotFoundError, FerryError, StoreError
-from transfer.format.manifest import Manifest
+from transfer.format.manifest import FileEntry, Manifest
 from transfer.store.base import Store
 
 
@@ -106,20 +107,22 @@ class PrefetchEstimator:
         here = self._held_here(job, step)
         if here is not None:  # nothing moves: a replica is checked by stat, a copy re-hashed
             return await self._held_sourcing(job, step, here, total)
-        wanted = None
+        wanted, files = None, None
         if share is not None:
             copy = self.config.hot.step_path(job, step)
             if self.config.hot.is_share(copy) and covers(read_record(copy) or {}, share):
                 return Sourcing("local", {"local": 0}, 0, "default")  # held: nothing to do
-            wanted = share_chunk_ids(manifests, share)
+            files = merged_files(manifests)  # (once: the bases' positions reuse it)
+            wanted = share_chunk_ids(files, share)
         held = await self._held_manifests(store, job, step)
-        return await self._source_of(tier, store, manifests, held, wanted)
+        return await self._source_of(tier, store, manifests, files, held, wanted)
 
     async def _source_of(
         self,
         tier: str,
         store: Store,
         manifests: list[Manifest],
+        files: list[FileEntry] | None,
         held: dict[LocalCheckpoint, list[Manifest]],
         wanted: set[str] | None = None,
     ) -> Sourcing:
@@ -140,7 +143,10 @@ class PrefetchEstimator:
         }
         # what the newest earlier step held here has at each chunk's position
         base = next((c for c in held if c.step < manifests[0].step), None)
-        bases = local_bases(base.path, held[base], manifests) if base and needed else {}
+        bases = {}
+        if base is not None and needed:
+            merged = files if files is not None else merged_files(manifests)
+            bases = local_bases(base.path, held[base], merged)
         meter, peers = self.meter, self.prefetcher.fanout_client
         content, bases_moved = _to_move(index, needed, held_ids)
         budget = probe.budget(content + bases_moved)

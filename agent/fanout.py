@@ -23,9 +23,9 @@ import threading
 import time
 from collections.abc import Collection, Iterable, Mapping
 
-from agent.peers import Location, PeerSource
+from agent.peers import PeerSource
 from transfer.engine.chunkindex import StoredChunk
-from transfer.engine.pull import Land, LocalBase, Supplied
+from transfer.engine.sources import Land, LocalBase, Location, Supplied
 
 #: how long an owner holds a peer's request for a chunk it is still fetching
 WAIT_SECONDS = 30.0

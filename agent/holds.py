@@ -7,7 +7,7 @@ from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-Key = tuple[str, int]  # (job, step)
+from transfer.format.names import Key
 
 
 class StepHolds:

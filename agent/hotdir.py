@@ -75,14 +75,9 @@ class AgentLock:
 
 @dataclass(frozen=True)
 class LocalCheckpoint:
-    job: str
-    step: int
-    path: Path
-
-
-@dataclass(frozen=True)
-class StepDir:
-    """A step directory, committed or not (the watcher reports it once committed)."""
+    """A step directory of a job in the hot dir: what ``step_dirs`` lists, committed or not
+    (the watcher reports it once committed); ``checkpoints`` lists the committed ones and
+    ``shares`` the partial copies."""
 
     job: str
     step: int
@@ -112,13 +107,13 @@ class HotDir:
                 continue
         return sorted(jobs)
 
-    def step_dirs(self, job: str) -> list[StepDir]:
+    def step_dirs(self, job: str) -> list[LocalCheckpoint]:
         """Every step directory of ``job``, committed or not, in no order."""
         found = []
         for entry in _visible_dirs(self.job_path(job)):
             step = step_from_dirname(entry.name)
             if step is not None:
-                found.append(StepDir(job, step, Path(entry.path)))
+                found.append(LocalCheckpoint(job, step, Path(entry.path)))
         return found
 
     def is_committed(self, step_dir: Path) -> bool:
@@ -137,22 +132,13 @@ class HotDir:
 
     def checkpoints(self, job: str) -> list[LocalCheckpoint]:
         """Committed step directories of ``job``, newest first."""
-        found = [
-            LocalCheckpoint(d.job, d.step, d.path)
-            for d in self.step_dirs(job)
-            if self.is_committed(d.path)
-        ]
+        found = [d for d in self.step_dirs(job) if self.is_committed(d.path)]
         found.sort(key=lambda c: c.step, reverse=True)
         return found
 
     def shares(self) -> list[LocalCheckpoint]:
         """Partial copies (shares) of every job, newest first within a job."""
-        found = [
-            LocalCheckpoint(d.job, d.step, d.path)
-            for job in self.jobs()
-            for d in self.step_dirs(job)
-            if self.is_share(d.path)
-        ]
+        found = [d for job in self.jobs() for d in self.step_dirs(job) if self.is_share(d.path)]
         found.sort(key=lambda c: (c.job, -c.step))
         return found
 

@@ -31,13 +31,13 @@ from transfer.engine.catalog import load_manifest
 from transfer.engine.scan import scan_checkpoint
 from transfer.errors import FerryError
 from transfer.format.manifest import Manifest
+from transfer.format.names import Key
 from transfer.retention.copy import step_problems
 from transfer.store.base import Store
 
 log = logging.getLogger(__name__)
 
 MIN_KEEP_LAST = 2
-Key = tuple[str, int]
 
 
 @dataclass

@@ -32,12 +32,10 @@ from transfer.codec.transforms import Buffer
 from transfer.directio import ThreadBuffers
 from transfer.engine.catalog import Catalog
 from transfer.engine.chunkindex import StoredChunk
-from transfer.engine.pull import Land, LocalBase, Supplied
 from transfer.engine.resolver import read_file_into, read_file_verified
+from transfer.engine.sources import Land, LocalBase, Location, Supplied
 from transfer.errors import FerryError
 from transfer.store.base import Store
-
-Location = tuple[Path, int, int]  # file, offset, size
 
 
 class HotIndex:

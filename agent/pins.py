@@ -14,9 +14,8 @@ import time
 from agent.hotdir import HotDir
 from transfer.engine.catalog import list_parts, open_catalog
 from transfer.errors import CheckpointNotFoundError
+from transfer.format.names import Key
 from transfer.store.base import Store
-
-Key = tuple[str, int]  # (job, step)
 
 
 class LocalPins:

@@ -12,6 +12,7 @@ import asyncio
 import collections
 import contextlib
 import ctypes
+import dataclasses
 import enum
 import functools
 import logging
@@ -31,17 +32,19 @@ from agent.holds import StepHolds
 from agent.hotdir import HotDir, LocalCheckpoint, path_in_step_dir
 from agent.logs import event
 from agent.peers import PeerSource
+from agent.services import Spawn, own_task
 from transfer.durable import fsync_dir
-from transfer.engine import TransferOptions, pull, resolve_manifests
+from transfer.engine import PullEvents, PullPlan, Sources, TransferOptions, pull, resolve_manifests
 from transfer.engine.catalog import Catalog, resolve_checkpoint
 from transfer.engine.dcpshare import Layout
 from transfer.engine.localcheck import local_copy_differences
-from transfer.engine.parts import merge_parts
-from transfer.engine.pull import ChunkSource, share_chunk_ids
+from transfer.engine.pull import share_chunk_ids
+from transfer.engine.pullplan import merged_files
 from transfer.engine.ratelimit import RateLimit
 from transfer.engine.scan import SourceFile, check_unchanged, scan_checkpoint
 from transfer.engine.settle import settle, staging_path
-from transfer.engine.share import Share, covers, plan_share, plan_shares, read_record, widen
+from transfer.engine.share import covers, plan_share, plan_shares, read_record, widen
+from transfer.engine.sources import ChunkSource
 from transfer.engine.staging import discard_leftovers, sweep_stale_staging
 from transfer.errors import (
     CheckpointNotFoundError,
@@ -51,7 +54,7 @@ from transfer.errors import (
     SourceChangedError,
     StoreError,
 )
-from transfer.format.manifest import Manifest
+from transfer.format.manifest import FileEntry, Manifest
 from transfer.retention import pin, unpin
 from transfer.store.base import Store
 
@@ -174,8 +177,11 @@ class Prefetcher:
         pin_holder: str | None = None,
         background_rate: float | None = None,
         fanout_client: PeerSource | None = None,
+        spawn: Spawn = own_task,
     ) -> None:
         self.expected_nodes = expected_nodes
+        #: starts each job's task (in the agent: its services' group, which awaits them all)
+        self.spawn = spawn
         #: asks the members of a fan-out restore (agent/fanout.py) for their shares
         self.fanout_client = fanout_client
         #: chunks of the restores running here, as they land: the chunk route serves them
@@ -237,7 +243,7 @@ class Prefetcher:
             self.landing.begin()  # ended when the job ends (_run)
         self._forget_oldest_finished()
         self.jobs[record.id] = record
-        record.task = asyncio.create_task(self._run(record), name=f"prefetch-{record.id}")
+        record.task = self.spawn(self._run(record), name=f"prefetch-{record.id}")
         return record
 
     def _forget_oldest_finished(self) -> None:
@@ -377,12 +383,14 @@ class Prefetcher:
         beside it (reusing its verified chunks), then move in only the files it lacks; files
         it has are never touched."""
         assert record.step is not None
-        for entry, _ in merge_parts(manifests):  # fail before downloading anything
+        files = merged_files(manifests)  # once: checked here, restored, then moved in
+        for entry in files:  # fail before downloading anything
             path_in_step_dir(here, entry.path)
         scratch = staging_path(here, "fill-")
         try:
-            await self._restore(record, name, store, manifests, scratch, base=here)
-            await asyncio.to_thread(_move_missing, scratch, here, manifests)
+            plan = PullPlan(record.job, record.step, manifests=manifests, files=files)
+            await self._restore(record, name, store, plan, scratch, base=here)
+            await asyncio.to_thread(_move_missing, scratch, here, files)
         finally:
             await asyncio.to_thread(shutil.rmtree, scratch, True)
 
@@ -445,7 +453,8 @@ class Prefetcher:
             except FerryError:
                 base_manifests = None  # not in this tier: look everywhere, as without it
         base_dir = base.path if base is not None else None
-        await self._restore(record, name, store, manifests, dest, base_dir, base_manifests)
+        plan = PullPlan(record.job, record.step, manifests=manifests)
+        await self._restore(record, name, store, plan, dest, base_dir, base_manifests)
         record.satisfied_by = "restored"
         files = await asyncio.to_thread(scan_checkpoint, dest)
         self._restored[(record.job, record.step)] = (files, record.background)
@@ -472,15 +481,17 @@ class Prefetcher:
         base = max(older, key=lambda c: c.step, default=None) if had is None else None
         with self.holds.hold((record.job, record.step), (record.job, base.step) if base else None):
             if had is None:
-                await self._restore(record, name, store, manifests, dest,
-                                    base.path if base else None, share=share)  # fmt: skip
+                plan = PullPlan(record.job, record.step, manifests=manifests, share=share)
+                await self._restore(record, name, store, plan, dest, base.path if base else None)
                 record.satisfied_by = "restored"
                 return
             wider = None if share is None else widen(share, had)
             scratch = staging_path(dest, "fill-")
             try:
-                await self._restore(record, name, store, manifests, scratch, dest, share=wider,
-                                    fsync=True)  # fmt: skip
+                plan = PullPlan(
+                    record.job, record.step, manifests=manifests, share=wider, fsync=True
+                )
+                await self._restore(record, name, store, plan, scratch, dest)
                 await asyncio.to_thread(_swap_in, scratch, dest)
             finally:
                 await asyncio.to_thread(shutil.rmtree, scratch, True)
@@ -510,61 +521,49 @@ class Prefetcher:
         record: PrefetchJob,
         name: str,
         store: Store,
-        manifests: list[Manifest],
+        plan: PullPlan,
         dest: Path,
         base: Path | None,
         base_manifests: list[Manifest] | None = None,
-        share: Share | None = None,
-        fsync: bool = False,
     ) -> None:
-        """Pull the checkpoint (or ``share`` of it) into ``dest`` (peers first, then this
-        tier) and record what moved from where; the tier's measured bandwidth feeds later
-        estimates."""
-        assert record.step is not None
+        """Pull ``plan``'s checkpoint (or its share) into ``dest`` (its manifests resolved
+        once, by _fetch: not read again; ``base``, then peers, then this tier) and record
+        what moved from where; the tier's measured bandwidth feeds later estimates."""
+        assert record.step is not None and plan.manifests is not None
+        manifests, share = plan.manifests, plan.share
         if self.on_restore is not None:
             self.on_restore(record.job, record.step)
         source = f"tier:{name}"
         record.bytes_by_source.setdefault(source, 0)  # named even when it sends nothing
         record.eta_rate = self.meter.rate(source)
-        chunk_source, own_share = self.chunk_source, None
-        if record.fanout is not None and self.fanout_client is not None:
-            needs = await _members_needs(store, manifests, record.fanout_layouts)
-            me = record.fanout[
-                1
-            ]  # this member's needs are its own request's, whatever the map said
-            needs.pop(me, None)
-            if share is not None:
-                needs[me] = await asyncio.to_thread(share_chunk_ids, manifests, share)
-            fan = FanoutSource(self.fanout_client, *record.fanout, needs)
-            await fan.probe()
-            chunk_source, own_share = fan, fan.mine
-        began = time.monotonic()
+        peers = (self.chunk_source,) if self.chunk_source is not None else ()
+        sources = Sources(base, base_manifests, peers)
         # what this restore will land here: members asking for it are held until it does
-        wanted = []
-        if own_share is not None:
+        wanted: list[str] = []
+        if record.fanout is not None and self.fanout_client is not None:
+            files = plan.files
+            if files is None:  # merged once, for every member's needs and for the pull
+                files = await asyncio.to_thread(merged_files, manifests)
+                plan = dataclasses.replace(plan, files=files)
+            needs = await _members_needs(store, manifests, files, record.fanout_layouts)
+            me = record.fanout[1]  # its needs: its own request's, whatever the map said
+            needs.pop(me, None)
             wanted = [c.id for m in manifests for f in m.files for c in f.chunks]
             if share is not None:
-                wanted = list(share_chunk_ids(manifests, share))
+                needs[me] = await asyncio.to_thread(share_chunk_ids, files, share)
+                wanted = list(needs[me])
+            fan = FanoutSource(self.fanout_client, *record.fanout, needs)
+            await fan.probe()
+            sources = Sources(base, base_manifests, (fan,), fan.mine)
+        began = time.monotonic()
         self.landing.expect(wanted)
+        rate_limit = self.background_limit if record.background else None
+        events = PullEvents(
+            _JobProgress(record), self.landing.land, functools.partial(_count_moved, record, source)
+        )
         try:
-            result = await pull(
-                store,
-                dest,
-                job=record.job,
-                step=record.step,
-                manifests=manifests,  # resolved once, by _fetch: not read again
-                options=self.options,
-                progress=_JobProgress(record),
-                base_dir=base,
-                base_manifests=base_manifests,
-                chunk_source=chunk_source,
-                rate_limit=self.background_limit if record.background else None,
-                own_share=own_share,
-                on_landed=self.landing.land,
-                on_moved=functools.partial(_count_moved, record, source),
-                share=share,
-                fsync=fsync,
-            )
+            plan = dataclasses.replace(plan, rate_limit=rate_limit)
+            result = await pull(store, dest, plan, sources, events, self.options)
         finally:
             self.landing.release(wanted)
         # the rate of whichever source moved most of it: a peer-served restore timed as the
@@ -586,10 +585,14 @@ def _layout_of(doc: dict[str, Any]) -> Layout:
 
 
 async def _members_needs(
-    store: Store, manifests: list[Manifest], layouts: dict[str, dict[str, Any]]
+    store: Store,
+    manifests: list[Manifest],
+    files: list[FileEntry],
+    layouts: dict[str, dict[str, Any]],
 ) -> dict[str, set[str]]:
     """For each fan-out member prefetching a share: the chunks its share needs (from the
-    step's .metadata, read once); a member not named prefetches the whole step."""
+    step's .metadata, read once; ``files``: the manifests' merged); a member not named
+    prefetches the whole step."""
     if not layouts:
         return {}
     asks = {url: (_layout_of(v), None) for url, v in layouts.items()}
@@ -597,7 +600,7 @@ async def _members_needs(
     # off the loop: every member plans every member's share at the same moment, and a loop
     # busy for seconds fails the others' health probes of it (32 agents on one box did)
     return await asyncio.to_thread(
-        lambda: {url: share_chunk_ids(manifests, s) for url, s in shares.items()}
+        lambda: {url: share_chunk_ids(files, s) for url, s in shares.items()}
     )
 
 
@@ -647,9 +650,9 @@ def _exchange(a: Path, b: Path) -> bool:
     )
 
 
-def _move_missing(source: Path, target: Path, manifests: list[Manifest]) -> None:
+def _move_missing(source: Path, target: Path, files: list[FileEntry]) -> None:
     """Rename each file ``target`` lacks from ``source`` (same filesystem: atomic per file)."""
-    for entry, _ in merge_parts(manifests):
+    for entry in files:
         dest = path_in_step_dir(target, entry.path)  # validated relative path
         if not dest.exists():
             dest.parent.mkdir(parents=True, exist_ok=True)

@@ -28,8 +28,8 @@ from pathlib import Path
 
 from agent.peers import PeerSource
 from transfer.engine.chunkindex import ChunkIndex, StoredChunk
-from transfer.engine.pull import LocalBase
 from transfer.engine.resolver import decode_verified
+from transfer.engine.sources import LocalBase
 from transfer.errors import FerryError
 from transfer.format.chunkid import chunk_id
 from transfer.format.layout import pack_key

@@ -34,7 +34,8 @@ from agent.config import AgentConfig
 from agent.journal import DURABLE, Journal
 from agent.logs import event
 from agent.metrics import Metrics
-from transfer.engine import PushResult, TransferOptions, push
+from agent.services import Spawn, own_task
+from transfer.engine import PushPlan, PushResult, TransferOptions, push
 from transfer.engine.catalog import Catalog, step_is_complete
 from transfer.engine.parts import check_step_whole
 from transfer.engine.scan import scan_checkpoint
@@ -136,12 +137,13 @@ class PushQueue:
         """Nothing queued, in flight or scheduled for a retry."""
         return not self._queued
 
-    async def start(self) -> None:
-        """Re-enqueue what the journal says is unfinished, then start the worker."""
+    async def start(self, spawn: Spawn = own_task) -> None:
+        """Re-enqueue what the journal says is unfinished, then start the worker (``spawn``:
+        in the agent, its services' group owns it; ``drain`` stops it either way)."""
         if self._worker is not None:
             raise RuntimeError("push queue already started")
         self.resume_pending()
-        self._worker = asyncio.create_task(self._run(), name=f"push-queue-{self.node}")
+        self._worker = spawn(self._run(), name=f"push-queue-{self.node}")
 
     def resume_pending(self) -> int:
         """Enqueue every journalled checkpoint not durable in every tier; returns how many."""
@@ -153,6 +155,10 @@ class PushQueue:
         or was restored here from a store. Never blocks; returns whether it was queued."""
         key = (job, step)
         if self._closing or key in self._queued or self.journal.is_restored(job, step):
+            return False
+        # the watcher scans in a thread: hot retention may have evicted the step since (and
+        # forgotten that it was a restore); checked here, on the loop, where evictions happen
+        if not path.is_dir():
             return False
         names = [name for name, _ in self.tiers]
         if set(names) <= self.journal.durable_tiers(job, step):
@@ -285,9 +291,11 @@ class PushQueue:
             step=step,
             node=self.node,
             options=self.options,
-            resume=self.journal.resume(job, step, name),
-            part=bool(self.expected_nodes),  # a multi-node job: this node's part of each save
-            create_store=False,  # the agent never makes a store (`ferry init` does)
+            plan=PushPlan(
+                resume=self.journal.resume(job, step, name),
+                part=bool(self.expected_nodes),  # a multi-node job: this node's part of each save
+                create_store=False,  # the agent never makes a store (`ferry init` does)
+            ),
         )
         await self._complete_if_all_pushed(store, job, step)
         return result

@@ -14,21 +14,40 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from agent.config import RetentionSettings
-from agent.holds import Key, StepHolds
+from agent.holds import StepHolds
 from agent.hotdir import HotDir
 from agent.hotretention import apply_hot, plan_hot
 from agent.journal import Journal
 from agent.logs import event
 from agent.metrics import Metrics
+from agent.services import wait_for_any
 from transfer.errors import FerryError
+from transfer.format.names import Key
 from transfer.options import TransferOptions
 from transfer.retention import Tier, apply_plan, make_plan
 from transfer.store.base import Store
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ProtectedSteps:
+    """Where this agent learns which steps no retention run may delete (the store's own
+    pins the plan reads itself): ``holds``, steps in use on this node right now; ``pins``,
+    this agent's RPC pins; ``busy``, steps queued, being pushed or waiting to
+    retry."""
+
+    holds: StepHolds
+    pins: Callable[[], Collection[Key]]
+    busy: Callable[[], Collection[Key]]
+
+    def now(self) -> set[Key]:
+        """Asked afresh before each phase: a step may be pinned or held meanwhile."""
+        return set(self.pins()) | self.holds.held() | set(self.busy())
 
 
 class RetentionRunner:
@@ -40,9 +59,7 @@ class RetentionRunner:
         hot_dir: HotDir,
         tiers: Sequence[tuple[str, Store]],
         journal: Journal,
-        holds: StepHolds,
-        pins: Callable[[], Collection[Key]],
-        busy: Callable[[], Collection[Key]],
+        protected: ProtectedSteps,
         metrics: Metrics,
         options: TransferOptions | None = None,
     ) -> None:
@@ -52,9 +69,7 @@ class RetentionRunner:
         self.hot_dir = hot_dir
         self.tiers = list(tiers)
         self.journal = journal
-        self.holds = holds
-        self.pins = pins
-        self.busy = busy
+        self.protected = protected
         self.metrics = metrics
         self.last: dict[str, Any] | None = None
         self._wake = asyncio.Event()
@@ -71,12 +86,7 @@ class RetentionRunner:
         while not stop.is_set():
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.settings.interval_seconds):
-                    waits = [asyncio.ensure_future(e.wait()) for e in (self._wake, stop)]
-                    try:
-                        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-                    finally:
-                        for w in waits:
-                            w.cancel()
+                    await wait_for_any(self._wake, stop)
             if stop.is_set():
                 return
             self._wake.clear()
@@ -84,9 +94,6 @@ class RetentionRunner:
                 await self.run_once()
             except Exception:  # a bug must not end retention for good
                 log.exception("retention run failed")
-
-    def _protected(self) -> set[Key]:
-        return set(self.pins()) | self.holds.held() | set(self.busy())
 
     async def run_once(self, *, dry_run: bool = False) -> dict[str, Any]:
         async with self._lock:  # one run at a time on this node
@@ -101,10 +108,10 @@ class RetentionRunner:
                 min_free_bytes=self.settings.hot_min_free_bytes,
                 tiers=self.tiers,
                 journal=self.journal,
-                protected=self._protected(),
+                protected=self.protected.now(),
             )
             if not dry_run:
-                hot = await apply_hot(self.hot_dir, hot, self.journal, self._protected)
+                hot = await apply_hot(self.hot_dir, hot, self.journal, self.protected.now)
             report["hot"] = hot.to_dict()
             tiers = [
                 Tier(store, self.settings.tier_policy(i)) for i, (_, store) in enumerate(self.tiers)
@@ -113,7 +120,7 @@ class RetentionRunner:
                 plan = await make_plan(
                     tiers,
                     now=now,
-                    pins=self._protected(),
+                    pins=self.protected.now(),
                     repacking=self.settings.repack_policy(self.options),
                 )
                 await apply_plan(

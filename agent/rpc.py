@@ -37,7 +37,6 @@ from agent.appkeys import (
 )
 from agent.auth import Credentials, SecretFile
 from agent.config import AgentConfig
-from agent.drain import drain_tasks
 from agent.estimate import BandwidthMeter
 from agent.holds import StepHolds
 from agent.hotdir import AgentLock
@@ -49,8 +48,9 @@ from agent.peers import HotIndex, PeerSource
 from agent.pins import LocalPins
 from agent.prefetch import Prefetcher
 from agent.pushqueue import PushQueue
-from agent.retention import RetentionRunner
+from agent.retention import ProtectedSteps, RetentionRunner
 from agent.routes import route_modules
+from agent.services import Services
 from agent.standby import Standby
 from agent.tls import AgentTls
 from agent.watcher import watch_hot_dir
@@ -111,9 +111,7 @@ async def _tiers(app: web.Application):  # type: ignore[no-untyped-def]
     """The configured stores, closed at the end (or when a later start-up step fails).
     Each must be a ckpt-ferry store already: the agent never makes one (``ferry init``)."""
     config = app[CONFIG]
-    options = StoreOptions.for_window(
-        config.transfer.window, endpoint_url=config.endpoint_url, settings=config.store
-    )
+    options = store_options(config)
     tiers: list[tuple[str, Store]] = []
     app[TIERS] = tiers
     try:
@@ -125,6 +123,14 @@ async def _tiers(app: web.Application):  # type: ignore[no-untyped-def]
     finally:
         for _, store in tiers:
             await store.close()
+
+
+def store_options(config: AgentConfig) -> StoreOptions:
+    """The tiers' store options: the pool fits the window the agent's transfers run with
+    (``memory_mib`` may leave fewer parts in flight than the configured window)."""
+    return StoreOptions.for_window(
+        config.transfer_options().window, endpoint_url=config.endpoint_url, settings=config.store
+    )
 
 
 async def _peers(app: web.Application):  # type: ignore[no-untyped-def]
@@ -140,16 +146,20 @@ async def _peers(app: web.Application):  # type: ignore[no-untyped-def]
 
 
 async def _services(app: web.Application):  # type: ignore[no-untyped-def]
-    """The push queue, prefetcher, standby replication, retention and the hot-dir watcher:
-    each registers its own release as it starts, so a failed start releases exactly what
-    started; a normal stop drains the running ones under one shared deadline."""
+    """The push queue, prefetcher, standby replication, retention and the hot-dir watcher,
+    every one of their tasks owned by one TaskGroup (agent/services.py, which documents the
+    shutdown order): a failed start releases exactly what started; a normal stop drains the
+    running ones under one shared deadline, cancels the rest and awaits them all, then
+    closes the journal."""
     config, tiers = app[CONFIG], app[TIERS]
     async with contextlib.AsyncExitStack() as started:
         await _abort_orphaned_uploads(config, tiers)
         queue = app[PUSHQUEUE] = PushQueue.from_config(config, tiers)
         started.callback(queue.close)
+        services = await started.enter_async_context(Services(config.drain_seconds))
+        stop = services.stop
         app[HOLDS] = StepHolds()
-        prefetcher = app[PREFETCHER] = _prefetcher(app, queue)
+        prefetcher = app[PREFETCHER] = _prefetcher(app, queue, services)
         app[LANDING] = prefetcher.landing
         standby = app[STANDBY] = Standby(
             prefetcher,
@@ -159,23 +169,22 @@ async def _services(app: web.Application):  # type: ignore[no-untyped-def]
             poll_seconds=config.standby_poll_seconds,
             jobs=config.standby_jobs,
         )
-        await queue.start()
-        stop = asyncio.Event()
-        background: list[asyncio.Task[None]] = []
-        started.push_async_callback(
-            _drain, config.drain_seconds, stop, background, prefetcher, queue
-        )
+        # at the stop: no new push; the current one has until the deadline, then is cancelled
+        services.on_drain(queue.drain)
+        await queue.start(services.spawn)
         watcher = watch_hot_dir(config.hot, queue.on_committed, stop=stop)
-        background.append(asyncio.create_task(watcher, name="hot-dir-watcher"))
-        background.append(asyncio.create_task(standby.loop(stop), name="standby"))
+        services.spawn(watcher, name="hot-dir-watcher")  # returns within one poll of the stop
+        services.spawn(standby.loop(stop), name="standby")
         if config.retention is not None:
             runner = app[RETENTION] = _retention(app, queue)
             queue.on_pushed = runner.poke
-            background.append(asyncio.create_task(runner.loop(stop), name="retention"))
+            # a run in progress (perhaps copying a step to a colder tier) is cancelled at the
+            # deadline, which leaves every store consistent
+            services.spawn(runner.loop(stop), name="retention")
         yield
 
 
-def _prefetcher(app: web.Application, queue: PushQueue) -> Prefetcher:
+def _prefetcher(app: web.Application, queue: PushQueue, services: Services) -> Prefetcher:
     config = app[CONFIG]
     return Prefetcher(
         config.hot,
@@ -190,6 +199,7 @@ def _prefetcher(app: web.Application, queue: PushQueue) -> Prefetcher:
         holds=app[HOLDS],
         pin_holder=f"prefetch-{config.node}",
         background_rate=config.standby_max_rate or None,
+        spawn=services.spawn,
     )
 
 
@@ -202,9 +212,7 @@ def _retention(app: web.Application, queue: PushQueue) -> RetentionRunner:
         hot_dir=config.hot,
         tiers=tiers,
         journal=queue.journal,
-        holds=app[HOLDS],
-        pins=app[PINS].active,
-        busy=queue.busy_steps,
+        protected=ProtectedSteps(app[HOLDS], pins=app[PINS].active, busy=queue.busy_steps),
         metrics=app[METRICS],
         options=config.transfer_options(),
     )
@@ -237,24 +245,6 @@ async def _abort_orphaned_uploads(config: AgentConfig, tiers: list[tuple[str, St
             continue
         if aborted:
             event(log, "orphan_uploads_aborted", tier=name, uploads=aborted)
-
-
-async def _drain(
-    seconds: float,
-    stop: asyncio.Event,
-    background: list[asyncio.Task[None]],
-    prefetcher: Prefetcher,
-    queue: PushQueue,
-) -> None:
-    stop.set()
-    await asyncio.gather(  # one shared deadline for every drain
-        # the watcher returns within one poll; a retention run in progress (perhaps copying
-        # a step to a colder tier) is cancelled at the deadline, which leaves every store
-        # consistent
-        drain_tasks(background, seconds),
-        prefetcher.drain(seconds),
-        queue.drain(seconds),
-    )
 
 
 __all__ = ["create_app"]

@@ -19,6 +19,7 @@ Older replicas leave the hot dir through hot retention, as any restored step doe
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from typing import Any
 from agent.hotdir import HotDir
 from agent.logs import event
 from agent.prefetch import FINAL, Prefetcher, PrefetchJob, State
+from agent.services import wait_for_any
 from transfer.engine import list_checkpoints
 from transfer.engine.catalog import latest_complete_step
 from transfer.errors import FerryError
@@ -117,10 +119,9 @@ class Standby:
         while not stop.is_set():
             await self.poll()
             self._poke.clear()
-            waits = [asyncio.ensure_future(e.wait()) for e in (stop, self._poke)]
-            await asyncio.wait(waits, timeout=self.poll_seconds, return_when="FIRST_COMPLETED")
-            for w in waits:
-                w.cancel()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.poll_seconds):
+                    await wait_for_any(stop, self._poke)
 
     async def poll(self) -> None:
         """One look per registered job: start replicating a newer durable step, if any."""

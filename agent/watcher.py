@@ -20,7 +20,7 @@ import logging
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-from agent.hotdir import HotDir, StepDir
+from agent.hotdir import HotDir, LocalCheckpoint
 
 log = logging.getLogger(__name__)
 
@@ -29,11 +29,11 @@ OnCommitted = Callable[[str, int, Path], Awaitable[None] | None]
 
 def scan_hot_dir(
     hot: HotDir, known: frozenset[Path] = frozenset()
-) -> tuple[set[Path], list[StepDir]]:
+) -> tuple[set[Path], list[LocalCheckpoint]]:
     """(every step directory present, the committed ones not in ``known``), oldest step
     first. Hidden entries and directories that are no job's are skipped (hotdir.py)."""
     present: set[Path] = set()
-    found: list[StepDir] = []
+    found: list[LocalCheckpoint] = []
     for job in hot.jobs():
         for step_dir in hot.step_dirs(job):
             present.add(step_dir.path)

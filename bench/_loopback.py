@@ -16,6 +16,7 @@ from typing import Any
 
 from aiohttp import web
 
+from agent.appkeys import TLS
 from agent.client import FerryClient
 from agent.config import load_config
 from agent.rpc import create_app
@@ -68,7 +69,9 @@ def run_main(
 
 @asynccontextmanager
 async def agent(node: str, hot: Path, tier: str, **env: str) -> AsyncIterator[FerryClient]:
-    """An agent on a free loopback port with ``FERRY_*`` settings ``env``; yields a client."""
+    """An agent on a free loopback port with ``FERRY_*`` settings ``env``; yields a client.
+    With ``FERRY_TLS_CERT_FILE`` (and the rest) it serves HTTPS and the client verifies it
+    against ``FERRY_TLS_CA_FILE``, presenting the agent's own certificate (for mTLS)."""
     port = free_port()
     config = {
         "FERRY_NODE": node,
@@ -78,11 +81,16 @@ async def agent(node: str, hot: Path, tier: str, **env: str) -> AsyncIterator[Fe
         "FERRY_ENDPOINT_URL": os.environ["AWS_ENDPOINT_URL"],
         **env,
     }
-    runner = web.AppRunner(create_app(load_config(None, config), TOKEN))
+    app = create_app(load_config(None, config), TOKEN)
+    tls = app[TLS].server_context()
+    runner = web.AppRunner(app)
     await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
+    await web.TCPSite(runner, "127.0.0.1", port, ssl_context=tls).start()
+    url = f"{'https' if tls else 'http'}://127.0.0.1:{port}"
+    cert = {"ca_file": env.get("FERRY_TLS_CA_FILE"), "cert_file": env.get("FERRY_TLS_CERT_FILE"),
+            "key_file": env.get("FERRY_TLS_KEY_FILE")} if tls else {}  # fmt: skip
     try:
-        async with FerryClient(f"http://127.0.0.1:{port}", TOKEN, timeout=900) as client:
+        async with FerryClient(url, TOKEN, timeout=900, **cert) as client:
             yield client
     finally:
         await runner.cleanup()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import ssl
 import subprocess
 import time
 import urllib.error
@@ -62,7 +63,17 @@ class Agent:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        scheme = "https" if self.env.get("FERRY_TLS_CERT_FILE") else "http"
+        return f"{scheme}://127.0.0.1:{self.port}"
+
+    def _tls(self) -> ssl.SSLContext | None:
+        """Over TLS: verified against the agent's CA, presenting its own certificate (which
+        an agent with ``tls_client_auth`` requires)."""
+        if not self.env.get("FERRY_TLS_CERT_FILE"):
+            return None
+        ctx = ssl.create_default_context(cafile=self.env.get("FERRY_TLS_CA_FILE"))
+        ctx.load_cert_chain(self.env["FERRY_TLS_CERT_FILE"], self.env["FERRY_TLS_KEY_FILE"])
+        return ctx
 
     def call(self, method: str, path: str, body: dict[str, Any] | None = None) -> Any:
         data = None if body is None else json.dumps(body).encode()
@@ -70,7 +81,7 @@ class Agent:
         req.add_header("Authorization", f"Bearer {TOKEN}")
         if data is not None:
             req.add_header("Content-Type", "application/json")
-        with urllib.request.urlopen(req, timeout=30) as resp:
+        with urllib.request.urlopen(req, timeout=30, context=self._tls()) as resp:
             return json.loads(resp.read())
 
     def start(self, log: Path, within: float = 60.0) -> None:

@@ -30,7 +30,7 @@ from pathlib import Path
 import zstandard
 
 from transfer.codec import decode, encode
-from transfer.engine import TransferOptions, pull, push
+from transfer.engine import PullPlan, Sources, TransferOptions, pull, push
 from transfer.format.names import step_from_dirname
 from transfer.store.local import LocalStore
 
@@ -97,7 +97,7 @@ async def measure(series: Path, work: Path) -> list[dict[str, object]]:
             pairs = chunk_pairs(local, prev)
             enc_mbs, dec_mbs = codec_speed(pairs)
             node2 = work / f"node2-{step}"
-            p = await pull(store, node2, job="bench", step=step, base_dir=prev)
+            p = await pull(store, node2, PullPlan("bench", step), Sources(base_dir=prev))
             shutil.rmtree(node2)
             z3 = zstd3_size(local)
             rows.append(

@@ -32,7 +32,7 @@ from bench._loopback import agent, loopback_s3
 from bench._measure import drop_caches, settle
 from bench.data import link_tree
 from bench.store_cost import saves
-from transfer.engine import push
+from transfer.engine import PushPlan, push
 from transfer.format.names import step_from_dirname
 from transfer.store import StoreOptions, open_store
 
@@ -108,8 +108,8 @@ async def run(series: Path, work: Path, bucket: str) -> list[str]:
     tier = f"s3://{bucket}/est"
     store = open_store(tier, StoreOptions())
     try:
-        await push(store, k, job=JOB, step=base, node="trainer", full=True)
-        await push(store, k1, job=JOB, step=step, node="trainer", base_dir=k)
+        await push(store, k, job=JOB, step=base, node="trainer", plan=PushPlan(full=True))
+        await push(store, k1, job=JOB, step=step, node="trainer", plan=PushPlan(base_dir=k))
     finally:
         await store.close()
     rows = [

@@ -63,7 +63,7 @@ from bench._env import machine_info, source_info
 from bench._loopback import run_main
 from tests.faultproxy import FaultProxy
 from tests.s3server import S3Endpoint
-from transfer.engine import pull, push
+from transfer.engine import PullPlan, PushPlan, pull, push
 from transfer.engine.catalog import open_catalog
 from transfer.options import TransferOptions
 from transfer.retention import (
@@ -299,7 +299,7 @@ Op = Callable[[Store, Fleet], Awaitable[None]]
 async def op_pull(store: Store, fleet: Fleet, step: int | None, node: str | None) -> None:
     dest = fleet.work / f"pull-{secrets.token_hex(4)}"
     try:
-        result = await pull(store, dest, job=JOB, step=step, node=node)
+        result = await pull(store, dest, PullPlan(JOB, step, node))
         if result.files != (1 if node else fleet.n):
             raise SystemExit(f"pull of step {step} node {node} restored {result.files} files")
     finally:
@@ -313,7 +313,7 @@ async def op_push(store: Store, fleet: Fleet) -> None:
     rank = measured_rank(fleet.n)
     step = step_of(fleet.saves)
     d = part_dir(fleet.root, rank, step)
-    await push(store, d, job=JOB, step=step, node=fleet.me, part=True)
+    await push(store, d, job=JOB, step=step, node=fleet.me, plan=PushPlan(part=True))
 
 
 async def op_retention(store: Store, fleet: Fleet) -> None:

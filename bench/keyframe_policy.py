@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.store_cost import saves
-from transfer.engine import TransferOptions, push
+from transfer.engine import PushPlan, TransferOptions, push
 from transfer.engine.catalog import load_manifest
 from transfer.engine.chunkindex import ChunkIndex, StoredChunk
 from transfer.format.manifest import Manifest
@@ -77,8 +77,9 @@ async def measure(series: Path, policy: str, work: Path) -> list[dict[str, Any]]
             step = step_from_dirname(save.name)
             assert step is not None
             result = await push(
-                store, save, job=JOB, step=step, node=NODE, options=options, full=i == 0
-            )
+                store, save, job=JOB, step=step, node=NODE, options=options,
+                plan=PushPlan(full=i == 0),
+            )  # fmt: skip
             manifest = await load_manifest(store, JOB, step, NODE)
             index.add_manifest(manifest)
             wanted = _chunks(manifest)

@@ -49,6 +49,7 @@ from tests.s3server import S3Endpoint, S3Server, start_s3_server  # noqa: E402
 from transfer.engine.packer import PackWriter  # noqa: E402
 from transfer.format.layout import pack_key  # noqa: E402
 from transfer.store.s3 import S3Store  # noqa: E402
+from transfer.store.s3config import S3Settings  # noqa: E402
 
 RESULTS = REPO / "bench" / "results" / "pack_vs_objects.json"
 MiB = 1 << 20
@@ -231,14 +232,14 @@ WRITERS: dict[str, Callable[[S3Store, list[bytes], int], Awaitable[Layout]]] = {
 
 
 def open_store(ep: S3Endpoint, prefix: str, window: int) -> CountingS3Store:
-    return CountingS3Store(
+    settings = S3Settings(
         ep.bucket,
-        prefix,
         endpoint_url=ep.url,
-        pool_size=window + 4,
         key=ep.access_key,
         secret=ep.secret_key,
+        pool_size=window + 4,
     )
+    return CountingS3Store(settings, prefix)
 
 
 async def measure(

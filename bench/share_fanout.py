@@ -7,7 +7,7 @@ as one fan-out group, and (the behaviour before shares) the whole step as one gr
 
 A real ``--save-ranks``-rank DCP save (``tests/dcp_drill.py``: gloo ranks on loopback, DTensor
 ``Shard(0)`` parameters + AdamW state; ``--width`` 16384: ~100 MB) is split by node (2 ranks
-a node, node 0 also ``.metadata``) and every node pushes its part (``push(..., part=True)``,
+a node, node 0 also ``.metadata``) and every node pushes its part (``PushPlan(part=True)``,
 ``--chunk-size-kib`` chunks) straight into a real S3 server (SeaweedFS on loopback, started
 as bench/fleet.py starts it). Then ``--agents`` agents run in this process on loopback, each
 with its own hot dir and the S3 prefix as its tier, reading S3 through one counting proxy
@@ -56,11 +56,12 @@ from bench._env import machine_info, source_info
 from bench._loopback import agent, run_main
 from bench.fleet import CountingProxy, Tally
 from tests.s3server import S3Endpoint
-from transfer.engine import push, resolve_manifests
+from transfer.engine import PushPlan, push, resolve_manifests
 from transfer.engine.catalog import Catalog
 from transfer.engine.chunkindex import ChunkIndex
 from transfer.engine.dcpshare import Layout
 from transfer.engine.pull import share_chunk_ids
+from transfer.engine.pullplan import merged_files
 from transfer.engine.share import plan_shares
 from transfer.format.share import SHARE_MARKER
 from transfer.options import TransferOptions
@@ -156,8 +157,9 @@ async def push_nodes(url: str, endpoint: str, nodes: list[Path], chunk: int) -> 
     try:
         for k, node_dir in enumerate(nodes):
             await push(
-                store, node_dir, job=JOB, step=STEP, node=f"n{k}", options=options, part=True
-            )
+                store, node_dir, job=JOB, step=STEP, node=f"n{k}", options=options,
+                plan=PushPlan(part=True),
+            )  # fmt: skip
     finally:
         await store.close()
 
@@ -174,7 +176,8 @@ async def step_facts(url: str, endpoint: str, layouts: list[AgentLayout]) -> Ste
         shares = await plan_shares(Catalog(store), manifests, asks)
     finally:
         await store.close()
-    needs = [share_chunk_ids(manifests, shares[i]) for i in range(len(layouts))]
+    files = merged_files(manifests)
+    needs = [share_chunk_ids(files, shares[i]) for i in range(len(layouts))]
     every = {c.id for m in manifests for c in m.all_chunks()}
     stored = {cid: index[cid].stored for cid in every}
     return StepFacts(

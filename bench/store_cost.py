@@ -32,7 +32,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from transfer.engine import push
+from transfer.engine import PushPlan, push
 from transfer.format import layout
 from transfer.format.names import step_from_dirname
 from transfer.retention import Tier, TierPolicy, apply_plan, make_plan, pin
@@ -80,7 +80,8 @@ async def push_series(store: Store, dirs: list[Path], *, first_full: bool = True
         before = await pack_bytes(store)
         step = step_from_dirname(d.name)
         assert step is not None
-        await push(store, d, job=JOB, step=step, node=NODE, full=first_full and i == 0)
+        plan = PushPlan(full=first_full and i == 0)
+        await push(store, d, job=JOB, step=step, node=NODE, plan=plan)
         added.append(await pack_bytes(store) - before)
     return added
 

@@ -27,9 +27,11 @@ import random
 import socket
 import threading
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import aiohttp
+import yarl
 from aiohttp import web
 
 KINDS = ("500", "503", "reset", "lost_reply", "stall", "truncate", "short")
@@ -42,6 +44,7 @@ _HOP_BY_HOP = {
     "te",
     "upgrade",
     "proxy-connection",
+    "proxy-authorization",
 }
 _ERRORS = {
     "500": (500, "InternalError", "We encountered an internal error. Please try again."),
@@ -59,7 +62,25 @@ class ProxyStats:
     by_method: Counter[str] = field(default_factory=Counter)
 
 
-class FaultProxy:
+class OnItsOwnLoop:
+    """A loopback server's plumbing: a free port, an event loop on a thread of its own (the
+    tests that use it are synchronous), and the aiohttp runner and client session it owns."""
+
+    def __init__(self) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = int(s.getsockname()[1])
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._runner: web.AppRunner | None = None
+        self._session: aiohttp.ClientSession | None = None
+
+    def _call(self, coro):  # type: ignore[no-untyped-def]
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(30)
+
+
+class FaultProxy(OnItsOwnLoop):
     def __init__(
         self,
         upstream: str,
@@ -82,15 +103,8 @@ class FaultProxy:
         self._budget: int | None = None
         self._down = False
         self._lock = threading.Lock()
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = int(s.getsockname()[1])
-        self.url = f"http://127.0.0.1:{self.port}"
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
-        self._runner: web.AppRunner | None = None
+        super().__init__()
         self._site: web.TCPSite | None = None
-        self._session: aiohttp.ClientSession | None = None
 
     # -- control (from any thread) -------------------------------------------------------
 
@@ -136,9 +150,6 @@ class FaultProxy:
             if kinds is not None:
                 self.kinds = kinds
             self._only, self._budget = only, budget
-
-    def _call(self, coro):  # type: ignore[no-untyped-def]
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(30)
 
     # -- the server ------------------------------------------------------------------------
 
@@ -205,20 +216,11 @@ class FaultProxy:
             await asyncio.sleep(self.stall_seconds)
             return _drop(request)
         assert self._session is not None
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP}
-        async with self._session.request(
-            request.method,
-            self.upstream + request.path_qs,
-            headers=headers,
-            data=body if body or request.method in ("PUT", "POST") else None,
-            allow_redirects=False,
-            skip_auto_headers=("Content-Type", "Accept-Encoding", "User-Agent"),
-        ) as upstream:
-            payload = await upstream.read()
-            reply_headers = {
-                k: v for k, v in upstream.headers.items() if k.lower() not in _HOP_BY_HOP
-            }
-            status = upstream.status
+        up = await forward(
+            self._session, request.method, self.upstream + request.path_qs,
+            end_to_end(request.headers), body,
+        )  # fmt: skip
+        payload, status, reply_headers = up.payload, up.status, up.headers
         if fault == "lost_reply":
             return _drop(request)
         self.stats.bytes_down += len(payload)
@@ -230,12 +232,53 @@ class FaultProxy:
             await reply.prepare(request)
             await reply.write(payload[: len(payload) // 2])
             return _drop(request, flush=True)
-        if request.method == "HEAD":  # no body, but the object's length must get through
-            reply = web.StreamResponse(status=status, headers=reply_headers)
-            reply.content_length = int(upstream.headers.get("Content-Length", 0))
-            await reply.prepare(request)
-            return reply
-        return web.Response(status=status, headers=reply_headers, body=payload)
+        return await relay(request, Upstream(status, reply_headers, payload, up.length))
+
+
+@dataclass(frozen=True)
+class Upstream:
+    """What the server answered a forwarded request."""
+
+    status: int
+    headers: dict[str, str]  # end-to-end ones only
+    payload: bytes
+    length: int  # its Content-Length (a HEAD's object length)
+
+
+def end_to_end(headers: Mapping[str, str]) -> dict[str, str]:
+    """``headers`` without the hop-by-hop ones (and Host, so a SigV4 signature still holds)."""
+    return {k: v for k, v in headers.items() if k.lower() not in _HOP_BY_HOP}
+
+
+async def forward(
+    session: aiohttp.ClientSession,
+    method: str,
+    url: str | yarl.URL,
+    headers: dict[str, str],
+    body: bytes,
+) -> Upstream:
+    """Send a request on as the client made it (no header added, no redirect followed)."""
+    async with session.request(
+        method,
+        url,
+        headers=headers,
+        data=body if body or method in ("PUT", "POST") else None,
+        allow_redirects=False,
+        skip_auto_headers=("Content-Type", "Accept-Encoding", "User-Agent"),
+    ) as upstream:
+        payload = await upstream.read()
+        length = int(upstream.headers.get("Content-Length", 0))
+        return Upstream(upstream.status, end_to_end(upstream.headers), payload, length)
+
+
+async def relay(request: web.Request, up: Upstream) -> web.StreamResponse:
+    """The client's reply: the server's, a HEAD's length included."""
+    if request.method == "HEAD":  # no body, but the object's length must get through
+        reply = web.StreamResponse(status=up.status, headers=up.headers)
+        reply.content_length = up.length
+        await reply.prepare(request)
+        return reply
+    return web.Response(status=up.status, headers=up.headers, body=up.payload)
 
 
 def _drop(request: web.Request, *, flush: bool = False) -> web.StreamResponse:

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from tests.harness import REPO, Node, assert_same_tree, make_node, reserve_port, rpc, running
-from transfer.engine import TransferOptions, list_checkpoints, pull, push
+from transfer.engine import PullPlan, TransferOptions, list_checkpoints, pull, push
 from transfer.store import StoreOptions, open_store
 
 MiB = 1 << 20
@@ -262,7 +262,7 @@ def test_sigkilled_agent_resumes_its_push(local_url: str, tmp_path: Path) -> Non
     async def restore(dest: Path) -> None:
         store = open_store(local_url, StoreOptions())
         try:
-            await pull(store, dest, job=JOB, step=20, options=OPTS)
+            await pull(store, dest, PullPlan(JOB, 20), options=OPTS)
         finally:
             await store.close()
 

@@ -12,7 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from transfer.codec.transforms import Buffer
 from transfer.engine.chunkindex import ChunkIndex, StoredChunk
-from transfer.engine.pull import Land, LocalBase, Supplied, _from_source
+from transfer.engine.pull import _from_source
+from transfer.engine.sources import Land, LocalBase, Supplied
 from transfer.format.chunkid import chunk_id
 
 DATA = [bytes([i]) * 4096 for i in range(4)]

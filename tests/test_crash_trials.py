@@ -329,14 +329,15 @@ def test_salvage_keeps_the_leading_parts_of_an_abandoned_upload(s3_url: str, che
     CRC32 part checksums that needs a server whose ListParts returns them (AWS does;
     SeaweedFS 4 does not): otherwise the upload is aborted, never left pending."""
     from transfer.store.s3 import S3Store
+    from transfer.store.s3config import S3Settings
 
     part = 5 * MiB
     data = np.random.default_rng(1).bytes(3 * part)
     bucket, prefix = s3_url.removeprefix("s3://").split("/", 1)
 
     async def go() -> None:
-        store = S3Store(bucket, prefix, endpoint_url=os.environ["AWS_ENDPOINT_URL"],
-                        checksum=checksum)  # fmt: skip
+        settings = S3Settings(bucket, endpoint_url=os.environ["AWS_ENDPOINT_URL"])
+        store = S3Store(settings, prefix, checksum=checksum)
         upload = await store.begin_upload("packs/ab/abandoned.pack")
         await upload.write_part(1, 0, data[:part])
         await upload.write_part(3, 2 * part, data[2 * part :])
@@ -362,14 +363,15 @@ def test_salvage_with_journaled_receipts_works_whatever_listparts_says(s3_url: s
     kept on any server, the second landed though its writer never heard back; a receipt
     that does not match the landed part (another size) is not used."""
     from transfer.store.s3 import S3Store
+    from transfer.store.s3config import S3Settings
 
     part = 5 * MiB
     data = np.random.default_rng(2).bytes(3 * part)
     bucket, prefix = s3_url.removeprefix("s3://").split("/", 1)
 
     async def go() -> None:
-        store = S3Store(bucket, prefix, endpoint_url=os.environ["AWS_ENDPOINT_URL"],
-                        checksum="crc32")  # fmt: skip
+        settings = S3Settings(bucket, endpoint_url=os.environ["AWS_ENDPOINT_URL"])
+        store = S3Store(settings, prefix, checksum="crc32")
         upload = await store.begin_upload("packs/ef/resumed.pack")
         receipts = []
         for n in (1, 2):

@@ -33,7 +33,7 @@ from transfer.codec import (
     pairs_with_keyframe,
     plane_width,
 )
-from transfer.engine import TransferOptions, pull, push
+from transfer.engine import PullPlan, Sources, TransferOptions, pull, push
 from transfer.engine.catalog import list_checkpoints, load_manifest
 from transfer.engine.settle import settle
 from transfer.format.manifest import chain_depths
@@ -265,7 +265,7 @@ def test_push_reads_a_local_base_whole_only_for_the_chunks_it_delta_codes(
         r = await push(store, k1, job="d", step=40, node="n", options=opts)
         assert r.chunks_delta > 0 and len(whole_reads) >= r.chunks_delta
         out = tmp_path / "out"
-        await pull(store, out, job="d", step=40, options=opts)
+        await pull(store, out, PullPlan("d", 40), options=opts)
         assert tree_bytes(out) == tree_bytes(k1)
 
     asyncio.run(go())
@@ -313,7 +313,7 @@ def test_restore_chains_are_bounded_and_every_step_restores(tmp_path: Path) -> N
         for c in await list_checkpoints(store, "c"):
             m = await load_manifest(store, c.job, c.step, c.node)
             depths.append(max(chain_depths(m).values()))
-            await pull(store, tmp_path / f"r{c.step}", job="c", step=c.step, options=opts)
+            await pull(store, tmp_path / f"r{c.step}", PullPlan("c", c.step), options=opts)
         return depths
 
     depths = asyncio.run(go())
@@ -423,7 +423,7 @@ def test_a_pull_cancelled_at_any_moment_leaves_nothing_or_what_the_next_pull_res
 
     async def pull_then_cancel(delay: float) -> None:
         task = asyncio.create_task(
-            pull(open_test_store(str(store_dir)), out / "dest", job="c", step=1, options=opts)
+            pull(open_test_store(str(store_dir)), out / "dest", PullPlan("c", 1), options=opts)
         )
         await asyncio.sleep(delay)
         task.cancel()
@@ -440,7 +440,7 @@ def test_a_pull_cancelled_at_any_moment_leaves_nothing_or_what_the_next_pull_res
         else:
             assert len(left) <= 1 and all(n.startswith(".dest.ferry-staging-") for n in left)
             asyncio.run(
-                pull(open_test_store(str(store_dir)), out / "dest", job="c", step=1, options=opts)
+                pull(open_test_store(str(store_dir)), out / "dest", PullPlan("c", 1), options=opts)
             )
             settle(out)
             assert sorted(p.name for p in out.iterdir()) == ["dest"]  # the leftover adopted
@@ -490,10 +490,7 @@ def test_base_manifests_limit_local_reads_to_unchanged_chunks(
         for name, manifests, held in cases:
             reads.clear()
             dest = tmp_path / f"out-{name}"
-            r = await pull(
-                store, dest, job="d", step=40, options=opts, base_dir=held,
-                base_manifests=manifests,
-            )  # fmt: skip
+            r = await pull(store, dest, PullPlan("d", 40), Sources(held, manifests), options=opts)
             assert tree_bytes(dest) == tree_bytes(k1)
             got[name] = (len(reads), r.chunks_local)
         return got

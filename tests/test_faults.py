@@ -215,9 +215,9 @@ def test_background_push_fails_while_the_store_is_down_and_resumes_when_back(
                 await asyncio.sleep(0.1)
             assert row["state"] == "durable", row
         dest = tmp_path / "restored"
-        from transfer.engine import pull
+        from transfer.engine import PullPlan, pull
 
-        await pull(stores[0], dest, job="j", step=5)
+        await pull(stores[0], dest, PullPlan("j", 5))
         assert tree_bytes(dest) == tree_bytes(ckpt)
         for store in stores:
             await store.close()
@@ -231,12 +231,12 @@ def test_a_server_that_hangs_is_cut_off_by_the_read_timeout_and_retried(
     """A stall longer than the client's read timeout (a black-holed connection): each try
     ends at the timeout, the next try goes through once the server answers again."""
     from transfer.store.s3 import S3Store
+    from transfer.store.s3config import S3Settings
 
     bucket, prefix = s3_url.removeprefix("s3://").split("/", 1)
     with FaultProxy(s3_env.url, stall_seconds=60) as proxy:
-        store = S3Store(
-            bucket, prefix, endpoint_url=proxy.url, read_timeout=1, retry=RetryPolicy(attempts=2)
-        )
+        settings = S3Settings(bucket, endpoint_url=proxy.url, read_timeout=1)
+        store = S3Store(settings, prefix, retry=RetryPolicy(attempts=2))
 
         async def go() -> None:
             await store.put("k", b"data")

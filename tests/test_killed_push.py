@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import open_test_store, random_bytes, run, tree_bytes, write_file
-from transfer.engine import pull, push
+from transfer.engine import PullPlan, pull, push
 from transfer.format import layout
 
 JOB = "j"
@@ -65,7 +65,7 @@ def _leases(url: str) -> list[Path]:
 
 def _assert_step_1_pulls(url: str, tmp_path: Path) -> None:
     dest = tmp_path / f"pulled-{time.monotonic_ns()}"
-    run(pull(open_test_store(url), dest, job=JOB, step=1))
+    run(pull(open_test_store(url), dest, PullPlan(JOB, 1)))
     assert tree_bytes(dest) == tree_bytes(tmp_path / "hot" / "step_1")
 
 
@@ -131,5 +131,5 @@ def test_a_live_push_keeps_its_unfinished_upload(
         _, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err
     dest = tmp_path / "pulled-2"
-    run(pull(open_test_store(url), dest, job=JOB, step=2))
+    run(pull(open_test_store(url), dest, PullPlan(JOB, 2)))
     assert tree_bytes(dest) == tree_bytes(two)

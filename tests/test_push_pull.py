@@ -22,7 +22,7 @@ from tests.conftest import (
     write_file,
 )
 from tests.harness import WatchingStore
-from transfer.engine import TransferOptions, pull, push
+from transfer.engine import PullPlan, PushPlan, TransferOptions, pull, push
 from transfer.engine.chunkindex import StoredChunk
 from transfer.format.layout import MANIFESTS_PREFIX, PACKS_PREFIX
 from transfer.store.base import PartReceipt
@@ -164,8 +164,8 @@ def test_concurrent_pushes_of_two_checkpoints(store_url: str, tmp_path: Path) ->
                 push(store, one, job="c", step=1, node="n", options=opts),
                 push(store, two, job="c", step=2, node="n", options=opts),
             )
-            await pull(store, tmp_path / "p1", job="c", step=1, options=opts)
-            await pull(store, tmp_path / "p2", job="c", step=2, options=opts)
+            await pull(store, tmp_path / "p1", PullPlan("c", 1), options=opts)
+            await pull(store, tmp_path / "p2", PullPlan("c", 2), options=opts)
         finally:
             await store.close()
 
@@ -282,7 +282,9 @@ def test_an_interrupted_push_resumes_from_its_journaled_packs(
     async def attempt(die_after: int | None) -> object:
         store = WatchingStore(open_test_store(store_url), die_after_parts=die_after)
         try:
-            return await push(store, src, job="r", step=1, node="n", options=opts, resume=log)
+            return await push(
+                store, src, job="r", step=1, node="n", options=opts, plan=PushPlan(resume=log)
+            )
         finally:
             await store.close()
 
@@ -299,7 +301,7 @@ def test_an_interrupted_push_resumes_from_its_journaled_packs(
     async def restore() -> None:
         store = open_test_store(store_url)
         try:
-            await pull(store, tmp_path / "out", job="r", step=1, options=opts)
+            await pull(store, tmp_path / "out", PullPlan("r", 1), options=opts)
         finally:
             await store.close()
 

@@ -23,7 +23,7 @@ from tests.conftest import init_test_store, random_bytes, tree_bytes, write_file
 from tests.harness import MARKER, POLL, make_queue, save, tier_states, until
 from tests.harness import QUEUE_OPTS as OPTS
 from tests.harness import queue_agent as agent
-from transfer.engine import pull
+from transfer.engine import PullPlan, pull
 from transfer.engine.catalog import is_complete
 from transfer.store import open_store
 from transfer.store.local import LocalStore
@@ -124,10 +124,10 @@ def test_committed_checkpoints_reach_every_tier_and_pull_back_identical(tmp_path
             assert stats[cold].pushes_failed == 0 and stats[cold].bytes_transferred > 0
 
         restored = tmp_path / "restored"
-        await pull(stores[1], restored, job="llama", step=10, options=OPTS)
+        await pull(stores[1], restored, PullPlan("llama", 10), options=OPTS)
         assert tree_bytes(restored) == tree_bytes(hot / "llama" / "step_000010")
         restored2 = tmp_path / "restored2"
-        await pull(stores[1], restored2, job="llama", step=None, options=OPTS)
+        await pull(stores[1], restored2, PullPlan("llama", None), options=OPTS)
         assert tree_bytes(restored2) == tree_bytes(hot / "llama" / "step_000020")
         steps = {p.name for p in (Path(cold) / "manifests" / "llama").iterdir()}
         assert steps == {f"{10:018d}", f"{20:018d}"}  # step 15 (no marker) was never pushed
@@ -222,6 +222,30 @@ def test_a_checkpoint_restored_here_is_never_pushed_as_this_nodes_part(tmp_path:
     assert not (Path(tier) / "manifests").exists()
 
 
+def test_a_restore_evicted_after_the_watcher_saw_it_is_not_pushed(tmp_path: Path) -> None:
+    """The watcher scans the hot dir in a thread; hot retention, on the loop, may evict a
+    restored step it found meanwhile, and forgets with it that the step was restored here.
+    The watcher's report then queued a push of a directory no longer there, as this node's
+    own part: it failed, was retried, and kept the step "busy" when the step was restored
+    again (the soak, under load). A step whose directory is gone is not queued."""
+    (tier,) = tiers_in(tmp_path, "tier")
+    ckpt = save(tmp_path / "hot" / "job1" / "step_000010", {"a": b"other nodes' data"})
+
+    async def go() -> None:
+        queue, _ = make_queue([tier], tmp_path / "state")
+        queue.exclude("job1", 10)  # restored here
+        hidden = ckpt.with_name(".evicted-step_000010")
+        ckpt.rename(hidden)  # hot retention: renamed away, then its rows forgotten
+        queue.journal.forget("job1", 10)
+        assert not queue.enqueue("job1", 10, ckpt)  # the watcher's late report
+        assert queue.busy_steps() == set() and queue.journal.pending() == []
+        await queue.drain(0)
+        queue.close()
+
+    asyncio.run(go())
+    assert not (Path(tier) / "manifests").exists()
+
+
 def test_completion_marker_is_written_once_when_every_expected_node_pushed(
     tmp_path: Path,
 ) -> None:
@@ -269,7 +293,7 @@ def test_completion_marker_is_written_once_when_every_expected_node_pushed(
 
         # a resharded restore merges both nodes' parts
         merged = tmp_path / "merged"
-        await pull(store, merged, job="job1", step=20, options=OPTS)
+        await pull(store, merged, PullPlan("job1", 20), options=OPTS)
         assert set(tree_bytes(merged)) == {*parts["a"], *parts["b"], MARKER}
         for n in nodes:
             await queues[n].drain(0)

@@ -22,7 +22,7 @@ from tests.conftest import (
     tree_bytes,
     write_file,
 )
-from transfer.engine import TransferOptions, pull, push, verify
+from transfer.engine import PullPlan, PushPlan, TransferOptions, pull, push, verify
 from transfer.engine.catalog import list_checkpoints, load_manifest
 from transfer.format import layout
 from transfer.retention import Tier, TierPolicy, apply_plan, make_plan, take_inventory
@@ -62,7 +62,7 @@ async def _assert_every_step_pulls(store: Store, dirs: list[Path], tmp: Path) ->
     steps = sorted({c.step for c in await list_checkpoints(store, JOB)})
     for step in steps:
         dest = tmp / f"pulled-{step}-{time.monotonic_ns()}"
-        await pull(store, dest, job=JOB, step=step)
+        await pull(store, dest, PullPlan(JOB, step))
         assert tree_bytes(dest) == tree_bytes(by_step[step]), step
         shutil.rmtree(dest)
     assert (await verify(store)).ok
@@ -77,7 +77,8 @@ async def _fresh_cost(tmp: Path, dirs: list[Path], *, full_first: bool = True) -
     try:
         for i, d in enumerate(dirs):
             first = full_first and i == 0
-            await push(store, d, job=JOB, step=_step(d), node=NODE, full=first, options=CHAINS)
+            plan = PushPlan(full=first)
+            await push(store, d, job=JOB, step=_step(d), node=NODE, options=CHAINS, plan=plan)
         return await _pack_bytes(store)
     finally:
         await store.close()

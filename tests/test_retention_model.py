@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from tests.conftest import tree_bytes, write_file
-from transfer.engine import TransferOptions, pull, push
+from transfer.engine import PullPlan, TransferOptions, pull, push
 from transfer.engine.catalog import list_checkpoints, open_catalog
 from transfer.format import layout
 from transfer.retention import Tier, TierPolicy, apply_plan, make_plan, pin, take_inventory, unpin
@@ -159,7 +159,7 @@ class RetentionMachine(RuleBasedStateMachine):
         for t in (0, 1):
             for step in self._committed(t):
                 dest = self.root / "pulled" / f"{t}-{step}-{secrets.token_hex(3)}"
-                self.run(pull(self.stores[t], dest, job=JOB, step=step, options=OPTS))
+                self.run(pull(self.stores[t], dest, PullPlan(JOB, step), options=OPTS))
                 assert tree_bytes(dest) == self.content[step], (t, step)
                 shutil.rmtree(dest)
 

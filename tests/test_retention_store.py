@@ -20,7 +20,7 @@ from tests.conftest import (
     write_file,
 )
 from tests.harness import WatchingStore
-from transfer.engine import pull, push, verify
+from transfer.engine import PullPlan, pull, push, verify
 from transfer.engine.catalog import list_checkpoints
 from transfer.errors import FerryError
 from transfer.format import layout
@@ -78,7 +78,7 @@ async def _steps(store: Store) -> list[int]:
 async def _assert_pulls(store: Store, dirs: dict[int, Path], tmp: Path) -> None:
     for step in await _steps(store):
         dest = tmp / f"pulled-{step}-{time.monotonic_ns()}"
-        await pull(store, dest, job=JOB, step=step)
+        await pull(store, dest, PullPlan(JOB, step))
         assert tree_bytes(dest) == tree_bytes(dirs[step]), step
 
 

@@ -211,5 +211,11 @@ def test_reads_stay_on_obstore_without_static_credentials_or_behind_a_proxy(
     assert from_env is not None and from_env._creds == Credentials("k", "s", "t")
     assert make_ranges(None, "b.with.dots", "k", "s", *timeouts) is None  # AWS, path-style
     assert make_ranges(None, "plain", "k", "s", *timeouts) is not None
-    monkeypatch.setenv("HTTPS_PROXY", "http://proxy.invalid:3128")
+    monkeypatch.setenv("HTTPS_PROXY", "http://proxy.invalid:3128")  # for https URLs only
+    assert make_ranges(*args, "k", "s", *timeouts) is not None
+    assert make_ranges("https://s3.internal", "b", "k", "s", *timeouts) is None
+    assert make_ranges(None, "plain", "k", "s", *timeouts) is None  # AWS: https
+    monkeypatch.setenv("HTTP_PROXY", "http://proxy.invalid:3128")
     assert make_ranges(*args, "k", "s", *timeouts) is None
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1")
+    assert make_ranges(*args, "k", "s", *timeouts) is not None

@@ -44,7 +44,7 @@ def push_parts(url: str, nodes: list[Path], *extra: str) -> None:
 
 
 async def push_parts_small_chunks(url: str, nodes: list[Path]) -> None:
-    from transfer.engine import push
+    from transfer.engine import PushPlan, push
     from transfer.options import TransferOptions
 
     store = open_test_store(url)
@@ -52,7 +52,7 @@ async def push_parts_small_chunks(url: str, nodes: list[Path]) -> None:
     try:
         for k, node_dir in enumerate(nodes):
             await push(store, node_dir, job="drill", step=STEP, node=f"n{k}", options=options,
-                       part=True)  # fmt: skip
+                       plan=PushPlan(part=True))  # fmt: skip
     finally:
         await store.close()
 
@@ -214,12 +214,12 @@ def test_a_torn_step_never_lands_whole_and_a_leftover_never_leaks_into_a_share(
             leftover.mkdir()
             for f in (f for m in manifests for f in m.files):
                 (leftover / f.path).write_bytes(b"\xaa" * f.size)
-            await pull(store, into, job="drill", step=STEP, manifests=manifests, share=share)
+            await pull(store, into, PullPlan("drill", STEP, manifests=manifests, share=share))
             return share, into
         finally:
             await store.close()
 
-    from transfer.engine import pull
+    from transfer.engine import PullPlan, pull
 
     share, into = asyncio.run(share_over_leftover())
     for path in sorted(share.storage):
@@ -274,6 +274,7 @@ async def _union_of_rank_shares(url: str) -> int:
     from transfer.engine.chunkindex import ChunkIndex
     from transfer.engine.dcpshare import Layout
     from transfer.engine.pull import share_chunk_ids
+    from transfer.engine.pullplan import merged_files
     from transfer.engine.share import plan_shares
 
     store = open_test_store(url)
@@ -284,7 +285,8 @@ async def _union_of_rank_shares(url: str) -> int:
             index.add_manifest(m)
         asks = {r: (Layout(4, (r,)), None) for r in range(4)}
         shares = await plan_shares(Catalog(store), manifests, asks)
-        ids = set().union(*(share_chunk_ids(manifests, s) for s in shares.values()))
+        files = merged_files(manifests)
+        ids = set().union(*(share_chunk_ids(files, s) for s in shares.values()))
         return sum(index[cid].stored for cid in ids)
     finally:
         await store.close()

@@ -12,7 +12,7 @@ import pytest
 
 from agent.cli import main as ferry
 from tests.conftest import open_test_store, random_bytes, tree_bytes, write_file
-from transfer.engine import pull, push
+from transfer.engine import PullPlan, pull, push
 from transfer.engine.settle import boot_id, mark_unsynced, marker_path, settle
 
 
@@ -27,7 +27,7 @@ def _restore(tmp_path: Path, name: str) -> tuple[Path, Path]:
     async def go() -> None:
         store = open_test_store(str(store_dir))
         await push(store, src, job="j", step=1, node="n")
-        await pull(store, tmp_path / "out" / name, job="j", step=1)
+        await pull(store, tmp_path / "out" / name, PullPlan("j", 1))
 
     asyncio.run(go())
     return src, tmp_path / "out" / name

@@ -37,7 +37,7 @@ from agent.hotdir import HotDir
 from agent.journal import Journal
 from agent.metrics import Metrics
 from agent.prefetch import Prefetcher, PrefetchJob, State
-from agent.retention import RetentionRunner
+from agent.retention import ProtectedSteps, RetentionRunner
 from tests.conftest import open_test_store
 from tests.harness import TOKEN, Node, agent, make_node, running
 from transfer.engine import TransferOptions, push
@@ -354,7 +354,8 @@ class RestoredHere:
                                 on_restore=journal.record_restored)  # fmt: skip
         retention = RetentionRunner(
             RetentionSettings(hot_keep_last=2), node="b", hot_dir=hot, tiers=[("t", store)],
-            journal=journal, holds=holds, pins=set, busy=set, metrics=Metrics(),
+            journal=journal, protected=ProtectedSteps(holds, pins=set, busy=set),
+            metrics=Metrics(),
         )  # fmt: skip
         made = cls(store, hot, journal, holds, prefetcher, retention)
         for step in stored:

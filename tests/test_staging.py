@@ -11,7 +11,7 @@ import time
 from pathlib import Path
 
 from tests.conftest import adamw_series, open_test_store, run, tree_bytes
-from transfer.engine import pull, push
+from transfer.engine import PullPlan, pull, push
 from transfer.engine.settle import settle
 from transfer.engine.staging import RESUME_KEEP_SECONDS, sweep_stale_staging
 from transfer.options import TransferOptions
@@ -52,7 +52,7 @@ def test_a_pull_adopts_the_leftover_and_fetches_only_what_does_not_verify(
     (left / "sub").mkdir()
     (left / "link").symlink_to(tmp_path)
 
-    result = run(pull(open_test_store(url), dest, job="j", step=1, options=OPTS))
+    result = run(pull(open_test_store(url), dest, PullPlan("j", 1), options=OPTS))
     assert tree_bytes(dest) == tree_bytes(k0)  # exactly: nothing else came along
     assert sorted(p.name for p in dest.iterdir()) == sorted(p.name for p in k0.iterdir())
     total = result.chunks_total
@@ -73,7 +73,7 @@ def test_a_leftover_in_use_is_not_adopted_and_bad_bytes_never_pass(tmp_path: Pat
         garbage = _leftover_of(dest, k0, "00000002")
         for f in garbage.iterdir():
             f.write_bytes(os.urandom(f.stat().st_size))  # same sizes, wrong bytes
-        result = run(pull(open_test_store(url), dest, job="j", step=1, options=OPTS))
+        result = run(pull(open_test_store(url), dest, PullPlan("j", 1), options=OPTS))
         assert result.chunks_resumed == 0  # the garbage was adopted, and none of it kept
         assert tree_bytes(dest) == tree_bytes(k0)
         assert busy.exists()  # never touched while locked

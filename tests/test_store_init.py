@@ -157,7 +157,7 @@ def test_the_push_queue_never_makes_a_store(tmp_path: Path) -> None:
 
 
 def test_the_python_api_still_makes_a_store_unless_told_not_to(tmp_path: Path) -> None:
-    from transfer.engine import push
+    from transfer.engine import PushPlan, push
 
     src = make_checkpoint(tmp_path / "step_000010")
     (tmp_path / "a").mkdir()
@@ -168,7 +168,7 @@ def test_the_python_api_still_makes_a_store_unless_told_not_to(tmp_path: Path) -
         try:
             await push(a, src, job="j", step=10, node="n")  # as tests and benchmarks do
             with pytest.raises(NotAStoreError, match="ferry init"):
-                await push(b, src, job="j", step=10, node="n", create_store=False)
+                await push(b, src, job="j", step=10, node="n", plan=PushPlan(create_store=False))
         finally:
             await a.close()
             await b.close()

@@ -26,7 +26,7 @@ from tests.conftest import random_bytes, tree_bytes, write_file
 from tests.harness import QUEUE_OPTS as OPTS
 from tests.harness import make_queue, tier_states, until
 from tests.harness import queue_agent as agent
-from transfer.engine import list_checkpoints, pull, push
+from transfer.engine import PullPlan, list_checkpoints, pull, push
 from transfer.errors import SourceChangedError
 from transfer.format.layout import PACKS_PREFIX
 from transfer.store import open_store
@@ -52,7 +52,7 @@ def test_a_step_whose_shard_grows_after_its_marker_is_pushed_only_once_settled(
                 assert row is None or row["state"] != "durable", row
             await until(lambda: tier_states(queue, "racejob", 1)[str(tier)]["state"] == "durable")
         dest = tmp_path / "restored"
-        await pull(stores[0], dest, job="racejob", step=1)
+        await pull(stores[0], dest, PullPlan("racejob", 1))
         assert (dest / "__0_0.distcp").read_bytes() == final
         for s in stores:
             await s.close()
@@ -104,7 +104,7 @@ def test_a_shard_rewritten_in_place_during_a_push_commits_nothing(tmp_path: Path
         assert await store.list(PACKS_PREFIX) == []  # its packs were collected
         # settled, it pushes and pulls back byte-exact
         await push(store, ckpt, job="j", step=10, node="n", options=OPTS)
-        await pull(store, tmp_path / "restored", job="j", step=10)
+        await pull(store, tmp_path / "restored", PullPlan("j", 10))
         assert tree_bytes(tmp_path / "restored") == tree_bytes(ckpt)
         await store.close()
 
@@ -168,7 +168,7 @@ def test_a_file_deleted_during_a_push_fails_naming_it_and_commits_nothing(
     async def after() -> None:
         assert await list_checkpoints(store, "j") == []
         await push(store, ckpt, job="j", step=10, node="n", options=OPTS)  # as it is now
-        await pull(store, tmp_path / "restored", job="j", step=10)
+        await pull(store, tmp_path / "restored", PullPlan("j", 10))
         assert tree_bytes(tmp_path / "restored") == tree_bytes(ckpt)
         await store.close()
 

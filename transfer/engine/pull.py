@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-from typing import Protocol, TypeVar
+from typing import TypeVar
 
 from transfer.codec import check_encoding
 from transfer.codec.transforms import Buffer
@@ -29,12 +29,14 @@ from transfer.engine.dcp import MAX_METADATA_BYTES, METADATA
 from transfer.engine.dcpshare import overlaps
 from transfer.engine.fetch import fetch_chunks
 from transfer.engine.parts import check_files_whole, merge_parts
-from transfer.engine.progress import NoProgress, Progress
+from transfer.engine.progress import Progress
+from transfer.engine.pullplan import PullEvents, PullPlan, merged_files
 from transfer.engine.ratelimit import RateLimit
 from transfer.engine.resolver import ChunkResolver, read_local_into
 from transfer.engine.scan import check_base_dir
 from transfer.engine.settle import boot_id
 from transfer.engine.share import Share, write_record
+from transfer.engine.sources import ChunkSource, LocalBase, Sources
 from transfer.engine.staging import (
     Staging,
     StagingFiles,
@@ -91,75 +93,53 @@ def _zero_chunk_id(size: int) -> str:
 async def pull(
     store: Store,
     dest: Path,
-    *,
-    job: str,
-    step: int | None,
-    node: str | None = None,
-    manifests: list[Manifest] | None = None,
+    plan: PullPlan,
+    sources: Sources | None = None,
+    events: PullEvents | None = None,
     options: TransferOptions | None = None,
-    progress: Progress | None = None,
-    base_dir: Path | None = None,
-    base_manifests: list[Manifest] | None = None,
-    chunk_source: ChunkSource | None = None,
-    fsync: bool = False,
-    rate_limit: RateLimit | None = None,
-    own_share: Callable[[str], bool] | None = None,
-    on_landed: Callable[[str, tuple[Path, int, int]], None] | None = None,
-    on_moved: Callable[[str, int], None] | None = None,
-    share: Share | None = None,
 ) -> PullResult:
-    """Restore a checkpoint into ``dest``. ``manifests``: its manifests, when the caller has
-    resolved them already (catalog.resolve_checkpoint): they are not read again.
-    ``base_dir``: a local checkpoint of the job (e.g. the previous step) whose chunks are
-    reused, after hash verification, instead of being downloaded, and which supplies delta
-    chunks' bases. ``base_manifests``: base_dir's committed manifests, when known: then only
-    the chunks they place at the same position are looked for there (``_same_position``).
-    ``chunk_source``: asked for every chunk neither base_dir nor a repeat supplies, before
-    the store (e.g. peer agents); what it returns is used only when it hashes to the chunk
-    id. ``fsync``: flush every file before the rename (else the restore is renamed into
-    place with a durable marker and settled later: transfer/engine/settle.py).
-    ``rate_limit``: a cap on the bytes moved per second (from the store and the chunk
-    source). ``own_share``: in a fan-out restore (agent/fanout.py), the chunks this node
-    fetches from the store itself, at once, while the chunk source is asked for the others.
-    ``on_landed(id, (file, offset, size))``: told as each chunk is written and verified in
-    the staging dir (the fan-out serves it from there). ``on_moved(origin, n)``: told of the
-    bytes as they move, ``"store"`` or the chunk source's origin (live progress per source).
-    ``share``: restore only that share of the step (share.py): the chunks that cover its
-    ranges, of which only the ranges are written; the copy records what it holds."""
+    """Restore ``plan``'s checkpoint (pullplan.py: which step, parts and share, how
+    durable, how fast) into ``dest``, each chunk from the first of ``sources`` that has it
+    (sources.py: in place, the node's earlier checkpoint, the chain in order) or else from
+    the store, telling ``events`` (pullplan.py) as it goes. ``options``: the transfer's
+    sizes and windows."""
     options = options or TransferOptions()
-    progress = progress or NoProgress()
+    sources = sources or Sources()
+    events = events or PullEvents()
     started = time.monotonic()
-    manifests = manifests or await resolve_manifests(store, job, step, node)
+    manifests = plan.manifests or await resolve_manifests(store, plan.job, plan.step, plan.node)
+    base_dir, base_manifests, share = sources.base_dir, sources.base_manifests, plan.share
     check_base_dir(base_dir)
     if base_dir is not None and base_manifests is None:
-        base_manifests = await _manifests_named_by(store, job, base_dir)
+        base_manifests = await _manifests_named_by(store, plan.job, base_dir)
     index = _checked_index(manifests)
-    merged = [f for f, _ in merge_parts(manifests)]
+    # the caller's merge only with the caller's manifests (without them, files are stale)
+    merged = plan.files if plan.manifests and plan.files is not None else merged_files(manifests)
     files, targets, hints, clips, covered = _plan_writes(merged, share)
     staging = await _to_thread_to_the_end(open_staging, dest)
     async with _kept_if_resumable(staging):
         await _to_thread_to_the_end(create_files, staging, files, targets)
-        progress.start(sum(f.size for f in files), "pull")
+        events.progress.start(sum(f.size for f in files), "pull")
         # with --fsync, writeback started per chunk overlaps the final flush with the
         # download; without it the kernel writes back on its own, and starting it per chunk
         # only made writers wait on the disk queue (settle.py flushes later)
-        out = StagingFiles(staging.path, files, writeback=fsync or boot_id() is None)
+        out = StagingFiles(staging.path, files, writeback=plan.fsync or boot_id() is None)
         with out, ThreadPoolExecutor(options.workers, thread_name_prefix="ferry-pull") as pool:
             run = _Restore(
                 ChunkResolver(store, index, pool, base_dir),
-                staging, files, targets, hints, out, progress, options, on_landed, on_moved,
+                staging, files, targets, hints, out, events, options,
             )  # fmt: skip
-            got = await run.gather(base_manifests, chunk_source, own_share, rate_limit)
+            got = await run.gather(base_manifests, sources, plan.rate_limit)
             await _to_thread_to_the_end(
                 _clear_unwritten, out, files, targets, clips, staging.adopted
             )
-        if share is None and node is None:  # every part: together they must be the save
+        if share is None and plan.node is None:  # every part: together they must be the save
             await _to_thread_to_the_end(_check_whole, staging.path, files, manifests)
         if share is not None:
             job_step = manifests[0].job, manifests[0].step
             await _to_thread_to_the_end(write_record, staging.path, *job_step, share)
-        await _to_thread_to_the_end(seal, staging.path, files, dest, fsync)
-    progress.finish()
+        await _to_thread_to_the_end(seal, staging.path, files, dest, plan.fsync)
+    events.progress.finish()
     result = run.result(manifests, got, base_dir, dest, time.monotonic() - started)
     if share is not None:
         record = share.to_record(result.job, result.step)
@@ -248,9 +228,10 @@ def _check_whole(root: Path, files: list[FileEntry], manifests: list[Manifest]) 
     check_files_whole(metadata, {f.path: f.size for f in files}, what, len(manifests))
 
 
-def share_chunk_ids(manifests: list[Manifest], share: Share) -> set[str]:
-    """The chunks a pull of ``share`` fetches (a fan-out member's needs)."""
-    return set(_plan_writes([f for f, _ in merge_parts(manifests)], share)[1])
+def share_chunk_ids(files: list[FileEntry], share: Share) -> set[str]:
+    """The chunks a pull of ``share`` fetches (a fan-out member's needs), of a step whose
+    parts' files merged are ``files`` (pullplan.merged_files)."""
+    return set(_plan_writes(files, share)[1])
 
 
 def _clear_unwritten(
@@ -309,29 +290,25 @@ class _Restore:
         targets: Targets,
         hints: Hints,
         out: StagingFiles,
-        progress: Progress,
+        events: PullEvents,
         options: TransferOptions,
-        on_landed: Callable[[str, tuple[Path, int, int]], None] | None,
-        on_moved: Callable[[str, int], None] | None = None,
     ) -> None:
         self.resolver = resolver
-        self.on_moved = on_moved
+        self.events = events
         self.index = resolver.index
         self.staging = staging
         self.files = files
         self.targets = targets
         self.hints = hints
         self.out = out
-        self.progress = progress
+        self.progress: Progress = events.progress
         self.options = options
-        self.on_landed = on_landed
         self.bytes_read = 0
         resolver.on_bytes_read = self._count
 
     def _count(self, n: int) -> None:
         self.bytes_read += n
-        if self.on_moved is not None:
-            self.on_moved("store", n)
+        self.events.moved("store", n)
 
     def write(self, c: StoredChunk, data: Buffer) -> None:
         """(In a worker thread.) A verified chunk, to every position it has."""
@@ -350,10 +327,10 @@ class _Restore:
         self._landed(c.id)
 
     def _landed(self, cid: str) -> None:
-        if self.on_landed is not None and cid in self.targets:
+        if cid in self.targets:
             fi, offset = self.targets[cid][0]
             where = (self.staging.path / self.files[fi].path, offset, self.index[cid].size)
-            self.on_landed(cid, where)
+            self.events.landed(cid, where)
 
     async def from_store(self, chunks: list[StoredChunk], rate_limit: RateLimit | None) -> None:
         await fetch_chunks(
@@ -399,11 +376,7 @@ class _Restore:
         )
 
     async def gather(
-        self,
-        base_manifests: list[Manifest] | None,
-        chunk_source: ChunkSource | None,
-        own_share: Callable[[str], bool] | None,
-        rate_limit: RateLimit | None,
+        self, base_manifests: list[Manifest] | None, sources: Sources, rate_limit: RateLimit | None
     ) -> _Gathered:
         """Every chunk into place: what an adopted staging dir already holds, then the
         chunks base_dir should hold (read and verified there) while the rest is fetched at
@@ -416,11 +389,15 @@ class _Restore:
                 resolver, index, list(self.targets), self.hints, self.write_elsewhere, window,
                 root=self.staging.path,
             )  # fmt: skip
-        candidates = _same_position(self.targets, self.hints, base_manifests)
+        # what base_dir holds where, once: it picks the chunks to read there and the bases
+        # offered to the chunk sources
+        held = _held_at(base_manifests) if resolver.local_root is not None else {}
+        known = held if base_manifests is not None else None
+        candidates = _same_position(self.targets, self.hints, known)
         candidates = [c for c in candidates if c not in resumed]
         maybe_local = set(candidates)
         early = [cid for cid in self.targets if cid not in resumed and cid not in maybe_local]
-        remote = _Remote(self, base_manifests, chunk_source, own_share, rate_limit)
+        remote = _Remote(self, held, sources, rate_limit)
         async with asyncio.TaskGroup() as both:
             reuse = both.create_task(
                 _reuse_local(resolver, index, candidates, self.hints, self.write, window)
@@ -432,24 +409,22 @@ class _Restore:
 
 
 class _Remote:
-    """Chunks not on this node, from the chunk source (peers; in a fan-out, beside this
-    node's own share from the store) and then the store; what came from where adds up
-    over calls."""
+    """Chunks not on this node, from the chain of chunk sources (beside the chunks they
+    leave to the store, fetched at once) and then the store; what came from where adds
+    up over calls. ``held``: what base_dir holds where (_held_at)."""
 
     def __init__(
         self,
         run: _Restore,
-        base_manifests: list[Manifest] | None,
-        chunk_source: ChunkSource | None,
-        own_share: Callable[[str], bool] | None,
+        held: dict[tuple[str, int], tuple[str, int]],
+        sources: Sources,
         rate_limit: RateLimit | None,
     ) -> None:
         self.run = run
-        self.source = chunk_source
-        self.own_share = own_share if chunk_source is not None else None
+        self.source: ChunkSource | None = sources.ask if sources.chain else None
+        self.own_share = sources.store_first if sources.chain else None
         self.rate_limit = rate_limit
-        root = run.resolver.local_root
-        self.held = _held_at(base_manifests) if root is not None and chunk_source else {}
+        self.held = held
         self.sourced: dict[str, int] = {}  # chunk id -> bytes the chunk source moved for it
         self.fetched: list[StoredChunk] = []  # from the store
 
@@ -471,43 +446,13 @@ class _Remote:
                     run.options.window,
                     lambda cid: _local_base(root, self.held, run.hints[cid], cid),
                     limit,
-                    run.on_moved,
+                    run.events.moved,
                 )
         done = {c.id for c in mine} | set(sourced)
         rest = [index[cid] for cid in todo if cid not in done]
         await run.from_store(rest, limit)
         self.sourced.update(sourced)
         self.fetched += mine + rest
-
-
-@dataclass(frozen=True)
-class LocalBase:
-    """What this node holds at a chunk's position in ``base_dir`` (the previous step's
-    chunk, usually): a chunk source may send the chunk as a delta against it. ``read``
-    gets its bytes (unverified: the decoded chunk's own hash check covers them), only when
-    a delta actually came: a source that sends the chunk whole costs no local read."""
-
-    id: str
-    read: Callable[[], Buffer | None]
-
-
-#: what a chunk source returns: the chunk's bytes (unverified; None when it handed them to
-#: the caller's ``land`` itself), the bytes it moved, and where they came from (e.g.
-#: ``peer:http://10.0.0.8:7070``)
-Supplied = tuple[Buffer | None, int, str]
-#: checks a chunk's bytes and writes them (in the caller's worker thread); False: wrong bytes
-Land = Callable[[StoredChunk, Buffer], bool]
-
-
-class ChunkSource(Protocol):
-    """Asked for a chunk (and told what base this node holds for it, if any): its bytes,
-    or None. With ``land``, a source may hand the bytes to it in the thread that received
-    them, from a buffer it reuses (one hop and no copy per chunk), and return None as the
-    bytes; a chunk land refused is not supplied."""
-
-    async def __call__(
-        self, chunk: StoredChunk, base: LocalBase | None, land: Land | None = None
-    ) -> Supplied | None: ...
 
 
 async def _manifests_named_by(store: Store, job: str, base_dir: Path) -> list[Manifest] | None:
@@ -645,12 +590,13 @@ def _local_base(
 
 
 def local_bases(
-    base_dir: Path, base_manifests: list[Manifest], manifests: list[Manifest]
+    base_dir: Path, base_manifests: list[Manifest], files: list[FileEntry]
 ) -> dict[str, LocalBase]:
-    """For each chunk of ``manifests``, what ``base_dir`` holds at its position if that
-    differs (a source may send the chunk as a delta against it)."""
+    """For each chunk of ``files`` (a step's parts merged: pullplan.merged_files), what
+    ``base_dir`` holds at its position if that differs (a source may send the chunk as a
+    delta against it)."""
     held = _held_at(base_manifests)
-    hints = _plan_writes([f for f, _ in merge_parts(manifests)])[2]
+    hints = _plan_writes(files)[2]
     found = {cid: _local_base(base_dir, held, hint, cid) for cid, hint in hints.items()}
     return {cid: base for cid, base in found.items() if base is not None}
 
@@ -658,16 +604,16 @@ def local_bases(
 def _same_position(
     targets: dict[str, list[tuple[int, int]]],
     hints: Hints,
-    base_manifests: list[Manifest] | None,
+    held: dict[tuple[str, int], tuple[str, int]] | None,
 ) -> list[str]:
     """The target chunks worth looking for in base_dir: all of them, or with its manifests
-    known, those it holds at the position where we would look. (Without them every chunk's
+    known (``held``: what they place where), those it holds at the position where we
+    would look. (Without them every chunk's
     position is read and hashed, and on a fully fine-tuned model, where every chunk changed,
     that is a whole cold read of the old checkpoint, for nothing, before the first byte is
     downloaded; the delta path reads each base again anyway.)"""
-    if base_manifests is None:
+    if held is None:
         return list(targets)
-    held = _held_at(base_manifests)
     return [cid for cid in targets if held.get(hints[cid], ("",))[0] == cid]
 
 

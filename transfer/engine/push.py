@@ -43,6 +43,7 @@ from transfer.engine.keyframes import delta_policy, may_delta
 from transfer.engine.packer import PackLocation, PackWriter
 from transfer.engine.progress import NoProgress, Progress
 from transfer.engine.pushlease import push_lease
+from transfer.engine.pushplan import PushPlan
 from transfer.engine.resolver import ChunkResolver
 from transfer.engine.resume import ResumeLog
 from transfer.engine.scan import (
@@ -102,25 +103,11 @@ async def push(
     node: str,
     options: TransferOptions | None = None,
     progress: Progress | None = None,
-    base_step: int | None = None,
-    base_dir: Path | None = None,
-    full: bool = False,
-    resume: ResumeLog | None = None,
-    part: bool = False,
-    create_store: bool = True,
+    plan: PushPlan | None = None,
 ) -> PushResult:
-    """Push ``ckpt_dir`` as (job, step, node). ``full`` forces a keyframe (no delta base);
-    ``base_dir`` is a local copy of the base checkpoint (default: a sibling directory named
-    for the base step). ``resume``: this push's resume log (resume.py), which an interrupted
-    attempt filled: the chunks it made durable are reused where their pack still exists, and
-    those in the landed parts of a pack it left unfinished too, once that upload is
-    completed with what landed; this attempt records its own packs and parts there.
-    ``part``: ``ckpt_dir`` is one node's part of a multi-node save, which holds some of the
-    files its ``.metadata`` names (those it holds must be whole); else it must hold all.
-    ``create_store``: a ``store`` that is not a ckpt-ferry store yet is made one (its
-    descriptor written), as this Python API always has (tests and benchmarks rely on it);
-    False refuses it with NotAStoreError before anything is written there (what the CLI,
-    unless ``--init``, and the agent pass: a store is made on purpose, ``ferry init``).
+    """Push ``ckpt_dir`` as (job, step, node), made as ``plan`` says (pushplan.py: the
+    delta base, a keyframe, resuming an interrupted attempt, a part of a multi-node save,
+    whether a store may be made here); the default pushes a whole save.
 
     Reads of the store's control objects do not grow with the job's nodes: the node's own
     head and newest parts (its base and dedupe window), and one listing of the step; other
@@ -128,13 +115,15 @@ async def push(
     none, unless the same step was pushed under another node name)."""
     options = options or TransferOptions()
     progress = progress or NoProgress()
+    plan = plan or PushPlan()
+    base_dir, resume, part = plan.base_dir, plan.resume, plan.part
     check_name("job", job)
     check_name("node", node)
     check_step(step)
     started = time.monotonic()
     check_base_dir(base_dir)
     sources = await asyncio.to_thread(_complete_sources, ckpt_dir, part)
-    if not await open_catalog(store, create=create_store):
+    if not await open_catalog(store, create=plan.create_store):
         raise not_a_store(store.url)
     catalog = Catalog(store)
     # one push of a part at a time: a second one waits, then finds it committed
@@ -143,9 +132,9 @@ async def push(
         if (why := _clash(sources, others)) is not None:
             raise _clash_error(job, step, node, why)
         base = None
-        if options.delta and not full:
+        if options.delta and not plan.full:
             base = await choose_base(
-                catalog, ckpt_dir, job=job, step=step, node=node, base_step=base_step,
+                catalog, ckpt_dir, job=job, step=step, node=node, base_step=plan.base_step,
                 base_dir=base_dir,
             )  # fmt: skip
         index = await _known_chunks(catalog, job, node, options, base, resume)

@@ -14,6 +14,9 @@ _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")
 _STEP_IN_DIRNAME = re.compile(r"(\d+)(?!.*\d)")
 MAX_STEP = 10**18 - 1  # fits the 18-digit zero-padded key component
 
+#: a step of a job, (job, step): what retention keeps, pins and holds, agent and store alike
+Key = tuple[str, int]
+
 
 def check_name(kind: str, value: object) -> str:
     """Return ``value`` if it is a safe job/node name, else raise FormatError."""

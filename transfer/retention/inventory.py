@@ -12,10 +12,9 @@ from transfer.engine.catalog import list_checkpoints, load_manifest, step_is_com
 from transfer.errors import FerryError, FormatError
 from transfer.format import layout
 from transfer.format.manifest import Manifest
+from transfer.format.names import Key
 from transfer.retention.pins import pin_expiry
 from transfer.store.base import PendingUpload, Store
-
-Key = tuple[str, int]  # (job, step)
 
 #: manifests read at once while taking inventory
 _CONCURRENT_GETS = 16

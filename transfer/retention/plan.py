@@ -16,9 +16,10 @@ from dataclasses import asdict, dataclass, field, replace
 from transfer.engine.verify import verify
 from transfer.errors import FerryError
 from transfer.format import layout
+from transfer.format.names import Key
 from transfer.retention.copy import copy_step, step_problems
 from transfer.retention.gc import GcBusyError, GcResult, collect_garbage, gc_lease
-from transfer.retention.inventory import Inventory, Key, StepEntry, take_inventory
+from transfer.retention.inventory import Inventory, StepEntry, take_inventory
 from transfer.retention.pins import drop_expired_pins
 from transfer.retention.policy import (
     StepFacts,

@@ -20,6 +20,8 @@ import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
+from transfer.format.names import Key
+
 # re-exported: plans print sizes as every command does (decimal units)
 from transfer.units import format_size as format_size
 
@@ -108,9 +110,6 @@ def select(steps: Iterable[StepFacts], policy: TierPolicy, now: float) -> dict[i
         kept = {st: why for st, why in kept.items() if now - created[st] <= policy.max_age_s}
     kept.update(protected)
     return kept
-
-
-Key = tuple[str, int]  # (job, step)
 
 
 def fit_budget(

@@ -13,7 +13,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from transfer.retention.inventory import Inventory, Key
+from transfer.format.names import Key
+from transfer.retention.inventory import Inventory
 from transfer.retention.repack import RepackPolicy, forecast
 
 

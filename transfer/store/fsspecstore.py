@@ -33,7 +33,7 @@ from transfer.store.base import (
     Upload,
     check_key,
 )
-from transfer.store.retry import RetryPolicy
+from transfer.store.retry import ErrorTable, RetryPolicy, run_retried, transient_os_error
 
 T = TypeVar("T")
 
@@ -97,7 +97,7 @@ class FsspecStore(Store):
     def run_retried(self, what: str, work: Callable[[], T]) -> T:
         """``work()`` (blocking), retried while it fails transiently; a failure comes out
         as a StoreError naming ``what``."""
-        return self.retry.run(work, lambda exc, tries: _map_error(exc, what, tries))
+        return run_retried(self.retry, FSSPEC_ERRORS, what, work)
 
     async def _call(self, what: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
         return await self.threads.run(lambda: self.run_retried(what, lambda: fn(*args, **kwargs)))
@@ -192,7 +192,7 @@ class FsspecStore(Store):
         return _Ranges(self)
 
 
-def _map_error(exc: BaseException, what: str, tries: int) -> StoreError:
+def _map_error(exc: BaseException, what: str, tries: int, where: str | None) -> StoreError:
     if isinstance(exc, StoreError):
         return exc
     if isinstance(exc, FileNotFoundError):
@@ -203,3 +203,8 @@ def _map_error(exc: BaseException, what: str, tries: int) -> StoreError:
         raise exc  # not an I/O failure but a bug: let it out as it is
     reason = f"failed {tries} times ({exc})" if tries > 1 else str(exc)
     return StoreError(f"{what}: {reason}")
+
+
+#: A remote filesystem's failures: transient its connection and timeout errors (and a
+#: mounted one's errnos, retry.py's); fsspec types the rest as the builtin OSErrors.
+FSSPEC_ERRORS = ErrorTable(transient=transient_os_error, mapped=_map_error)

@@ -39,7 +39,7 @@ from transfer.store.base import (
     Upload,
     check_key,
 )
-from transfer.store.retry import RetryPolicy
+from transfer.store.retry import ErrorTable, RetryPolicy, run_retried, transient_os_error
 
 _TMP_MARK = ".tmp-"
 T = TypeVar("T")
@@ -66,7 +66,9 @@ def _publish(tmp: Path, final: Path, create_only: bool) -> None:
     fsync_dir(final.parent)
 
 
-def _map_os_error(exc: BaseException, what: str, tries: int = 1) -> StoreError:
+def _map_os_error(
+    exc: BaseException, what: str, tries: int = 1, where: str | None = None
+) -> StoreError:
     if isinstance(exc, StoreError):
         return exc
     if not isinstance(exc, OSError):
@@ -81,6 +83,10 @@ def _map_os_error(exc: BaseException, what: str, tries: int = 1) -> StoreError:
     if tries > 1:
         return StoreError(f"{what}: failed {tries} times, the mount may be down ({reason})")
     return StoreError(f"{what}: {reason}")
+
+
+#: A directory's failures: transient what a flaky NFS mount answers (retry.py's errnos).
+LOCAL_ERRORS = ErrorTable(transient=transient_os_error, mapped=_map_os_error)
 
 
 def _same_bytes(path: Path, data: bytes) -> bool:
@@ -207,7 +213,7 @@ class LocalStore(Store):
     def run_retried(self, what: str, work: Callable[[], T]) -> T:
         """``work()`` (blocking), retried while it fails transiently; a failure comes out
         as a StoreError naming ``what``."""
-        return self.retry.run(work, lambda exc, tries: _map_os_error(exc, what, tries))
+        return run_retried(self.retry, LOCAL_ERRORS, what, work)
 
     async def close(self) -> None:
         self.threads.close()

@@ -32,7 +32,8 @@ from transfer.store.base import (
     check_key,
 )
 from transfer.store.retry import RetryPolicy
-from transfer.store.s3client import S3Client, S3Settings
+from transfer.store.s3client import S3Client
+from transfer.store.s3config import S3Settings
 
 MIN_PART_SIZE = 5 << 20
 T = TypeVar("T")
@@ -176,35 +177,28 @@ class S3Store(Store):
 
     def __init__(
         self,
-        bucket: str,
-        prefix: str,
+        settings: S3Settings,
+        prefix: str = "",
         *,
-        endpoint_url: str | None = None,
-        pool_size: int = 32,
         checksum: str = StoreSettings.checksum,
-        key: str | None = None,
-        secret: str | None = None,
-        connect_timeout: float = StoreSettings.connect_timeout_seconds,
-        # no byte for this long on a connection: give up on it and retry
-        read_timeout: float = StoreSettings.read_timeout_seconds,
         retry: RetryPolicy | None = None,
     ) -> None:
+        """The store under ``prefix`` of ``settings.bucket``, reached as ``settings`` says
+        (endpoint, credentials, pool size, timeouts: what every transport is made from)."""
         if checksum not in CHECKSUMS:
             raise ValueError(f"unknown checksum {checksum!r} ({', '.join(CHECKSUMS)})")
-        if pool_size < 1:
+        if settings.pool_size < 1:
             raise ValueError("pool_size must be at least 1")
+        bucket = settings.bucket
         self.bucket = bucket
         self.prefix = prefix.strip("/")
         self.url = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
-        self.endpoint_url = endpoint_url
+        self.endpoint_url = settings.endpoint_url
         self.retry = retry or RetryPolicy()
         self._checksum = checksum
-        settings = S3Settings(
-            bucket, endpoint_url, key, secret, pool_size, connect_timeout, read_timeout
-        )
         self.client = S3Client(settings, self.retry)
         # one thread per pooled connection: more would only queue on the pool
-        self._threads = StoreThreads(pool_size, "s3")
+        self._threads = StoreThreads(settings.pool_size, "s3")
 
     def full_key(self, key: str) -> str:
         check_key(key)

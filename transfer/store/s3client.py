@@ -1,9 +1,14 @@
 """The one S3 client of a store: every request retried by one RetryPolicy, errors mapped to
 the store's error classes, concurrency bounded by the store's threads (``pool_size``).
 
-Reads (GET, ranged GET, HEAD, LIST) go through obstore (transfer/store/s3objects.py: why,
-with numbers); writes (PUT, DELETE and the multipart protocol) through a blocking botocore
-client, imported on the first write: a pull never loads it. Neither retries on its own.
+Three transports, each chosen by ``python -m bench.s3_clients`` (bench/README.md, "S3
+transports"): a restore's ranged GETs over http.client (s3ranges.py: half the client CPU
+per GB), where the credentials are static and no proxy is named for the endpoint, else
+on obstore; the other reads (GET, HEAD, LIST) on obstore (s3objects.py: the fastest
+start-up); writes (PUT, DELETE and the multipart protocol) through a blocking botocore
+client, imported on the first write: a pull never loads it. None retries on its own: every
+request goes through ``retry.run_retried`` with this client's error table (s3errors.py).
+The transports import s3config.py and s3errors.py, never this module.
 
 Why blocking rather than s3fs/aiobotocore (the stack until 2026-11): a pull moves its bytes
 on reader threads anyway, so an async client only added a second pool and a second retry
@@ -16,78 +21,16 @@ or slow MinIO and SeaweedFS; each PUT carries an explicit CRC32 or Content-MD5 i
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from transfer.errors import (
-    AccessDeniedError,
-    AlreadyExistsError,
-    NotFoundError,
-    RangeNotSatisfiableError,
-    StoreError,
-)
-from transfer.options import StoreSettings
 from transfer.store.base import RangeStream
-from transfer.store.retry import RetryPolicy, http_status, s3_error
+from transfer.store.retry import RetryPolicy, run_retried
+from transfer.store.s3config import S3Settings, region_of
+from transfer.store.s3errors import S3_ERRORS
 
 T = TypeVar("T")
-
-
-def map_error(
-    exc: BaseException, what: str, attempts: int = 1, where: str | None = None
-) -> StoreError:
-    """A client's failure as the store's error class, in one line. ``where``: the bucket
-    and key (or prefix) asked for, ``s3://bucket/key``, named when access is denied."""
-    status = http_status(exc)
-    # botocore's own retries are off; its "(reached max retries: 0)" would only mislead
-    text = " ".join(str(exc).replace(" (reached max retries: 0)", "").split())
-    if status == 412:
-        return AlreadyExistsError(f"{what}: already exists")
-    if status == 416:
-        return RangeNotSatisfiableError(f"{what}: range past the end of the object")
-    if status == 404:
-        return NotFoundError(f"{what}: {text}")
-    if status in (401, 403):
-        # the S3 error's Code and Message, not the client's text around the reply's XML
-        code, message = s3_error(exc)
-        reason = ": ".join(part for part in (code, message) if part) or f"HTTP {status}"
-        target = f" to {where}" if where else ""
-        return AccessDeniedError(
-            f"{what}: access denied{target} ({reason}); check the AWS credentials"
-        )
-    detail = f"{type(exc).__name__}: {text}"
-    if attempts > 1:
-        return StoreError(f"{what}: failed {attempts} times, the store may be down ({detail})")
-    return StoreError(f"{what}: {detail}")
-
-
-@dataclass(frozen=True)
-class S3Settings:
-    """What both transports of a client are made from (credentials: None takes the
-    standard AWS chain)."""
-
-    bucket: str
-    endpoint_url: str | None = None
-    key: str | None = None
-    secret: str | None = None
-    pool_size: int = 32
-    connect_timeout: float = StoreSettings.connect_timeout_seconds
-    # no byte for this long on a connection: give up on it and retry
-    read_timeout: float = StoreSettings.read_timeout_seconds
-
-
-def region_of(endpoint_url: str | None) -> str:
-    """The region requests are signed for: the environment's, else (AWS itself) the
-    configured profile's; a custom endpoint accepts any."""
-    region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
-    if region or endpoint_url:
-        return region or "us-east-1"
-    import botocore.session  # the region of the configured profile
-
-    return botocore.session.get_session().get_config_variable("region") or "us-east-1"
 
 
 _UNSET: Any = object()
@@ -138,7 +81,7 @@ class S3Client:
         """``attempt`` under the retry policy; ``key``: the bucket key (or prefix) it asks
         for, named in an access-denied error."""
         where = f"s3://{self.bucket}/{key}" if key is not None else f"s3://{self.bucket}"
-        return self.retry.run(attempt, lambda exc, tries: map_error(exc, what, tries, where))
+        return run_retried(self.retry, S3_ERRORS, what, attempt, where)
 
     def _ranged(self) -> Any:
         """The ranged-read transport (s3ranges.HttpRanges), or None: obstore's."""

@@ -1,11 +1,13 @@
 """The S3 client's reads (GET, ranged GET, HEAD, LIST), on obstore.
 
-Why obstore for reads (``python -m bench.s3_clients``, 2026-12-01, SeaweedFS on loopback):
-a fresh process gets its first list answer in 0.10 s against botocore's 0.57 s (cold page
-cache: botocore imports ~100 modules and parses its S3 model), and 8 MiB ranged reads from 4
-threads run at 970 MB/s against 669 at about the same CPU per GB (its HTTP runs on Rust
-threads, off the GIL). Why writes stay on botocore: obstore has no part-level multipart API,
-and our resumable uploads need ListParts and per-part receipts.
+Why obstore for reads (``python -m bench.s3_clients``, 2026-12-03, SeaweedFS on loopback):
+a fresh process gets its first list answer in 0.16-0.19 s against botocore's 0.83-1.04 s
+(cold page cache: botocore imports ~100 modules and parses its S3 model). A restore's
+ranged GETs are http.client's (s3ranges.py: half the client CPU per GB) unless the
+credentials come from botocore's chain or a proxy is set: then they are obstore's too, as
+fast as botocore's at the same CPU per GB in 8 MiB ranges. Why writes stay on botocore:
+obstore has no part-level multipart API, and our resumable uploads need ListParts and
+per-part receipts.
 
 Everything here is blocking and is called from the store's threads through the client's one
 RetryPolicy: obstore's own retries are off. Its failures leave this module as the types the
@@ -36,13 +38,13 @@ from obstore.exceptions import (
 from obstore.store import S3Store
 
 from transfer.errors import StoreError
-from transfer.store.retry import ReplyError, ShortBodyError
-from transfer.store.s3client import region_of
+from transfer.store.s3config import region_of
+from transfer.store.s3errors import ReplyError, ShortBodyError
 
 if TYPE_CHECKING:
     from obstore.store import S3Config  # only in obstore's stubs
 
-    from transfer.store.s3client import S3Settings
+    from transfer.store.s3config import S3Settings
 
 _STATUS = re.compile(r"status code: (\d{3})")
 _HTTP_KIND = re.compile(r"HttpError\s*\{\s*kind:\s*(\w+)")

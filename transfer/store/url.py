@@ -63,16 +63,17 @@ def _s3_store(url: str, parsed: ParseResult, options: StoreOptions) -> Store:
     # imported only for an s3:// URL: its clients take a while to import, more than a
     # whole pull of a small local checkpoint
     from transfer.store.s3 import S3Store
+    from transfer.store.s3config import S3Settings
 
-    return S3Store(
+    settings = S3Settings(
         parsed.netloc,
-        parsed.path,
         endpoint_url=endpoint,
         pool_size=options.pool_size,
-        checksum=options.settings.checksum,
         connect_timeout=options.settings.connect_timeout_seconds,
         read_timeout=options.settings.read_timeout_seconds,
-        retry=options.retry_policy(),
+    )
+    return S3Store(
+        settings, parsed.path, checksum=options.settings.checksum, retry=options.retry_policy()
     )
 
 

@@ -1,0 +1,88 @@
+"""The agent's top-level keys are declared once (AgentConfig's fields, agent/config.py):
+what load_config reads, its defaults, the example config and docs/CONFIG.md follow."""
+
+from __future__ import annotations
+
+from dataclasses import MISSING, dataclass, field, fields
+from pathlib import Path
+
+import pytest
+
+from agent import config as agent_config
+from agent.config import AgentConfig, agent_keys, config_reference, example_toml, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_a_key_cannot_be_added_without_its_declaration() -> None:
+    """A field without its declaration (help, TOML type) is refused where the keys are made,
+    which agent/config.py does on import: such a key cannot exist."""
+
+    @dataclass(frozen=True)
+    class Undeclared(AgentConfig):
+        new_knob: int = 3
+
+    with pytest.raises(TypeError, match=r"Undeclared\.new_knob is not declared"):
+        agent_keys(Undeclared)
+
+    @dataclass(frozen=True)
+    class Declared(AgentConfig):
+        new_knob: int = field(default=3, metadata=agent_config._key("A new knob.", int))
+
+    assert agent_keys(Declared)[-1].name == "new_knob"
+    assert agent_keys(Declared)[-1].default == 3
+
+
+def test_every_field_is_a_declared_key_or_a_table() -> None:
+    declared = {k.name for k in agent_keys()}
+    tables = {"transfer", "store", "retention", "sources"}
+    assert declared | tables == {f.name for f in fields(AgentConfig)}
+    assert set(agent_config._TOP_KEYS) == declared  # the schema load_config checks against
+    assert set(agent_config._CHECKS) <= declared
+
+
+def test_the_declared_defaults_are_what_load_config_gives() -> None:
+    config = load_config(None, env={"FERRY_HOT_DIR": "/x"})
+    for key in agent_keys():
+        if key.default is MISSING or key.default_text:  # required or computed
+            continue
+        assert getattr(config, key.name) == key.default, key.name
+        assert config.sources.get(key.name) is None, key.name
+
+
+def test_the_declared_defaults_pass_their_own_checks() -> None:
+    """Set explicitly (as their TOML value), the defaults load as the defaults."""
+    for key in agent_keys():
+        if key.default in (MISSING, None) or key.default_text:
+            continue
+        value = list(key.default) if isinstance(key.default, tuple) else key.default
+        check = agent_config._CHECKS.get(key.name, agent_config._as_given)
+        assert check(key.name, value) == key.default, key.name
+
+
+def test_the_example_shows_every_key_as_declared(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    text = example_toml()
+    for key in agent_keys():
+        line = f"{key.name} = {agent_config._toml_value(key.example)}\n"
+        assert ("\n# " + line if key.commented else "\n" + line) in text, key.name
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "ferry.token").write_text("t0ken")
+    (tmp_path / "ferry.toml").write_text(text)
+    config = load_config(tmp_path / "ferry.toml", env={})
+    for key in agent_keys():
+        if key.commented:
+            assert key.name not in config.sources, key.name
+        else:  # as shown, and said to come from the file
+            assert config.sources[key.name] == "file", key.name
+
+
+def test_docs_config_md_is_made_from_the_declarations() -> None:
+    doc = (ROOT / "docs" / "CONFIG.md").read_text()
+    assert doc == config_reference(), (
+        "docs/CONFIG.md is stale: python -c 'from agent.config import config_reference as r; "
+        'print(r(), end="")\' > docs/CONFIG.md'
+    )
+    for key in agent_keys():
+        assert f"| `{key.name}` |" in doc and f"`FERRY_{key.name.upper()}`" in doc

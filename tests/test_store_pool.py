@@ -1,0 +1,52 @@
+"""The store's connection pool fits the window transfers run with: the configured one,
+shrunk by ``memory_mib`` (TransferSettings.to_options), at both front doors."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from aiohttp import web
+
+from agent.appkeys import CONFIG, TIERS
+from agent.cli import _store_options, build_parser
+from agent.config import load_config
+from agent.rpc import _tiers
+from transfer.engine.catalog import init_store
+from transfer.store import open_store
+
+#: 40 parts configured; 512 MiB with one worker leaves (512 - 8 - 3 x 2 x 4) / (2 x 8) = 30
+SHRUNK = {"window": "40", "workers": "1", "memory_mib": "512"}
+
+
+def test_the_cli_pool_follows_the_window_memory_mib_leaves() -> None:
+    flags = [x for k, v in SHRUNK.items() for x in (f"--{k.replace('_', '-')}", v)]
+    args = build_parser().parse_args(["pull", "s", "d", "--job", "j", *flags])
+    assert _store_options(args).pool_size == 30 + 4  # not 40 + 4
+    plain = build_parser().parse_args(["pull", "s", "d", "--job", "j", "--window", "40"])
+    assert _store_options(plain).pool_size == 44
+    assert _store_options(build_parser().parse_args(["ls", "s"])).pool_size == 16 + 4
+
+
+def test_the_agent_pool_follows_the_window_memory_mib_leaves(tmp_path: Path) -> None:
+    store_dir = tmp_path / "store"
+    env = {f"FERRY_TRANSFER_{k.upper()}": v for k, v in SHRUNK.items()}
+    env |= {"FERRY_HOT_DIR": str(tmp_path / "hot"), "FERRY_TIERS": str(store_dir)}
+    config = load_config(None, env)
+    assert config.transfer.window == 40 and config.transfer_options().window == 30
+
+    async def tier_threads() -> int:
+        made = open_store(str(store_dir))
+        await init_store(made)
+        await made.close()
+        app = web.Application()
+        app[CONFIG] = config
+        tiers = _tiers(app)
+        await anext(tiers)
+        try:
+            ((_, store),) = app[TIERS]
+            return int(store.threads.size)  # type: ignore[attr-defined]
+        finally:
+            await tiers.aclose()
+
+    assert asyncio.run(tier_threads()) == 30 + 4  # one per pooled connection; not 40 + 4
