@@ -157,6 +157,36 @@ class _JobProgress:
         pass
 
 
+@dataclass(frozen=True)
+class PrefetchPolicy:
+    """How this node prefetches. ``concurrency``: prefetches running at once;
+    ``expected_nodes``: the job's nodes, whose parts make a step whole; ``pin_holder``: pin
+    the step in a tier's store while it is pulled from there (no node's retention deletes
+    it mid-restore), under this holder name; ``background_rate``: the cap, in bytes per
+    second, of a background (standby) prefetch."""
+
+    concurrency: int = 2
+    expected_nodes: tuple[str, ...] = ()
+    pin_holder: str | None = None
+    background_rate: float | None = None
+
+
+@dataclass(frozen=True)
+class PrefetchLinks:
+    """What a prefetcher works with besides its hot dir and tiers: ``chunk_source``, the
+    peers a restore asks before the store; ``fanout_client``, how it asks a fan-out's
+    members for their shares; ``on_restore``, told before a step is restored here (the push
+    queue must never push it back as this node's part); ``holds``, the steps in use that hot
+    retention leaves alone; ``spawn``, what starts each job's task (in the agent, its
+    services' group)."""
+
+    chunk_source: ChunkSource | None = None
+    fanout_client: PeerSource | None = None
+    on_restore: Callable[[str, int], None] | None = None
+    holds: StepHolds | None = None
+    spawn: Spawn = own_task
+
+
 class Prefetcher:
     """Owns every prefetch job and its task; at most ``concurrency`` run at once."""
 
@@ -169,16 +199,18 @@ class Prefetcher:
         tiers: list[tuple[str, Store]],
         options: TransferOptions,
         meter: BandwidthMeter,
-        concurrency: int = 2,
-        chunk_source: ChunkSource | None = None,
-        on_restore: Callable[[str, int], None] | None = None,
-        expected_nodes: tuple[str, ...] = (),
-        holds: StepHolds | None = None,
-        pin_holder: str | None = None,
-        background_rate: float | None = None,
-        fanout_client: PeerSource | None = None,
-        spawn: Spawn = own_task,
+        policy: PrefetchPolicy | None = None,
+        links: PrefetchLinks | None = None,
     ) -> None:
+        policy, links = policy or PrefetchPolicy(), links or PrefetchLinks()
+        concurrency, expected_nodes = policy.concurrency, policy.expected_nodes
+        pin_holder, background_rate = policy.pin_holder, policy.background_rate
+        chunk_source, fanout_client, on_restore = (
+            links.chunk_source,
+            links.fanout_client,
+            links.on_restore,
+        )
+        holds, spawn = links.holds, links.spawn
         self.expected_nodes = expected_nodes
         #: starts each job's task (in the agent: its services' group, which awaits them all)
         self.spawn = spawn

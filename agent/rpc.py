@@ -46,7 +46,7 @@ from agent.metrics import Metrics
 from agent.middleware import auth_middleware, error_middleware
 from agent.peers import HotIndex, PeerSource
 from agent.pins import LocalPins
-from agent.prefetch import Prefetcher
+from agent.prefetch import Prefetcher, PrefetchLinks, PrefetchPolicy
 from agent.pushqueue import PushQueue
 from agent.retention import ProtectedSteps, RetentionRunner
 from agent.routes import route_modules
@@ -191,15 +191,19 @@ def _prefetcher(app: web.Application, queue: PushQueue, services: Services) -> P
         app[TIERS],
         config.transfer_options(),
         app[METER],
-        concurrency=config.prefetch_concurrency,
-        chunk_source=app[PEERS] if config.peers else None,
-        fanout_client=app[PEERS],
-        on_restore=queue.exclude,
-        expected_nodes=config.expected_nodes,
-        holds=app[HOLDS],
-        pin_holder=f"prefetch-{config.node}",
-        background_rate=config.standby_max_rate or None,
-        spawn=services.spawn,
+        PrefetchPolicy(
+            concurrency=config.prefetch_concurrency,
+            expected_nodes=config.expected_nodes,
+            pin_holder=f"prefetch-{config.node}",
+            background_rate=config.standby_max_rate or None,
+        ),
+        PrefetchLinks(
+            chunk_source=app[PEERS] if config.peers else None,
+            fanout_client=app[PEERS],
+            on_restore=queue.exclude,
+            holds=app[HOLDS],
+            spawn=services.spawn,
+        ),
     )
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from agent.estimate import BandwidthMeter
 from agent.hotdir import HotDir
-from agent.prefetch import Prefetcher, State
+from agent.prefetch import Prefetcher, PrefetchPolicy, State
 from tests.conftest import make_checkpoint, open_test_store
 from transfer.engine import push
 from transfer.format import layout
@@ -47,7 +47,11 @@ def test_a_prefetch_reads_each_manifest_once(tmp_path: Path) -> None:
                 await push(store, ckpt, job=JOB, step=step, node=node)
         reads = _count_manifest_reads(store)
         prefetcher = Prefetcher(
-            hot, [("t", store)], TransferOptions(), BandwidthMeter(), expected_nodes=NODES
+            hot,
+            [("t", store)],
+            TransferOptions(),
+            BandwidthMeter(),
+            PrefetchPolicy(expected_nodes=NODES),
         )
         seen = []
         for step in (10, None):  # the second: the latest complete step, with 10 as its base

@@ -36,7 +36,7 @@ from agent.holds import StepHolds
 from agent.hotdir import HotDir
 from agent.journal import Journal
 from agent.metrics import Metrics
-from agent.prefetch import Prefetcher, PrefetchJob, State
+from agent.prefetch import Prefetcher, PrefetchJob, PrefetchLinks, State
 from agent.retention import ProtectedSteps, RetentionRunner
 from tests.conftest import open_test_store
 from tests.harness import TOKEN, Node, agent, make_node, running
@@ -350,8 +350,8 @@ class RestoredHere:
         store = open_test_store(str(tmp / "store"))
         hot = HotDir(tmp / "hot", ".metadata")
         journal, holds = Journal(tmp / "journal.sqlite3", "b"), StepHolds()
-        prefetcher = Prefetcher(hot, [("t", store)], OPTS, BandwidthMeter(), holds=holds,
-                                on_restore=journal.record_restored)  # fmt: skip
+        links = PrefetchLinks(holds=holds, on_restore=journal.record_restored)
+        prefetcher = Prefetcher(hot, [("t", store)], OPTS, BandwidthMeter(), links=links)
         retention = RetentionRunner(
             RetentionSettings(hot_keep_last=2), node="b", hot_dir=hot, tiers=[("t", store)],
             journal=journal, protected=ProtectedSteps(holds, pins=set, busy=set),

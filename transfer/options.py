@@ -39,6 +39,9 @@ class TransferOptions:
     #: ... and only while a cold restore of it (its own payload and every base's, back to
     #: the keyframe) stays within this multiple of the chunk coded on its own
     max_cold_cost: float = 2.0
+    #: a restore writes its chunks' aligned interiors with O_DIRECT (buffered only in spells
+    #: while the device falls behind: staging.py); False: every write into the page cache
+    direct_writes: bool = True
 
     def memory_estimate(self) -> int:
         """Bytes a transfer holds at its peak, whatever the checkpoint size: every part in
@@ -172,6 +175,10 @@ class TransferSettings:
         "... and if a cold restore of it fetches at most this many keyframes",
         writes=True,
     )
+    direct_writes: bool = _knob(
+        _DEFAULT_TRANSFER.direct_writes,
+        "restores write with O_DIRECT (off: into the page cache)",
+    )
     memory_mib: int = _knob(0, "cap on transfer buffers (shrinks window); 0: none")
 
     def to_options(self) -> TransferOptions:
@@ -188,6 +195,7 @@ class TransferSettings:
             max_chain=self.max_chain,
             delta_min_saving=self.delta_min_saving,
             max_cold_cost=self.max_cold_cost,
+            direct_writes=self.direct_writes,
         )
         return options.within_budget(self.memory_mib * MiB) if self.memory_mib else options
 

@@ -20,16 +20,22 @@ from transfer.errors import FormatError, IncompleteStepError
 from transfer.format.manifest import FileEntry, Manifest
 
 
+def may_share(a: FileEntry, b: FileEntry) -> bool:
+    """The rule the parts of one step keep (a push checks it before it commits, a merge
+    whenever parts are put together): two nodes may hold the same file only with the same
+    content and mode (e.g. a replicated .metadata)."""
+    return (a.mode, [c.id for c in a.chunks]) == (b.mode, [c.id for c in b.chunks])
+
+
 def merge_parts(manifests: list[Manifest]) -> list[tuple[FileEntry, Manifest]]:
     """One file list from every node's part, each file with the manifest whose pack list its
-    chunks index. Two nodes may hold the same file only with the same content and mode
-    (e.g. a replicated .metadata)."""
+    chunks index; parts that break ``may_share`` raise FormatError."""
     merged: dict[str, tuple[FileEntry, Manifest]] = {}
     for m in manifests:
         for f in m.files:
             if f.path in merged:
                 other, owner = merged[f.path]
-                if (other.mode, [c.id for c in other.chunks]) != (f.mode, [c.id for c in f.chunks]):
+                if not may_share(other, f):
                     raise FormatError(
                         f"nodes {owner.node} and {m.node} hold different versions of {f.path} "
                         f"in {m.job} step {m.step} (the same step pushed from two saves?)"

@@ -123,7 +123,8 @@ async def pull(
         # with --fsync, writeback started per chunk overlaps the final flush with the
         # download; without it the kernel writes back on its own, and starting it per chunk
         # only made writers wait on the disk queue (settle.py flushes later)
-        out = StagingFiles(staging.path, files, writeback=plan.fsync or boot_id() is None)
+        writeback = plan.fsync or boot_id() is None
+        out = StagingFiles(staging.path, files, writeback, direct=options.direct_writes)
         with out, ThreadPoolExecutor(options.workers, thread_name_prefix="ferry-pull") as pool:
             run = _Restore(
                 ChunkResolver(store, index, pool, base_dir),
@@ -445,8 +446,7 @@ class _Remote:
                     run.write,
                     run.options.window,
                     lambda cid: _local_base(root, self.held, run.hints[cid], cid),
-                    limit,
-                    run.events.moved,
+                    _Pace(limit, run.events.moved),
                 )
         done = {c.id for c in mine} | set(sourced)
         rest = [index[cid] for cid in todo if cid not in done]
@@ -469,6 +469,19 @@ async def _manifests_named_by(store: Store, job: str, base_dir: Path) -> list[Ma
         return None  # not committed here: look at every position, as without a name
 
 
+def _no_moves(origin: str, nbytes: int) -> None:
+    pass
+
+
+@dataclass(frozen=True)
+class _Pace:
+    """How a chunk source's bytes are paced and told: the restore's rate cap (waited on
+    after each chunk: its size is known only then) and its ``moved`` event."""
+
+    rate_limit: RateLimit | None = None
+    moved: Callable[[str, int], None] = _no_moves
+
+
 async def _from_source(
     source: ChunkSource,
     resolver: ChunkResolver,
@@ -477,8 +490,7 @@ async def _from_source(
     write: Callable[[StoredChunk, Buffer], None],
     window: int,
     local_base: Callable[[str], LocalBase | None],
-    rate_limit: RateLimit | None = None,
-    on_moved: Callable[[str, int], None] | None = None,
+    pace: _Pace | None = None,
 ) -> dict[str, int]:
     """Ask ``source`` for each chunk (offering what this node holds at its position, so a
     peer can send a delta); write the ones whose bytes hash right. Returns {chunk id: bytes
@@ -487,7 +499,8 @@ async def _from_source(
     loop = asyncio.get_running_loop()
     todo = iter(ids)
 
-    moved = on_moved or (lambda origin, n: None)
+    pace = pace or _Pace()
+    rate_limit, moved = pace.rate_limit, pace.moved
 
     landed: set[str] = set()
     gate = _WriteGate()

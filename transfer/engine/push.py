@@ -41,6 +41,7 @@ from transfer.engine.deltabase import BasePlan, choose_base
 from transfer.engine.errors import first_error
 from transfer.engine.keyframes import delta_policy, may_delta
 from transfer.engine.packer import PackLocation, PackWriter
+from transfer.engine.parts import may_share
 from transfer.engine.progress import NoProgress, Progress
 from transfer.engine.pushlease import push_lease
 from transfer.engine.pushplan import PushPlan
@@ -536,17 +537,17 @@ def _clash(ours: Manifest | list[SourceFile], others: list[Manifest]) -> str | N
     None. Two parts may hold the same file only with the same bytes (a replicated
     .metadata); the usual cause is the same checkpoint pushed again under another node name
     (the host name is the default). Judged by size before reading (``ours`` the scanned
-    sources), by chunk ids before the commit (``ours`` the manifest)."""
-    by_content = isinstance(ours, Manifest)
-
-    def print_of(f: FileEntry | SourceFile) -> object:
-        return (f.mode, [c.id for c in f.chunks]) if isinstance(f, FileEntry) else f.size
-
-    mine = {f.path: print_of(f) for f in (ours.files if isinstance(ours, Manifest) else ours)}
+    sources), by the parts' rule (parts.may_share) before the commit (``ours`` the
+    manifest)."""
+    mine: dict[str, FileEntry | SourceFile]
+    mine = {f.path: f for f in (ours.files if isinstance(ours, Manifest) else ours)}
     for other in others:
         for f in other.files:
-            theirs = print_of(f) if by_content else f.size
-            if f.path in mine and mine[f.path] != theirs:
+            have = mine.get(f.path)
+            if have is None:
+                continue
+            agrees = may_share(have, f) if isinstance(have, FileEntry) else have.size == f.size
+            if not agrees:
                 return f"{f.path} differs from node {other.node}'s"
     return None
 

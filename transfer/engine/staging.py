@@ -221,10 +221,12 @@ class StagingFiles:
     SLOW_DIRECT_WRITES = 2
     BUFFERED_SPELL = 16  # writes (64 MiB at 4 MiB chunks)
 
-    def __init__(self, staging: Path, files: list[FileEntry], writeback: bool) -> None:
+    def __init__(
+        self, staging: Path, files: list[FileEntry], writeback: bool, direct: bool = True
+    ) -> None:
         self._paths = [staging / f.path for f in files]
         self._writeback = writeback
-        self._direct = os.environ.get("FERRY_PULL_DIRECT", "1") == "1"  # (an A/B arm)
+        self._direct = direct  # TransferOptions.direct_writes
         self._direct_fds: dict[int, int | None] = {}
         self._slow_writes = 0  # direct writes in a row slower than MIN_DIRECT_RATE
         self._buffered_left = 0  # writes to go buffered before direct is tried again
