@@ -198,6 +198,19 @@ def store_objects(url: str) -> list[str]:
     return asyncio.run(go())
 
 
+def put_object(url: str, key: str, data: bytes) -> None:
+    """One object written straight into a store (what a test plants there)."""
+
+    async def go() -> None:
+        store = open_test_store(url)
+        try:
+            await store.put(key, data)
+        finally:
+            await store.close()
+
+    asyncio.run(go())
+
+
 @pytest.fixture(autouse=True)
 def _no_ambient_aws_profile(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     # Never let a developer's ~/.aws config leak into a test, nor a test's push resume

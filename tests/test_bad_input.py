@@ -12,7 +12,14 @@ import pytest
 
 from agent.cli import main as ferry
 from agent.client import FerryClient
-from tests.conftest import make_checkpoint, open_test_store, store_objects, tree_bytes, write_file
+from tests.conftest import (
+    make_checkpoint,
+    open_test_store,
+    put_object,
+    store_objects,
+    tree_bytes,
+    write_file,
+)
 from tests.harness import TOKEN, agent, push_series
 from transfer.format.layout import PACKS_PREFIX, manifest_key
 
@@ -273,14 +280,7 @@ def test_unknown_store_version_is_refused(
 ) -> None:
     src = pushed(store_url, tmp_path, capsys)
 
-    async def bump() -> None:
-        store = open_test_store(store_url)
-        try:
-            await store.put("ferry-store.json", b'{"format": "ckpt-ferry-store", "version": 2}')
-        finally:
-            await store.close()
-
-    asyncio.run(bump())
+    put_object(store_url, "ferry-store.json", b'{"format": "ckpt-ferry-store", "version": 2}')
     err = ferry_fails(capsys, "pull", store_url, str(tmp_path / "d"), "--job", "j")
     assert "version 2 is not supported" in err
     err = ferry_fails(capsys, "push", str(src), store_url, "--job", "j", "--step", "9")

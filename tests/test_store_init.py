@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from agent.cli import main as ferry
-from tests.conftest import make_checkpoint, open_test_store, store_objects
+from tests.conftest import make_checkpoint, open_test_store, put_object, store_objects
 from tests.harness import REPO, make_node, make_queue, queue_agent, save, until
 from transfer.errors import NotAStoreError
 from transfer.format.layout import STORE_DESCRIPTOR_KEY
@@ -59,14 +59,7 @@ def test_a_push_into_an_s3_prefix_that_is_no_store_fails_and_writes_nothing_ther
     assert store_objects(empty_s3_url) == []
 
     # a prefix that holds something else: refused by a push, by init and by push --init
-    async def stray() -> None:
-        store = open_test_store(empty_s3_url)
-        try:
-            await store.put("data/part-0000.parquet", b"not a checkpoint")
-        finally:
-            await store.close()
-
-    asyncio.run(stray())
+    put_object(empty_s3_url, "data/part-0000.parquet", b"not a checkpoint")
     one_line_error(capsys, "push", str(src), empty_s3_url, "--job", "j", "--node", "n")
     err = one_line_error(capsys, "init", empty_s3_url)
     assert "is not empty and is not a ckpt-ferry store" in err
