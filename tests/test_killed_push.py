@@ -36,12 +36,13 @@ def _store_with_one_step(tmp_path: Path) -> tuple[str, Path]:
 
 def _pushing(url: str, src: Path) -> subprocess.Popen[str]:
     """``ferry push`` of ``src``, returned once bytes of its first pack are on disk (the temp
-    file is created before the compressor emits anything)."""
+    file is created before the compressor emits anything; the lease's own temp file, a
+    moment long, does not count)."""
     cmd = [sys.executable, "-m", "agent", "push", str(src), url, "--job", JOB,
            "--node", "n0", "--zstd-level", "19", "--full"]  # fmt: skip
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 60
-    while not any(_size(p) for p in _temp_files(url)):
+    while not any(_size(p) for p in _temp_files(url) if ".pack" in p.name):
         assert proc.poll() is None, proc.communicate()
         assert time.monotonic() < deadline, "the push never began a pack"
         time.sleep(0.05)

@@ -80,7 +80,7 @@ async def push_lease(store: Store, job: str, step: int, node: str) -> AsyncItera
     while True:
         doc = json.dumps({**me, "expires_at": time.time() + LEASE_SECONDS}).encode()
         try:
-            await store.put(key, doc, create_only=True)
+            await _put_or_take_back(store, key, doc)
             break
         except AlreadyExistsError:
             holder = await _read(store, key)
@@ -107,16 +107,33 @@ async def push_lease(store: Store, job: str, step: int, node: str) -> AsyncItera
                 )  # fmt: skip
                 told = True
             await asyncio.sleep(POLL_SECONDS)
-    renewer = asyncio.create_task(_renew(store, key, me))
+    released = asyncio.Event()
+    renewer = asyncio.create_task(_renew(store, key, me, released))
     try:
         yield
     finally:
-        renewer.cancel()
+        # never cancel a renewal mid-write: the write (a thread's rename, a PUT already
+        # sent) would land after the delete below and leave the lease behind
+        released.set()
         with contextlib.suppress(asyncio.CancelledError):
             await renewer
         with contextlib.suppress(FerryError):  # it lapses on its own
             if (await _read(store, key)).get("token") == me["token"]:
                 await store.delete(key)
+
+
+async def _put_or_take_back(store: Store, key: str, doc: bytes) -> None:
+    """The lease's create-only write; cancelled mid-way (SIGTERM), it waits for the write,
+    which goes on regardless (a thread's rename, a PUT already sent), and deletes what it
+    wrote: a cancelled push never got to its release, and would leave the lease behind."""
+    put = asyncio.ensure_future(store.put(key, doc, create_only=True))
+    try:
+        await asyncio.shield(put)
+    except asyncio.CancelledError:
+        with contextlib.suppress(Exception):  # not written, or another's: nothing to undo
+            await put
+            await store.delete(key)
+        raise
 
 
 async def running_pushes(store: Store) -> int:
@@ -131,9 +148,11 @@ async def running_pushes(store: Store) -> int:
     return count
 
 
-async def _renew(store: Store, key: str, me: dict[str, object]) -> None:
+async def _renew(store: Store, key: str, me: dict[str, object], released: asyncio.Event) -> None:
     while True:
-        await asyncio.sleep(RENEW_SECONDS)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(released.wait(), RENEW_SECONDS)
+            return
         doc = json.dumps({**me, "expires_at": time.time() + LEASE_SECONDS}).encode()
         try:
             await store.put(key, doc)
