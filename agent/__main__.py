@@ -1,3 +1,3 @@
-from agent.cli import main
+from agent.cli.run import main
 
 raise SystemExit(main())

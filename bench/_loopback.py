@@ -16,10 +16,10 @@ from typing import Any
 
 from aiohttp import web
 
-from agent.appkeys import TLS
-from agent.client import FerryClient
-from agent.config import load_config
-from agent.rpc import create_app
+from agent.daemon.config import load_config
+from agent.rpc.app import create_app
+from agent.rpc.appkeys import TLS
+from agent.rpc.client import FerryClient
 from bench._env import reproduce_command
 from tests.s3server import S3Endpoint, start_s3_server
 

@@ -27,7 +27,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from agent.client import FerryClient
+from agent.rpc.client import FerryClient
 from bench._loopback import agent, loopback_s3
 from bench._measure import drop_caches, settle
 from bench.data import link_tree

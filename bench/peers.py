@@ -115,7 +115,7 @@ class Commands:
         push's first write)."""
         if tool == "ferry":
             code = (
-                "import agent.cli, transfer.engine.pull, transfer.store.s3, "
+                "import agent.cli.run, transfer.engine.pull, transfer.store.s3, "
                 "transfer.store.s3objects as o; from transfer.store.s3client import S3Settings;"
                 " o.make_store(S3Settings('b', 'http://127.0.0.1:9'))"
             )

@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from agent.client import FerryClient
+from agent.rpc.client import FerryClient
 from bench._loopback import agent, loopback_s3
 from bench._measure import drop_caches
 from transfer.engine import push

@@ -56,8 +56,8 @@ from typing import Any
 
 import aiohttp
 
-from agent.client import FerryClient, RpcError
-from agent.tls import TlsError
+from agent.rpc.client import FerryClient, RpcError
+from agent.rpc.tls import TlsError
 
 FINAL = ("ready", "failed", "cancelled")
 #: Errors of one RPC: an HTTP error answer, a connection problem, or a request timeout.
@@ -491,7 +491,7 @@ def save_on_nodes(root: Path, width: int) -> tuple[Path, list[Path]]:
     """8 gloo ranks save the drill checkpoint into root/save; it is then split into the 4
     nodes' directories (root/nodes/node0..3) as their local disks would hold it."""
     # the test suite's drill (tests/dcp_drill.py) is what spawns the ranks; an example importing
-    # from tests/ is a stopgap (agent.client is the only other import), acceptable for now
+    # from tests/ is a stopgap (agent.rpc.client is the only other import), acceptable for now
     sys.path.insert(0, str(REPO))
     from tests.dcp_drill import save_drill, split_by_node
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from agent.client import FerryClient
+from agent.rpc.client import FerryClient
 from tests.faultproxy import FaultProxy
 from tests.s3server import S3Endpoint, start_s3_server
 from transfer.engine.catalog import init_store
@@ -214,7 +214,7 @@ def put_object(url: str, key: str, data: bytes) -> None:
 @pytest.fixture(autouse=True)
 def _no_ambient_aws_profile(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     # Never let a developer's ~/.aws config leak into a test, nor a test's push resume
-    # logs (agent/journal.py) into the developer's ~/.local/state.
+    # logs (agent/node/journal.py) into the developer's ~/.local/state.
     monkeypatch.setenv("AWS_CONFIG_FILE", os.devnull)
     monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", os.devnull)
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "xdg-state"))

@@ -28,14 +28,14 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from agent.appkeys import TLS
-from agent.client import FerryClient
-from agent.config import load_config
-from agent.hotdir import HotDir
-from agent.journal import Journal
-from agent.pushqueue import PushQueue
-from agent.rpc import create_app
-from agent.watcher import watch_hot_dir
+from agent.daemon.config import load_config
+from agent.node.hotdir import HotDir
+from agent.node.journal import Journal
+from agent.node.pushqueue import PushQueue
+from agent.node.watcher import watch_hot_dir
+from agent.rpc.app import create_app
+from agent.rpc.appkeys import TLS
+from agent.rpc.client import FerryClient
 from tests.conftest import write_file
 from transfer.engine import TransferOptions, push
 from transfer.engine.catalog import init_store

@@ -17,8 +17,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from agent.cli import main as ferry
-from agent.client import FerryClient, RpcError
+from agent.cli.run import main as ferry
+from agent.rpc.client import FerryClient, RpcError
 from tests.conftest import adamw_series, tree_bytes
 from tests.harness import (
     TOKEN,

@@ -1,5 +1,5 @@
 """A start that fails part-way releases exactly what had started: the stores opened before
-the failure are closed, and so are the push journal and the hot dir's lock (agent/rpc.py's
+the failure are closed, and so are the push journal and the hot dir's lock (agent/rpc/app.py's
 cleanup contexts, run by daemon.serve's runner.cleanup)."""
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from agent import rpc
-from agent.config import load_config
-from agent.daemon import serve
-from agent.hotdir import AGENT_LOCK, HotDir, is_hidden
-from agent.pushqueue import JOURNAL_FILE
+from agent.daemon.config import load_config
+from agent.daemon.run import serve
+from agent.node.hotdir import AGENT_LOCK, HotDir, is_hidden
+from agent.node.pushqueue import JOURNAL_FILE
+from agent.rpc import app as rpc
 from tests.conftest import init_test_store
 from tests.harness import REPO, TOKEN, Node, get_json, make_node, reserve_port, running, save
 from transfer.engine.settle import UNSYNCED_MARK

@@ -1,6 +1,6 @@
 """Shape rules for transfer/ and agent/ that no linter checks (issue 31): no function or method
 takes more than MAX_PARAMS parameters (group what belongs together into a dataclass, as
-PushPlan and PullPlan do), and ``pull()`` takes at most PULL_MAX_PARAMS."""
+PushPlan and PullPlan do), ``pull()`` takes at most PULL_MAX_PARAMS, and agent/ is in rooms."""
 
 from __future__ import annotations
 
@@ -84,3 +84,14 @@ def test_pull_takes_at_most_six_parameters() -> None:
 def test_the_walk_sees_the_tree() -> None:
     """A walk that found no files (a moved root) would pass every rule above."""
     assert all(any((REPO / root).rglob("*.py")) for root in ROOTS)
+
+
+def test_agent_is_in_rooms() -> None:
+    """agent/ was a flat room of 31 files: now every module lives in a subpackage that says
+    what it owns (node, peers, rpc, daemon, cli), and only the package's own files sit at
+    the top."""
+    agent = REPO / "agent"
+    flat = sorted(p.name for p in agent.glob("*.py"))
+    rooms = sorted(p.name for p in agent.iterdir() if (p / "__init__.py").is_file())
+    assert flat == ["__init__.py", "__main__.py"], flat
+    assert rooms == ["cli", "daemon", "node", "peers", "rpc"], rooms

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.cli import main as ferry
-from agent.client import FerryClient
+from agent.cli.run import main as ferry
+from agent.rpc.client import FerryClient
 from tests.conftest import (
     make_checkpoint,
     open_test_store,
@@ -458,7 +458,7 @@ def test_an_agent_that_cannot_start_says_why_and_leaves_nothing_running(
 ) -> None:
     """Its state dir is a regular file, so the push journal cannot open, after the start-up
     sweep has already used the S3 tier: `ferry agent` fails in one line, and what had
-    started is released (agent/rpc.py: each resource its own cleanup), so none of the
+    started is released (agent/rpc/app.py: each resource its own cleanup), so none of the
     store's threads outlives the attempt."""
     import threading
     import time

@@ -1,4 +1,4 @@
-"""The agent bounded by design (issue 30, agent/limits.py), on real agents on loopback: past
+"""The agent bounded by design (issue 30, agent/rpc/limits.py), on real agents on loopback: past
 a bound a client gets 429 with Retry-After at once; a body sent too slowly gets 408; a
 client that stops reading a chunk reply is cut off; and the agent's own pushes go on
 meanwhile. The bounds are patched small so each test takes a second or two."""
@@ -12,7 +12,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from agent import limits, rpc
+from agent.rpc import app as rpc
+from agent.rpc import limits
 from tests.conftest import random_bytes
 from tests.harness import TOKEN, agent, push_series, save
 from transfer.engine import TransferOptions, push

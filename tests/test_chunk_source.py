@@ -28,7 +28,7 @@ def _index() -> tuple[ChunkIndex, list[str]]:
 
 class _SlowPeer:
     """Receives each chunk in a thread of its own that takes ``delay`` s, then lands it
-    there (as agent/peers.py does); one chunk's bytes are wrong."""
+    there (as agent/peers/chunks.py does); one chunk's bytes are wrong."""
 
     def __init__(self, delay: float) -> None:
         self.delay = delay

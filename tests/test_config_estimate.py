@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.config import (
+from agent.daemon.config import (
     AgentConfig,
     ConfigError,
     RetentionSettings,
@@ -20,7 +20,7 @@ from agent.config import (
     example_toml,
     load_config,
 )
-from agent.estimate import (
+from agent.node.estimate import (
     DEFAULT_RATES,
     BandwidthMeter,
     badput_fraction,
@@ -97,7 +97,7 @@ def test_the_printed_config_deletes_nothing_as_the_readme_says(
     is pushed" and "without the table nothing is ever deleted"."""
     import asyncio
 
-    from agent.client import FerryClient
+    from agent.rpc.client import FerryClient
     from tests.harness import TOKEN, agent
 
     monkeypatch.chdir(tmp_path)
@@ -329,7 +329,7 @@ def test_every_tunable_is_a_cli_flag_a_config_key_and_in_the_example(
 ) -> None:
     """Declared once (TransferSettings, StoreSettings): the CLI, the config's table, its
     FERRY_<TABLE>_* variables and the example all follow the declaration."""
-    from agent.cli import build_parser
+    from agent.cli.run import build_parser
 
     example = example_toml()
     assert f"\n[{table}]\n" in example
@@ -602,7 +602,7 @@ def test_no_commit_marker_needs_a_quiet_period(tmp_path: Path) -> None:
 
 
 def _subcommands() -> dict[str, argparse.ArgumentParser]:
-    from agent.cli import build_parser
+    from agent.cli.run import build_parser
 
     parser = build_parser()
     (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
@@ -640,7 +640,7 @@ def test_each_command_lists_only_the_knobs_it_uses() -> None:
     for name in ("pin", "retention"):  # they write to the store
         assert "--checksum" in commands[name].format_help(), name
     # one set of flags still serves a script's push and pull
-    from agent.cli import build_parser
+    from agent.cli.run import build_parser
 
     args = build_parser().parse_args(["pull", "s", "d", "--job", "j", "--zstd-level", "3"])
     assert args.zstd_level == 3

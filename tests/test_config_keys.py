@@ -1,4 +1,4 @@
-"""The agent's top-level keys are declared once (AgentConfig's fields, agent/config.py):
+"""The agent's top-level keys are declared once (AgentConfig's fields, agent/daemon/config.py):
 what load_config reads, its defaults, the example config and docs/CONFIG.md follow."""
 
 from __future__ import annotations
@@ -8,15 +8,15 @@ from pathlib import Path
 
 import pytest
 
-from agent import config as agent_config
-from agent.config import AgentConfig, agent_keys, config_reference, example_toml, load_config
+from agent.daemon import config as agent_config
+from agent.daemon.config import AgentConfig, agent_keys, config_reference, example_toml, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_a_key_cannot_be_added_without_its_declaration() -> None:
     """A field without its declaration (help, TOML type) is refused where the keys are made,
-    which agent/config.py does on import: such a key cannot exist."""
+    which agent/daemon/config.py does on import: such a key cannot exist."""
 
     @dataclass(frozen=True)
     class Undeclared(AgentConfig):
@@ -81,8 +81,8 @@ def test_the_example_shows_every_key_as_declared(
 def test_docs_config_md_is_made_from_the_declarations() -> None:
     doc = (ROOT / "docs" / "CONFIG.md").read_text()
     assert doc == config_reference(), (
-        "docs/CONFIG.md is stale: python -c 'from agent.config import config_reference as r; "
-        'print(r(), end="")\' > docs/CONFIG.md'
+        "docs/CONFIG.md is stale: python -c 'from agent.daemon.config import "
+        'config_reference as r; print(r(), end="")\' > docs/CONFIG.md'
     )
     for key in agent_keys():
         assert f"| `{key.name}` |" in doc and f"`FERRY_{key.name.upper()}`" in doc

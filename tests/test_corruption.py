@@ -13,8 +13,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from agent.cli import main as ferry
-from agent.client import FerryClient
+from agent.cli.run import main as ferry
+from agent.rpc.client import FerryClient
 from tests.conftest import (
     adamw_series,
     init_test_store,

@@ -207,7 +207,7 @@ def test_cli_push_sigkilled_then_rerun_resumes(
             assert proc.returncode == -signal.SIGKILL
             assert step not in committed(s3_url), "killed before its commit: nothing visible"
             assert_all_verify(s3_url, steps)
-            # run again: it resumes from its log (agent/journal.py) of the packs made durable
+            # run again: it resumes from its log (agent/node/journal.py) of the packs made durable
             rerun = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
             assert rerun.returncode == 0, rerun.stderr
             figures.add(before, s3_proxy.stats.bytes_up - start - before, sum(SHARDS))

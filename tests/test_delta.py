@@ -16,9 +16,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from agent.cli import main as ferry
-from agent.config import load_config
-from agent.pushqueue import PushQueue
+from agent.cli.run import main as ferry
+from agent.daemon.config import load_config
+from agent.node.pushqueue import PushQueue
 from tests.conftest import adamw_series, open_test_store, tree_bytes
 from tests.faultproxy import FaultProxy
 from tests.harness import queue_agent as agent

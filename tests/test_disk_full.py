@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.client import FerryClient
+from agent.rpc.client import FerryClient
 from tests.conftest import random_bytes, tree_bytes
 from tests.harness import OPTS, TOKEN, agent, save
 from transfer.engine import push

@@ -12,7 +12,7 @@ import os
 import shutil
 from pathlib import Path
 
-from agent.client import FerryClient
+from agent.rpc.client import FerryClient
 from tests.conftest import adamw_series, prefetched
 from tests.harness import TOKEN, agent, peer_agent, push_series
 
@@ -76,8 +76,9 @@ def test_a_probe_samples_a_quarter_of_the_transfer_within_its_bounds() -> None:
     """A probe costs at most a quarter of the prefetch it stands for, beyond PROBE_BYTES,
     and never more than PROBE_MAX; the sample stops at its budget and follows each chunk
     with the ones after it in its pack (one request of a restore reads such a run)."""
-    from agent import probe
+    from agent.peers import probe
     from transfer.engine.chunkindex import ChunkIndex, StoredChunk
+    from transfer.engine.ranges import coalesce
 
     mib = 1 << 20
     assert probe.budget(100 * mib) == probe.PROBE_BYTES
@@ -90,6 +91,7 @@ def test_a_probe_samples_a_quarter_of_the_transfer_within_its_bounds() -> None:
     picked = probe.sample(index, set(ids), {}, run=6, budget=250 * mib)
     assert sum(c.size for c in picked) == 252 * mib  # 63 chunks: the one that reaches 250 MiB
     assert len({c.id for c in picked}) == len(picked)
-    runs = probe.runs_of(picked)  # what the probe then reads, one request each
+    # what the probe then reads, one request each
+    runs = [list(r.chunks) for r in coalesce(picked, max_gap=0)]
     assert max(len(r) for r in runs) >= 6 and len(runs) <= 63 // 6 + 1
     assert all(b.offset == a.offset + a.stored for r in runs for a, b in itertools.pairwise(r))

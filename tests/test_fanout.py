@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from agent.client import FerryClient
-from agent.fanout import WAIT_SECONDS, owner_of
-from agent.hotdir import HotDir
+from agent.node.hotdir import HotDir
+from agent.peers.fanout import WAIT_SECONDS, owner_of
+from agent.rpc.client import FerryClient
 from tests.conftest import random_bytes, tree_bytes
 from tests.faultproxy import FaultProxy
 from tests.harness import TOKEN, agent, push_series, reserve_port, save
@@ -110,7 +110,7 @@ def test_a_landed_chunk_is_served_as_a_delta_against_the_askers_base(
     index for it); the asker names the chunk it holds at that position, and the owner, who
     holds that base in its hot dir too, sends a delta, not the raw chunk, even though its
     hot index was never consulted before."""
-    from agent.peers import HotIndex, encode_for_peer
+    from agent.peers.chunks import HotIndex, encode_for_peer
     from tests.conftest import adamw_series
     from transfer.codec.encodings import RAW
     from transfer.engine.catalog import load_manifest

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.cli import main as ferry
-from agent.client import FerryClient
+from agent.cli.run import main as ferry
+from agent.rpc.client import FerryClient
 from tests.conftest import random_bytes, tree_bytes
 from tests.faultproxy import KINDS, FaultProxy
 from tests.harness import TOKEN, agent, make_queue, queue_agent, save, tier_states

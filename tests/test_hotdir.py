@@ -1,4 +1,4 @@
-"""The hot dir's layout (agent/hotdir.py): which entries are checkpoints, which are
+"""The hot dir's layout (agent/node/hotdir.py): which entries are checkpoints, which are
 committed. Every module that looks at the hot dir goes through it."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.hotdir import HotDir, step_dir_name
+from agent.node.hotdir import HotDir, step_dir_name
 from transfer.errors import FormatError
 
 
@@ -55,7 +55,7 @@ def test_a_job_name_that_would_leave_the_hot_dir_is_refused(tmp_path: Path) -> N
 def test_a_peer_never_reads_a_chunk_through_a_symlink(tmp_path: Path) -> None:
     """What a peer serves comes from the hot dir's own files: a symlink planted in it (to a
     file outside, say) is never followed, as the restore's reads of a local copy."""
-    from agent.peers import read_at, read_verified
+    from agent.peers.chunks import read_at, read_verified
     from transfer.format.chunkid import chunk_id
 
     real = tmp_path / "real"

@@ -1,7 +1,7 @@
 """Processes that open one new journal file at the same moment (two ``ferry push`` runs of
 one step: the second then waits on the first's lease) all get it. SQLite answered the
 others "database is locked" at once while the first switched the file to WAL: 3 of 40
-rounds of three openers failed before agent/journal.py retried such an open (and
+rounds of three openers failed before agent/node/journal.py retried such an open (and
 tests/test_push_pull.py's two concurrent pushes failed 2 runs in 8 under load)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import multiprocessing
 import time
 from pathlib import Path
 
-from agent.journal import Journal
+from agent.node.journal import Journal
 
 ROUNDS = 30
 OPENERS = 3

@@ -90,7 +90,7 @@ def test_what_a_killed_push_leaves_is_counted_and_collected(
     """kill -9 leaves the temp file: ``du`` said "0 B in 0 unreferenced packs" and neither a
     rerun nor ``retention --grace 0`` removed it. Now ``du`` counts it and retention, once no
     live push holds a lease, aborts it; the committed step is untouched."""
-    from agent.cli import main as ferry
+    from agent.cli.run import main as ferry
 
     url, two = _store_with_one_step(tmp_path)
     proc = _pushing(url, two)
@@ -119,7 +119,7 @@ def test_a_live_push_keeps_its_unfinished_upload(
     """The other side of the rule: while a push holds its lease, retention without a grace
     period aborts nothing (the upload is that push's), and the push then commits (a deleted
     temp file would fail its rename)."""
-    from agent.cli import main as ferry
+    from agent.cli.run import main as ferry
 
     url, two = _store_with_one_step(tmp_path)
     proc = _pushing(url, two)

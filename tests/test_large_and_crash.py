@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.cli import main as ferry
+from agent.cli.run import main as ferry
 from tests.conftest import store_objects, tree_bytes, write_file
 from transfer.format.layout import MANIFESTS_PREFIX, PACKS_PREFIX
 

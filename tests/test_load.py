@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from agent.client import FerryClient
+from agent.rpc.client import FerryClient
 from tests.harness import TOKEN, Node, assert_same_tree, make_node, running, save
 from transfer.engine import TransferOptions, push, verify
 from transfer.store import StoreOptions, open_store

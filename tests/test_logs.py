@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from agent import logs
+from agent.daemon import logs
 
 
 @pytest.fixture

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.metrics import CATALOG, Metrics
+from agent.rpc.metrics import CATALOG, Metrics
 
 AGENT = Path(__file__).resolve().parent.parent / "agent"
 
@@ -34,7 +34,7 @@ def test_an_undeclared_metric_is_refused() -> None:
 
 def test_every_metric_the_agent_sets_is_in_the_catalog() -> None:
     used = set()
-    for path in AGENT.rglob("*.py"):  # agent/routes/ too
+    for path in AGENT.rglob("*.py"):  # agent/rpc/routes/ too
         used |= set(re.findall(r'\.(?:set|inc)\(\s*"(ferry_[a-z_]+)"', path.read_text()))
     assert used, "the pattern found no metric at all"
     assert used <= set(CATALOG), used - set(CATALOG)

@@ -1,4 +1,4 @@
-"""A peer's chunk replies received off the event loop (agent/peerwire.py), from a real
+"""A peer's chunk replies received off the event loop (agent/peers/wire.py), from a real
 aiohttp server on loopback: kept connections, refusals, oversized and cut replies."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from aiohttp import web
 
-from agent.peerwire import ENCODING_HEADER, PeerWire
+from agent.peers.wire import ENCODING_HEADER, PeerWire
 
 BODY = bytes(range(256)) * 4096  # 1 MiB
 

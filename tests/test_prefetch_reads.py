@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from agent.estimate import BandwidthMeter
-from agent.hotdir import HotDir
-from agent.prefetch import Prefetcher, PrefetchPolicy, State
+from agent.node.estimate import BandwidthMeter
+from agent.node.hotdir import HotDir
+from agent.node.prefetch import Prefetcher, PrefetchPolicy, State
 from tests.conftest import make_checkpoint, open_test_store
 from transfer.engine import push
 from transfer.format import layout

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.cli import main as ferry
+from agent.cli.run import main as ferry
 from tests.conftest import (
     make_checkpoint,
     open_test_store,

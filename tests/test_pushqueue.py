@@ -15,10 +15,10 @@ from collections.abc import Callable
 from dataclasses import astuple
 from pathlib import Path
 
-from agent.hotdir import HotDir
-from agent.journal import Journal
-from agent.pushqueue import PushQueue, completion_key
-from agent.watcher import watch_hot_dir
+from agent.node.hotdir import HotDir
+from agent.node.journal import Journal
+from agent.node.pushqueue import PushQueue, completion_key
+from agent.node.watcher import watch_hot_dir
 from tests.conftest import init_test_store, random_bytes, tree_bytes, write_file
 from tests.harness import MARKER, POLL, make_queue, save, tier_states, until
 from tests.harness import QUEUE_OPTS as OPTS
@@ -305,7 +305,7 @@ def test_completion_marker_is_written_once_when_every_expected_node_pushed(
 def test_journal_keeps_durable_packs_of_an_unfinished_push_until_it_commits(
     tmp_path: Path,
 ) -> None:
-    from agent.journal import Journal
+    from agent.node.journal import Journal
     from transfer.engine.chunkindex import StoredChunk
 
     journal = Journal(tmp_path / "j.sqlite3", "n")
@@ -323,7 +323,7 @@ def test_journal_keeps_durable_packs_of_an_unfinished_push_until_it_commits(
 def test_push_resume_log_survives_a_torn_tail(tmp_path: Path) -> None:
     """``ferry push``'s resume log: a process killed while appending the next record keeps
     the ones it committed (a torn tail is ignored), and the log goes once the push commits."""
-    from agent.journal import cli_push_journal
+    from agent.node.journal import cli_push_journal
     from transfer.engine.chunkindex import StoredChunk
 
     chunk = StoredChunk("a" * 64, 5, "raw", "b" * 32, 0, 5)
@@ -331,7 +331,7 @@ def test_push_resume_log_survives_a_torn_tail(tmp_path: Path) -> None:
     script = f"""if True:
         import os, signal
         from pathlib import Path
-        from agent.journal import cli_push_journal
+        from agent.node.journal import cli_push_journal
         from transfer.engine.chunkindex import StoredChunk
         state = Path(r"{tmp_path}")
         journal = cli_push_journal(state, "s3://b/p", "llm", 10, "n", state / "step_000010")

@@ -172,7 +172,7 @@ def test_plan_du_and_run_give_one_size(
     Now the plan counts the repacking it does: its "after" is what ``du`` predicts, the real
     run's store holds about that much (re-encoded chunks are estimated), and it says exactly
     what it stores once done."""
-    from agent.cli import main as ferry
+    from agent.cli.run import main as ferry
 
     store = open_test_store(local_url)
     dirs = adamw_series(tmp_path / "hot", 4)
@@ -272,7 +272,7 @@ def test_ferry_ls_shows_how_each_step_is_coded(
     two decodes deep; after keep-last 1 the kept step is a keyframe again (compacted)."""
     import json
 
-    from agent.cli import main as ferry
+    from agent.cli.run import main as ferry
 
     dirs = adamw_series(tmp_path / "hot", 3)
     run(_push_all(open_test_store(local_url), dirs))

@@ -17,11 +17,11 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from agent.client import FerryClient, RpcError
-from agent.holds import StepHolds
-from agent.hotdir import EVICTING_MARK, HotDir
-from agent.hotretention import plan_hot
-from agent.journal import Journal
+from agent.node.hotdir import EVICTING_MARK, HotDir
+from agent.node.hotretention import plan_hot
+from agent.node.journal import Journal
+from agent.node.protected import StepHolds
+from agent.rpc.client import FerryClient, RpcError
 from tests.conftest import adamw_series, open_test_store
 from tests.harness import TOKEN, agent
 from transfer.engine import list_checkpoints

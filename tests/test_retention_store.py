@@ -399,7 +399,7 @@ def test_du_accounts_for_every_byte(
     """Issue 14: ``ferry du`` says per step what only it stores, what it shares (here the
     deduplicated file), what expiring it alone frees (whole packs only: step 1's pack also
     holds the chunk step 2 reuses), the garbage, and what keep-last policies free."""
-    from agent.cli import main as ferry
+    from agent.cli.run import main as ferry
 
     async def setup() -> dict[int, set[str]]:
         store = open_test_store(local_url)
@@ -448,7 +448,7 @@ def test_du_prints_sizes_in_the_units_push_and_ls_print(
 ) -> None:
     """Issue 29 (i): `ferry du` printed MiB where `push` and `ls` print MB. One formatter
     (transfer/units.py): the same bytes read the same in every command."""
-    from agent.cli import main as ferry
+    from agent.cli.run import main as ferry
 
     src = tmp_path / "step_000001"
     write_file(src / "big.bin", random_bytes(3_000_000, 1))
@@ -467,7 +467,7 @@ def test_du_prints_sizes_in_the_units_push_and_ls_print(
 def test_cli_plans_applies_and_reports_errors(
     local_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from agent.cli import main as ferry
+    from agent.cli.run import main as ferry
 
     store = open_test_store(local_url)
     run(_push_steps(store, tmp_path, {1: 1, 2: 2, 3: 3}))
@@ -498,7 +498,7 @@ def test_ferry_pin_keeps_a_step_from_retention_until_unpinned(
     local_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Pinning needs no running agent (issue 13): the CLI writes the same pin objects."""
-    from agent.cli import main as ferry
+    from agent.cli.run import main as ferry
 
     store = open_test_store(local_url)
     run(_push_steps(store, tmp_path, {1: 1, 2: 2, 3: 3}))

@@ -18,8 +18,8 @@ import schemathesis
 import yaml
 from hypothesis import HealthCheck, settings
 
-from agent.config import load_config
-from agent.rpc import create_app
+from agent.daemon.config import load_config
+from agent.rpc.app import create_app
 from tests.harness import TOKEN, Node, get_json, make_node
 from tests.tlscerts import authority
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from agent.cli import main as ferry
+from agent.cli.run import main as ferry
 from tests.conftest import init_test_store, open_test_store, tree_bytes
 
 pytest.importorskip("torch")
@@ -130,7 +130,7 @@ def test_agent_prefetches_a_share_then_completes_it_in_place(
     """POST /v1/prefetch with a layout: the survivor's agent fetches its share, reports it
     partial (never "holds the step"), answers a second ask from what it holds, and a later
     prefetch of the whole step completes the copy in place: byte-exact, then committed."""
-    from agent.client import FerryClient, RpcError
+    from agent.rpc.client import FerryClient, RpcError
     from tests.harness import TOKEN, agent
 
     save, nodes = drill
@@ -296,7 +296,7 @@ async def _prefetch_ranks(tmp_path: Path, url: str, tag: str, fanout: bool) -> l
     """4 agents prefetch rank r's share of 4 each, at once (one fan-out group, or not)."""
     import contextlib
 
-    from agent.client import FerryClient
+    from agent.rpc.client import FerryClient
     from tests.harness import TOKEN, agent
 
     async with contextlib.AsyncExitStack() as stack:
@@ -367,7 +367,7 @@ def test_a_standby_replicates_its_share_before_the_decision(
     that share is ready at once, moving nothing."""
     import time
 
-    from agent.client import FerryClient
+    from agent.rpc.client import FerryClient
     from tests.harness import TOKEN, agent
 
     _, nodes = drill

@@ -18,8 +18,8 @@ import aiohttp
 import pytest
 import yaml
 
-from agent.client import FerryClient
-from agent.config import ConfigError, load_config
+from agent.daemon.config import ConfigError, load_config
+from agent.rpc.client import FerryClient
 from tests.conftest import prefetched, random_bytes, tree_bytes
 from tests.harness import agent, push_series, save
 from transfer.engine.catalog import Catalog

@@ -1,4 +1,4 @@
-"""One owner of the agent's background work (agent/services.py): nothing the agent started is
+"""One owner of the agent's background work (agent/rpc/services.py): nothing the agent started is
 left pending once it has stopped, and a service that raises is logged, not lost."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from agent.prefetch import Prefetcher, PrefetchJob
-from agent.services import Services, wait_for_any
-from agent.standby import Standby
+from agent.node.prefetch import Prefetcher, PrefetchJob
+from agent.node.standby import Standby
+from agent.rpc.services import Services, wait_for_any
 from tests.harness import agent, until
 
 
@@ -65,7 +65,7 @@ def test_a_service_that_raises_is_logged_and_the_agent_serves_on(
                 assert r.status == 200
         assert not asyncio.all_tasks() - {asyncio.current_task()}
 
-    with caplog.at_level(logging.ERROR, logger="agent.services"):
+    with caplog.at_level(logging.ERROR, logger="agent.rpc.services"):
         asyncio.run(go())
     [record] = failed()
     assert record.exc_info is not None and "standby poll bug" in str(record.exc_info[1])

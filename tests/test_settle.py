@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.cli import main as ferry
+from agent.cli.run import main as ferry
 from tests.conftest import open_test_store, random_bytes, tree_bytes, write_file
 from transfer.engine import PullPlan, pull, push
 from transfer.engine.settle import boot_id, mark_unsynced, marker_path, settle

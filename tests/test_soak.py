@@ -29,15 +29,15 @@ from typing import Any
 import aiohttp
 import pytest
 
-from agent import hotretention
-from agent.config import RetentionSettings
-from agent.estimate import BandwidthMeter
-from agent.holds import StepHolds
-from agent.hotdir import HotDir
-from agent.journal import Journal
-from agent.metrics import Metrics
-from agent.prefetch import Prefetcher, PrefetchJob, PrefetchLinks, State
-from agent.retention import ProtectedSteps, RetentionRunner
+from agent.daemon.config import RetentionSettings
+from agent.node import hotretention
+from agent.node.estimate import BandwidthMeter
+from agent.node.hotdir import HotDir
+from agent.node.journal import Journal
+from agent.node.prefetch import Prefetcher, PrefetchJob, PrefetchLinks, State
+from agent.node.protected import ProtectedSteps, StepHolds
+from agent.node.retention_loop import RetentionRunner
+from agent.rpc.metrics import Metrics
 from tests.conftest import open_test_store
 from tests.harness import TOKEN, Node, agent, make_node, running
 from transfer.engine import TransferOptions, push

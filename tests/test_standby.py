@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from agent.client import FerryClient
+from agent.rpc.client import FerryClient
 from tests.conftest import adamw_series, prefetched, tree_bytes
 from tests.harness import TOKEN, agent, push_series
 from transfer.engine.ratelimit import RateLimit

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.cli import main as ferry
+from agent.cli.run import main as ferry
 from tests.conftest import make_checkpoint, open_test_store, put_object, store_objects
 from tests.harness import REPO, make_node, make_queue, queue_agent, save, until
 from transfer.errors import NotAStoreError

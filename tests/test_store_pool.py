@@ -8,10 +8,10 @@ from pathlib import Path
 
 from aiohttp import web
 
-from agent.appkeys import CONFIG, TIERS
-from agent.cli import _store_options, build_parser
-from agent.config import load_config
-from agent.rpc import _tiers
+from agent.cli.run import _store_options, build_parser
+from agent.daemon.config import load_config
+from agent.rpc.app import _tiers
+from agent.rpc.appkeys import CONFIG, TIERS
 from transfer.engine.catalog import init_store
 from transfer.store import open_store
 

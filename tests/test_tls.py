@@ -22,11 +22,11 @@ from typing import Any
 import aiohttp
 import pytest
 
-from agent.cli import main as ferry
-from agent.client import FerryClient, RpcError
-from agent.config import ConfigError, load_config
-from agent.rpc import create_app
-from agent.tls import TlsError
+from agent.cli.run import main as ferry
+from agent.daemon.config import ConfigError, load_config
+from agent.rpc.app import create_app
+from agent.rpc.client import FerryClient, RpcError
+from agent.rpc.tls import TlsError
 from tests.conftest import prefetched, random_bytes, tree_bytes
 from tests.harness import TOKEN, agent, get_json, make_node, push_series, running, save
 from tests.tlscerts import Authority, Leaf, authority
@@ -232,7 +232,7 @@ def test_a_fan_out_between_two_tls_agents_reads_the_step_once_and_exactly(
             FerryClient(url_a, TOKEN, **tls) as a,
             FerryClient(url_b, TOKEN, **tls) as b,
         ):
-            # as a scheduler may name them: http://, reached by https:// (agent/tls.py)
+            # as a scheduler may name them: http://, reached by https:// (agent/rpc/tls.py)
             members = [u.replace("https://", "http://") for u in (url_a, url_b)]
             ids = [await a.prefetch("llm", 20, fanout=(members, members[0]))]
             ids.append(await b.prefetch("llm", 20, fanout=(members, members[1])))

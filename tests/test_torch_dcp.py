@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.cli import main as ferry
+from agent.cli.run import main as ferry
 
 torch = pytest.importorskip("torch")
 dcp = pytest.importorskip("torch.distributed.checkpoint")

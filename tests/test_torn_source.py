@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from agent.hotdir import HotDir
-from agent.hotretention import plan_hot
-from agent.journal import Journal
+from agent.node.hotdir import HotDir
+from agent.node.hotretention import plan_hot
+from agent.node.journal import Journal
 from tests.conftest import random_bytes, tree_bytes, write_file
 from tests.harness import QUEUE_OPTS as OPTS
 from tests.harness import make_queue, tier_states, until
@@ -137,8 +137,8 @@ def test_a_file_deleted_during_a_push_fails_naming_it_and_commits_nothing(
     """Issue 29 (j): a file deleted during a push ended in a bare `[Errno 2] No such file or
     directory`. One line names it and says it vanished while the push read it; nothing is
     committed; the directory as it is now then pushes."""
-    import agent.cli
-    from agent.cli import main as ferry
+    import agent.cli.run
+    from agent.cli.run import main as ferry
 
     ckpt = tmp_path / "job" / "step_000010"
     write_file(ckpt / "__0_0.distcp", random_bytes(1_500_000, seed=1))
@@ -158,7 +158,7 @@ def test_a_file_deleted_during_a_push_fails_naming_it_and_commits_nothing(
 
     asyncio.run(go())
     write_file(victim, random_bytes(700_000, seed=2))
-    monkeypatch.setattr(agent.cli, "_progress", lambda args: _DeleteOnStart(victim))
+    monkeypatch.setattr(agent.cli.run, "_progress", lambda args: _DeleteOnStart(victim))
     capsys.readouterr()
     assert ferry(["push", str(ckpt), url, "--job", "j", "--node", "n"]) == 1
     err = capsys.readouterr().err

@@ -29,17 +29,17 @@ import collections
 import concurrent.futures
 import os
 from collections import defaultdict
-from collections.abc import Awaitable, Callable, Iterable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from transfer.codec import decode, pairs_with_keyframe
 from transfer.codec.transforms import Buffer
 from transfer.directio import ThreadBuffers, aligned
 from transfer.engine.chunkindex import StoredChunk
-from transfer.engine.errors import first_error
+from transfer.engine.ranges import ChunkRange, coalesce
 from transfer.engine.ratelimit import RateLimit
 from transfer.engine.resolver import ChunkResolver, Hint, read_local_into, truncated, unreadable
+from transfer.engine.workers import run_workers
 from transfer.errors import FormatError, IntegrityError, NotFoundError, RangeNotSatisfiableError
 from transfer.format.layout import pack_key
 from transfer.store.base import RangeReader, RangeStream
@@ -47,34 +47,15 @@ from transfer.store.base import RangeReader, RangeStream
 _MAX_GAP = 256 << 10  # read through gaps this small rather than issue another request
 
 
-@dataclass(frozen=True, slots=True)
-class _Range:
-    pack_id: str
-    start: int
-    end: int
-    chunks: tuple[StoredChunk, ...]
-
-
-def plan_ranges(chunks: Iterable[StoredChunk], max_bytes: int) -> list[_Range]:
+def plan_ranges(chunks: Iterable[StoredChunk], max_bytes: int) -> list[ChunkRange]:
     """Group chunks (unique by id) into ranged reads per pack, in pack offset order."""
     by_pack: dict[str, list[StoredChunk]] = defaultdict(list)
     for c in chunks:
         by_pack[c.pack_id].append(c)
-    ranges: list[_Range] = []
-    for pack_id, members in by_pack.items():
+    for members in by_pack.values():
         members.sort(key=lambda c: c.offset)
-        group: list[StoredChunk] = []
-        for c in members:
-            if group:
-                start, end = group[0].offset, max(g.offset + g.stored for g in group)
-                if c.offset - end > _MAX_GAP or c.offset + c.stored - start > max_bytes:
-                    ranges.append(_Range(pack_id, start, end, tuple(group)))
-                    group = []
-            group.append(c)
-        if group:
-            end = max(g.offset + g.stored for g in group)
-            ranges.append(_Range(pack_id, group[0].offset, end, tuple(group)))
-    return ranges
+    in_pack_order = (c for members in by_pack.values() for c in members)
+    return coalesce(in_pack_order, max_gap=_MAX_GAP, max_bytes=max_bytes)
 
 
 #: GETs in flight on the threaded path, per core (at most ``window``). Each reader thread
@@ -238,7 +219,7 @@ class _Fetch:
             return None  # the loop's resolver fetches it again and names what is corrupt
 
     def _read_bases(
-        self, reader: RangeReader, reads: list[tuple[list[StoredChunk], memoryview]]
+        self, reader: RangeReader, reads: list[tuple[Sequence[StoredChunk], memoryview]]
     ) -> None:
         """Fill each buffer with a run of bases (sorted by offset in one pack) from the
         store: one request each; a failure names the first base it cut short."""
@@ -289,8 +270,8 @@ class _Fetch:
         return True
 
     def read_and_finish(
-        self, reader: RangeReader, r: _Range, buf: memoryview
-    ) -> tuple[int, list[tuple[StoredChunk, Buffer]], _Range | None]:
+        self, reader: RangeReader, r: ChunkRange, buf: memoryview
+    ) -> tuple[int, list[tuple[StoredChunk, Buffer]], ChunkRange | None]:
         """In a reader thread: receive one range and finish what can be finished here.
         Returns (bytes received, bases included; chunks left to the loop with their
         payloads; the rest of the range when it stopped early: see LEFT_BYTES)."""
@@ -314,8 +295,8 @@ class _Fetch:
         return bases
 
     def _receive_and_finish(
-        self, reader: RangeReader, r: _Range, buf: memoryview
-    ) -> tuple[int, list[tuple[StoredChunk, Buffer]], _Range | None]:
+        self, reader: RangeReader, r: ChunkRange, buf: memoryview
+    ) -> tuple[int, list[tuple[StoredChunk, Buffer]], ChunkRange | None]:
         stream = reader.stream(pack_key(r.pack_id), r.start, r.end)
         if stream is None:
             if self.rate_limit is not None:
@@ -332,8 +313,8 @@ class _Fetch:
             return self._finish_streamed(reader, stream, r, buf)
 
     def _finish_streamed(
-        self, reader: RangeReader, stream: RangeStream, r: _Range, buf: memoryview
-    ) -> tuple[int, list[tuple[StoredChunk, Buffer]], _Range | None]:
+        self, reader: RangeReader, stream: RangeStream, r: ChunkRange, buf: memoryview
+    ) -> tuple[int, list[tuple[StoredChunk, Buffer]], ChunkRange | None]:
         """Each chunk's payload received into ``buf`` (one chunk's room) as the reply
         streams past, finished before the next arrives. Payloads left to the loop are
         copied; past LEFT_BYTES of them the range stops and hands back the rest."""
@@ -342,7 +323,7 @@ class _Fetch:
         for i, c in enumerate(r.chunks):
             if sum(len(p) for _, p in left) >= LEFT_BYTES:  # (a handful of chunks at most)
                 rest = r.chunks[i:]
-                return received, left, _Range(r.pack_id, rest[0].offset, r.end, rest)
+                return received, left, ChunkRange(r.pack_id, rest[0].offset, r.end, rest)
             if c.offset < pos:  # overlaps the one before (a corrupt index): on its own
                 self._finish_or_leave(reader, c, self._read_alone(reader, c), left, copy=False)
                 continue
@@ -404,7 +385,7 @@ class _Fetch:
                 raise
             self.on_bad(c, str(exc))
 
-    def unreadable(self, r: _Range, exc: NotFoundError | RangeNotSatisfiableError) -> None:
+    def unreadable(self, r: ChunkRange, exc: NotFoundError | RangeNotSatisfiableError) -> None:
         what = "missing from the store" if isinstance(exc, NotFoundError) else "truncated"
         reason = f"pack {r.pack_id} is {what}"
         if self.on_bad is None:
@@ -413,11 +394,9 @@ class _Fetch:
         for c in r.chunks:
             self.on_bad(c, reason)
 
-    async def run_async(self, ranges: list[_Range], window: int) -> None:
-        pending = iter(ranges)
-
-        async def worker() -> None:
-            for r in pending:  # a shared iterator: each range goes to exactly one worker
+    async def run_async(self, ranges: list[ChunkRange], window: int) -> None:
+        async def worker(pending: Iterator[ChunkRange]) -> None:
+            for r in pending:
                 if self.rate_limit is not None:
                     await self.rate_limit.wait(r.end - r.start)
                 try:
@@ -431,14 +410,13 @@ class _Fetch:
                     lo = c.offset - r.start
                     await self.one(c, view[lo : lo + c.stored])  # no copy: decode reads the view
 
-        await _run_workers(worker, min(window, len(ranges)))
+        await run_workers(ranges, worker, min(window, len(ranges)))
 
     async def run_threaded(
-        self, reader: RangeReader, ranges: list[_Range], readers: int, room: int | None
+        self, reader: RangeReader, ranges: list[ChunkRange], readers: int, room: int | None
     ) -> None:
         """``room``: the receive buffer's size when the reader streams (one chunk's payload
         at a time), else None: each range is received whole."""
-        pending = iter(ranges)
         running: set[concurrent.futures.Future[Any]] = set()
         pool = concurrent.futures.ThreadPoolExecutor(readers, thread_name_prefix="ferry-get")
 
@@ -446,10 +424,10 @@ class _Fetch:
         # range by range re-allocated (and zero-filled) 15 times per pull
         longest = room or max(r.end - r.start for r in ranges)
 
-        async def worker() -> None:
+        async def worker(pending: Iterator[ChunkRange]) -> None:
             buf = memoryview(b"")
             for planned in pending:
-                current: _Range | None = planned
+                current: ChunkRange | None = planned
                 while current is not None:  # a range that stopped early goes on where it stood
                     r = current
                     need = longest if room else r.end - r.start
@@ -468,7 +446,7 @@ class _Fetch:
                         await self.one(c, payload)  # decode reads the payload (maybe in buf)
 
         try:
-            await _run_workers(worker, readers)
+            await run_workers(ranges, worker, readers)
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
             await _drain(running)
@@ -506,40 +484,19 @@ class _BaseWindow:
             if b.id not in window:
                 window[b.id] = b
                 size += b.stored
-        runs = _runs(sorted(window.values(), key=lambda b: (b.pack_id, b.offset)))
-        room = self.fetch.buffers.view("base_window", sum(end - start for _, start, end, _ in runs))
-        reads: list[tuple[list[StoredChunk], memoryview]] = []
+        in_place_order = sorted(window.values(), key=lambda b: (b.pack_id, b.offset))
+        runs = coalesce(in_place_order, max_gap=0)  # adjacent bases only: no gap read through
+        room = self.fetch.buffers.view("base_window", sum(r.end - r.start for r in runs))
+        reads: list[tuple[Sequence[StoredChunk], memoryview]] = []
         self.held.clear()  # the buffer is reused: nothing earlier stays valid
         pos = 0
-        for _, start, end, members in runs:
-            into = room[pos : pos + end - start]
-            reads.append((members, into))
-            for b in members:
-                self.held[b.id] = into[b.offset - start : b.offset - start + b.stored]
-            pos += end - start
+        for r in runs:
+            into = room[pos : pos + r.end - r.start]
+            reads.append((r.chunks, into))
+            for b in r.chunks:
+                self.held[b.id] = into[b.offset - r.start : b.offset - r.start + b.stored]
+            pos += r.end - r.start
         self.fetch._read_bases(reader, reads)
-
-
-def _runs(bases: list[StoredChunk]) -> list[tuple[str, int, int, list[StoredChunk]]]:
-    """Bases sorted by (pack, offset) grouped into (pack, start, end, members) runs of
-    adjacent ones."""
-    runs: list[tuple[str, int, int, list[StoredChunk]]] = []
-    for b in bases:
-        if runs and runs[-1][0] == b.pack_id and b.offset <= runs[-1][2]:
-            pack_id, start, end, members = runs[-1]
-            runs[-1] = (pack_id, start, max(end, b.offset + b.stored), [*members, b])
-        else:
-            runs.append((b.pack_id, b.offset, b.offset + b.stored, [b]))
-    return runs
-
-
-async def _run_workers(worker: Callable[[], Awaitable[None]], count: int) -> None:
-    try:
-        async with asyncio.TaskGroup() as tasks:
-            for _ in range(count):
-                tasks.create_task(worker())  # type: ignore[arg-type]
-    except BaseExceptionGroup as group:
-        raise first_error(group) from None
 
 
 async def _drain(jobs: set[concurrent.futures.Future[Any]]) -> None:

@@ -14,7 +14,7 @@ import shutil
 import threading
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cache
@@ -45,6 +45,7 @@ from transfer.engine.staging import (
     seal,
     worth_resuming,
 )
+from transfer.engine.workers import run_workers
 from transfer.errors import FerryError
 from transfer.format.chunkid import chunk_id
 from transfer.format.manifest import FileEntry, Manifest
@@ -497,7 +498,6 @@ async def _from_source(
     moved} of those it supplied; failures just leave a chunk to the store."""
     supplied: dict[str, int] = {}
     loop = asyncio.get_running_loop()
-    todo = iter(ids)
 
     pace = pace or _Pace()
     rate_limit, moved = pace.rate_limit, pace.moved
@@ -517,7 +517,7 @@ async def _from_source(
         landed.add(chunk.id)
         return True
 
-    async def worker() -> None:
+    async def worker(todo: Iterator[str]) -> None:
         for cid in todo:
             chunk = index.get(cid)
             assert chunk is not None
@@ -534,9 +534,7 @@ async def _from_source(
                 moved(origin, nbytes)
 
     try:
-        async with asyncio.TaskGroup() as tasks:
-            for _ in range(min(window, len(ids))):
-                tasks.create_task(worker())
+        await run_workers(ids, worker, min(window, len(ids)), errors_as_group=True)
     finally:
         gate.close()
     return supplied
@@ -672,15 +670,13 @@ async def _reuse_local(
             reuse(cid)
 
     batch = _REUSE_BATCH
-    batches = iter([candidates[i : i + batch] for i in range(0, len(candidates), batch)])
+    batches = [candidates[i : i + batch] for i in range(0, len(candidates), batch)]
 
-    async def worker() -> None:
-        for ids in batches:
+    async def worker(pending: Iterator[list[str]]) -> None:
+        for ids in pending:
             await loop.run_in_executor(resolver.pool, reuse_batch, ids)
 
-    async with asyncio.TaskGroup() as tasks:
-        for _ in range(min(window, len(candidates))):
-            tasks.create_task(worker())
+    await run_workers(batches, worker, min(window, len(candidates)), errors_as_group=True)
     return found
 
 

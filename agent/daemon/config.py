@@ -1,0 +1,1016 @@
+"""Configuration of the node agent (``ferry agent --config ferry.toml``).
+
+Every key comes from the TOML file or from ``FERRY_<KEY>`` (upper-case; keys of the
+``[transfer]`` table as ``FERRY_TRANSFER_<KEY>``); the environment wins, so one file can serve
+a whole fleet with per-node settings injected by the scheduler. Lists in the environment are
+comma-separated. An empty variable counts as unset, except for lists, where it means "empty".
+Unknown keys in the file are errors (a typo must not silently fall back to a default);
+unknown ``FERRY_*`` variables are ignored because other tools (tests, scripts) use the prefix.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import secrets
+import socket
+import stat
+import textwrap
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import MISSING, dataclass, field, fields
+from pathlib import Path
+from typing import Any, TypeVar
+from urllib.parse import urlsplit
+
+from agent.node.hotdir import HotDir
+from transfer.errors import FerryError, FormatError
+from transfer.format.names import check_name
+from transfer.options import StoreSettings, TransferOptions, TransferSettings, knobs
+from transfer.retention import TierPolicy, parse_duration, parse_size
+from transfer.retention.repack import RepackPolicy
+
+MiB = 1 << 20
+_Q = TypeVar("_Q", int, float)
+S = TypeVar("S")
+ENV_PREFIX = "FERRY_"
+
+log = logging.getLogger(__name__)
+
+
+class ConfigError(FerryError):
+    """The agent's configuration is missing, malformed or inconsistent."""
+
+
+@dataclass(frozen=True)
+class RetentionSettings:
+    """The ``[retention]`` table. Without it the agent deletes nothing, anywhere."""
+
+    interval_seconds: float = 600.0
+    #: unreferenced packs live this long before GC deletes them; must exceed the longest push
+    grace_seconds: float = 3600.0
+    deep_verify: bool = False
+    #: after expiring, store delta chunks whose base expired whole and copy live chunks out
+    #: of packs at least ``repack_min_dead`` dead (transfer/retention/repack.py)
+    repack: bool = True
+    repack_min_dead: float = 0.2
+    #: the hot dir keeps at least this many committed steps per job (at least 2: the newest
+    #: may still be in use by training or be the base of the next push)
+    hot_keep_last: int = 2
+    hot_budget_bytes: int | None = None
+    #: evict (as for the budget) while the hot dir's filesystem has less free space
+    hot_min_free_bytes: int | None = None
+    #: one policy per entry of ``tiers``, in order; tiers beyond the list keep everything
+    tiers: tuple[TierPolicy, ...] = ()
+
+    def repack_policy(self, options: TransferOptions) -> RepackPolicy | None:
+        """``options``: the agent's own (what it rewrites is coded as its pushes are)."""
+        return RepackPolicy(self.repack_min_dead, options) if self.repack else None
+
+    def tier_policy(self, index: int) -> TierPolicy:
+        return self.tiers[index] if index < len(self.tiers) else TierPolicy()
+
+
+def _key(
+    help: str,
+    toml: type,
+    *,
+    example: object = MISSING,
+    commented: bool = False,
+    default_text: str = "",
+) -> dict[str, object]:
+    """An agent key's declaration, the metadata of its AgentConfig field (which holds its
+    default; none: required or computed, said by ``default_text``): ``help`` (one line),
+    its ``toml`` type (str, int, float, bool, list of strings, or object: any of several),
+    and how the example config shows it (``example``: another value than the default;
+    ``commented``: as a comment)."""
+    return {
+        "help": help,
+        "toml": toml,
+        "example": example,
+        "commented": commented,
+        "default_text": default_text,
+    }
+
+
+@dataclass(frozen=True)
+class AgentKey:
+    """One top-level key of the agent config, as AgentConfig declares it: ``name`` in the
+    file, ``FERRY_<NAME>`` in the environment."""
+
+    name: str
+    toml: type
+    default: object  # MISSING: required (hot_dir) or computed (node: the host name)
+    help: str
+    example: object
+    commented: bool
+    default_text: str
+    #: a path (the TOML string is one)
+    path: bool = False
+
+
+#: AgentConfig's fields that are not top-level keys: its tables and the keys' provenance
+_NOT_TOP_KEYS = frozenset({"transfer", "store", "retention", "sources"})
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """The agent's configuration. Each top-level key is declared once, here (a field with
+    its default and ``_key``'s metadata):
+    the keys load_config reads and their types and defaults, the example config
+    (``example_toml``), the start-up log (``effective_config``) and docs/CONFIG.md
+    (``config_reference``) are made from these fields (``agent_keys()``)."""
+
+    node: str = field(
+        metadata=_key(
+            "This node's name in store keys; name it in containers.",
+            str,
+            example="node-a",
+            default_text="the host name",
+        )
+    )
+    hot_dir: Path = field(
+        metadata=_key(
+            "Training writes checkpoints to <hot_dir>/<job>/<step dir>/ (required). "
+            'e.g. "/nvme/ckpt"',
+            str,
+            example="ckpt/hot",
+        )
+    )
+    listen: str = field(
+        default="127.0.0.1:7070",
+        metadata=_key(
+            'Address of the agent\'s HTTP API (HOST:PORT); in a cluster: "0.0.0.0:7070".', str
+        ),
+    )
+    token_file: Path | None = field(
+        default=None,
+        metadata=_key(
+            "Bearer token for the API, read from this file (re-read when it changes); `ferry "
+            "agent` creates it (random, mode 600) when missing.",
+            str,
+            example="ferry.token",
+        ),
+    )
+    commit_marker: str = field(
+        default=".metadata",
+        metadata=_key(
+            "A step directory is complete once this file exists (PyTorch DCP writes it last). In "
+            "a multi-node job saving to each node's own disk, only rank 0's node gets .metadata: "
+            'on the others set "" (a step is pushed once its files are quiet; the step is judged '
+            "whole, against .metadata, by the node that finds the last part in, before it writes "
+            "the completion marker).",
+            str,
+        ),
+    )
+    tiers: tuple[str, ...] = field(
+        default=(),
+        metadata=_key(
+            "Stores to copy checkpoints to, hottest first: paths, file:// or s3://bucket/prefix. "
+            'e.g. ["/mnt/nfs/ckpt", "s3://bucket/ckpt"]',
+            list,
+            example=("ckpt/store",),
+        ),
+    )
+    peers: tuple[str, ...] = field(
+        default=(),
+        metadata=_key(
+            'Other nodes\' agents (base URLs), for peer-to-peer restore. e.g. ["http://10.0.0.2:7070"]',
+            list,
+        ),
+    )
+    expected_nodes: tuple[str, ...] = field(
+        default=(),
+        metadata=_key(
+            "Nodes whose parts make up a complete step (empty: a single-node job). "
+            'e.g. ["node-07", "node-08"]',
+            list,
+        ),
+    )
+    endpoint_url: str | None = field(
+        default=None,
+        metadata=_key(
+            "S3 endpoint of the s3:// tiers.",
+            str,
+            example="http://127.0.0.1:9000",
+            commented=True,
+            default_text="$AWS_ENDPOINT_URL",
+        ),
+    )
+    #: how every tier is talked to: checksum (md5 lets an interrupted push salvage
+    #: unfinished packs on SeaweedFS), tries per request, S3 timeouts
+    store: StoreSettings = field(default_factory=StoreSettings)
+    max_body_bytes: int = field(
+        default=1 * MiB, metadata=_key("Largest accepted API request body.", int)
+    )
+    prefetch_concurrency: int = field(
+        default=2, metadata=_key("Prefetches (scheduler-requested pulls) running at once.", int)
+    )
+    drain_seconds: float = field(
+        default=30.0, metadata=_key("On SIGTERM, how long in-flight transfers may finish.", float)
+    )
+    orphan_upload_seconds: float = field(
+        default=3600.0,
+        metadata=_key(
+            "At start, abort pack uploads begun longer ago than this (a killed push's); 0: never.",
+            float,
+        ),
+    )
+    quiet_seconds: float = field(
+        default=2.0,
+        metadata=_key(
+            "A committed step is pushed once none of its files changed for this long (a commit "
+            "marker copied in before the shards, by cp -r or rsync, does not make a torn step "
+            "durable).",
+            float,
+        ),
+    )
+    state_dir: Path = field(
+        default=Path(),
+        metadata=_key(
+            'Agent state (its push journal), e.g. "/nvme/ckpt/.ferry".',
+            str,
+            example="ckpt/hot/.ferry",
+            commented=True,
+            default_text="<hot_dir>/.ferry",
+        ),
+    )
+    transfer: TransferSettings = field(default_factory=TransferSettings)
+    retention: RetentionSettings | None = None
+    log_format: str = field(
+        default="text", metadata=_key('Log lines: "text", or "json" for a log shipper.', str)
+    )
+    standby_jobs: tuple[str, ...] = field(
+        default=(),
+        metadata=_key(
+            "Jobs whose every new durable step this node copies in the background, so a prefetch "
+            "at scale-down finds it here (the scheduler can also register: PUT "
+            "/v1/standby/<job>; agent/node/standby.py).",
+            list,
+        ),
+    )
+    standby_poll_seconds: float = field(
+        default=5.0,
+        metadata=_key("How often that background copy looks in the tiers for a new step.", float),
+    )
+    standby_max_rate: int = field(
+        default=250_000_000,
+        metadata=_key(
+            'Cap on that background copy, per second ("250MB", bytes; 0: none).',
+            object,
+            example="250MB",
+        ),
+    )
+    peer_token_file: Path | None = field(
+        default=None,
+        metadata=_key(
+            "The token peers present to each other (the same file on every node): it reads "
+            "chunks (GET /v1/chunks/...) and nothing else; this agent sends it to its peers. "
+            "Unset: peers use token_file's token. Re-read when it changes, as token_file is "
+            "(docs/SECURITY.md).",
+            str,
+            example="/etc/ferry/peer-token/token",
+            commented=True,
+        ),
+    )
+    tls_cert_file: Path | None = field(
+        default=None,
+        metadata=_key(
+            "TLS certificate (PEM; a rotated one is picked up without a restart), with "
+            "tls_key_file (both or neither): the agent then serves HTTPS only, and its peers' "
+            "http:// URLs become https://.",
+            str,
+            example="/etc/ferry/tls/tls.crt",
+            commented=True,
+        ),
+    )
+    tls_key_file: Path | None = field(
+        default=None,
+        metadata=_key(
+            "The TLS certificate's private key (PEM).",
+            str,
+            example="/etc/ferry/tls/tls.key",
+            commented=True,
+        ),
+    )
+    tls_ca_file: Path | None = field(
+        default=None,
+        metadata=_key(
+            "CA bundle outgoing calls verify agents against (unset: the system store), and that "
+            "clients' certificates must chain to with tls_client_auth.",
+            str,
+            example="/etc/ferry/tls/ca.crt",
+            commented=True,
+        ),
+    )
+    tls_client_auth: bool = field(
+        default=False,
+        metadata=_key(
+            "Every client but a health probe must present a certificate signed by tls_ca_file "
+            "(needs tls_cert_file, which the agent presents to its peers).",
+            bool,
+            commented=True,
+        ),
+    )
+    #: where each key set by the operator came from: "file" or "env FERRY_..."
+    sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.state_dir == Path():
+            object.__setattr__(self, "state_dir", self.hot_dir / ".ferry")
+
+    @property
+    def listen_host(self) -> str:
+        return _parse_listen(self.listen)[0]
+
+    @property
+    def listen_port(self) -> int:
+        return _parse_listen(self.listen)[1]
+
+    @property
+    def hot(self) -> HotDir:
+        """The hot dir's layout: its checkpoints, and which are committed."""
+        return HotDir(self.hot_dir, self.commit_marker)
+
+    def transfer_options(self) -> TransferOptions:
+        return self.transfer.to_options()
+
+    def read_token(self) -> str | None:
+        """The bearer token, re-read on every call so a rotated file takes effect."""
+        return None if self.token_file is None else read_secret(self.token_file, "token_file")
+
+    @property
+    def tls_serving(self) -> bool:
+        return self.tls_cert_file is not None
+
+
+def read_secret(path: Path, key: str) -> str:
+    """A token file's token (``key``: its config key, for the message; the token itself is
+    never in one)."""
+    try:
+        token = path.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read {key} {path}: {exc}") from exc
+    if not token:
+        raise ConfigError(f"{key} {path} is empty")
+    return token
+
+
+def agent_keys(config_class: type = AgentConfig) -> list[AgentKey]:
+    """The top-level keys ``config_class`` declares, in order. A field that is neither a
+    table nor declared with ``_key`` is a TypeError: a key cannot be added without its type,
+    default and help (this module runs it on import)."""
+    keys = []
+    for f in fields(config_class):
+        if f.name in _NOT_TOP_KEYS:
+            continue
+        if "help" not in f.metadata:
+            raise TypeError(
+                f"{config_class.__name__}.{f.name} is not declared: give it its default and "
+                "`metadata=_key(help, toml type)` (agent/daemon/config.py)"
+            )
+        m = f.metadata
+        example = f.default if m["example"] is MISSING else m["example"]
+        keys.append(
+            AgentKey(
+                f.name,
+                m["toml"],
+                f.default,
+                m["help"],
+                example,
+                m["commented"],
+                m["default_text"],
+                path="Path" in str(f.type),
+            )
+        )
+    return keys
+
+
+# Key -> the TOML type it must have; env strings are converted to that type first.
+_TOP_KEYS: dict[str, type] = {key.name: key.toml for key in agent_keys()}
+#: top-level keys from before the [store] table, still read: key -> its type
+_MOVED_TO_STORE: dict[str, type] = {"checksum": str}
+_RETENTION_KEYS: dict[str, type] = {
+    "interval_seconds": float,
+    "grace_seconds": float,
+    "deep_verify": bool,
+    "repack": bool,
+    "repack_min_dead": float,
+    "hot_keep_last": int,
+    "hot_budget": object,  # a size: bytes, or a string like "800GB"
+    "hot_min_free": object,
+}
+_TIER_POLICY_KEYS = {"keep_last", "keep_every", "max_age", "budget"}
+_TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", list: "a list of strings"}
+
+
+def load_config(
+    path: Path | None, env: Mapping[str, str] = os.environ, *, create_token: bool = False
+) -> AgentConfig:
+    """Read ``path`` (None: environment and defaults only), apply ``FERRY_*`` overrides,
+    validate everything and return the config; raises ConfigError with a one-line reason.
+    ``create_token``: a token_file that does not exist yet is created with a random token
+    (``ferry agent``: the example config then runs as printed)."""
+    raw = _read_toml(path) if path is not None else {}
+    retention_raw = raw.pop("retention", None)
+    transfer_raw = raw.pop("transfer", {})
+    store_raw = raw.pop("store", {})
+    sources: dict[str, str] = {}
+    given = _typed(raw, {**_TOP_KEYS, **_MOVED_TO_STORE}, env, "", ENV_PREFIX, sources)
+    transfer = _transfer_settings(transfer_raw, env, sources)
+    moved = {k: given.pop(k) for k in _MOVED_TO_STORE if k in given}
+    store = _store_settings(store_raw, moved, env, sources)
+    if "hot_dir" not in given:
+        raise ConfigError("hot_dir is required (in the config file or FERRY_HOT_DIR)")
+    # the declared defaults, overlaid with what the operator set, each value checked
+    top: dict[str, Any] = {k.name: k.default for k in agent_keys() if k.default is not MISSING}
+    for key, value in given.items():
+        top[key] = _CHECKS.get(key, _as_given)(key, value)
+    if "node" not in given:  # computed: the host name
+        top["node"] = _name("node", _host_name())
+    if top["tls_cert_file"] is not None:  # this agent serves TLS: its fleet does too
+        top["peers"] = tuple(_https(url) for url in top["peers"])
+    _check_security(top)
+    config = AgentConfig(
+        **top,
+        store=store,
+        transfer=transfer,
+        retention=_retention(retention_raw, env, len(top["tiers"])),
+        sources=sources,
+    )
+    if not config.commit_marker and config.quiet_seconds <= 0:
+        raise ConfigError(
+            'commit_marker = "" needs quiet_seconds > 0: without a marker, files that stayed '
+            "the same that long are the only sign a part is finished"
+        )
+    if config.token_file is not None:
+        if create_token:
+            _create_token_file(config.token_file)
+        config.read_token()  # fail at startup, not on the first request
+        _warn_if_shared(config.token_file)
+    if config.peer_token_file is not None:
+        peer_token = read_secret(config.peer_token_file, "peer_token_file")
+        if config.token_file is not None and peer_token == config.read_token():
+            raise ConfigError(
+                "peer_token_file holds token_file's token: the peers' token must be another "
+                "(it is good for chunk reads only)"
+            )
+        _warn_if_shared(config.peer_token_file, "peer_token_file")
+    return config
+
+
+def _check_security(top: Mapping[str, object]) -> None:
+    """The credential and TLS keys that go together (docs/SECURITY.md)."""
+    if (top["tls_cert_file"] is None) != (top["tls_key_file"] is None):
+        raise ConfigError("tls_cert_file and tls_key_file go together: set both or neither")
+    if top["tls_client_auth"] and (top["tls_cert_file"] is None or top["tls_ca_file"] is None):
+        raise ConfigError(
+            "tls_client_auth = true needs tls_cert_file and tls_key_file (what the agent "
+            "serves and presents to its peers) and tls_ca_file (what clients' certificates "
+            "must chain to)"
+        )
+
+
+def _https(url: str) -> str:
+    """A peer's base URL when this agent serves TLS: https://."""
+    return "https://" + url[len("http://") :] if url.startswith("http://") else url
+
+
+def _read_toml(path: Path) -> dict[str, object]:
+    try:
+        with path.open("rb") as f:
+            return tomllib.load(f)
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {path}: {exc.strerror or exc}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{path}: invalid TOML: {exc}") from exc
+
+
+def _transfer_settings(
+    raw: object, env: Mapping[str, str], sources: dict[str, str]
+) -> TransferSettings:
+    """The [transfer] table overlaid with FERRY_TRANSFER_*, checked as the options it
+    makes."""
+    transfer = _settings_table(TransferSettings, "transfer", raw, env, sources)
+    try:
+        transfer.to_options()
+    except ValueError as exc:
+        raise ConfigError(f"transfer: {exc}") from exc
+    return transfer
+
+
+def _store_settings(
+    raw: object, moved: dict[str, object], env: Mapping[str, str], sources: dict[str, str]
+) -> StoreSettings:
+    """The [store] table overlaid with FERRY_STORE_*. ``moved``: its keys set at the top
+    level (``checksum``, FERRY_CHECKSUM), as configs did before the table: still read."""
+    if not isinstance(raw, dict):
+        raise ConfigError("store: expected a table ([store])")
+    for key, value in moved.items():
+        if key in raw or env.get(f"{ENV_PREFIX}STORE_{key.upper()}"):
+            raise ConfigError(f"{key}: set both at the top level and in [store]; keep one")
+        raw = {**raw, key: value}
+    store = _settings_table(StoreSettings, "store", raw, env, sources)
+    for key in moved:  # where the operator set it
+        sources[f"store.{key}"] = sources.pop(key)
+    return store
+
+
+def _settings_table(
+    settings: type[S], table: str, raw: object, env: Mapping[str, str], sources: dict[str, str]
+) -> S:
+    """A settings class's table (``[transfer]``, ``[store]``) overlaid with its
+    ``FERRY_<TABLE>_*`` variables: each key of the type the class declares, a choice among
+    its choices, a number not negative."""
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{table}: expected a table ([{table}])")
+    declared = knobs(settings)
+    schema = {k.name: k.kind for k in declared}
+    values = _typed(raw, schema, env, f"{table}.", f"{ENV_PREFIX}{table.upper()}_", sources)
+    for k in declared:
+        key, value = f"{table}.{k.name}", values.get(k.name)
+        if value is None or isinstance(value, bool):
+            continue
+        values[k.name] = _one_of(key, value, k.choices) if k.choices else _at_least(key, value, 0)
+    try:
+        return settings(**values)
+    except ValueError as exc:
+        raise ConfigError(f"{table}: {exc}") from exc
+
+
+def effective_config(config: AgentConfig) -> list[tuple[str, object, str]]:
+    """(key, value, source) of every top-level, [transfer] and [store] key, for the start-up
+    log."""
+    rows: list[tuple[str, object, str]] = []
+    for key in _TOP_KEYS:
+        value = getattr(config, key)  # (token_file: the path, never the token)
+        rows.append((key, _plain(value), config.sources.get(key, "default")))
+    for table, settings in (("transfer", config.transfer), ("store", config.store)):
+        for knob in knobs(type(settings)):
+            key = f"{table}.{knob.name}"
+            rows.append((key, getattr(settings, knob.name), config.sources.get(key, "default")))
+    return rows
+
+
+def _plain(value: object) -> object:
+    if isinstance(value, Path):
+        return str(value)
+    if isinstance(value, tuple):
+        return list(value)
+    return value
+
+
+def _one_of(key: str, value: object, allowed: tuple[str, ...]) -> str:
+    if value not in allowed:
+        raise ConfigError(f"{key}: {value!r} is not one of {', '.join(allowed)}")
+    return str(value)
+
+
+def _typed(
+    raw: Mapping[str, object],
+    schema: Mapping[str, type],
+    env: Mapping[str, str],
+    key_prefix: str,
+    env_prefix: str,
+    sources: dict[str, str] | None = None,
+) -> dict[str, object]:
+    """Type-check the file's values, then overlay the environment's; ``sources`` gets where
+    each key set by the operator came from ("file", or "env FERRY_..."; the env wins)."""
+    out: dict[str, object] = {}
+    where: dict[str, str] = {}
+    for key, value in raw.items():
+        if key not in schema:
+            raise ConfigError(f"unknown config key {key_prefix + key!r}")
+        out[key] = _check(f"{key_prefix}{key}", value, schema[key])
+        where[key_prefix + key] = "file"
+    for key, kind in schema.items():
+        name = env_prefix + key.upper()
+        text = env.get(name)
+        if text is None or (text == "" and kind is not list):
+            continue
+        out[key] = _from_env(name, text, kind)
+        where[key_prefix + key] = f"env {name}" + (", over the file's" if key in raw else "")
+    if sources is not None:
+        sources.update(where)
+    return out
+
+
+def _retention(raw: object, env: Mapping[str, str], n_tiers: int) -> RetentionSettings | None:
+    """The ``[retention]`` table (plus ``FERRY_RETENTION_*``); None when neither is set."""
+    prefix = ENV_PREFIX + "RETENTION_"
+    if raw is None and not any(k.startswith(prefix) and v for k, v in env.items()):
+        return None
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise ConfigError("retention: expected a table ([retention])")
+    tiers_raw = raw.pop("tiers", [])
+    values = _typed(raw, _RETENTION_KEYS, env, "retention.", prefix)
+    if not isinstance(tiers_raw, list) or not all(isinstance(t, dict) for t in tiers_raw):
+        raise ConfigError("retention.tiers: expected [[retention.tiers]] tables")
+    if len(tiers_raw) > n_tiers:
+        raise ConfigError(
+            f"retention.tiers: {len(tiers_raw)} policies for {n_tiers} tiers "
+            "(one per tier, in order)"
+        )
+    policies = tuple(_tier_policy(i, t) for i, t in enumerate(tiers_raw))
+    hot_keep_last = _int_at_least("retention.hot_keep_last", values.get("hot_keep_last", 2), 2)
+    budget = values.get("hot_budget")
+    min_free = values.get("hot_min_free")
+    return RetentionSettings(
+        interval_seconds=_seconds(
+            "retention.interval_seconds", values.get("interval_seconds", 600.0)
+        ),
+        grace_seconds=_seconds("retention.grace_seconds", values.get("grace_seconds", 3600.0)),
+        deep_verify=bool(values.get("deep_verify", False)),
+        repack=bool(values.get("repack", True)),
+        repack_min_dead=_fraction("retention.repack_min_dead", values.get("repack_min_dead", 0.2)),
+        hot_keep_last=hot_keep_last,
+        hot_budget_bytes=_quantity("retention.hot_budget", budget, parse_size) if budget else None,
+        hot_min_free_bytes=(
+            _quantity("retention.hot_min_free", min_free, parse_size) if min_free else None
+        ),
+        tiers=policies,
+    )
+
+
+def _tier_policy(index: int, raw: dict[str, object]) -> TierPolicy:
+    where = f"retention.tiers[{index}]"
+    unknown = set(raw) - _TIER_POLICY_KEYS
+    if unknown:
+        raise ConfigError(f"unknown config key {where}.{sorted(unknown)[0]!r}")
+    ints = {}
+    for key in ("keep_last", "keep_every"):
+        if key in raw:
+            ints[key] = _int_at_least(f"{where}.{key}", _check(f"{where}.{key}", raw[key], int), 1)
+    max_age = raw.get("max_age")
+    budget = raw.get("budget")
+    return TierPolicy(
+        keep_last=ints.get("keep_last"),
+        keep_every=ints.get("keep_every"),
+        max_age_s=_quantity(f"{where}.max_age", max_age, parse_duration) if max_age else None,
+        budget_bytes=_quantity(f"{where}.budget", budget, parse_size) if budget else None,
+    )
+
+
+def _quantity(key: str, value: object, parse: Callable[[object], _Q]) -> _Q:
+    try:
+        return parse(value)
+    except ValueError as exc:
+        raise ConfigError(f"{key}: {exc}") from None
+
+
+def _check(key: str, value: object, kind: type) -> object:
+    if kind is object:
+        return value
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key}: expected true or false, got {value!r}")
+        return value
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)  # `drain_seconds = 30` in TOML is an int, and fine
+    if kind is list:
+        ok = isinstance(value, list) and all(isinstance(v, str) for v in value)
+    else:
+        ok = _is_int(value) if kind is int else isinstance(value, kind)
+    if not ok:
+        raise ConfigError(f"{key}: expected {_TYPE_NAMES[kind]}, got {value!r}")
+    return value
+
+
+def _is_int(value: object) -> bool:
+    # bool is an int subclass; `workers = true` is a mistake, not 1
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _from_env(name: str, text: str, kind: type) -> object:
+    if kind is bool:
+        if text.lower() not in ("1", "0", "true", "false"):
+            raise ConfigError(f"{name}: expected true or false, got {text!r}")
+        return text.lower() in ("1", "true")
+    if kind is object:
+        return text
+    if kind is list:
+        return [part.strip() for part in text.split(",") if part.strip()]
+    if kind is str:
+        return text
+    try:
+        return int(text) if kind is int else float(text)
+    except ValueError:
+        raise ConfigError(f"{name}: expected {_TYPE_NAMES[kind]}, got {text!r}") from None
+
+
+def _host_name() -> str:
+    return socket.gethostname().split(".")[0] or "node"
+
+
+def _rate(value: object) -> int:
+    """standby_max_rate: bytes per second, or 0 for no cap."""
+    if value in (0, "0"):
+        return 0
+    return _quantity("standby_max_rate", value, parse_size)
+
+
+def _name(kind: str, value: object) -> str:
+    try:
+        return check_name(kind, value)
+    except FormatError as exc:
+        raise ConfigError(str(exc)) from exc
+
+
+def _path(key: str, value: object) -> Path:
+    if not value:
+        raise ConfigError(f"{key}: expected a path, got an empty string")
+    return Path(str(value)).expanduser()
+
+
+def _int_at_least(key: str, value: object, minimum: int) -> int:
+    assert isinstance(value, int)  # checked by _check
+    if value < minimum:
+        raise ConfigError(f"{key}: must be at least {minimum}, got {value}")
+    return value
+
+
+def _at_least(key: str, value: object, minimum: int) -> int | float:
+    assert isinstance(value, int | float)  # checked by _check
+    if not minimum <= value < float("inf"):
+        raise ConfigError(f"{key}: must be at least {minimum}, got {value}")
+    return value
+
+
+def _seconds(key: str, value: object) -> float:
+    assert isinstance(value, float)  # checked by _check
+    if not 0.0 <= value < float("inf"):
+        raise ConfigError(f"{key}: must be a non-negative number of seconds, got {value}")
+    return value
+
+
+def _fraction(key: str, value: object) -> float:
+    assert isinstance(value, float)  # checked by _check
+    if not 0.0 < value <= 1.0:
+        raise ConfigError(f"{key}: must be a fraction in (0, 1], got {value}")
+    return value
+
+
+def _parse_listen(listen: str) -> tuple[str, int]:
+    host, sep, port = listen.rpartition(":")
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host  # [::1]:7070
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ConfigError(f"listen: expected HOST:PORT with a port in 0..65535, got {listen!r}")
+    return host, int(port)
+
+
+def _commit_marker(value: object) -> str:
+    """A file name, or "" (no marker: a step directory is committed once its files are
+    quiet; for the nodes of a node-local multi-node save that never hold .metadata)."""
+    marker = str(value)
+    if "/" in marker or marker in (".", ".."):
+        raise ConfigError(f'commit_marker: expected a file name or "", got {marker!r}')
+    return marker
+
+
+def _tier_url(url: str) -> str:
+    # A light syntax check only: opening the store would touch the network.
+    parts = urlsplit(url)
+    bad_s3 = parts.scheme == "s3" and not parts.netloc
+    if not url or parts.scheme not in ("", "file", "s3") or bad_s3:
+        raise ConfigError(f"tiers: unsupported store URL {url!r} (a path, file://, s3://bucket)")
+    return url
+
+
+def _http_url(key: str, url: object) -> str:
+    parts = urlsplit(str(url))
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ConfigError(f"{key}: expected an http:// or https:// URL, got {url!r}")
+    return str(url)
+
+
+def _expected_nodes(names: list[str]) -> tuple[str, ...]:
+    nodes = tuple(_name("expected node", n) for n in names)
+    if len(set(nodes)) != len(nodes):
+        raise ConfigError(f"expected_nodes: duplicate names in {list(nodes)}")
+    return nodes
+
+
+def _create_token_file(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    except FileExistsError:
+        return
+    except OSError as exc:
+        raise ConfigError(f"cannot create token_file {path}: {exc.strerror or exc}") from exc
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(secrets.token_urlsafe(32) + "\n")
+    log.warning("created token_file %s with a new random token (give it to the scheduler)", path)
+
+
+def _warn_if_shared(token_file: Path, key: str = "token_file") -> None:
+    # Warn rather than refuse: secrets mounted by Kubernetes are often 0644 by default.
+    try:
+        mode = token_file.stat().st_mode
+    except OSError:
+        return
+    if mode & stat.S_IRWXO:  # group access is the norm for a mounted Secret with fsGroup
+        log.warning("%s %s is readable by others (chmod o-rwx it)", key, token_file)
+
+
+def _as_given(key: str, value: object) -> object:
+    """A value of its declared TOML type (a list kept as a tuple: the config is frozen)."""
+    return tuple(value) if isinstance(value, list) else value
+
+
+def _listen(key: str, value: str) -> str:
+    _parse_listen(value)
+    return value
+
+
+#: how a top-level value the operator set is checked and converted (a key not here is
+#: taken as given, once of its declared TOML type); the declared defaults need none
+_CHECKS: dict[str, Callable[[str, Any], object]] = {
+    "node": lambda key, name: _name(key, name or _host_name()),
+    "hot_dir": _path,
+    "listen": _listen,
+    "token_file": _path,
+    "commit_marker": lambda key, marker: _commit_marker(marker),
+    "tiers": lambda key, urls: tuple(_tier_url(u) for u in urls),
+    "peers": lambda key, urls: tuple(_http_url(key, u).rstrip("/") for u in urls),
+    "expected_nodes": lambda key, names: _expected_nodes(names),
+    "endpoint_url": _http_url,
+    "max_body_bytes": lambda key, n: _int_at_least(key, n, 1),
+    "prefetch_concurrency": lambda key, n: _int_at_least(key, n, 1),
+    "drain_seconds": _seconds,
+    "orphan_upload_seconds": _seconds,
+    "quiet_seconds": _seconds,
+    "state_dir": _path,
+    "log_format": lambda key, fmt: _one_of(key, fmt, ("text", "json")),
+    "standby_jobs": lambda key, jobs: tuple(_name(key, j) for j in jobs),
+    "standby_poll_seconds": _seconds,
+    "standby_max_rate": lambda key, rate: _rate(rate),
+    "peer_token_file": _path,
+    "tls_cert_file": _path,
+    "tls_key_file": _path,
+    "tls_ca_file": _path,
+}
+
+
+def _example_table(settings: type) -> str:
+    """A settings class's table: its keys with their defaults and what each does."""
+    lines = []
+    for knob in knobs(settings):
+        default = knob.default
+        value = str(default).lower() if isinstance(default, bool) else repr(default)
+        line = f"{knob.name} = {value}".replace("'", '"')
+        help_text = knob.help
+        if knob.default_text:  # e.g. this machine's cores: not a value to copy
+            line, help_text = f"# {line}", f"{help_text} (default: {knob.default_text})"
+        lines.append((line, help_text))
+    width = max(25, *(len(line) + 1 for line, _ in lines))
+    return "\n".join(f"{line:<{width}} # {help_text}" for line, help_text in lines)
+
+
+def example_toml() -> str:
+    """A commented example that runs as printed (``ferry init ckpt/store`` first) on
+    one node, deleting nothing (its ``[retention]`` table is commented out); the production
+    values are in the comments (a test keeps it honest)."""
+    return _EXAMPLE_TOML.format(
+        top=_example_top(),
+        transfer=_example_table(TransferSettings),
+        store=_example_table(StoreSettings),
+    )
+
+
+def _example_top() -> str:
+    """The top-level keys as AgentConfig declares them: each one's help as a comment, then
+    its line (commented out where the example leaves it unset)."""
+    lines = []
+    for key in agent_keys():
+        about = key.help + (f" Default: {key.default_text}." if key.default_text else "")
+        lines += textwrap.wrap(about, 92, initial_indent="# ", subsequent_indent="# ")
+        line = f"{key.name} = {_toml_value(key.example)}"
+        lines.append(f"# {line}" if key.commented else line)
+    return "\n".join(lines)
+
+
+def _toml_value(value: object) -> str:
+    """``value`` as TOML (the types of the agent's keys: strings, paths, numbers, switches,
+    lists of strings)."""
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, tuple | list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return json.dumps(str(value))
+
+
+def config_reference() -> str:
+    """docs/CONFIG.md: every key of the agent's config, made from the declarations (a test
+    keeps the file equal to this)."""
+    out = [
+        "# The agent's configuration keys",
+        "",
+        "Generated from their declarations (`AgentConfig`, `TransferSettings` and "
+        "`StoreSettings`) by `agent.daemon.config.config_reference()`; `tests/test_config_keys.py` "
+        "fails when this file differs (regenerate it: `python -c 'from agent.daemon.config import "
+        'config_reference as r; print(r(), end="")\' > docs/CONFIG.md`). `ferry agent '
+        "--print-example-config` prints a "
+        "commented example config. Each key comes from the TOML file or the environment "
+        "variable beside it (the environment wins; lists comma-separated); unknown keys in "
+        "the file are errors.",
+        "",
+        "## Top level",
+        "",
+        "| key | type | default | environment | what it does |",
+        "|---|---|---|---|---|",
+    ]
+    for key in agent_keys():
+        if key.default_text or key.default in (MISSING, None):
+            default = key.default_text or ("required" if key.default is MISSING else "unset")
+        else:
+            default = f"`{_toml_value(key.default)}`"
+        kind = "a path" if key.path else _TYPE_NAMES.get(key.toml, "true or false")
+        kind = "bytes or a size" if key.toml is object else kind
+        out.append(
+            f"| `{key.name}` | {kind} | {_cell(default)} | `{ENV_PREFIX}{key.name.upper()}` | "
+            f"{_cell(key.help)} |"
+        )
+    for table, settings in (("transfer", TransferSettings), ("store", StoreSettings)):
+        out += [
+            "",
+            f"## [{table}]",
+            "",
+            f"The same names, with dashes, are the `ferry` commands' flags ({settings.__name__} "
+            "in transfer/options.py).",
+            "",
+            "| key | type | default | environment | what it does |",
+            "|---|---|---|---|---|",
+        ]
+        for knob in knobs(settings):
+            default = knob.default_text or f"`{_toml_value(knob.default)}`"
+            kind = (
+                f"one of {', '.join(knob.choices)}"
+                if knob.choices
+                else (_TYPE_NAMES.get(knob.kind, "true or false"))
+            )
+            env_name = f"{ENV_PREFIX}{table.upper()}_{knob.name.upper()}"
+            out.append(
+                f"| `{knob.name}` | {kind} | {default} | `{env_name}` | {_cell(knob.help)} |"
+            )
+    out += [
+        "",
+        "## [retention]",
+        "",
+        "Without the table the agent deletes nothing, anywhere: docs/RETENTION.md, and the "
+        "commented table in the example config.",
+        "",
+    ]
+    return "\n".join(out)
+
+
+def _cell(text: str) -> str:
+    """``text`` in a Markdown table cell (``<job>`` is no HTML tag)."""
+    return text.replace("|", "\\|").replace("<", "\\<")
+
+
+# example_toml()'s text; {top}: the top-level keys, made from AgentConfig; {transfer} and
+# {store}: those tables, made from TransferSettings and StoreSettings
+_EXAMPLE_TOML = """\
+# ckpt-ferry node agent: `ferry agent --config ferry.toml`, from this file's directory
+# (relative paths are relative to where the agent starts). As printed it is a one-node
+# setup on this machine: checkpoints under ckpt/hot are pushed to the store ckpt/store
+# (made a store first, once: `ferry init ckpt/store`; the agent makes none).
+# Every key can be overridden by FERRY_<KEY> (e.g. FERRY_HOT_DIR, FERRY_TIERS="a,b";
+# [transfer] keys as FERRY_TRANSFER_<KEY>, [store] keys as FERRY_STORE_<KEY>); the agent
+# logs where each value came from.
+
+{top}
+
+[transfer]
+{transfer}
+
+# How every tier is talked to (a local or NFS directory: attempts only).
+[store]
+{store}
+
+# Retention, commented out: as printed the agent never deletes anything, anywhere. Uncomment
+# the table (remove one "# " from each line below) to let it delete: every interval_seconds
+# and after each push it evicts older steps from hot_dir (keeping the newest hot_keep_last
+# per job, and only what a colder tier holds) and trims each tier to its policy
+# (docs/RETENTION.md).
+# [retention]
+# interval_seconds = 600
+# grace_seconds = 3600        # unreferenced packs wait this long; must exceed a push
+# deep_verify = false         # re-hash a step in the next tier before it leaves this one
+# repack = true               # store deltas whose base expired whole; empty mostly-dead packs
+# repack_min_dead = 0.2       # ... packs with at least this fraction of dead bytes
+# hot_keep_last = 2           # committed steps kept per job in hot_dir (at least 2)
+# # hot_budget = "800GB"      # evict older steps (already in a colder tier) beyond this
+# # hot_min_free = "100GB"    # ... and while the hot filesystem has less free than this
+#
+# [[retention.tiers]]         # policy of tiers[0]; one table per tier, in order
+# keep_last = 20
+# keep_every = 1000           # milestones: every step divisible by 1000
+# max_age = "90d"
+# # budget = "20TiB"
+"""

@@ -1,0 +1,92 @@
+"""``ferry agent``: serve the RPC (and, through its cleanup context, the hot-dir watcher,
+the push queue and prefetches) until SIGTERM/SIGINT, then drain in-flight work."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import socket
+import sys
+from pathlib import Path
+
+from aiohttp import web
+
+from agent.daemon import logs
+from agent.daemon.config import (
+    AgentConfig,
+    ConfigError,
+    effective_config,
+    example_toml,
+    load_config,
+)
+from agent.daemon.logs import event
+from agent.rpc.app import create_app
+from agent.rpc.appkeys import TLS
+from transfer.errors import FerryError
+
+log = logging.getLogger(__name__)
+
+
+def run_agent(config_path: Path | None, *, print_example_config: bool = False) -> int:
+    """``ferry agent``: load the config (``config_path`` and FERRY_* variables), then serve
+    until a signal; the exit status, with any error as one line on stderr."""
+    if print_example_config:
+        print(example_toml(), end="")
+        return 0
+    logs.setup("text")
+    try:
+        config = load_config(config_path, create_token=True)
+        logs.setup(config.log_format)
+        token = config.read_token()
+        if not token:
+            raise ConfigError("set token_file (or FERRY_TOKEN_FILE): the RPC requires a token")
+    except (FerryError, OSError) as exc:
+        print(f"ferry agent: error: {exc}", file=sys.stderr)
+        return 1
+    try:
+        asyncio.run(serve(config, token))
+    except FerryError as exc:
+        print(f"ferry agent: error: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # its state dir or hot dir unusable: one line, not a traceback
+        where = f": {exc.filename}" if exc.filename else ""
+        print(f"ferry agent: error: cannot start: {exc.strerror or exc}{where}", file=sys.stderr)
+        return 1
+    return 0
+
+
+async def serve(config: AgentConfig, token: str, ready: asyncio.Event | None = None) -> None:
+    host, port = config.listen_host, config.listen_port
+    try:  # before anything starts or is created: a port in use is one line, not a traceback
+        sock = socket.create_server((host, port))
+    except OSError as exc:
+        raise FerryError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    app = create_app(config, token)
+    runner = web.AppRunner(app, handle_signals=False)
+    try:
+        await runner.setup()
+        site = web.SockSite(runner, sock, ssl_context=app[TLS].server_context())  # HTTPS only
+        await site.start()
+    except BaseException:
+        sock.close()
+        await runner.cleanup()
+        raise
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    for key, value, source in effective_config(config):
+        event(log, "config", key=key, value=value, source=source)
+    address = f"{'https' if config.tls_serving else 'http'}://{host}:{port}"
+    event(log, "listening", node=config.node, address=address)
+    print(f"ferry agent {config.node} listening on {address}", flush=True)
+    if ready is not None:
+        ready.set()
+    try:
+        await stop.wait()
+        print(f"ferry agent {config.node}: draining (up to {config.drain_seconds}s)", flush=True)
+    finally:
+        await runner.cleanup()  # stops accepting, then the cleanup context drains prefetches
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)

@@ -1,0 +1,251 @@
+"""What a prefetch of a checkpoint to this node would cost (GET /v1/estimate): which step
+it would restore, from where (a peer, else the first tier that holds it; nothing if the
+step is here), how many bytes would move and at what rate (measured, else probed now),
+fed to agent/node/estimate.py's arithmetic."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from agent.daemon.config import AgentConfig
+from agent.node.estimate import PREFETCH_START_SECONDS, BandwidthMeter, estimate_migration
+from agent.node.hotdir import LocalCheckpoint
+from agent.node.prefetch import Prefetcher
+from agent.peers import probe
+from agent.rpc.middleware import MAX_LAYOUT_RANKS
+from transfer.engine.catalog import Catalog, resolve_checkpoint
+from transfer.engine.chunkindex import ChunkIndex
+from transfer.engine.dcpshare import Layout, parse_ranks
+from transfer.engine.pull import local_bases, share_chunk_ids
+from transfer.engine.pullplan import merged_files
+from transfer.engine.share import Share, covers, plan_share, read_record
+from transfer.errors import CheckpointNotFoundError, FerryError, StoreError
+from transfer.format.manifest import FileEntry, Manifest
+from transfer.store.base import Store
+
+
+@dataclass(frozen=True)
+class Sourcing:
+    source: str  # "peer:<url>" or "tier:<name>"
+    moving: dict[str, int]  # meter source -> bytes
+    bases: int  # of those, delta bases a node without them fetches too
+    rate_basis: str  # "measured" (by transfers or an earlier probe), "probe" (now), "default"
+
+
+@dataclass(frozen=True)
+class PrefetchEstimator:
+    """Estimates for this node, over its tiers in order (as a prefetch would use them)."""
+
+    config: AgentConfig
+    tiers: list[tuple[str, Store]]
+    meter: BandwidthMeter
+    prefetcher: Prefetcher
+
+    async def estimate(
+        self,
+        job: str,
+        step: int | None,
+        *,
+        gpus: int,
+        gpu_hour_price: float,
+        layout: str | None = None,
+    ) -> dict[str, Any]:
+        """The estimate document for (job, step; None: the step a prefetch would pick), from
+        the first tier that holds it; with ``layout`` ("W:A,B" or "W:A-B": ranks of a world
+        of W), of a prefetch of the share those ranks read (its bytes and its chunks only).
+        CheckpointNotFoundError when no tier holds it; StoreError when none that could be
+        read did."""
+        unreachable: list[str] = []
+        ranks = None if layout is None else _layout(layout)  # checked once, not per tier
+        for name, store in self.tiers:
+            try:
+                manifests = await resolve_checkpoint(store, job, step, self.config.expected_nodes)
+                share = None
+                if ranks is not None:
+                    share = await plan_share(Catalog(store), manifests, ranks)
+                total = share.nbytes if share else sum(f.size for m in manifests for f in m.files)
+                sourcing = await self._sourcing(name, store, job, manifests, total, share)
+            except CheckpointNotFoundError:
+                continue
+            except StoreError as exc:  # the next tier may answer (as a prefetch would use it)
+                unreachable.append(f"{name}: {' '.join(str(exc).split())}")
+                continue
+            est = estimate_migration(
+                sourcing.moving,
+                self.meter,
+                bytes_total=total,
+                gpus=gpus,
+                gpu_hour_price=gpu_hour_price,
+                fixed_seconds=PREFETCH_START_SECONDS,
+            )
+            doc = est.to_dict()
+            doc.update(job=job, step=manifests[0].step, node=self.config.node)
+            doc.update(source=sourcing.source)
+            doc.update(bytes_bases=sourcing.bases, rate_basis=sourcing.rate_basis)
+            doc.update(share=None if share is None else _share_doc(share))
+            return doc
+        which = "latest" if step is None else str(step)
+        if unreachable:
+            raise StoreError(
+                f"no reachable tier holds job {job!r} step {which}; " + "; ".join(unreachable)
+            )
+        raise CheckpointNotFoundError(f"no tier holds job {job!r} step {which}")
+
+    async def _sourcing(
+        self,
+        tier: str,
+        store: Store,
+        job: str,
+        manifests: list[Manifest],
+        total: int,
+        share: Share | None,
+    ) -> Sourcing:
+        step = manifests[0].step
+        here = self._held_here(job, step)
+        if here is not None:  # nothing moves: a replica is checked by stat, a copy re-hashed
+            return await self._held_sourcing(job, step, here, total)
+        wanted, files = None, None
+        if share is not None:
+            copy = self.config.hot.step_path(job, step)
+            if self.config.hot.is_share(copy) and covers(read_record(copy) or {}, share):
+                return Sourcing("local", {"local": 0}, 0, "default")  # held: nothing to do
+            files = merged_files(manifests)  # (once: the bases' positions reuse it)
+            wanted = share_chunk_ids(files, share)
+        held = await self._held_manifests(store, job, step)
+        return await self._source_of(tier, store, manifests, files, held, wanted)
+
+    async def _source_of(
+        self,
+        tier: str,
+        store: Store,
+        manifests: list[Manifest],
+        files: list[FileEntry] | None,
+        held: dict[LocalCheckpoint, list[Manifest]],
+        wanted: set[str] | None = None,
+    ) -> Sourcing:
+        """Where a prefetch would get the chunks this node lacks and what it would move
+        from there: the first peer that serves a sample of them (as deltas against what
+        this node holds at their positions, as a prefetch asks), else the tier. A source
+        the meter has not measured yet is probed (agent/peers/probe.py)."""
+        held_ids = {c.id for parts in held.values() for m in parts for c in m.all_chunks()}
+        index = ChunkIndex()
+        for m in manifests:
+            index.add_manifest(m)
+        needed = {
+            c.id
+            for m in manifests
+            for f in m.files
+            for c in f.chunks
+            if c.id not in held_ids and (wanted is None or c.id in wanted)
+        }
+        # what the newest earlier step held here has at each chunk's position
+        base = next((c for c in held if c.step < manifests[0].step), None)
+        bases = {}
+        if base is not None and needed:
+            merged = files if files is not None else merged_files(manifests)
+            bases = local_bases(base.path, held[base], merged)
+        meter, peers = self.meter, self.prefetcher.fanout_client
+        content, bases_moved = _to_move(index, needed, held_ids)
+        budget = probe.budget(content + bases_moved)
+        if self.config.peers and peers is not None and needed:
+            picked = probe.sample(index, needed, bases, budget=budget)
+            for peer in peers.peers:
+                got = await probe.probe_peer(peers, peer, picked, bases)
+                if got is not None:
+                    basis = "measured" if meter.measured("peer") else "probe"
+                    if basis == "probe":
+                        meter.record("peer", got.moved, got.seconds, provisional=True)
+                    raw = sum(c.size for cid in needed if (c := index.get(cid)) is not None)
+                    return Sourcing(f"peer:{peer}", {"peer": round(raw * got.ratio)}, 0, basis)
+        source = f"tier:{tier}"
+        basis = "measured" if meter.measured(source) else "default"
+        if basis == "default" and needed:
+            picked = probe.sample(index, needed, bases, run=probe.RUN, budget=budget)
+            got = await probe.probe_tier(store, picked, bases)
+            if got is not None and meter.record(source, got.moved, got.seconds, provisional=True):
+                basis = "probe"
+        return Sourcing(source, {source: content + bases_moved}, bases_moved, basis)
+
+    async def _held_sourcing(self, job: str, step: int, here: str, total: int) -> Sourcing:
+        """A step held here: a replica is checked by stat (nothing to rate), a copy is
+        re-hashed at the local rate, probed on this copy at first contact (the 200 MB/s
+        default was 2x slow: a cold re-hash of a 289 MB save took 0.17 s)."""
+        if here == "replica":
+            return Sourcing(here, {"local": 0}, 0, "default")
+        meter = self.meter
+        basis = "measured" if meter.measured("local") else "default"
+        if basis == "default":
+            step_dir = self.config.hot.step_path(job, step)
+            got = await asyncio.to_thread(probe.probe_local, step_dir)
+            if got is not None and meter.record("local", got.moved, got.seconds, provisional=True):
+                basis = "probe"
+        return Sourcing(here, {"local": total}, 0, basis)
+
+    def _held_here(self, job: str, step: int) -> str | None:
+        """ "replica" or "local" when this node holds the step already, else None."""
+        for held in self.config.hot.checkpoints(job):
+            if held.step == step:
+                return "replica" if self.prefetcher.is_replica(job, step) else "local"
+        return None
+
+    async def _held_manifests(
+        self, store: Store, job: str, step: int
+    ) -> dict[LocalCheckpoint, list[Manifest]]:
+        """The steps of ``job`` up to ``step`` this node holds, newest first, with their
+        committed manifests (a local copy was verified when it was pulled, or is the source
+        a push was made from); an unreadable manifest is left out: its chunks count as
+        missing."""
+        here = [c for c in self.config.hot.checkpoints(job) if c.step <= step]
+        found: dict[LocalCheckpoint, list[Manifest]] = {c: [] for c in here}
+        catalog = Catalog(store)
+        for held in here:  # one listing per held step, not one of the whole job
+            for part in await catalog.parts(job, held.step):
+                try:
+                    found[held].append(await catalog.manifest(job, held.step, part.node))
+                except FerryError:
+                    continue
+        return found
+
+
+#: the spec's pattern for ``layout`` (docs/openapi.yaml)
+_LAYOUT = re.compile(r"[0-9]{1,7}:[0-9]{1,7}(-[0-9]{1,7})?(,[0-9]{1,7}(-[0-9]{1,7})?)*")
+
+
+def _layout(text: str) -> Layout:
+    """``"W:A,B"`` as a Layout: text that is not one is a bad request; a share that
+    cannot exist (a rank outside the world) a share not found, as the spec's shape cannot
+    say so."""
+    world, _, ranks = text.partition(":")
+    if not _LAYOUT.fullmatch(text):
+        raise ValueError(f"layout: expected W:A,B or W:A-B, got {text!r}")
+    try:  # the shape is right: what is wrong now is the share, which cannot exist
+        picked = parse_ranks(ranks)
+        if len(picked) > MAX_LAYOUT_RANKS:
+            raise FerryError(f"at most {MAX_LAYOUT_RANKS} ranks per node, not {len(picked)}")
+        return Layout(int(world), picked)
+    except FerryError as exc:
+        raise CheckpointNotFoundError(f"no such share: {exc}") from None
+
+
+def _share_doc(share: Share) -> dict[str, Any]:
+    layout = share.layout
+    assert layout is not None  # (an estimate's share is always a layout's)
+    return {"world_size": layout.world_size, "ranks": list(layout.ranks), "bytes": share.nbytes}
+
+
+def _to_move(index: ChunkIndex, needed: set[str], held: set[str]) -> tuple[int, int]:
+    """Stored bytes a prefetch moves: (the ``needed`` chunks, the delta bases they need that
+    this node lacks too: a node without the previous step fetches those as well)."""
+    bases: set[str] = set()
+    for cid in needed:
+        cur = index.get(cid)
+        while cur is not None and cur.base is not None and cur.base not in held:
+            if cur.base in needed or cur.base in bases:
+                break
+            bases.add(cur.base)
+            cur = index.get(cur.base)
+    stored = {cid: c.stored for cid in needed | bases if (c := index.get(cid)) is not None}
+    return sum(stored[c] for c in needed if c in stored), sum(stored[c] for c in bases)

@@ -1,0 +1,692 @@
+"""Prefetch jobs: materialise a whole checkpoint (every node's part) in this node's hot dir
+before the scheduler needs it, reusing what the node already holds.
+
+A job pulls from the tiers in order (the first that has the checkpoint; on failure the next),
+with the newest local checkpoint of the same job as the base, into a staging directory that
+is renamed into place only when every chunk is verified. It never overwrites a checkpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import ctypes
+import dataclasses
+import enum
+import functools
+import logging
+import os
+import secrets
+import shutil
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from agent.daemon.logs import event
+from agent.node.drain import drain_tasks
+from agent.node.estimate import BandwidthMeter
+from agent.node.hotdir import HotDir, LocalCheckpoint, path_in_step_dir
+from agent.node.protected import StepHolds
+from agent.peers.chunks import PeerSource
+from agent.peers.fanout import FanoutSource, Landing
+from agent.rpc.services import Spawn, own_task
+from transfer.durable import fsync_dir
+from transfer.engine import PullEvents, PullPlan, Sources, TransferOptions, pull, resolve_manifests
+from transfer.engine.catalog import Catalog, resolve_checkpoint
+from transfer.engine.dcpshare import Layout
+from transfer.engine.localcheck import local_copy_differences
+from transfer.engine.pull import share_chunk_ids
+from transfer.engine.pullplan import merged_files
+from transfer.engine.ratelimit import RateLimit
+from transfer.engine.scan import SourceFile, check_unchanged, scan_checkpoint
+from transfer.engine.settle import settle, staging_path
+from transfer.engine.share import covers, plan_share, plan_shares, read_record, widen
+from transfer.engine.sources import ChunkSource
+from transfer.engine.staging import discard_leftovers, sweep_stale_staging
+from transfer.errors import (
+    CheckpointNotFoundError,
+    DestinationError,
+    FerryError,
+    IntegrityError,
+    SourceChangedError,
+    StoreError,
+)
+from transfer.format.manifest import FileEntry, Manifest
+from transfer.retention import pin, unpin
+from transfer.store.base import Store
+
+log = logging.getLogger(__name__)
+
+#: the longest a prefetch pins its step in a store (a dead agent's pin expires by then)
+PREFETCH_PIN_SECONDS = 3600.0
+
+
+class State(enum.StrEnum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    READY = "ready"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+FINAL = {State.READY, State.FAILED, State.CANCELLED}
+
+
+@dataclass
+class PrefetchJob:
+    id: str
+    job: str
+    step: int | None  # None: latest at the time the job starts
+    deadline_s: float | None
+    state: State = State.QUEUED
+    bytes_total: int = 0
+    bytes_done: int = 0
+    #: bytes moved per source, live: ``tier:<name>`` and ``peer`` (all peers)
+    bytes_by_source: dict[str, int] = field(default_factory=dict)
+    #: ... and per peer agent, by URL (live)
+    bytes_by_peer: dict[str, int] = field(default_factory=dict)
+    dest: str | None = None
+    error: str | None = None
+    created: float = field(default_factory=time.time)
+    started: float | None = None
+    finished: float | None = None
+    task: asyncio.Task[None] | None = None
+    eta_rate: float = 0.0  # bytes/s used for the ETA (measured average of the source)
+    chunks_local: int = 0  # chunks rebuilt from a checkpoint this node already held
+    #: chunks an earlier, interrupted restore of this step had already written (staging.py)
+    chunks_resumed: int = 0
+    #: cancelled by request: its partial restore is removed, not kept to resume
+    discard_partial: bool = False
+    #: how a ready prefetch was satisfied: "held" (the step was here already, checked),
+    #: "replica" (a standby replication put it here: unchanged since it was verified),
+    #: "filled_in" (this node's part was here; the others were added) or "restored"
+    satisfied_by: str | None = None
+    #: a standby's replication (agent/node/standby.py): rate-capped, never the scheduler's wait
+    background: bool = False
+    #: a fan-out restore (agent/peers/fanout.py): every member's agent URL, and this agent's
+    fanout: tuple[tuple[str, ...], str] | None = None
+    #: ... and the layout of each member prefetching a share (by URL)
+    fanout_layouts: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: only the share these ranks of a new world read (``{"world_size", "ranks"}``, as the
+    #: request gave it: transfer/engine/share.py), or an explicit item list; None: all
+    layout: dict[str, Any] | None = None
+    items: list[Any] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        remaining = max(self.bytes_total - self.bytes_done, 0)
+        known = self.eta_rate and self.bytes_total and self.state == State.RUNNING
+        eta = remaining / self.eta_rate if known else None
+        return {
+            "id": self.id,
+            "job": self.job,
+            "step": self.step,
+            "state": self.state.value,
+            "bytes_total": self.bytes_total,
+            "bytes_done": self.bytes_done,
+            "bytes_by_source": dict(self.bytes_by_source),
+            "bytes_by_peer": dict(self.bytes_by_peer),
+            "chunks_local": self.chunks_local,
+            "chunks_resumed": self.chunks_resumed,
+            "satisfied_by": self.satisfied_by,
+            "background": self.background,
+            "layout": self.layout,
+            "items": None if self.items is None else len(self.items),
+            "eta_seconds": eta,
+            "dest": self.dest,
+            "error": self.error,
+            "seconds": (self.finished or time.time()) - self.started if self.started else None,
+        }
+
+
+class _JobProgress:
+    """Feeds pull's progress (bytes restored, all sources) into the job record."""
+
+    def __init__(self, job: PrefetchJob) -> None:
+        self.job = job
+
+    def start(self, total_bytes: int, what: str) -> None:
+        self.job.bytes_total = total_bytes
+
+    def advance(self, nbytes: int) -> None:
+        self.job.bytes_done += nbytes
+
+    def finish(self) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class PrefetchPolicy:
+    """How this node prefetches. ``concurrency``: prefetches running at once;
+    ``expected_nodes``: the job's nodes, whose parts make a step whole; ``pin_holder``: pin
+    the step in a tier's store while it is pulled from there (no node's retention deletes
+    it mid-restore), under this holder name; ``background_rate``: the cap, in bytes per
+    second, of a background (standby) prefetch."""
+
+    concurrency: int = 2
+    expected_nodes: tuple[str, ...] = ()
+    pin_holder: str | None = None
+    background_rate: float | None = None
+
+
+@dataclass(frozen=True)
+class PrefetchLinks:
+    """What a prefetcher works with besides its hot dir and tiers: ``chunk_source``, the
+    peers a restore asks before the store; ``fanout_client``, how it asks a fan-out's
+    members for their shares; ``on_restore``, told before a step is restored here (the push
+    queue must never push it back as this node's part); ``holds``, the steps in use that hot
+    retention leaves alone; ``spawn``, what starts each job's task (in the agent, its
+    services' group)."""
+
+    chunk_source: ChunkSource | None = None
+    fanout_client: PeerSource | None = None
+    on_restore: Callable[[str, int], None] | None = None
+    holds: StepHolds | None = None
+    spawn: Spawn = own_task
+
+
+class Prefetcher:
+    """Owns every prefetch job and its task; at most ``concurrency`` run at once."""
+
+    #: finished prefetches kept for GET /v1/prefetch/{id} (the oldest are forgotten)
+    HISTORY = 1000
+
+    def __init__(
+        self,
+        hot_dir: HotDir,
+        tiers: list[tuple[str, Store]],
+        options: TransferOptions,
+        meter: BandwidthMeter,
+        policy: PrefetchPolicy | None = None,
+        links: PrefetchLinks | None = None,
+    ) -> None:
+        policy, links = policy or PrefetchPolicy(), links or PrefetchLinks()
+        concurrency, expected_nodes = policy.concurrency, policy.expected_nodes
+        pin_holder, background_rate = policy.pin_holder, policy.background_rate
+        chunk_source, fanout_client, on_restore = (
+            links.chunk_source,
+            links.fanout_client,
+            links.on_restore,
+        )
+        holds, spawn = links.holds, links.spawn
+        self.expected_nodes = expected_nodes
+        #: starts each job's task (in the agent: its services' group, which awaits them all)
+        self.spawn = spawn
+        #: asks the members of a fan-out restore (agent/peers/fanout.py) for their shares
+        self.fanout_client = fanout_client
+        #: chunks of the restores running here, as they land: the chunk route serves them
+        self.landing = Landing()
+        #: the cap on a background (standby) prefetch's bytes per second
+        self.background_limit = RateLimit(background_rate) if background_rate else None
+        #: what each restore made here looked like once verified (sizes, mtimes, inodes): a
+        #: later prefetch of it that finds it unchanged need not re-hash it
+        self._restored: dict[tuple[str, int], tuple[list[SourceFile], bool]] = {}
+        #: steps this prefetch writes or reads as a base: hot retention leaves them alone
+        self.holds = holds or StepHolds()
+        #: when set, the step is pinned in the tier's store while it is pulled from there,
+        #: so no node's retention deletes it mid-restore
+        self.pin_holder = pin_holder
+        self.chunk_source = chunk_source
+        # a restored checkpoint lands in the hot dir like a training save; the push queue
+        # must not push it back as this node's part
+        self.on_restore = on_restore
+        self.hot_dir = hot_dir
+        self.tiers = tiers
+        self.options = options
+        self.meter = meter
+        self.jobs: dict[str, PrefetchJob] = {}
+        #: what every finished prefetch took and moved per source, this agent's life long
+        #: (GET /metrics: counters, which must not drop when a record is forgotten)
+        self.finished_seconds = 0.0
+        self.finished_bytes: dict[str, int] = {}
+        self._finished: collections.deque[str] = collections.deque()  # ids, oldest first
+        self.swept = self._sweep()
+        self._slots = asyncio.Semaphore(concurrency)
+        self._dest_locks: dict[tuple[str, int], asyncio.Lock] = {}
+
+    def _sweep(self) -> list[Path]:
+        """Staging dirs of prefetches a killed agent left behind (none can be running yet),
+        and restores made before a reboot that never reached the disk (settle.py)."""
+        jobs = [self.hot_dir.job_path(job) for job in self.hot_dir.jobs()]
+        for d in jobs:
+            for torn in settle(d):
+                log.warning("removed %s: restored before the last reboot, never flushed", torn)
+        return [gone for d in jobs for gone in sweep_stale_staging(d)]
+
+    def submit(
+        self,
+        job: str,
+        step: int | None,
+        deadline_s: float | None,
+        *,
+        background: bool = False,
+        fanout: tuple[tuple[str, ...], str] | None = None,
+        layout: dict[str, Any] | None = None,
+        items: list[Any] | None = None,
+        fanout_layouts: dict[str, dict[str, Any]] | None = None,
+    ) -> PrefetchJob:
+        record = PrefetchJob(
+            secrets.token_hex(8), job, step, deadline_s, background=background, fanout=fanout,
+            layout=layout, items=items, fanout_layouts=fanout_layouts or {},
+        )  # fmt: skip
+        if fanout is not None:
+            self.landing.begin()  # ended when the job ends (_run)
+        self._forget_oldest_finished()
+        self.jobs[record.id] = record
+        record.task = self.spawn(self._run(record), name=f"prefetch-{record.id}")
+        return record
+
+    def _forget_oldest_finished(self) -> None:
+        """Keep at most HISTORY finished prefetches (GET /v1/prefetch/{id} of an older one
+        is a 404), the destination locks of running ones only, and what a restore looked
+        like only while its directory is still here (hot retention evicts it): a daemon
+        that serves prefetches and standby replications for months must not grow with
+        them (docs/RELIABILITY.md, "Bounded state")."""
+        while len(self._finished) > self.HISTORY:
+            self.jobs.pop(self._finished.popleft(), None)
+        active = {(r.job, r.step) for r in self.jobs.values() if r.state not in FINAL}
+        for key in [k for k in self._dest_locks if k not in active]:
+            del self._dest_locks[key]
+        for job, step in [k for k in self._restored if not self.hot_dir.step_path(*k).is_dir()]:
+            del self._restored[(job, step)]
+
+    def bytes_moved(self) -> dict[str, int]:
+        """Bytes prefetched per source over this agent's life: the finished prefetches'
+        and the running ones' so far (never less than an earlier answer)."""
+        moved = dict(self.finished_bytes)
+        for record in self.jobs.values():
+            if record.state not in FINAL:
+                for source, nbytes in record.bytes_by_source.items():
+                    moved[source] = moved.get(source, 0) + nbytes
+        return moved
+
+    def cancel(self, job_id: str) -> PrefetchJob | None:
+        record = self.jobs.get(job_id)
+        if record is not None and record.task is not None and record.state not in FINAL:
+            record.discard_partial = True
+            record.task.cancel()
+        return record
+
+    def active(self) -> int:
+        return sum(1 for j in self.jobs.values() if j.state not in FINAL)
+
+    async def drain(self, seconds: float) -> None:
+        """Let running jobs finish for up to ``seconds``, then cancel the rest."""
+        await drain_tasks([j.task for j in self.jobs.values() if j.task], seconds)
+
+    async def _run(self, record: PrefetchJob) -> None:
+        try:
+            async with self._slots:
+                record.state, record.started = State.RUNNING, time.time()
+                async with asyncio.timeout(record.deadline_s):
+                    await self._fetch(record)
+                record.state = State.READY
+        except asyncio.CancelledError:
+            record.state, record.error = State.CANCELLED, "cancelled"
+            if record.discard_partial and record.dest is not None:
+                await asyncio.to_thread(discard_leftovers, Path(record.dest))
+        except TimeoutError:
+            record.state, record.error = State.FAILED, f"deadline of {record.deadline_s}s passed"
+        except FerryError as exc:
+            record.state, record.error = State.FAILED, " ".join(str(exc).split())
+        except (OSError, ValueError) as exc:  # not one of ours: keep the trace for the log
+            log.warning("prefetch %s failed", record.id, exc_info=True)
+            text = " ".join(str(exc).split())
+            record.state, record.error = State.FAILED, f"{type(exc).__name__}: {text}"
+        finally:
+            if record.fanout is not None:
+                self.landing.end()
+            record.finished = time.time()
+            self.finished_seconds += record.finished - (record.started or record.finished)
+            for source, nbytes in record.bytes_by_source.items():
+                self.finished_bytes[source] = self.finished_bytes.get(source, 0) + nbytes
+            self._finished.append(record.id)
+            self._forget_oldest_finished()
+            event(log, "prefetch", level=logging.INFO if record.state is State.READY
+                  else logging.WARNING, id=record.id, job=record.job, step=record.step,
+                  outcome=record.state.value,
+                  seconds=round(record.finished - (record.started or record.finished), 3),
+                  bytes=sum(record.bytes_by_source.values()),
+                  **{f"bytes_{k}": v for k, v in record.bytes_by_source.items()},
+                  error=record.error)  # fmt: skip
+        if record.state is State.READY:  # flush it once the scheduler has its answer
+            await asyncio.to_thread(self._settle, record)
+
+    def _settle(self, record: PrefetchJob) -> None:
+        try:
+            settle(self.hot_dir.job_path(record.job))
+        except OSError as exc:  # retried at the next prefetch or start
+            log.warning("could not flush the restore of %s: %s", record.job, exc)
+
+    async def _fetch(self, record: PrefetchJob) -> None:
+        """Tiers in order: one that lacks the checkpoint, or fails while serving it (store
+        error, corrupt chunk), hands over to the next."""
+        errors: list[str] = []
+        missing: list[bool] = []  # per tier: it just did not hold the checkpoint
+        requested = record.step
+        for name, store in self.tiers:
+            try:
+                manifests = await resolve_checkpoint(
+                    store, record.job, requested, self.expected_nodes
+                )
+                record.step = manifests[0].step
+                lock = self._dest_locks.setdefault((record.job, record.step), asyncio.Lock())
+                async with lock, self._store_pin(store, record):
+                    # (the lock: two prefetches of one checkpoint never race on its dir)
+                    await self._pull_from(record, name, store, manifests)
+                return
+            except (CheckpointNotFoundError, StoreError, IntegrityError) as exc:
+                errors.append(f"{name}: {' '.join(str(exc).split())}")
+                missing.append(isinstance(exc, CheckpointNotFoundError))
+                record.bytes_done = 0
+        if all(missing):  # (errors decide, never their text)
+            raise CheckpointNotFoundError("; ".join(errors) or "no tiers configured")
+        raise FerryError("; ".join(errors))
+
+    @contextlib.asynccontextmanager
+    async def _store_pin(self, store: Store, record: PrefetchJob) -> AsyncIterator[None]:
+        """Pin the step in ``store`` for the restore (best effort: a store that refuses the
+        pin will most likely refuse the reads too, and say so more usefully)."""
+        assert record.step is not None
+        if self.pin_holder is None:
+            yield
+            return
+        ttl = min(record.deadline_s or PREFETCH_PIN_SECONDS, PREFETCH_PIN_SECONDS)
+        try:
+            await pin(store, record.job, record.step, self.pin_holder, ttl)
+        except FerryError as exc:
+            log.warning(
+                "could not pin %s step %s in %s: %s", record.job, record.step, store.url, exc
+            )
+        try:
+            yield
+        finally:
+            try:
+                await unpin(store, record.job, record.step, self.pin_holder)
+            except FerryError as exc:  # it expires on its own
+                log.warning("could not unpin %s step %s: %s", record.job, record.step, exc)
+
+    async def _fill_in(
+        self, record: PrefetchJob, name: str, store: Store, here: Path, manifests: list[Manifest]
+    ) -> None:
+        """Complete a step directory that holds only some parts: pull the whole checkpoint
+        beside it (reusing its verified chunks), then move in only the files it lacks; files
+        it has are never touched."""
+        assert record.step is not None
+        files = merged_files(manifests)  # once: checked here, restored, then moved in
+        for entry in files:  # fail before downloading anything
+            path_in_step_dir(here, entry.path)
+        scratch = staging_path(here, "fill-")
+        try:
+            plan = PullPlan(record.job, record.step, manifests=manifests, files=files)
+            await self._restore(record, name, store, plan, scratch, base=here)
+            await asyncio.to_thread(_move_missing, scratch, here, files)
+        finally:
+            await asyncio.to_thread(shutil.rmtree, scratch, True)
+
+    async def _pull_from(
+        self, record: PrefetchJob, name: str, store: Store, manifests: list[Manifest]
+    ) -> None:
+        assert record.step is not None
+        dest = self.hot_dir.step_path(record.job, record.step)
+        record.dest = str(dest)
+        held = self.hot_dir.checkpoints(record.job)
+        base = next((c for c in held if c.step < record.step), None)
+        # held from the listing on, with no await in between: hot retention checks the holds
+        # just before it takes a step away (hotretention.apply_hot), so neither the step
+        # found here nor the base chosen is evicted under this prefetch
+        with self.holds.hold((record.job, record.step), (record.job, base.step) if base else None):
+            await self._pull_here(record, name, store, manifests, dest, held, base)
+
+    async def _pull_here(
+        self,
+        record: PrefetchJob,
+        name: str,
+        store: Store,
+        manifests: list[Manifest],
+        dest: Path,
+        held: list[LocalCheckpoint],
+        base: LocalCheckpoint | None,
+    ) -> None:
+        assert record.step is not None
+        here = next((c for c in held if c.step == record.step), None)
+        if here is not None:
+            # already here (written by training on this node, or an earlier prefetch):
+            # ready only if it is an exact copy; it is never overwritten
+            record.dest = str(here.path)
+            if (
+                how := await asyncio.to_thread(self._intact_restore, record, here.path)
+            ) is not None:
+                record.satisfied_by = how  # restored here, verified, untouched since
+                return
+            began = time.monotonic()
+            problems = await local_copy_differences(here.path, manifests)
+            if not problems:  # a whole re-hash: what the estimate of a held step is made of
+                held_bytes = sum(f.size for m in manifests for f in m.files)
+                self.meter.record("local", held_bytes, time.monotonic() - began)
+            if any(not p.endswith(": missing") for p in problems):
+                raise DestinationError(
+                    f"{here.path} exists and is not the committed checkpoint "
+                    f"({'; '.join(problems[:3])}); it is never overwritten"
+                )
+            if problems:  # this node's own part of a multi-node step: add the other parts
+                await self._fill_in(record, name, store, here.path, manifests)
+            record.satisfied_by = "filled_in" if problems else "held"
+            return
+        if record.layout is not None or record.items is not None or self.hot_dir.is_share(dest):
+            await self._pull_share(record, name, store, manifests, dest)
+            return
+        base_manifests = None
+        if base is not None:  # where its chunks are, so unchanged ones are all we read
+            try:
+                base_manifests = await resolve_manifests(store, record.job, base.step)
+            except FerryError:
+                base_manifests = None  # not in this tier: look everywhere, as without it
+        base_dir = base.path if base is not None else None
+        plan = PullPlan(record.job, record.step, manifests=manifests)
+        await self._restore(record, name, store, plan, dest, base_dir, base_manifests)
+        record.satisfied_by = "restored"
+        files = await asyncio.to_thread(scan_checkpoint, dest)
+        self._restored[(record.job, record.step)] = (files, record.background)
+
+    async def _pull_share(
+        self, record: PrefetchJob, name: str, store: Store, manifests: list[Manifest], dest: Path
+    ) -> None:
+        """A share of the step (record.layout or record.items), or the whole step where a
+        share copy is (record asks for neither): a copy already holding what is asked is
+        ready ("held"); one holding less is completed in place: what is asked and what it
+        holds is pulled beside it, reusing its verified chunks, and swapped in."""
+        assert record.step is not None
+        share = None
+        if record.layout is not None or record.items is not None:
+            layout = None if record.layout is None else _layout_of(record.layout)
+            share = await plan_share(Catalog(store), manifests, layout, record.items)
+        had = read_record(dest) if self.hot_dir.is_share(dest) else None
+        if had is not None and share is not None and covers(had, share):
+            record.satisfied_by = "held"
+            return
+        # its base, when it starts from nothing: the newest older step here, whole or a share
+        held = [*self.hot_dir.checkpoints(record.job), *self.hot_dir.shares()]
+        older = [c for c in held if c.job == record.job and c.step < record.step]
+        base = max(older, key=lambda c: c.step, default=None) if had is None else None
+        with self.holds.hold((record.job, record.step), (record.job, base.step) if base else None):
+            if had is None:
+                plan = PullPlan(record.job, record.step, manifests=manifests, share=share)
+                await self._restore(record, name, store, plan, dest, base.path if base else None)
+                record.satisfied_by = "restored"
+                return
+            wider = None if share is None else widen(share, had)
+            scratch = staging_path(dest, "fill-")
+            try:
+                plan = PullPlan(
+                    record.job, record.step, manifests=manifests, share=wider, fsync=True
+                )
+                await self._restore(record, name, store, plan, scratch, dest)
+                await asyncio.to_thread(_swap_in, scratch, dest)
+            finally:
+                await asyncio.to_thread(shutil.rmtree, scratch, True)
+        record.satisfied_by = "filled_in"
+
+    def _intact_restore(self, record: PrefetchJob, here: Path) -> str | None:
+        """ "replica" or "held" when this agent restored ``here`` (verified) and no file of
+        it changed since (size, mtime, inode); None: check it the long way."""
+        assert record.step is not None
+        made = self._restored.get((record.job, record.step))
+        if made is None:
+            return None
+        files, background = made
+        try:
+            check_unchanged(here, files)
+        except SourceChangedError:
+            del self._restored[(record.job, record.step)]
+            return None
+        return "replica" if background else "held"
+
+    def is_replica(self, job: str, step: int) -> bool:
+        """Whether a standby's replication put ``step`` here (this agent's run)."""
+        return self._restored.get((job, step), ([], False))[1]
+
+    async def _restore(
+        self,
+        record: PrefetchJob,
+        name: str,
+        store: Store,
+        plan: PullPlan,
+        dest: Path,
+        base: Path | None,
+        base_manifests: list[Manifest] | None = None,
+    ) -> None:
+        """Pull ``plan``'s checkpoint (or its share) into ``dest`` (its manifests resolved
+        once, by _fetch: not read again; ``base``, then peers, then this tier) and record
+        what moved from where; the tier's measured bandwidth feeds later estimates."""
+        assert record.step is not None and plan.manifests is not None
+        manifests, share = plan.manifests, plan.share
+        if self.on_restore is not None:
+            self.on_restore(record.job, record.step)
+        source = f"tier:{name}"
+        record.bytes_by_source.setdefault(source, 0)  # named even when it sends nothing
+        record.eta_rate = self.meter.rate(source)
+        peers = (self.chunk_source,) if self.chunk_source is not None else ()
+        sources = Sources(base, base_manifests, peers)
+        # what this restore will land here: members asking for it are held until it does
+        wanted: list[str] = []
+        if record.fanout is not None and self.fanout_client is not None:
+            files = plan.files
+            if files is None:  # merged once, for every member's needs and for the pull
+                files = await asyncio.to_thread(merged_files, manifests)
+                plan = dataclasses.replace(plan, files=files)
+            needs = await _members_needs(store, manifests, files, record.fanout_layouts)
+            me = record.fanout[1]  # its needs: its own request's, whatever the map said
+            needs.pop(me, None)
+            wanted = [c.id for m in manifests for f in m.files for c in f.chunks]
+            if share is not None:
+                needs[me] = await asyncio.to_thread(share_chunk_ids, files, share)
+                wanted = list(needs[me])
+            fan = FanoutSource(self.fanout_client, *record.fanout, needs)
+            await fan.probe()
+            sources = Sources(base, base_manifests, (fan,), fan.mine)
+        began = time.monotonic()
+        self.landing.expect(wanted)
+        rate_limit = self.background_limit if record.background else None
+        events = PullEvents(
+            _JobProgress(record), self.landing.land, functools.partial(_count_moved, record, source)
+        )
+        try:
+            plan = dataclasses.replace(plan, rate_limit=rate_limit)
+            result = await pull(store, dest, plan, sources, events, self.options)
+        finally:
+            self.landing.release(wanted)
+        # the rate of whichever source moved most of it: a peer-served restore timed as the
+        # tier's would make the tier look as slow as the few bytes it sent
+        took = time.monotonic() - began
+        if result.bytes_from_source > result.bytes_transferred:
+            self.meter.record("peer", result.bytes_from_source, took)
+        else:
+            self.meter.record(source, result.bytes_transferred, took)
+        # bytes_by_source / bytes_by_peer were counted live by _count_moved
+        record.chunks_local = result.chunks_local
+        record.chunks_resumed = result.chunks_resumed
+
+
+def _layout_of(doc: dict[str, Any]) -> Layout:
+    """A request's layout (``{"world_size", "ranks"}``, shaped by middleware.parse_layout)
+    as the share planner's Layout, which says whether the ranks fit the world."""
+    return Layout(doc["world_size"], tuple(doc["ranks"]))
+
+
+async def _members_needs(
+    store: Store,
+    manifests: list[Manifest],
+    files: list[FileEntry],
+    layouts: dict[str, dict[str, Any]],
+) -> dict[str, set[str]]:
+    """For each fan-out member prefetching a share: the chunks its share needs (from the
+    step's .metadata, read once; ``files``: the manifests' merged); a member not named
+    prefetches the whole step."""
+    if not layouts:
+        return {}
+    asks = {url: (_layout_of(v), None) for url, v in layouts.items()}
+    shares = await plan_shares(Catalog(store), manifests, asks)
+    # off the loop: every member plans every member's share at the same moment, and a loop
+    # busy for seconds fails the others' health probes of it (32 agents on one box did)
+    return await asyncio.to_thread(
+        lambda: {url: share_chunk_ids(files, s) for url, s in shares.items()}
+    )
+
+
+def _count_moved(record: PrefetchJob, tier: str, origin: str, n: int) -> None:
+    """Live bytes per source: ``store`` is this tier's; ``peer:<url>`` a peer agent's."""
+    if origin.startswith("peer:"):
+        url = origin.removeprefix("peer:")
+        record.bytes_by_peer[url] = record.bytes_by_peer.get(url, 0) + n
+        origin = "peer"
+    elif origin == "store":
+        origin = tier
+    record.bytes_by_source[origin] = record.bytes_by_source.get(origin, 0) + n
+
+
+def _swap_in(new: Path, old: Path) -> None:
+    """Replace the copy at ``old`` with ``new`` (both complete): in one step where the
+    kernel exchanges two names (renameat2 RENAME_EXCHANGE: a rank opening a file of it
+    never finds the directory missing), else the old one moved aside first; the old one is
+    removed after (files a rank holds open stay readable until it closes them)."""
+    if not _exchange(new, old):
+        aside = staging_path(old, "fill-")
+        os.rename(old, aside)
+        os.rename(new, old)
+        new = aside
+    fsync_dir(old.parent)
+    shutil.rmtree(new, ignore_errors=True)  # (after the exchange: the old copy)
+
+
+_AT_FDCWD, _RENAME_EXCHANGE = -100, 2
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """renameat2(a, b, RENAME_EXCHANGE) (Linux >= 3.15, glibc >= 2.28); False where not."""
+    try:
+        renameat2 = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return False
+    renameat2.argtypes = [
+        ctypes.c_int,
+        ctypes.c_char_p,
+        ctypes.c_int,
+        ctypes.c_char_p,
+        ctypes.c_uint,
+    ]
+    return bool(
+        renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0
+    )
+
+
+def _move_missing(source: Path, target: Path, files: list[FileEntry]) -> None:
+    """Rename each file ``target`` lacks from ``source`` (same filesystem: atomic per file)."""
+    for entry in files:
+        dest = path_in_step_dir(target, entry.path)  # validated relative path
+        if not dest.exists():
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            os.rename(source / entry.path, dest)
+            fsync_dir(dest.parent)

@@ -1,0 +1,407 @@
+"""Background pushes: every committed checkpoint of this node goes to every tier, hot to cold.
+
+The watcher only enqueues (a set insert and one journal write), so training never waits on a
+push. One worker task pushes one checkpoint at a time, tier by tier: the tiers share the
+node's uplink and disk, and one push already keeps ``window`` parts in flight. Tiers are
+independent (each push reads the local directory), so a failing tier does not stop the next.
+
+Every outcome is in the journal (``states()``), not only in a log. A failed tier is retried
+with exponential backoff, ``max_attempts`` attempts in all; then it stays ``failed`` until
+the agent restarts (``resume_pending``) while newer checkpoints carry on normally.
+
+Multi-node jobs: after a push to a tier, when every node of ``expected_nodes`` has a
+manifest for the step there, a completion marker ``complete/<job>/<step:018d>.json`` is
+written create-only. Every node writes its manifest before it looks, so the last of them
+always sees all the manifests; when two see them at once, create-only lets exactly one win.
+The marker is checked before the tier is recorded durable, so a crash in between is repaired
+by the resumed (deduplicated) push.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from agent.daemon.config import AgentConfig
+from agent.daemon.logs import event
+from agent.node.journal import DURABLE, Journal
+from agent.rpc.metrics import Metrics
+from agent.rpc.services import Spawn, own_task
+from transfer.engine import PushPlan, PushResult, TransferOptions, push
+from transfer.engine.catalog import Catalog, step_is_complete
+from transfer.engine.parts import check_step_whole
+from transfer.engine.scan import scan_checkpoint
+from transfer.errors import (
+    AlreadyExistsError,
+    FerryError,
+    FormatError,
+    IncompleteStepError,
+    SourceChangedError,
+)
+from transfer.format.layout import completion_key
+from transfer.format.names import check_name
+from transfer.store.base import Store
+
+log = logging.getLogger(__name__)
+
+JOURNAL_FILE = "journal.sqlite3"
+
+
+@dataclass
+class _Item:
+    job: str
+    step: int
+    path: Path
+    attempt: int = 1
+    #: the step's files (path, size, mtime, inode) when last looked at, and when (monotonic)
+    seen: tuple[tuple[str, int, int, int], ...] | None = None
+    seen_at: float = 0.0
+
+
+@dataclass
+class TierStats:
+    pushes_ok: int = 0
+    pushes_failed: int = 0
+    bytes_transferred: int = 0
+    last_push_seconds: float | None = None
+    #: bytes written / raw bytes of the last push: what dedupe + deltas + zstd achieved
+    last_written_ratio: float | None = None
+
+
+@dataclass
+class PushStats:
+    tiers: dict[str, TierStats] = field(default_factory=dict)
+    completions_written: int = 0
+    steps_torn: int = 0  # steps whose parts were all in but did not make the whole save
+
+
+class PushQueue:
+    """Owns the worker task, the retry timers and the journal's writes."""
+
+    def __init__(
+        self,
+        tiers: Sequence[tuple[str, Store]],
+        journal: Journal,
+        *,
+        node: str,
+        options: TransferOptions,
+        expected_nodes: Sequence[str] = (),
+        max_attempts: int = 3,
+        retry_seconds: float = 30.0,
+        quiet_seconds: float = 2.0,
+    ) -> None:
+        if max_attempts < 1:
+            raise ValueError("max_attempts must be at least 1")
+        self.tiers = list(tiers)
+        self.journal = journal
+        self.node = check_name("node", node)
+        self.options = options
+        self.expected_nodes = tuple(expected_nodes)
+        self.max_attempts = max_attempts
+        self.retry_seconds = retry_seconds
+        #: a step is pushed once none of its files changed for this long (its commit
+        #: marker can come first: ``cp -r`` and ``rsync`` copy ``.metadata`` before shards)
+        self.quiet_seconds = quiet_seconds
+        self.stats = PushStats({name: TierStats() for name, _ in self.tiers})
+        self._queue: asyncio.Queue[_Item] = asyncio.Queue()
+        self._queued: set[tuple[str, int]] = set()  # queued, in flight or waiting to retry
+        self._timers: dict[tuple[str, int], asyncio.TimerHandle] = {}  # retries
+        self._current: tuple[str, int, str] | None = None  # (job, step, tier) being pushed
+        self._worker: asyncio.Task[None] | None = None
+        self._closing = False
+        #: called after each checkpoint's pushes (retention runs then)
+        self.on_pushed: Callable[[], None] | None = None
+
+    @classmethod
+    def from_config(cls, config: AgentConfig, tiers: Sequence[tuple[str, Store]]) -> PushQueue:
+        """The agent's queue: journal in ``config.state_dir``, the config's node and options."""
+        return cls(
+            tiers,
+            open_journal(config.state_dir, config.node),
+            node=config.node,
+            options=config.transfer_options(),
+            expected_nodes=config.expected_nodes,
+            quiet_seconds=config.quiet_seconds,
+        )
+
+    @property
+    def idle(self) -> bool:
+        """Nothing queued, in flight or scheduled for a retry."""
+        return not self._queued
+
+    async def start(self, spawn: Spawn = own_task) -> None:
+        """Re-enqueue what the journal says is unfinished, then start the worker (``spawn``:
+        in the agent, its services' group owns it; ``drain`` stops it either way)."""
+        if self._worker is not None:
+            raise RuntimeError("push queue already started")
+        self.resume_pending()
+        self._worker = spawn(self._run(), name=f"push-queue-{self.node}")
+
+    def resume_pending(self) -> int:
+        """Enqueue every journalled checkpoint not durable in every tier; returns how many."""
+        names = [name for name, _ in self.tiers]
+        return sum(self.enqueue(job, step, path) for job, step, path in self.journal.pending(names))
+
+    def enqueue(self, job: str, step: int, path: Path) -> bool:
+        """Queue a committed checkpoint unless it is queued already, durable in every tier,
+        or was restored here from a store. Never blocks; returns whether it was queued."""
+        key = (job, step)
+        if self._closing or key in self._queued or self.journal.is_restored(job, step):
+            return False
+        # the watcher scans in a thread: hot retention may have evicted the step since (and
+        # forgotten that it was a restore); checked here, on the loop, where evictions happen
+        if not path.is_dir():
+            return False
+        names = [name for name, _ in self.tiers]
+        if set(names) <= self.journal.durable_tiers(job, step):
+            return False
+        self.journal.record_staged(job, step, path, names)
+        self._queued.add(key)
+        self._queue.put_nowait(_Item(job, step, path))
+        return True
+
+    def on_committed(self, job: str, step: int, path: Path) -> None:
+        """The watcher's callback."""
+        self.enqueue(job, step, path)
+
+    def busy_steps(self) -> set[tuple[str, int]]:
+        """Steps queued, being pushed or waiting to retry: none may leave the hot dir."""
+        return set(self._queued)
+
+    def exclude(self, job: str, step: int) -> None:
+        """Never push (job, step) from this node: it is being restored here from a store (a
+        prefetch), so it holds other nodes' data. Call before the restore starts."""
+        self.journal.record_restored(job, step)
+
+    def states(self) -> list[dict[str, Any]]:
+        """The journal's rows, with ``pushing`` set on the tier being pushed right now and
+        ``will_retry`` on rows that are not durable yet but will be tried again (a ``failed``
+        row without it has used up its attempts)."""
+        rows = self.journal.states()
+        for row in rows:
+            row["pushing"] = (row["job"], row["step"], row["tier"]) == self._current
+            queued = (row["job"], row["step"]) in self._queued
+            row["will_retry"] = queued and row["state"] != DURABLE and not row["pushing"]
+        return rows
+
+    def publish(self, metrics: Metrics) -> None:
+        """Copy the counters into the agent's metrics (call it from the /metrics handler)."""
+        metrics.set("ferry_push_queue_depth", len(self._queued))
+        metrics.set("ferry_push_completions_written_total", self.stats.completions_written)
+        metrics.set("ferry_push_steps_torn_total", self.stats.steps_torn)
+        for tier, s in self.stats.tiers.items():
+            metrics.set("ferry_push_total", s.pushes_ok, tier=tier, result="ok")
+            metrics.set("ferry_push_total", s.pushes_failed, tier=tier, result="failed")
+            metrics.set("ferry_push_bytes_total", s.bytes_transferred, tier=tier)
+            if s.last_push_seconds is not None:
+                metrics.set("ferry_push_last_seconds", s.last_push_seconds, tier=tier)
+            if s.last_written_ratio is not None:
+                metrics.set("ferry_push_written_ratio", s.last_written_ratio, tier=tier)
+
+    async def drain(self, seconds: float) -> None:
+        """Stop taking work, let the push in flight finish for up to ``seconds``, then cancel
+        it. Whatever did not finish stays ``staged`` in the journal for the next start."""
+        self._closing = True
+        for timer in self._timers.values():
+            timer.cancel()
+        self._timers.clear()
+        worker, self._worker = self._worker, None
+        if worker is None:
+            return
+        if self._current is not None:
+            await asyncio.wait({worker}, timeout=seconds)
+        worker.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await worker
+
+    def close(self) -> None:
+        """Close the journal (after ``drain``)."""
+        self.journal.close()
+
+    async def _run(self) -> None:
+        while not self._closing:
+            item = await self._queue.get()
+            try:
+                await self._process(item)
+            except Exception:  # a bug must not end every later push
+                log.exception("push of %s step %s failed unexpectedly", item.job, item.step)
+                self._queued.discard((item.job, item.step))
+
+    async def _process(self, item: _Item) -> None:
+        key = (item.job, item.step)
+        durable = self.journal.durable_tiers(item.job, item.step)
+        failed = False
+        try:
+            await self._check_quiet(item)
+        except _NotQuiet as exc:
+            self._wait_for_quiet(item, durable, exc)
+            return
+        except (FerryError, OSError):
+            pass  # gone or unreadable: the push below reports it like any failure
+        for name, store in self.tiers:
+            if name in durable:
+                continue
+            if self._closing:
+                return  # draining: the rest stays staged for the next start
+            self._current = (item.job, item.step, name)
+            try:
+                result = await self._push_to(name, store, item)
+            except SourceChangedError as exc:  # nothing committed: push it once it settles
+                self._current = None
+                self._wait_for_quiet(item, durable, exc)
+                return
+            except Exception as exc:  # every failure must reach the journal, whatever its type
+                error = " ".join(str(exc).split()) or type(exc).__name__
+                event(log, "push", level=logging.WARNING, job=item.job, step=item.step,
+                      tier=name, outcome="failed", attempt=item.attempt,
+                      attempts=self.max_attempts, error=error)  # fmt: skip
+                self.journal.record_failed(item.job, item.step, name, error)
+                self.stats.tiers[name].pushes_failed += 1
+                failed = True
+                continue
+            finally:
+                self._current = None
+            self._record_durable(name, item, result)
+        if failed and item.attempt < self.max_attempts and not self._closing:
+            delay = self.retry_seconds * 2 ** (item.attempt - 1)
+            retry = _Item(item.job, item.step, item.path, item.attempt + 1)
+            loop = asyncio.get_running_loop()
+            self._timers[key] = loop.call_later(delay, self._retry, retry)
+            return
+        self._queued.discard(key)
+        if self.on_pushed is not None:
+            self.on_pushed()
+
+    async def _push_to(self, name: str, store: Store, item: _Item) -> PushResult:
+        """One push of the step to one tier, resuming what the journal says an earlier
+        attempt made durable; then the step's completion marker, if it is whole."""
+        job, step = item.job, item.step
+        result = await push(
+            store,
+            item.path,
+            job=job,
+            step=step,
+            node=self.node,
+            options=self.options,
+            plan=PushPlan(
+                resume=self.journal.resume(job, step, name),
+                part=bool(self.expected_nodes),  # a multi-node job: this node's part of each save
+                create_store=False,  # the agent never makes a store (`ferry init` does)
+            ),
+        )
+        await self._complete_if_all_pushed(store, job, step)
+        return result
+
+    def _record_durable(self, name: str, item: _Item, result: PushResult) -> None:
+        self.journal.record_durable(item.job, item.step, name, result.to_dict())
+        event(log, "push", job=item.job, step=item.step, tier=name, outcome="durable",
+              bytes_raw=result.bytes_raw, bytes_written=result.bytes_transferred,
+              seconds=round(result.seconds, 3), base_step=result.base_step)  # fmt: skip
+        tier = self.stats.tiers[name]
+        tier.pushes_ok += 1
+        tier.bytes_transferred += result.bytes_transferred
+        tier.last_push_seconds = result.seconds
+        tier.last_written_ratio = result.bytes_transferred / max(result.bytes_raw, 1)
+
+    async def _check_quiet(self, item: _Item) -> None:
+        """Pass once the step's files looked the same ``quiet_seconds`` apart: their mtimes
+        alone would not do (``cp -p`` and ``rsync -a`` set old ones while they copy)."""
+        if self.quiet_seconds <= 0:
+            return
+        sources = await asyncio.to_thread(scan_checkpoint, item.path)
+        seen = tuple((f.path, f.size, f.mtime_ns, f.inode) for f in sources)
+        now = time.monotonic()
+        if seen != item.seen:
+            first = item.seen is None
+            item.seen, item.seen_at = seen, now
+            raise _NotQuiet(
+                f"waiting {self.quiet_seconds:g} s for its files to be quiet"
+                if first
+                else f"{item.path} is still being written; pushed once quiet for "
+                f"{self.quiet_seconds:g} s",
+                self.quiet_seconds,
+            )
+        if now - item.seen_at < self.quiet_seconds:
+            raise _NotQuiet(
+                "waiting for its files to be quiet", self.quiet_seconds - (now - item.seen_at)
+            )
+
+    def _wait_for_quiet(self, item: _Item, durable: set[str], exc: BaseException) -> None:
+        """The checkpoint is still being written: note why, try again later. Not a failed
+        attempt (a slow copy into the hot dir must not use up the retries)."""
+        reason = " ".join(str(exc).split()) or type(exc).__name__
+        event(log, "push", job=item.job, step=item.step, outcome="waiting", reason=reason)
+        if not isinstance(exc, _NotQuiet):
+            item.seen = None  # it changed under the push: watch it settle from scratch
+        for name, _ in self.tiers:
+            if name not in durable:
+                self.journal.record_waiting(item.job, item.step, name, reason)
+        if self._closing:
+            return
+        loop = asyncio.get_running_loop()
+        delay = exc.seconds if isinstance(exc, _NotQuiet) else max(self.quiet_seconds, 0.2)
+        self._timers[(item.job, item.step)] = loop.call_later(delay, self._retry, item)
+
+    def _retry(self, item: _Item) -> None:
+        self._timers.pop((item.job, item.step), None)
+        self._queue.put_nowait(item)
+
+    async def _complete_if_all_pushed(self, store: Store, job: str, step: int) -> bool:
+        """Write the completion marker when every expected node's part is in ``store`` and
+        together they hold the whole save (parts.check_step_whole: read once per step, by
+        the node that finds the last part in); True only when this call created it."""
+        if not self.expected_nodes:
+            return False
+        catalog = Catalog(store)
+        nodes = {c.node for c in await catalog.parts(job, step)}
+        if not step_is_complete(nodes, False, self.expected_nodes, job_writes_markers=True):
+            return False  # (the marker is what this writes: it cannot be there yet)
+        try:
+            await check_step_whole(catalog, job, step)
+        except (IncompleteStepError, FormatError) as exc:
+            self.stats.steps_torn += 1
+            event(log, "step_torn", level=logging.ERROR, job=job, step=step, tier=store.url,
+                  error=str(exc))  # fmt: skip
+            return False
+        doc = {
+            "job": job,
+            "step": step,
+            "nodes": sorted(nodes),
+            "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        }
+        try:
+            await store.put(completion_key(job, step), json.dumps(doc).encode(), create_only=True)
+        except AlreadyExistsError:
+            return False  # another node saw the same and wrote it first
+        self.stats.completions_written += 1
+        event(
+            log, "step_complete", job=job, step=step, tier=store.url, nodes=",".join(sorted(nodes))
+        )
+        return True
+
+
+class _NotQuiet(SourceChangedError):
+    def __init__(self, message: str, seconds: float) -> None:
+        super().__init__(message)
+        self.seconds = max(seconds, 0.05)  # when to look again
+
+
+def open_journal(state_dir: Path, node: str) -> Journal:
+    return Journal(state_dir / JOURNAL_FILE, node)
+
+
+__all__ = [
+    "PushQueue",
+    "PushStats",
+    "TierStats",
+    "completion_key",
+    "open_journal",
+]

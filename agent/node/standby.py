@@ -1,0 +1,165 @@
+"""Standby replication: the checkpoint is on a survivor before the scheduler decides.
+
+A scheduler that will shrink a job knows its likely survivors before it commits. It
+registers each as a standby for the job (``PUT /v1/standby/{job}``, or ``standby_jobs`` in
+the agent's config); the standby's agent then polls the tiers every ``standby_poll_seconds``
+and, when a newer complete step is durable there, prefetches it in the background: peers
+first, deltas against the step it already holds, at most ``standby_max_rate`` bytes per
+second (the training job's own traffic comes first). When the decision comes, the
+prefetch of that step finds it here, restored and verified by this agent and untouched
+since (sizes, mtimes and inodes), and is ready in the time it takes to check that.
+
+With a layout (``PUT /v1/standby/{job}`` with ``{"layout": {"world_size", "ranks"}}``: the
+ranks this node will run after the change), only that share of each step is replicated, a
+partial copy; the decision's prefetch of that share finds it here and is "held".
+
+Older replicas leave the hot dir through hot retention, as any restored step does.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from agent.daemon.logs import event
+from agent.node.hotdir import HotDir
+from agent.node.prefetch import FINAL, Prefetcher, PrefetchJob, State
+from agent.rpc.services import wait_for_any
+from transfer.engine import list_checkpoints
+from transfer.engine.catalog import latest_complete_step
+from transfer.errors import FerryError
+from transfer.format.names import check_name
+from transfer.store.base import Store
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StandbyJob:
+    job: str
+    since: float
+    #: who asked: "config" (standby_jobs) or "rpc" (PUT /v1/standby/{job})
+    source: str
+    #: the share to replicate (``{"world_size", "ranks"}``: this node's ranks after the
+    #: change); None: every new step whole
+    layout: dict[str, Any] | None = None
+    #: the newest step a replication made ready here
+    replicated_step: int | None = None
+    #: the replication running now, if any, and the last one that ended
+    running: PrefetchJob | None = None
+    last: PrefetchJob | None = None
+    last_error: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        running = self.running
+        return {
+            "job": self.job,
+            "since": self.since,
+            "source": self.source,
+            "layout": self.layout,
+            "replicated_step": self.replicated_step,
+            "replicating": running.to_dict() if running and running.state not in FINAL else None,
+            "last_replication": self.last.to_dict() if self.last else None,
+            "last_error": self.last_error,
+        }
+
+
+class Standby:
+    def __init__(
+        self,
+        prefetcher: Prefetcher,
+        tiers: list[tuple[str, Store]],
+        *,
+        hot_dir: HotDir,
+        expected_nodes: tuple[str, ...] = (),
+        poll_seconds: float = 5.0,
+        jobs: tuple[str, ...] = (),
+    ) -> None:
+        self.prefetcher = prefetcher
+        self.tiers = tiers
+        self.hot_dir = hot_dir
+        self.expected_nodes = expected_nodes
+        self.poll_seconds = poll_seconds
+        self.jobs: dict[str, StandbyJob] = {}
+        self._poke = asyncio.Event()
+        for job in jobs:
+            self.register(job, source="config")
+
+    def register(
+        self, job: str, *, source: str = "rpc", layout: dict[str, Any] | None = None
+    ) -> StandbyJob:
+        """Be a standby for ``job`` (idempotent; ``layout``: of that share, which a later
+        registration may change); the next poll starts at once."""
+        check_name("job", job)
+        entry = self.jobs.get(job)
+        if entry is None or entry.layout != layout:
+            if entry is not None and entry.running is not None:
+                self.prefetcher.cancel(entry.running.id)  # it replicates the old share
+            entry = self.jobs[job] = StandbyJob(job, time.time(), source, layout)
+            event(log, "standby", job=job, source=source, action="registered",
+                  layout=None if layout is None else str(layout))  # fmt: skip
+        self._poke.set()
+        return entry
+
+    def unregister(self, job: str) -> bool:
+        """Stop replicating ``job`` (a replication running now is cancelled)."""
+        entry = self.jobs.pop(check_name("job", job), None)
+        if entry is None:
+            return False
+        if entry.running is not None:
+            self.prefetcher.cancel(entry.running.id)
+        event(log, "standby", job=job, action="unregistered")
+        return True
+
+    async def loop(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            await self.poll()
+            self._poke.clear()
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.poll_seconds):
+                    await wait_for_any(stop, self._poke)
+
+    async def poll(self) -> None:
+        """One look per registered job: start replicating a newer durable step, if any."""
+        for entry in list(self.jobs.values()):
+            try:
+                await self._poll_job(entry)
+            except FerryError as exc:  # a tier down now: try again at the next poll
+                entry.last_error = " ".join(str(exc).split())
+
+    async def _poll_job(self, entry: StandbyJob) -> None:
+        running = entry.running
+        if running is not None:
+            if running.state not in FINAL:
+                return
+            entry.running, entry.last = None, running
+            if running.state is State.READY:
+                entry.replicated_step, entry.last_error = running.step, None
+            else:
+                entry.last_error = running.error
+        newest = await self._newest_durable(entry.job)
+        if newest is None or (entry.replicated_step or -1) >= newest:
+            return
+        held = {c.step for c in self.hot_dir.checkpoints(entry.job)}
+        if newest in held and not self.prefetcher.is_replica(entry.job, newest):
+            entry.replicated_step = newest  # training wrote it here: nothing to replicate
+            return
+        entry.running = self.prefetcher.submit(
+            entry.job, newest, None, background=True, layout=entry.layout
+        )
+
+    async def _newest_durable(self, job: str) -> int | None:
+        """The newest complete step of ``job`` in the first tier that answers."""
+        for _, store in self.tiers:
+            try:
+                if self.expected_nodes:
+                    return await latest_complete_step(store, job, self.expected_nodes)
+                steps = [c.step for c in await list_checkpoints(store, job)]
+                return max(steps) if steps else None
+            except FerryError:
+                continue
+        return None

@@ -1,0 +1,75 @@
+"""Watching the hot dir for committed checkpoints: ``<hot_dir>/<job>/<step dir>/``.
+
+A step directory is committed once its commit marker exists: PyTorch DCP writes
+``.metadata`` last (temp file + rename), after every shard, so its presence means the save
+finished. Each committed directory is reported once per watcher; directories already there
+at startup are reported too, so a restarted agent catches up (the push queue dedupes).
+
+Polling, not inotify: it works on every filesystem (inotify misses changes made through
+NFS/FUSE, and recursive watches need one watch per directory), and it costs one scandir of
+the hot dir plus one per job per poll, and one ``stat`` per new step directory. The scan runs
+in a thread so a slow or large tree never blocks the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+from agent.node.hotdir import HotDir, LocalCheckpoint
+
+log = logging.getLogger(__name__)
+
+OnCommitted = Callable[[str, int, Path], Awaitable[None] | None]
+
+
+def scan_hot_dir(
+    hot: HotDir, known: frozenset[Path] = frozenset()
+) -> tuple[set[Path], list[LocalCheckpoint]]:
+    """(every step directory present, the committed ones not in ``known``), oldest step
+    first. Hidden entries and directories that are no job's are skipped (hotdir.py)."""
+    present: set[Path] = set()
+    found: list[LocalCheckpoint] = []
+    for job in hot.jobs():
+        for step_dir in hot.step_dirs(job):
+            present.add(step_dir.path)
+            if step_dir.path not in known and hot.is_committed(step_dir.path):
+                found.append(step_dir)
+    found.sort(key=lambda c: (c.step, c.job))
+    return present, found
+
+
+async def watch_hot_dir(
+    hot: HotDir,
+    on_committed: OnCommitted,
+    *,
+    poll_seconds: float = 1.0,
+    stop: asyncio.Event,
+) -> None:
+    """Call ``on_committed(job, step, path)`` once for each committed step directory until
+    ``stop`` is set. A callback error is logged and the checkpoint is offered again on the
+    next poll; the watcher itself never dies of one (pushes would silently stop)."""
+    reported: set[Path] = set()
+    while not stop.is_set():
+        try:
+            present, found = await asyncio.to_thread(scan_hot_dir, hot, frozenset(reported))
+        except OSError as exc:
+            log.warning("cannot scan hot dir %s: %s", hot.root, exc)
+            present, found = set(reported), []
+        # Forget deleted directories, so one re-created under the same name is reported again.
+        reported &= present
+        for c in found:
+            try:
+                outcome = on_committed(c.job, c.step, c.path)
+                if inspect.isawaitable(outcome):
+                    await outcome
+            except Exception:
+                log.exception("handling committed checkpoint %s failed", c.path)
+                continue
+            reported.add(c.path)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), poll_seconds)

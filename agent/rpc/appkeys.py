@@ -1,0 +1,55 @@
+"""The typed keys of the agent's aiohttp application: what the routes share (the config,
+the tiers, the prefetcher, the push queue...), set up by agent/rpc/app.py."""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from agent.daemon.config import AgentConfig
+from agent.node.estimate import BandwidthMeter
+from agent.node.prefetch import Prefetcher
+from agent.node.protected import LocalPins, StepHolds
+from agent.node.pushqueue import PushQueue
+from agent.node.retention_loop import RetentionRunner
+from agent.node.standby import Standby
+from agent.peers.chunks import HotIndex, PeerSource
+from agent.peers.fanout import Landing
+from agent.rpc.auth import Credentials
+from agent.rpc.limits import InFlight
+from agent.rpc.metrics import Metrics
+from agent.rpc.tls import AgentTls
+
+CONFIG = web.AppKey("config", AgentConfig)
+
+CREDENTIALS = web.AppKey("credentials", Credentials)
+
+TLS = web.AppKey("tls", AgentTls)
+
+#: chunk requests in flight, per client (agent/rpc/limits.py)
+CHUNK_CLIENTS = web.AppKey("chunk_clients", InFlight)
+
+TIERS = web.AppKey("tiers", list)
+
+PREFETCHER = web.AppKey("prefetcher", Prefetcher)
+
+METER = web.AppKey("meter", BandwidthMeter)
+
+METRICS = web.AppKey("metrics", Metrics)
+
+PINS = web.AppKey("pins", LocalPins)
+
+PART_SIZES = web.AppKey("part_sizes", dict)
+
+PUSHQUEUE = web.AppKey("pushqueue", PushQueue)
+
+HOLDS = web.AppKey("holds", StepHolds)
+
+RETENTION = web.AppKey("retention", RetentionRunner)
+
+HOT_INDEX = web.AppKey("hot_index", HotIndex)
+
+PEERS = web.AppKey("peers", PeerSource)
+
+LANDING = web.AppKey("landing", Landing)
+
+STANDBY = web.AppKey("standby", Standby)

@@ -1,0 +1,62 @@
+"""What clients can make the agent hold at once, and for how long (docs/SECURITY.md,
+"Bounded requests"). Past a bound the answer is a 429 with ``Retry-After``, at once: no
+request waits in a queue for room. None of it is shared with the agent's own work: its
+pushes, and its own prefetches' reads, take no slot here and wait for no client.
+
+- a request body: at most ``max_body_bytes`` (aiohttp's ``client_max_size``: 413), and it
+  must arrive within BODY_SECONDS of the request's head (408);
+- a request's head: within aiohttp's keep-alive timeout (75 s) of the connection or of the
+  previous reply, else the connection is closed;
+- prefetches queued or running at once: MAX_PREFETCHES (they are long: each holds a task,
+  and a transfer's buffers while it runs);
+- chunk requests in flight from one client (its address): CHUNK_REQUESTS_PER_CLIENT (an
+  agent asks at most PEER_THREADS at once); a chunk's reply must be taken within
+  SEND_SECONDS, else the connection is cut (a client that stops reading holds a 4 MiB
+  reply, and its slot, no longer than that).
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+MAX_PREFETCHES = 64
+CHUNK_REQUESTS_PER_CLIENT = 32  # 4 x agent.peers.chunks.PEER_THREADS
+BODY_SECONDS = 30.0
+SEND_SECONDS = 30.0
+RETRY_AFTER_SECONDS = 1
+
+
+class InFlight:
+    """Requests in flight per client, each client at most ``limit``."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._held: dict[str, int] = {}
+
+    def enter(self, client: str) -> bool:
+        """Take a slot for ``client``; False: it has ``limit`` already."""
+        held = self._held.get(client, 0)
+        if held >= self.limit:
+            return False
+        self._held[client] = held + 1
+        return True
+
+    def leave(self, client: str) -> None:
+        left = self._held.get(client, 0) - 1
+        if left > 0:
+            self._held[client] = left
+        else:
+            self._held.pop(client, None)
+
+    def held(self) -> int:
+        """Slots taken now, every client's."""
+        return sum(self._held.values())
+
+
+def too_many(message: str) -> web.Response:
+    """A 429 in the RPC's error shape, with ``Retry-After``."""
+    return web.json_response(
+        {"error": message, "type": "TooManyRequests"},
+        status=429,
+        headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
+    )

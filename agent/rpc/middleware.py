@@ -1,0 +1,177 @@
+"""HTTP plumbing every route shares: auth (client certificates, bearer tokens and their
+scopes), one mapping from error classes to status codes and one-line JSON errors, and the
+validators of request input."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
+
+from aiohttp import web
+
+from agent.rpc import limits
+from agent.rpc.appkeys import CONFIG, CREDENTIALS
+from agent.rpc.auth import PEER_ROUTES, Scope
+from transfer.errors import (
+    AccessDeniedError,
+    CheckpointNotFoundError,
+    DestinationError,
+    FerryError,
+    FormatError,
+    StoreError,
+)
+from transfer.format.names import check_step
+
+log = logging.getLogger(__name__)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def error_response(status: int, message: str, kind: str) -> web.Response:
+    return web.json_response({"error": message, "type": kind}, status=status)
+
+
+@web.middleware
+async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every route but /healthz: a client certificate when ``tls_client_auth`` (the TLS
+    handshake verified any that was sent), then a bearer token; the peer token only for the
+    routes peers call (agent/rpc/auth.py)."""
+    if request.path != "/healthz":
+        if request.app[CONFIG].tls_client_auth and not _client_certificate(request):
+            return error_response(401, "a client certificate is required", "Unauthorized")
+        scope = request.app[CREDENTIALS].scope(request.headers.get("Authorization", ""))
+        if scope is None:
+            return error_response(401, "missing or wrong bearer token", "Unauthorized")
+        if scope is Scope.PEER and _route(request) not in PEER_ROUTES:
+            return error_response(
+                403, "the peer token reads chunks only (GET /v1/chunks/{id})", "Forbidden"
+            )
+    return await handler(request)
+
+
+def _client_certificate(request: web.Request) -> bool:
+    """Whether the connection's client presented a certificate (verified in the handshake
+    against tls_ca_file: one that did not verify ended the connection there)."""
+    transport = request.transport
+    return transport is not None and bool(transport.get_extra_info("peercert"))
+
+
+def _route(request: web.Request) -> tuple[str, str | None]:
+    resource = request.match_info.route.resource  # None: no route matched (404, 405)
+    return request.method, resource.canonical if resource is not None else None
+
+
+_STATUS = [
+    (CheckpointNotFoundError, 404),
+    (DestinationError, 409),
+    (FormatError, 400),
+    (AccessDeniedError, 502),
+    (StoreError, 502),
+    (FerryError, 400),
+]
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.content_type == "application/json":
+            raise
+        response = error_response(exc.status, exc.reason, type(exc).__name__)
+        if "Allow" in exc.headers:  # 405 must say what is allowed
+            response.headers["Allow"] = exc.headers["Allow"]
+        return response
+    except (FerryError, ValueError) as exc:
+        status = next((code for cls, code in _STATUS if isinstance(exc, cls)), 400)
+        return error_response(status, " ".join(str(exc).split()), type(exc).__name__)
+
+
+async def json_body(request: web.Request) -> dict[str, Any]:
+    """The request's JSON object body; a body that does not arrive within BODY_SECONDS
+    (a client sending it slowly, or not at all) is a 408 and the connection is closed."""
+    try:
+        async with asyncio.timeout(limits.BODY_SECONDS):
+            body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise ValueError("request body is not JSON") from None
+    except TimeoutError:
+        request.protocol.close()  # the connection ends after the 408 (the rest is unread)
+        raise web.HTTPRequestTimeout(reason="the request body did not arrive in time") from None
+    if not isinstance(body, dict):
+        raise ValueError("request body must be a JSON object")
+    return body
+
+
+def required(values: Mapping[str, Any], name: str, where: str) -> Any:
+    """``values[name]``, or a 400 naming what is missing (``where``: "query parameter",
+    "body field"), not the validator's "invalid job name None"."""
+    value = values.get(name)
+    if value is None or value == "":
+        raise ValueError(f"missing {where} {name!r}")
+    return value
+
+
+def finite_number(value: object, low: float, high: float) -> bool:
+    """A real JSON number (not a bool, NaN or infinity) in (low, high]."""
+    return (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and low < value <= high
+    )
+
+
+def parse_step(value: object) -> int:
+    """A step number; 120.0 is one too (JSON Schema's integers include integral floats)."""
+    if isinstance(value, float) and value.is_integer() and 0 <= value < 1e18:
+        value = int(value)
+    return check_step(value)
+
+
+def parse_step_arg(value: object) -> int | None:
+    """A step number, or None for 'latest'."""
+    if value in (None, "latest"):
+        return None
+    if isinstance(value, str) and value.isdigit():
+        value = int(value)
+    return parse_step(value)
+
+
+#: ranks one node hosts (far above any node's GPUs), and the largest world
+MAX_LAYOUT_RANKS = 4096
+MAX_WORLD = 1 << 20
+
+
+def parse_layout(value: object) -> dict[str, Any] | None:
+    """A request's ``layout``, ``{"world_size": W, "ranks": [ranks this node runs]}``, in
+    the spec's shape (whether the ranks fit the world is the share planner's to say), or
+    None."""
+    if value is None:
+        return None
+    if not isinstance(value, dict) or set(value) != {"world_size", "ranks"}:
+        raise ValueError('layout must be {"world_size": W, "ranks": [ranks this node runs]}')
+    world, ranks = _whole(value["world_size"]), value["ranks"]
+    if world is None or not 1 <= world <= MAX_WORLD:
+        raise ValueError(f"layout.world_size must be a whole number in 1..{MAX_WORLD}")
+    if not isinstance(ranks, list) or not 1 <= len(ranks) <= MAX_LAYOUT_RANKS:
+        raise ValueError(f"layout.ranks must be a list of 1..{MAX_LAYOUT_RANKS} ranks")
+    wholes = [_whole(r) for r in ranks]
+    if not all(r is not None and 0 <= r < MAX_WORLD for r in wholes) or len(set(wholes)) != len(
+        wholes
+    ):
+        raise ValueError(f"layout.ranks must be distinct whole numbers in 0..{MAX_WORLD - 1}")
+    return {"world_size": world, "ranks": wholes}
+
+
+def _whole(value: object) -> int | None:
+    """A JSON integer (``3`` or ``3.0``, as JSON Schema counts them), or None."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    if isinstance(value, float) and not (math.isfinite(value) and value.is_integer()):
+        return None
+    return int(value)
