@@ -19,7 +19,7 @@ from agent.node.pushqueue import JOURNAL_FILE
 from agent.rpc import app as rpc
 from tests.conftest import init_test_store
 from tests.harness import REPO, TOKEN, Node, get_json, make_node, reserve_port, running, save
-from transfer.engine.settle import UNSYNCED_MARK
+from transfer.engine.restorenames import UNSYNCED_MARK
 from transfer.store import StoreOptions
 from transfer.store.base import Store
 

@@ -203,17 +203,35 @@ def test_aligned_memory_is_written_direct_without_a_copy(
     assert got[:size] == bytes(fast) and got[-size:] == slow
 
 
-@pytest.mark.parametrize("direct_writes", [True, False])
-def test_the_direct_writes_knob_decides_how_a_pull_writes(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, direct_writes: bool
+@pytest.mark.parametrize(
+    ("direct_writes", "available_kib", "direct"),
+    [
+        (True, 1 << 20, True),  # 1 GiB available, all of it reserve: no room to spare
+        (True, 16 << 20, False),  # the restore fits in what the page cache can spare
+        (False, 1 << 20, False),  # the knob off: never O_DIRECT
+    ],
+)
+def test_a_restore_writes_buffered_when_it_fits_in_spare_memory(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    direct_writes: bool,
+    available_kib: int,
+    direct: bool,
 ) -> None:
-    """``direct_writes`` (``--no-direct-writes``, ``FERRY_TRANSFER_DIRECT_WRITES``; was the
-    ``FERRY_PULL_DIRECT`` benchmark switch read inside the engine): off, a restore opens no
-    file for O_DIRECT and every byte goes through the page cache; on, its files are."""
+    """Issue 32: a restore written with O_DIRECT is not in the page cache when the training
+    process loads it next, so the load pays the disk again. A restore goes buffered when it
+    fits in what the node can spare (engine/writepath.py, read from the kernel's meminfo),
+    with O_DIRECT when it does not and ``direct_writes`` (``--no-direct-writes``,
+    ``FERRY_TRANSFER_DIRECT_WRITES``) allows it; the result says which."""
     from tests.conftest import open_test_store, random_bytes, run, tree_bytes, write_file
-    from transfer.engine import PullPlan, pull, push, staging
+    from transfer.engine import PullPlan, pull, push, staging, writepath
     from transfer.options import TransferOptions
 
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text(
+        f"MemTotal: {32 << 20} kB\nMemFree: 1 kB\nMemAvailable: {available_kib} kB\n"
+    )
+    monkeypatch.setattr(writepath, "MEMINFO", meminfo)
     src = tmp_path / "src"
     write_file(src / "a.bin", random_bytes(3 << 20, 3))
     os.close(direct_fd_or_skip(src / "a.bin"))
@@ -225,6 +243,7 @@ def test_the_direct_writes_knob_decides_how_a_pull_writes(
     options = TransferOptions(chunk_size=1 << 20, direct_writes=direct_writes)
     run(push(store, src, job="j", step=1, node="n", options=options))
     dest = tmp_path / "dest"
-    run(pull(store, dest, PullPlan("j", 1), options=options))
+    result = run(pull(store, dest, PullPlan("j", 1), options=options))
     assert tree_bytes(dest) == tree_bytes(src)
-    assert bool(opened) is direct_writes, opened
+    assert bool(opened) is direct, opened
+    assert result.write_path == ("direct" if direct else "buffered")

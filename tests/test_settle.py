@@ -13,7 +13,8 @@ import pytest
 from agent.cli.run import main as ferry
 from tests.conftest import open_test_store, random_bytes, tree_bytes, write_file
 from transfer.engine import PullPlan, pull, push
-from transfer.engine.settle import boot_id, mark_unsynced, marker_path, settle
+from transfer.engine.restorenames import marker_path
+from transfer.engine.settle import boot_id, mark_unsynced, settle
 
 
 def _restore(tmp_path: Path, name: str) -> tuple[Path, Path]:

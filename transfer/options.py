@@ -39,8 +39,10 @@ class TransferOptions:
     #: ... and only while a cold restore of it (its own payload and every base's, back to
     #: the keyframe) stays within this multiple of the chunk coded on its own
     max_cold_cost: float = 2.0
-    #: a restore writes its chunks' aligned interiors with O_DIRECT (buffered only in spells
-    #: while the device falls behind: staging.py); False: every write into the page cache
+    #: a restore that does not fit in spare memory writes its chunks' aligned interiors with
+    #: O_DIRECT (buffered in spells while the device falls behind: staging.py); one that
+    #: fits goes buffered, so the load after it reads memory (engine/writepath.py); False:
+    #: every write into the page cache
     direct_writes: bool = True
 
     def memory_estimate(self) -> int:
@@ -177,7 +179,7 @@ class TransferSettings:
     )
     direct_writes: bool = _knob(
         _DEFAULT_TRANSFER.direct_writes,
-        "restores write with O_DIRECT (off: into the page cache)",
+        "restores too big for spare memory write with O_DIRECT (off: all buffered)",
     )
     memory_mib: int = _knob(0, "cap on transfer buffers (shrinks window); 0: none")
 

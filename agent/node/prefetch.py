@@ -41,8 +41,9 @@ from transfer.engine.localcheck import local_copy_differences
 from transfer.engine.pull import share_chunk_ids
 from transfer.engine.pullplan import merged_files
 from transfer.engine.ratelimit import RateLimit
+from transfer.engine.restorenames import staging_path
 from transfer.engine.scan import SourceFile, check_unchanged, scan_checkpoint
-from transfer.engine.settle import settle, staging_path
+from transfer.engine.settle import settle
 from transfer.engine.share import covers, plan_share, plan_shares, read_record, widen
 from transfer.engine.sources import ChunkSource
 from transfer.engine.staging import discard_leftovers, sweep_stale_staging

@@ -46,6 +46,7 @@ from transfer.engine.staging import (
     worth_resuming,
 )
 from transfer.engine.workers import run_workers
+from transfer.engine.writepath import choose_write_path, spare_memory
 from transfer.errors import FerryError
 from transfer.format.chunkid import chunk_id
 from transfer.format.manifest import FileEntry, Manifest
@@ -81,6 +82,8 @@ class PullResult:
     #: a share's pull: its layout, its bytes, and chunk_bytes: the file bytes its chunks
     #: cover (the share plus the rest of each chunk it cuts through; before dedupe)
     share: dict[str, object] | None = None
+    #: "buffered" or "direct": how its chunks were written (engine/writepath.py)
+    write_path: str = ""
 
     def to_dict(self) -> dict[str, object]:
         return dict(self.__dict__)
@@ -125,7 +128,10 @@ async def pull(
         # download; without it the kernel writes back on its own, and starting it per chunk
         # only made writers wait on the disk queue (settle.py flushes later)
         writeback = plan.fsync or boot_id() is None
-        out = StagingFiles(staging.path, files, writeback, direct=options.direct_writes)
+        # buffered when the restore fits in spare memory: the load that follows reads it
+        # there (engine/writepath.py)
+        way = choose_write_path(covered, options.direct_writes, spare_memory())
+        out = StagingFiles(staging.path, files, writeback, direct=way.direct)
         with out, ThreadPoolExecutor(options.workers, thread_name_prefix="ferry-pull") as pool:
             run = _Restore(
                 ChunkResolver(store, index, pool, base_dir),
@@ -143,6 +149,7 @@ async def pull(
         await _to_thread_to_the_end(seal, staging.path, files, dest, plan.fsync)
     events.progress.finish()
     result = run.result(manifests, got, base_dir, dest, time.monotonic() - started)
+    result.write_path = way.name
     if share is not None:
         record = share.to_record(result.job, result.step)
         result.share = {k: record[k] for k in ("layout", "bytes")}

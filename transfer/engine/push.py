@@ -38,7 +38,6 @@ from transfer.engine import dcp
 from transfer.engine.catalog import Catalog, load_manifest, not_a_store, open_catalog
 from transfer.engine.chunkindex import ChunkIndex, StoredChunk, build_refs
 from transfer.engine.deltabase import BasePlan, choose_base
-from transfer.engine.errors import first_error
 from transfer.engine.keyframes import delta_policy, may_delta
 from transfer.engine.packer import PackLocation, PackWriter
 from transfer.engine.parts import may_share
@@ -55,6 +54,7 @@ from transfer.engine.scan import (
     scan_checkpoint,
 )
 from transfer.engine.share import describe, read_record
+from transfer.engine.taskgroup_errors import first_error
 from transfer.errors import AlreadyExistsError, FerryError, NotFoundError, SourceChangedError
 from transfer.format import layout
 from transfer.format.chunkid import chunk_id

@@ -32,17 +32,7 @@ import time
 from pathlib import Path
 
 from transfer.durable import fsync_dir
-
-UNSYNCED_MARK = ".ferry-unsynced"
-STAGING_MARK = ".ferry-staging-"  # hidden dirs of unfinished restores (swept at start)
-
-
-def staging_path(dest: Path, kind: str = "") -> Path:
-    """A new hidden name beside ``dest`` for work toward it: a restore's own staging
-    (``kind`` empty: resumable), or ``fill-`` / ``unsynced-`` scratch (swept, never
-    resumed). Only the staging sweep and ``leftovers`` parse these names."""
-    return dest.parent / f".{dest.name}{STAGING_MARK}{kind}{secrets.token_hex(4)}"
-
+from transfer.engine.restorenames import UNSYNCED_MARK, marker_path, staging_path
 
 _BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 
@@ -52,10 +42,6 @@ def boot_id() -> str | None:
         return _BOOT_ID.read_text().strip() or None
     except OSError:
         return None
-
-
-def marker_path(dest: Path) -> Path:
-    return dest.parent / f".{dest.name}{UNSYNCED_MARK}"
 
 
 def mark_unsynced(dest: Path, boot: str) -> None:

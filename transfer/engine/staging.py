@@ -28,14 +28,8 @@ from typing import Any
 from transfer.codec.transforms import Buffer
 from transfer.directio import open_direct, write_at
 from transfer.durable import fsync_dir
-from transfer.engine.settle import (
-    STAGING_MARK,
-    boot_id,
-    fsync_tree,
-    mark_unsynced,
-    marker_path,
-    staging_path,
-)
+from transfer.engine.restorenames import STAGING_MARK, marker_path, staging_path
+from transfer.engine.settle import boot_id, fsync_tree, mark_unsynced
 from transfer.engine.writeback import start_writeback
 from transfer.errors import AccessDeniedError, DestinationError, FerryError, StoreError
 from transfer.format.manifest import FileEntry

@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import Callable, Coroutine, Iterable, Iterator
 from typing import Any, TypeVar
 
-from transfer.engine.errors import first_error
+from transfer.engine.taskgroup_errors import first_error
 
 T = TypeVar("T")
 
