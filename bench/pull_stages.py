@@ -19,7 +19,7 @@ A/B work on the restore path; ``bench.compare`` stays the decisive run.
 How::
 
     python -m bench.pull_stages --corpus /work/corpus [--variant full] [--runs 3]
-    python -m bench.pull_stages --corpus /work/corpus --ferry-env FERRY_X=1   # an A/B knob
+    python -m bench.pull_stages --corpus /work/corpus --ferry-arg=--write-path=direct  # A/B
 """
 
 from __future__ import annotations
@@ -52,8 +52,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--corpus", type=Path, required=True, help="python -m bench.corpus DIR")
     ap.add_argument("--variant", default="full")
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--ferry-env", action="append", default=[], metavar="NAME=VALUE",
-                    help="extra environment for a second ferry arm (A/B), repeatable")  # fmt: skip
+    ap.add_argument("--ferry-arg", action="append", default=[], metavar="ARG",
+                    help="a flag of `ferry pull` for a second ferry arm (A/B), repeatable; "
+                    "e.g. --ferry-arg=--write-path=direct")  # fmt: skip
     ap.add_argument("--scenarios", default="s5cmd,holding-k,cold",
                     help="comma-separated subset of s5cmd,holding-k,cold,cold-delta")  # fmt: skip
     return ap.parse_args(argv)
@@ -72,16 +73,16 @@ def main(argv: list[str] | None = None) -> int:
         ep = server.endpoint
         cmd = Commands(ep)
         env = {**os.environ, **tool_env(ep, work / "rclone.conf"), "PYTHONPATH": str(REPO)}
-        arms = {"ferry": env}
-        if args.ferry_env:
-            arms["ferry+env"] = {**env, **dict(kv.split("=", 1) for kv in args.ferry_env)}
+        arms: dict[str, list[str]] = {"ferry": []}
+        if args.ferry_arg:
+            arms["ferry " + " ".join(args.ferry_arg)] = list(args.ferry_arg)
         proc = getattr(server, "_proc", None)
         server_pid = proc.pid if proc is not None else None
         for step, ckpt in ((BASE_STEP, k), (NEXT_STEP, k1)):
             ran = run_timed(cmd.ferry_push(ckpt, "ferry", "j", step), env, server_pid)
-            assert ran.returncode == 0, ran.stderr[-2000:]
+            assert ran.returncode == 0, (ran.returncode, ran.stdout[-2000:], ran.stderr[-2000:])
         ran = run_timed(cmd.s5cmd("cp", f"{k1}/*", f"{cmd.s3('plain')}/"), env, server_pid)
-        assert ran.returncode == 0, ran.stderr[-2000:]
+        assert ran.returncode == 0, (ran.returncode, ran.stdout[-2000:], ran.stderr[-2000:])
         rows: list[dict[str, Any]] = []
         dest = work / "dest"
         for rnd in range(1, args.runs + 1):
@@ -89,16 +90,16 @@ def main(argv: list[str] | None = None) -> int:
             if "s5cmd" in wanted:
                 argv_ = cmd.s5cmd("cp", f"{cmd.s3('plain')}/*", f"{dest}/")
                 plan.append(("s5cmd cp k+1", "s5cmd", argv_, env, digest_k1))
-            for arm, arm_env in arms.items():
+            for arm, extra in arms.items():
                 if "holding-k" in wanted:
                     argv_ = [*cmd.ferry_pull("ferry", "j", NEXT_STEP, dest), "--base-dir", str(k)]
-                    plan.append(("pull k+1 holding k", arm, argv_, arm_env, digest_k1))
+                    plan.append(("pull k+1 holding k", arm, [*argv_, *extra], env, digest_k1))
                 if "cold" in wanted:
                     argv_ = cmd.ferry_pull("ferry", "j", BASE_STEP, dest)
-                    plan.append(("cold pull of k", arm, argv_, arm_env, digest_k))
+                    plan.append(("cold pull of k", arm, [*argv_, *extra], env, digest_k))
                 if "cold-delta" in wanted:  # k+1's deltas need k's chunks from the store too
                     argv_ = cmd.ferry_pull("ferry", "j", NEXT_STEP, dest)
-                    plan.append(("cold pull of k+1", arm, argv_, arm_env, digest_k1))
+                    plan.append(("cold pull of k+1", arm, [*argv_, *extra], env, digest_k1))
             shift = (rnd - 1) % len(plan)  # alternate who goes first
             for what, tool, argv_, arm_env, digest in plan[shift:] + plan[:shift]:
                 drop_caches()

@@ -204,25 +204,26 @@ def test_aligned_memory_is_written_direct_without_a_copy(
 
 
 @pytest.mark.parametrize(
-    ("direct_writes", "available_kib", "direct"),
+    ("write_path", "available_kib", "direct"),
     [
-        (True, 1 << 20, True),  # 1 GiB available, all of it reserve: no room to spare
-        (True, 16 << 20, False),  # the restore fits in what the page cache can spare
-        (False, 1 << 20, False),  # the knob off: never O_DIRECT
+        ("auto", 1 << 20, True),  # 1 GiB available, all of it reserve: no room to spare
+        ("auto", 16 << 20, False),  # the restore fits in what the page cache can spare
+        ("buffered", 1 << 20, False),  # chosen: always that way
+        ("direct", 16 << 20, True),
     ],
 )
 def test_a_restore_writes_buffered_when_it_fits_in_spare_memory(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
-    direct_writes: bool,
+    write_path: str,
     available_kib: int,
     direct: bool,
 ) -> None:
     """Issue 32: a restore written with O_DIRECT is not in the page cache when the training
     process loads it next, so the load pays the disk again. A restore goes buffered when it
     fits in what the node can spare (engine/writepath.py, read from the kernel's meminfo),
-    with O_DIRECT when it does not and ``direct_writes`` (``--no-direct-writes``,
-    ``FERRY_TRANSFER_DIRECT_WRITES``) allows it; the result says which."""
+    with O_DIRECT when it does not; ``write_path`` (``--write-path``,
+    ``FERRY_TRANSFER_WRITE_PATH``) direct or buffered forces one; the result says which."""
     from tests.conftest import open_test_store, random_bytes, run, tree_bytes, write_file
     from transfer.engine import PullPlan, pull, push, staging, writepath
     from transfer.options import TransferOptions
@@ -240,7 +241,7 @@ def test_a_restore_writes_buffered_when_it_fits_in_spare_memory(
     monkeypatch.setattr(staging, "open_direct", lambda p: opened.append(p) or real(p))
     (tmp_path / "store").mkdir()
     store = open_test_store(str(tmp_path / "store"))
-    options = TransferOptions(chunk_size=1 << 20, direct_writes=direct_writes)
+    options = TransferOptions(chunk_size=1 << 20, write_path=write_path)
     run(push(store, src, job="j", step=1, node="n", options=options))
     dest = tmp_path / "dest"
     result = run(pull(store, dest, PullPlan("j", 1), options=options))

@@ -12,6 +12,10 @@ from typing import Any, cast
 CHECKSUMS = ("crc32", "md5", "none")
 
 
+#: how a restore may write (TransferOptions.write_path; engine/writepath.py)
+WRITE_PATHS = ("auto", "direct", "buffered")
+
+
 @dataclass(frozen=True)
 class TransferOptions:
     #: fixed chunk size; chunks sit at the same file offsets in successive checkpoints
@@ -39,11 +43,13 @@ class TransferOptions:
     #: ... and only while a cold restore of it (its own payload and every base's, back to
     #: the keyframe) stays within this multiple of the chunk coded on its own
     max_cold_cost: float = 2.0
-    #: a restore that does not fit in spare memory writes its chunks' aligned interiors with
-    #: O_DIRECT (buffered in spells while the device falls behind: staging.py); one that
-    #: fits goes buffered, so the load after it reads memory (engine/writepath.py); False:
-    #: every write into the page cache
-    direct_writes: bool = True
+    #: how a restore writes (engine/writepath.py): "direct", its chunks' aligned interiors
+    #: with O_DIRECT (buffered in spells while the device falls behind: staging.py);
+    #: "buffered", into the page cache; "auto", buffered when it fits in the memory the
+    #: node can spare (the load after it then reads memory), else direct. Direct is the
+    #: default because it is what measured fastest from decision to loaded tensors here
+    #: (docs/RELIABILITY.md, "How a restore writes")
+    write_path: str = "direct"
 
     def memory_estimate(self) -> int:
         """Bytes a transfer holds at its peak, whatever the checkpoint size: every part in
@@ -75,6 +81,10 @@ class TransferOptions:
             raise ValueError("delta_min_saving must be within 0..1 (0: any saving)")
         if self.max_cold_cost < 1.0:
             raise ValueError("max_cold_cost must be at least 1 (a multiple of a keyframe)")
+        if self.write_path not in WRITE_PATHS:
+            raise ValueError(
+                f"write_path {self.write_path!r} is not one of {', '.join(WRITE_PATHS)}"
+            )
         if self.window < 1 or self.workers < 1:
             raise ValueError("window and workers must be positive")
 
@@ -177,9 +187,10 @@ class TransferSettings:
         "... and if a cold restore of it fetches at most this many keyframes",
         writes=True,
     )
-    direct_writes: bool = _knob(
-        _DEFAULT_TRANSFER.direct_writes,
-        "restores too big for spare memory write with O_DIRECT (off: all buffered)",
+    write_path: str = _knob(
+        _DEFAULT_TRANSFER.write_path,
+        "how restores write: direct (O_DIRECT), buffered, or auto (buffered if it fits)",
+        WRITE_PATHS,
     )
     memory_mib: int = _knob(0, "cap on transfer buffers (shrinks window); 0: none")
 
@@ -197,7 +208,7 @@ class TransferSettings:
             max_chain=self.max_chain,
             delta_min_saving=self.delta_min_saving,
             max_cold_cost=self.max_cold_cost,
-            direct_writes=self.direct_writes,
+            write_path=self.write_path,
         )
         return options.within_budget(self.memory_mib * MiB) if self.memory_mib else options
 

@@ -43,35 +43,6 @@ class ConfigError(FerryError):
     """The agent's configuration is missing, malformed or inconsistent."""
 
 
-@dataclass(frozen=True)
-class RetentionSettings:
-    """The ``[retention]`` table. Without it the agent deletes nothing, anywhere."""
-
-    interval_seconds: float = 600.0
-    #: unreferenced packs live this long before GC deletes them; must exceed the longest push
-    grace_seconds: float = 3600.0
-    deep_verify: bool = False
-    #: after expiring, store delta chunks whose base expired whole and copy live chunks out
-    #: of packs at least ``repack_min_dead`` dead (transfer/retention/repack.py)
-    repack: bool = True
-    repack_min_dead: float = 0.2
-    #: the hot dir keeps at least this many committed steps per job (at least 2: the newest
-    #: may still be in use by training or be the base of the next push)
-    hot_keep_last: int = 2
-    hot_budget_bytes: int | None = None
-    #: evict (as for the budget) while the hot dir's filesystem has less free space
-    hot_min_free_bytes: int | None = None
-    #: one policy per entry of ``tiers``, in order; tiers beyond the list keep everything
-    tiers: tuple[TierPolicy, ...] = ()
-
-    def repack_policy(self, options: TransferOptions) -> RepackPolicy | None:
-        """``options``: the agent's own (what it rewrites is coded as its pushes are)."""
-        return RepackPolicy(self.repack_min_dead, options) if self.repack else None
-
-    def tier_policy(self, index: int) -> TierPolicy:
-        return self.tiers[index] if index < len(self.tiers) else TierPolicy()
-
-
 def _key(
     help: str,
     toml: type,
@@ -79,18 +50,34 @@ def _key(
     example: object = MISSING,
     commented: bool = False,
     default_text: str = "",
+    name: str = "",
+    check: Callable[[str, Any], object] | None = None,
+    type_text: str = "",
+    entries: tuple[TableKey, ...] = (),
 ) -> dict[str, object]:
     """An agent key's declaration, the metadata of its AgentConfig field (which holds its
     default; none: required or computed, said by ``default_text``): ``help`` (one line),
     its ``toml`` type (str, int, float, bool, list of strings, or object: any of several),
     and how the example config shows it (``example``: another value than the default;
-    ``commented``: as a comment)."""
+    ``commented``: as a comment).
+
+    A table's key (RetentionSettings' field: ``table_keys``) also says its ``name`` in the
+    file when that is not the field's (``hot_budget``, stored as ``hot_budget_bytes``), how
+    the value given is ``check``-ed and converted to the field's (called with the key's
+    name for the message; none: taken as given), its type in docs/CONFIG.md when ``toml``
+    is object (``type_text``), and for an array of tables (``toml`` list:
+    ``[[retention.tiers]]``) the keys of each table (``entries``). The top level's checks
+    are ``_CHECKS``."""
     return {
         "help": help,
         "toml": toml,
         "example": example,
         "commented": commented,
         "default_text": default_text,
+        "name": name,
+        "check": check,
+        "type_text": type_text,
+        "entries": entries,
     }
 
 
@@ -108,6 +95,198 @@ class AgentKey:
     default_text: str
     #: a path (the TOML string is one)
     path: bool = False
+
+
+@dataclass(frozen=True)
+class TableKey:
+    """One key of a table as its declaration says (``_key``; ``[retention]``:
+    RetentionSettings' fields, ``table_keys``; ``[[retention.tiers]]``: ``_TIER_KEYS``):
+    ``name`` in the file (and ``FERRY_RETENTION_<NAME>`` for [retention]'s scalars), stored
+    as the settings' field ``field``."""
+
+    name: str
+    field: str
+    #: its TOML type, as AgentKey's; list with ``entries``: an array of those tables
+    toml: type
+    help: str
+    example: object
+    default: object = None
+    commented: bool = False
+    #: (key name, value of type ``toml``) -> the field's value; none: the value as given
+    check: Callable[[str, Any], object] | None = None
+    type_text: str = ""
+    entries: tuple[TableKey, ...] = ()
+
+
+#: the keys of a ``[[retention.tiers]]`` table: TierPolicy's fields (transfer's class, so
+#: declared here), each unset by default (the tier keeps everything)
+_TIER_KEYS: tuple[TableKey, ...] = (
+    TableKey(
+        "keep_last",
+        "keep_last",
+        int,
+        "keep the newest this many complete steps per job",
+        20,
+        check=lambda key, n: _int_at_least(key, n, 1),
+    ),
+    TableKey(
+        "keep_every",
+        "keep_every",
+        int,
+        "milestones: keep every complete step divisible by this",
+        1000,
+        check=lambda key, n: _int_at_least(key, n, 1),
+    ),
+    TableKey(
+        "max_age",
+        "max_age_s",
+        object,
+        'steps older than this ("90d", "12h") go, even milestones',
+        "90d",
+        check=lambda key, age: _quantity(key, age, parse_duration) if age else None,
+        type_text="a duration",
+    ),
+    TableKey(
+        "budget",
+        "budget_bytes",
+        object,
+        "then the oldest kept steps go until the tier fits",
+        "20TiB",
+        commented=True,
+        check=lambda key, size: _quantity(key, size, parse_size) if size else None,
+        type_text="bytes or a size",
+    ),
+)
+
+
+def _hot_size(key: str, size: object) -> int | None:
+    """hot_budget, hot_min_free: a size (bytes, or a string like "800GB"); 0: none."""
+    return _quantity(key, size, parse_size) if size else None
+
+
+@dataclass(frozen=True)
+class RetentionSettings:
+    """The ``[retention]`` table. Without it the agent deletes nothing, anywhere. Each key
+    is declared once, here (a field with its default and ``_key``'s metadata): what
+    ``_retention`` reads and checks, the example config's commented table and the table in
+    docs/CONFIG.md are made from these fields (``table_keys``)."""
+
+    interval_seconds: float = field(
+        default=600.0,
+        metadata=_key(
+            "seconds between runs (it also runs after each push)",
+            float,
+            example=600,
+            check=lambda key, s: _seconds(key, s),
+        ),
+    )
+    grace_seconds: float = field(
+        default=3600.0,
+        metadata=_key(
+            "unreferenced packs wait this long before GC; must exceed a push",
+            float,
+            example=3600,
+            check=lambda key, s: _seconds(key, s),
+        ),
+    )
+    deep_verify: bool = field(
+        default=False,
+        metadata=_key("re-hash a step in the next tier before it leaves this one", bool),
+    )
+    #: transfer/retention/repack.py
+    repack: bool = field(
+        default=True,
+        metadata=_key(
+            "store deltas whose base expired whole; empty mostly-dead packs",
+            bool,
+        ),
+    )
+    repack_min_dead: float = field(
+        default=0.2,
+        metadata=_key(
+            "repack packs with at least this fraction of dead bytes",
+            float,
+            check=lambda key, f: _fraction(key, f),
+        ),
+    )
+    #: at least 2: the newest may still be in use by training or be the next push's base
+    hot_keep_last: int = field(
+        default=2,
+        metadata=_key(
+            "committed steps kept per job in hot_dir (at least 2)",
+            int,
+            check=lambda key, n: _int_at_least(key, n, 2),
+        ),
+    )
+    hot_budget_bytes: int | None = field(
+        default=None,
+        metadata=_key(
+            "evict older steps (already in a colder tier) beyond this size",
+            object,
+            name="hot_budget",
+            example="800GB",
+            commented=True,
+            check=lambda key, size: _hot_size(key, size),
+            type_text="bytes or a size",
+        ),
+    )
+    hot_min_free_bytes: int | None = field(
+        default=None,
+        metadata=_key(
+            "evict them also while the hot filesystem has less free than this",
+            object,
+            name="hot_min_free",
+            example="100GB",
+            commented=True,
+            check=lambda key, size: _hot_size(key, size),
+            type_text="bytes or a size",
+        ),
+    )
+    tiers: tuple[TierPolicy, ...] = field(
+        default=(),
+        metadata=_key(
+            "policy of tiers[0]; one table per tier, in order",
+            list,
+            check=lambda key, tables: tuple(TierPolicy(**t) for t in tables),
+            type_text="[[retention.tiers]] tables",
+            entries=_TIER_KEYS,
+        ),
+    )
+
+    def repack_policy(self, options: TransferOptions) -> RepackPolicy | None:
+        """``options``: the agent's own (what it rewrites is coded as its pushes are)."""
+        return RepackPolicy(self.repack_min_dead, options) if self.repack else None
+
+    def tier_policy(self, index: int) -> TierPolicy:
+        return self.tiers[index] if index < len(self.tiers) else TierPolicy()
+
+
+def table_keys(settings: type) -> tuple[TableKey, ...]:
+    """The keys of the table ``settings`` declares (RetentionSettings), in order. A field
+    not declared with ``_key`` is a TypeError (this module runs it on import)."""
+    keys = []
+    for f in fields(settings):
+        if "help" not in f.metadata:
+            raise TypeError(
+                f"{settings.__name__}.{f.name} is not declared: give it its default and "
+                "`metadata=_key(help, toml type)` (agent/daemon/config.py)"
+            )
+        m = f.metadata
+        keys.append(
+            TableKey(
+                m["name"] or f.name,
+                f.name,
+                m["toml"],
+                m["help"],
+                f.default if m["example"] is MISSING else m["example"],
+                default=f.default,
+                commented=m["commented"],
+                check=m["check"],
+                type_text=m["type_text"],
+                entries=m["entries"],
+            )
+        )
+    return tuple(keys)
 
 
 #: AgentConfig's fields that are not top-level keys: its tables and the keys' provenance
@@ -391,17 +570,8 @@ def agent_keys(config_class: type = AgentConfig) -> list[AgentKey]:
 _TOP_KEYS: dict[str, type] = {key.name: key.toml for key in agent_keys()}
 #: top-level keys from before the [store] table, still read: key -> its type
 _MOVED_TO_STORE: dict[str, type] = {"checksum": str}
-_RETENTION_KEYS: dict[str, type] = {
-    "interval_seconds": float,
-    "grace_seconds": float,
-    "deep_verify": bool,
-    "repack": bool,
-    "repack_min_dead": float,
-    "hot_keep_last": int,
-    "hot_budget": object,  # a size: bytes, or a string like "800GB"
-    "hot_min_free": object,
-}
-_TIER_POLICY_KEYS = {"keep_last", "keep_every", "max_age", "budget"}
+#: [retention]'s keys, as RetentionSettings declares them
+_RETENTION_KEYS = table_keys(RetentionSettings)
 _TYPE_NAMES = {str: "a string", int: "an integer", float: "a number", list: "a list of strings"}
 
 
@@ -605,53 +775,45 @@ def _retention(raw: object, env: Mapping[str, str], n_tiers: int) -> RetentionSe
         raw = {}
     if not isinstance(raw, dict):
         raise ConfigError("retention: expected a table ([retention])")
-    tiers_raw = raw.pop("tiers", [])
-    values = _typed(raw, _RETENTION_KEYS, env, "retention.", prefix)
-    if not isinstance(tiers_raw, list) or not all(isinstance(t, dict) for t in tiers_raw):
-        raise ConfigError("retention.tiers: expected [[retention.tiers]] tables")
-    if len(tiers_raw) > n_tiers:
+    scalars = [k for k in _RETENTION_KEYS if not k.entries]
+    (tables,) = (k for k in _RETENTION_KEYS if k.entries)  # [[retention.tiers]]
+    where = f"retention.{tables.name}"
+    tables_raw = raw.pop(tables.name, [])
+    values = _typed(raw, {k.name: k.toml for k in scalars}, env, "retention.", prefix)
+    if not isinstance(tables_raw, list) or not all(isinstance(t, dict) for t in tables_raw):
+        raise ConfigError(f"{where}: expected [[{where}]] tables")
+    if len(tables_raw) > n_tiers:
         raise ConfigError(
-            f"retention.tiers: {len(tiers_raw)} policies for {n_tiers} tiers "
-            "(one per tier, in order)"
+            f"{where}: {len(tables_raw)} policies for {n_tiers} tiers (one per tier, in order)"
         )
-    policies = tuple(_tier_policy(i, t) for i, t in enumerate(tiers_raw))
-    hot_keep_last = _int_at_least("retention.hot_keep_last", values.get("hot_keep_last", 2), 2)
-    budget = values.get("hot_budget")
-    min_free = values.get("hot_min_free")
-    return RetentionSettings(
-        interval_seconds=_seconds(
-            "retention.interval_seconds", values.get("interval_seconds", 600.0)
-        ),
-        grace_seconds=_seconds("retention.grace_seconds", values.get("grace_seconds", 3600.0)),
-        deep_verify=bool(values.get("deep_verify", False)),
-        repack=bool(values.get("repack", True)),
-        repack_min_dead=_fraction("retention.repack_min_dead", values.get("repack_min_dead", 0.2)),
-        hot_keep_last=hot_keep_last,
-        hot_budget_bytes=_quantity("retention.hot_budget", budget, parse_size) if budget else None,
-        hot_min_free_bytes=(
-            _quantity("retention.hot_min_free", min_free, parse_size) if min_free else None
-        ),
-        tiers=policies,
-    )
+    entries = [_table_values(tables.entries, f"{where}[{i}]", t) for i, t in enumerate(tables_raw)]
+    settings: dict[str, Any] = {
+        k.field: _checked(k, f"retention.{k.name}", values[k.name])
+        for k in scalars
+        if k.name in values
+    }
+    settings[tables.field] = _checked(tables, where, entries)
+    return RetentionSettings(**settings)
 
 
-def _tier_policy(index: int, raw: dict[str, object]) -> TierPolicy:
-    where = f"retention.tiers[{index}]"
-    unknown = set(raw) - _TIER_POLICY_KEYS
+def _table_values(
+    keys: tuple[TableKey, ...], where: str, raw: Mapping[str, object]
+) -> dict[str, object]:
+    """A table of ``keys`` (a ``[[retention.tiers]]`` entry; ``where``: its name in
+    messages), checked: field -> value."""
+    declared = {k.name: k for k in keys}
+    unknown = set(raw) - set(declared)
     if unknown:
         raise ConfigError(f"unknown config key {where}.{sorted(unknown)[0]!r}")
-    ints = {}
-    for key in ("keep_last", "keep_every"):
-        if key in raw:
-            ints[key] = _int_at_least(f"{where}.{key}", _check(f"{where}.{key}", raw[key], int), 1)
-    max_age = raw.get("max_age")
-    budget = raw.get("budget")
-    return TierPolicy(
-        keep_last=ints.get("keep_last"),
-        keep_every=ints.get("keep_every"),
-        max_age_s=_quantity(f"{where}.max_age", max_age, parse_duration) if max_age else None,
-        budget_bytes=_quantity(f"{where}.budget", budget, parse_size) if budget else None,
-    )
+    return {k.field: _checked(k, f"{where}.{k.name}", raw[k.name]) for k in keys if k.name in raw}
+
+
+def _checked(key: TableKey, name: str, value: object) -> object:
+    """A table key's value, of its declared TOML type, checked and converted by its
+    declaration (``name``: the key, in messages)."""
+    if not key.entries:  # an array of tables: checked table by table
+        value = _check(name, value, key.toml)
+    return value if key.check is None else key.check(name, value)
 
 
 def _quantity(key: str, value: object, parse: Callable[[object], _Q]) -> _Q:
@@ -877,6 +1039,27 @@ def example_toml() -> str:
         top=_example_top(),
         transfer=_example_table(TransferSettings),
         store=_example_table(StoreSettings),
+        retention=_example_retention(),
+    )
+
+
+def _example_retention() -> str:
+    """The ``[retention]`` table as RetentionSettings declares it, commented out (the
+    example deletes nothing): its keys, then a ``[[retention.tiers]]`` table of
+    ``_TIER_KEYS``."""
+
+    def row(key: TableKey) -> tuple[str, str]:
+        line = f"{key.name} = {_toml_value(key.example)}"
+        return (f"# {line}" if key.commented else line), key.help
+
+    rows = [("[retention]", ""), *(row(k) for k in _RETENTION_KEYS if not k.entries)]
+    for key in _RETENTION_KEYS:
+        if key.entries:
+            rows += [("", ""), (f"[[retention.{key.name}]]", key.help)]
+            rows += [row(k) for k in key.entries]
+    width = max(25, *(len(line) + 1 for line, _ in rows))
+    return "\n".join(
+        f"# {line:<{width}} # {about}" if about else f"# {line}".rstrip() for line, about in rows
     )
 
 
@@ -910,9 +1093,10 @@ def config_reference() -> str:
     out = [
         "# The agent's configuration keys",
         "",
-        "Generated from their declarations (`AgentConfig`, `TransferSettings` and "
-        "`StoreSettings`) by `agent.daemon.config.config_reference()`; `tests/test_config_keys.py` "
-        "fails when this file differs (regenerate it: `python -c 'from agent.daemon.config import "
+        "Generated from their declarations (`AgentConfig`, `TransferSettings`, `StoreSettings` "
+        "and `RetentionSettings`) by `agent.daemon.config.config_reference()`; "
+        "`tests/test_config_keys.py` fails when this file differs (regenerate it: "
+        "`python -c 'from agent.daemon.config import "
         'config_reference as r; print(r(), end="")\' > docs/CONFIG.md`). `ferry agent '
         "--print-example-config` prints a "
         "commented example config. Each key comes from the TOML file or the environment "
@@ -962,10 +1146,45 @@ def config_reference() -> str:
         "## [retention]",
         "",
         "Without the table the agent deletes nothing, anywhere: docs/RETENTION.md, and the "
-        "commented table in the example config.",
+        "commented table in the example config (RetentionSettings in agent/daemon/config.py).",
         "",
+        "| key | type | default | environment | what it does |",
+        "|---|---|---|---|---|",
     ]
+    for rkey in _RETENTION_KEYS:
+        env_name = "none" if rkey.entries else f"`{ENV_PREFIX}RETENTION_{rkey.name.upper()}`"
+        out.append(
+            f"| `{rkey.name}` | {_table_type(rkey)} | {_table_default(rkey)} | {env_name} | "
+            f"{_cell(rkey.help)} |"
+        )
+    for rkey in _RETENTION_KEYS:
+        if not rkey.entries:
+            continue
+        out += [
+            "",
+            f"## [[retention.{rkey.name}]]",
+            "",
+            f"One table per entry of the top-level `{rkey.name}`, in order; a tier without one "
+            "keeps everything.",
+            "",
+            "| key | type | default | what it does |",
+            "|---|---|---|---|",
+        ]
+        for entry in rkey.entries:
+            out.append(
+                f"| `{entry.name}` | {_table_type(entry)} | {_table_default(entry)} | "
+                f"{_cell(entry.help)} |"
+            )
+    out.append("")
     return "\n".join(out)
+
+
+def _table_type(key: TableKey) -> str:
+    return key.type_text or _TYPE_NAMES.get(key.toml, "true or false")
+
+
+def _table_default(key: TableKey) -> str:
+    return "unset" if key.default is None else f"`{_toml_value(key.default)}`"
 
 
 def _cell(text: str) -> str:
@@ -974,7 +1193,8 @@ def _cell(text: str) -> str:
 
 
 # example_toml()'s text; {top}: the top-level keys, made from AgentConfig; {transfer} and
-# {store}: those tables, made from TransferSettings and StoreSettings
+# {store}: those tables, made from TransferSettings and StoreSettings; {retention}: that
+# table, commented out, made from RetentionSettings
 _EXAMPLE_TOML = """\
 # ckpt-ferry node agent: `ferry agent --config ferry.toml`, from this file's directory
 # (relative paths are relative to where the agent starts). As printed it is a one-node
@@ -998,19 +1218,5 @@ _EXAMPLE_TOML = """\
 # and after each push it evicts older steps from hot_dir (keeping the newest hot_keep_last
 # per job, and only what a colder tier holds) and trims each tier to its policy
 # (docs/RETENTION.md).
-# [retention]
-# interval_seconds = 600
-# grace_seconds = 3600        # unreferenced packs wait this long; must exceed a push
-# deep_verify = false         # re-hash a step in the next tier before it leaves this one
-# repack = true               # store deltas whose base expired whole; empty mostly-dead packs
-# repack_min_dead = 0.2       # ... packs with at least this fraction of dead bytes
-# hot_keep_last = 2           # committed steps kept per job in hot_dir (at least 2)
-# # hot_budget = "800GB"      # evict older steps (already in a colder tier) beyond this
-# # hot_min_free = "100GB"    # ... and while the hot filesystem has less free than this
-#
-# [[retention.tiers]]         # policy of tiers[0]; one table per tier, in order
-# keep_last = 20
-# keep_every = 1000           # milestones: every step divisible by 1000
-# max_age = "90d"
-# # budget = "20TiB"
+{retention}
 """

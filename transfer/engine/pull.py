@@ -130,7 +130,7 @@ async def pull(
         writeback = plan.fsync or boot_id() is None
         # buffered when the restore fits in spare memory: the load that follows reads it
         # there (engine/writepath.py)
-        way = choose_write_path(covered, options.direct_writes, spare_memory())
+        way = choose_write_path(covered, options.write_path, spare_memory())
         out = StagingFiles(staging.path, files, writeback, direct=way.direct)
         with out, ThreadPoolExecutor(options.workers, thread_name_prefix="ferry-pull") as pool:
             run = _Restore(

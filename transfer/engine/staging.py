@@ -12,6 +12,7 @@ older than ``RESUME_KEEP_SECONDS``, or when a newer one of the same destination 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import errno
 import fcntl
@@ -220,7 +221,7 @@ class StagingFiles:
     ) -> None:
         self._paths = [staging / f.path for f in files]
         self._writeback = writeback
-        self._direct = direct  # TransferOptions.direct_writes
+        self._direct = direct  # engine/writepath.py chose
         self._direct_fds: dict[int, int | None] = {}
         self._slow_writes = 0  # direct writes in a row slower than MIN_DIRECT_RATE
         self._buffered_left = 0  # writes to go buffered before direct is tried again
@@ -229,6 +230,7 @@ class StagingFiles:
         self._keep = set(multi) if len(multi) <= self.MAX_KEPT_OPEN else set()
         self._fds: dict[int, int] = {}
         self._lock = threading.Lock()
+        self._buffered_locks: dict[int, threading.Lock] = {}
 
     def __enter__(self) -> StagingFiles:
         return self
@@ -281,9 +283,13 @@ class StagingFiles:
                 write_at(fd, direct, offset, view, yield_to_reads=False)
                 self._judge_device(len(view), time.monotonic() - began)
             else:
-                done = 0
-                while done < len(view):
-                    done += os.pwrite(fd, view[done:], offset + done)
+                # one buffered writer per file: the kernel serialises them on the inode's
+                # lock anyway, and writers spinning on it burnt ~5 s of system time on a
+                # 272 MB one-file restore (O_DIRECT overwrites take it shared)
+                with self._file_lock(index) if kept else contextlib.nullcontext():
+                    done = 0
+                    while done < len(view):
+                        done += os.pwrite(fd, view[done:], offset + done)
             if self._writeback:
                 start_writeback(fd, offset, len(view))
         except OSError as exc:
@@ -294,6 +300,10 @@ class StagingFiles:
         finally:
             if not kept:
                 os.close(fd)
+
+    def _file_lock(self, index: int) -> threading.Lock:
+        with self._lock:
+            return self._buffered_locks.setdefault(index, threading.Lock())
 
     def _judge_device(self, nbytes: int, seconds: float) -> None:
         if nbytes < (1 << 20):

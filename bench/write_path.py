@@ -1,0 +1,173 @@
+"""How a restore should write: from the pull's start to every tensor loaded, per write path.
+
+The scheduler waits until the survivor's ranks have their state loaded, not until a pull
+returns. A restore written buffered leaves its bytes in the page cache for the load; one
+written with O_DIRECT is cheaper to write on some machines and makes the load read the
+disk. This measures both ends together, on the disk the work directory is on:
+
+- the save (a DCP directory: a real fine-tune, ``bench.gen_checkpoints`` or
+  ``bench.corpus``) is pushed once to a local store (``--workdir``);
+- each round, for each ``--write-path`` arm (order alternated): the page cache is dropped,
+  a loader process imports torch and waits (its import is not timed), then the clock
+  starts: ``ferry pull`` of the save with that write path; at its exit the loader
+  ``dcp.load``s every tensor of the save into memory and reports; the restore is compared
+  byte for byte with the save in the first round.
+
+Printed per arm: medians of the pull, the load and their sum, the pull's CPU and system
+seconds, the ratio to the first arm. Results in bench/results/write_path.md and .json.
+
+How::
+
+    python -m bench.write_path /work/series/full/step_000040            # 272 MB fine-tune
+    python -m bench.write_path /work/corpus/full/step_000040 --runs 3   # 1.69 GB, 8 ranks
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from bench._env import ferry_command, reproduce_command, write_results  # noqa: E402
+from bench._measure import check_same, drop_caches, run_timed, tree_digest  # noqa: E402
+
+#: A fresh process that imports torch, waits for a line on stdin, then loads every tensor
+#: of the DCP save named by argv[1] into memory and prints the seconds the load took.
+LOADER = """
+import sys, time, warnings
+warnings.filterwarnings("ignore")
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+print("ready", flush=True)
+sys.stdin.readline()
+t = time.monotonic()
+reader = FileSystemReader(sys.argv[1])
+md = reader.read_metadata()
+sd = {k: torch.empty(v.size, dtype=v.properties.dtype)
+      for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+dcp.load(sd, storage_reader=FileSystemReader(sys.argv[1]), no_dist=True)
+print(f"{time.monotonic() - t:.4f} {sum(x.numel() * x.element_size() for x in sd.values())}",
+      flush=True)
+"""
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("save", type=Path, help="a DCP save directory (.metadata + shards)")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--arms", default="direct,buffered,auto", help="write paths, first = 1.00x")
+    ap.add_argument("--workdir", type=Path, default=None, help="on the disk to measure")
+    ap.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent / "results")
+    return ap.parse_args(argv)
+
+
+def one_round(store: Path, dest: Path, arm: str, save_bytes: int) -> dict[str, Any]:
+    drop_caches()
+    loader = subprocess.Popen(
+        [sys.executable, "-c", LOADER, str(dest)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert loader.stdin is not None and loader.stdout is not None
+    if loader.stdout.readline().strip() != "ready":
+        raise SystemExit("the loader did not start")
+    began = time.monotonic()
+    cmd = [*ferry_command(), "pull", str(store), str(dest), "--job", "j", "--step", "1",
+           "--write-path", arm]  # fmt: skip
+    ran = run_timed(cmd, dict(os.environ), None)
+    if ran.returncode != 0:
+        raise SystemExit(f"ferry pull --write-path {arm} failed: {ran.stderr[-2000:]}")
+    pulled = time.monotonic()
+    loader.stdin.write("go\n")
+    loader.stdin.flush()
+    load_s, loaded = loader.stdout.readline().split()
+    loader.wait(timeout=600)
+    done = time.monotonic()
+    if int(loaded) <= 0:
+        raise SystemExit("the loader loaded nothing")
+    return {
+        "arm": arm, "pull": pulled - began, "load": float(load_s), "total": done - began,
+        "pull_cpu": ran.cpu_user + ran.cpu_sys, "pull_sys": ran.cpu_sys,
+        "loaded_bytes": int(loaded), "save_bytes": save_bytes,
+    }  # fmt: skip
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    arms = args.arms.split(",")
+    work = Path(tempfile.mkdtemp(prefix="ferry-write-path-", dir=args.workdir))
+    try:
+        store, dest = work / "store", work / "dest"
+        push = [*ferry_command(), "push", str(args.save), str(store), "--job", "j",
+                "--step", "1", "--node", "n0", "--init"]  # fmt: skip
+        subprocess.run(push, check=True, stdout=subprocess.DEVNULL)
+        digest = tree_digest(args.save)
+        save_bytes = sum(size for size, _ in digest.values())
+        rows = []
+        for rnd in range(args.runs):
+            shift = rnd % len(arms)
+            for arm in arms[shift:] + arms[:shift]:
+                row = one_round(store, dest, arm, save_bytes) | {"round": rnd + 1}
+                if rnd == 0:
+                    check_same(digest, dest, f"ferry pull --write-path {arm}")
+                shutil.rmtree(dest)
+                rows.append(row)
+                print(f"r{rnd + 1} {arm:<9} pull {row['pull']:6.2f} s (CPU {row['pull_cpu']:5.2f}"
+                      f", sys {row['pull_sys']:5.2f})  load {row['load']:5.2f} s  total "
+                      f"{row['total']:6.2f} s", flush=True)  # fmt: skip
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return {"save": str(args.save), "save_bytes": save_bytes, "arms": arms, "rows": rows}
+
+
+def report(doc: dict[str, Any]) -> str:
+    def med(arm: str, key: str) -> float:
+        return statistics.median(r[key] for r in doc["rows"] if r["arm"] == arm)
+
+    first = doc["arms"][0]
+    lines = [
+        f"{doc['save']} ({doc['save_bytes'] / 1e6:,.0f} MB), medians of "
+        f"{len(doc['rows']) // len(doc['arms'])}, page cache dropped before each",
+        "",
+        "| write path | pull s | load s | start -> loaded s | pull CPU s (sys) "
+        f"| total / {first} |",
+        "|---|---|---|---|---|---|",
+    ]
+    for arm in doc["arms"]:
+        ratio = med(arm, "total") / med(first, "total")
+        lines.append(
+            f"| {arm} | {med(arm, 'pull'):.2f} | {med(arm, 'load'):.2f} | "
+            f"{med(arm, 'total'):.2f} | {med(arm, 'pull_cpu'):.2f} ({med(arm, 'pull_sys'):.2f})"
+            f" | {ratio:.2f}x |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    command = reproduce_command([sys.executable, "-m", "bench.write_path",
+                                 *(sys.argv[1:] if argv is None else argv)])  # fmt: skip
+    print(command, flush=True)
+    doc = run(args)
+    md = report(doc)
+    print(md)
+    date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    stem = f"write_path_{args.save.parent.parent.name}_{args.save.parent.name}"
+    write_results(args.out_dir, stem, command, date, md, **doc)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
