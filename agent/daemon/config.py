@@ -50,35 +50,45 @@ def _key(
     example: object = MISSING,
     commented: bool = False,
     default_text: str = "",
-    name: str = "",
-    check: Callable[[str, Any], object] | None = None,
-    type_text: str = "",
-    entries: tuple[TableKey, ...] = (),
 ) -> dict[str, object]:
     """An agent key's declaration, the metadata of its AgentConfig field (which holds its
     default; none: required or computed, said by ``default_text``): ``help`` (one line),
     its ``toml`` type (str, int, float, bool, list of strings, or object: any of several),
     and how the example config shows it (``example``: another value than the default;
-    ``commented``: as a comment).
-
-    A table's key (RetentionSettings' field: ``table_keys``) also says its ``name`` in the
-    file when that is not the field's (``hot_budget``, stored as ``hot_budget_bytes``), how
-    the value given is ``check``-ed and converted to the field's (called with the key's
-    name for the message; none: taken as given), its type in docs/CONFIG.md when ``toml``
-    is object (``type_text``), and for an array of tables (``toml`` list:
-    ``[[retention.tiers]]``) the keys of each table (``entries``). The top level's checks
-    are ``_CHECKS``."""
+    ``commented``: as a comment)."""
     return {
         "help": help,
         "toml": toml,
         "example": example,
         "commented": commented,
         "default_text": default_text,
-        "name": name,
-        "check": check,
-        "type_text": type_text,
-        "entries": entries,
+        "name": "",
+        "check": None,
+        "type_text": "",
+        "entries": (),
     }
+
+
+def _table_key(
+    help: str,
+    toml: type,
+    *,
+    example: object = MISSING,
+    commented: bool = False,
+    name: str = "",
+    check: Callable[[str, Any], object] | None = None,
+    type_text: str = "",
+    entries: tuple[TableKey, ...] = (),
+) -> dict[str, object]:
+    """A table's key (RetentionSettings' field: ``table_keys``) also says its ``name`` in the
+    file when that is not the field's (``hot_budget``, stored as ``hot_budget_bytes``), how
+    the value given is ``check``-ed and converted to the field's (called with the key's
+    name for the message; none: taken as given), its type in docs/CONFIG.md when ``toml``
+    is object (``type_text``), and for an array of tables (``toml`` list:
+    ``[[retention.tiers]]``) the keys of each table (``entries``). The top level's checks
+    are ``_CHECKS``."""
+    declared = _key(help, toml, example=example, commented=commented)
+    return declared | {"name": name, "check": check, "type_text": type_text, "entries": entries}
 
 
 @dataclass(frozen=True)
@@ -173,7 +183,7 @@ class RetentionSettings:
 
     interval_seconds: float = field(
         default=600.0,
-        metadata=_key(
+        metadata=_table_key(
             "seconds between runs (it also runs after each push)",
             float,
             example=600,
@@ -182,7 +192,7 @@ class RetentionSettings:
     )
     grace_seconds: float = field(
         default=3600.0,
-        metadata=_key(
+        metadata=_table_key(
             "unreferenced packs wait this long before GC; must exceed a push",
             float,
             example=3600,
@@ -191,19 +201,19 @@ class RetentionSettings:
     )
     deep_verify: bool = field(
         default=False,
-        metadata=_key("re-hash a step in the next tier before it leaves this one", bool),
+        metadata=_table_key("re-hash a step in the next tier before it leaves this one", bool),
     )
     #: transfer/retention/repack.py
     repack: bool = field(
         default=True,
-        metadata=_key(
+        metadata=_table_key(
             "store deltas whose base expired whole; empty mostly-dead packs",
             bool,
         ),
     )
     repack_min_dead: float = field(
         default=0.2,
-        metadata=_key(
+        metadata=_table_key(
             "repack packs with at least this fraction of dead bytes",
             float,
             check=lambda key, f: _fraction(key, f),
@@ -212,7 +222,7 @@ class RetentionSettings:
     #: at least 2: the newest may still be in use by training or be the next push's base
     hot_keep_last: int = field(
         default=2,
-        metadata=_key(
+        metadata=_table_key(
             "committed steps kept per job in hot_dir (at least 2)",
             int,
             check=lambda key, n: _int_at_least(key, n, 2),
@@ -220,7 +230,7 @@ class RetentionSettings:
     )
     hot_budget_bytes: int | None = field(
         default=None,
-        metadata=_key(
+        metadata=_table_key(
             "evict older steps (already in a colder tier) beyond this size",
             object,
             name="hot_budget",
@@ -232,7 +242,7 @@ class RetentionSettings:
     )
     hot_min_free_bytes: int | None = field(
         default=None,
-        metadata=_key(
+        metadata=_table_key(
             "evict them also while the hot filesystem has less free than this",
             object,
             name="hot_min_free",
@@ -244,7 +254,7 @@ class RetentionSettings:
     )
     tiers: tuple[TierPolicy, ...] = field(
         default=(),
-        metadata=_key(
+        metadata=_table_key(
             "policy of tiers[0]; one table per tier, in order",
             list,
             check=lambda key, tables: tuple(TierPolicy(**t) for t in tables),
@@ -269,7 +279,7 @@ def table_keys(settings: type) -> tuple[TableKey, ...]:
         if "help" not in f.metadata:
             raise TypeError(
                 f"{settings.__name__}.{f.name} is not declared: give it its default and "
-                "`metadata=_key(help, toml type)` (agent/daemon/config.py)"
+                "`metadata=_table_key(help, toml type)` (agent/daemon/config.py)"
             )
         m = f.metadata
         keys.append(
@@ -547,7 +557,7 @@ def agent_keys(config_class: type = AgentConfig) -> list[AgentKey]:
         if "help" not in f.metadata:
             raise TypeError(
                 f"{config_class.__name__}.{f.name} is not declared: give it its default and "
-                "`metadata=_key(help, toml type)` (agent/daemon/config.py)"
+                "`metadata=_table_key(help, toml type)` (agent/daemon/config.py)"
             )
         m = f.metadata
         example = f.default if m["example"] is MISSING else m["example"]
