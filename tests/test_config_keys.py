@@ -86,3 +86,69 @@ def test_docs_config_md_is_made_from_the_declarations() -> None:
     )
     for key in agent_keys():
         assert f"| `{key.name}` |" in doc and f"`FERRY_{key.name.upper()}`" in doc
+
+
+def _not_the_default(key: agent_config.TableKey) -> object:
+    """A TOML value of ``key``'s type other than its default (so a key declared but not read
+    shows: it would load as the default)."""
+    if key.example != key.default:
+        return key.example
+    if key.toml is bool:
+        return not key.default
+    assert isinstance(key.default, int | float), key.name
+    return key.default + 1 if key.toml is int else key.default / 2
+
+
+def test_every_retention_key_is_declared_once_and_read(tmp_path: Path) -> None:
+    """The [retention] keys (RetentionSettings' fields) and the [[retention.tiers]] keys
+    (``_TIER_KEYS``, one per TierPolicy field) are in the example config (commented out), in
+    docs/CONFIG.md, and read by load_config from the file and from FERRY_RETENTION_<KEY>;
+    an undeclared key is refused."""
+    from transfer.retention import TierPolicy
+
+    keys = agent_config._RETENTION_KEYS
+    assert {k.field for k in keys} == {f.name for f in fields(agent_config.RetentionSettings)}
+    (tables,) = (k for k in keys if k.entries)
+    assert {k.field for k in tables.entries} == {f.name for f in fields(TierPolicy)}
+    text = example_toml()
+    example = text[text.index("\n# [retention]\n") :]
+    doc = (ROOT / "docs" / "CONFIG.md").read_text()
+    doc = doc[doc.index("\n## [retention]\n") :]
+    path = tmp_path / "f.toml"
+
+    def load(toml: str, env: dict[str, str] | None = None) -> agent_config.RetentionSettings:
+        path.write_text('hot_dir = "/h"\ntiers = ["/a"]\n' + toml)
+        retention = load_config(path, env=env or {}).retention
+        assert retention is not None
+        return retention
+
+    def shown(key: agent_config.TableKey) -> str:
+        line = f"{key.name} = {agent_config._toml_value(key.example)}"
+        return f"\n# # {line}" if key.commented else f"\n# {line}"
+
+    defaults = load("[retention]\n")
+    assert defaults == agent_config.RetentionSettings()  # the declared defaults
+    for key in keys:
+        assert f"\n| `{key.name}` |" in doc, key.name
+        if key.entries:  # [[retention.tiers]]: a table per tier
+            assert f"\n# [[retention.{key.name}]]" in example
+            for entry in key.entries:
+                assert shown(entry) in example and f"\n| `{entry.name}` |" in doc, entry.name
+                value = agent_config._toml_value(_not_the_default(entry))
+                policy = load(f"[[retention.{key.name}]]\n{entry.name} = {value}\n").tiers[0]
+                assert getattr(policy, entry.field) is not None, entry.name
+            continue
+        assert shown(key) in example, key.name
+        env_name = f"FERRY_RETENTION_{key.name.upper()}"
+        assert f"`{env_name}`" in doc, key.name
+        value = _not_the_default(key)
+        from_file = load(f"[retention]\n{key.name} = {agent_config._toml_value(value)}\n")
+        env_text = str(value).lower() if isinstance(value, bool) else str(value)
+        from_env = load("", {env_name: env_text})
+        assert getattr(from_file, key.field) == getattr(from_env, key.field), key.name
+        assert getattr(from_file, key.field) != getattr(defaults, key.field), key.name
+    with pytest.raises(agent_config.ConfigError, match=r"unknown config key 'retention\.bog'"):
+        load("[retention]\nbog = 1\n")
+    with pytest.raises(agent_config.ConfigError, match=r"key retention\.tiers\[0\]\.'bog'"):
+        load("[[retention.tiers]]\nbog = 1\n")
+    assert load("", {"FERRY_RETENTION_BOG": "1"}) == defaults  # other tools' variables

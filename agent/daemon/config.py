@@ -109,7 +109,7 @@ class AgentKey:
 
 @dataclass(frozen=True)
 class TableKey:
-    """One key of a table as its declaration says (``_key``; ``[retention]``:
+    """One key of a table as its declaration says (``_table_key``; ``[retention]``:
     RetentionSettings' fields, ``table_keys``; ``[[retention.tiers]]``: ``_TIER_KEYS``):
     ``name`` in the file (and ``FERRY_RETENTION_<NAME>`` for [retention]'s scalars), stored
     as the settings' field ``field``."""
@@ -273,7 +273,7 @@ class RetentionSettings:
 
 def table_keys(settings: type) -> tuple[TableKey, ...]:
     """The keys of the table ``settings`` declares (RetentionSettings), in order. A field
-    not declared with ``_key`` is a TypeError (this module runs it on import)."""
+    not declared with ``_table_key`` is a TypeError (this module runs it on import)."""
     keys = []
     for f in fields(settings):
         if "help" not in f.metadata:
