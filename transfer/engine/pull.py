@@ -46,7 +46,7 @@ from transfer.engine.staging import (
     worth_resuming,
 )
 from transfer.engine.workers import run_workers
-from transfer.engine.writepath import choose_write_path, spare_memory
+from transfer.engine.writepath import writes_direct
 from transfer.errors import FerryError
 from transfer.format.chunkid import chunk_id
 from transfer.format.manifest import FileEntry, Manifest
@@ -130,8 +130,8 @@ async def pull(
         writeback = plan.fsync or boot_id() is None
         # buffered when the restore fits in spare memory: the load that follows reads it
         # there (engine/writepath.py)
-        way = choose_write_path(covered, options.write_path, spare_memory())
-        out = StagingFiles(staging.path, files, writeback, direct=way.direct)
+        direct = writes_direct(covered, options.write_path)
+        out = StagingFiles(staging.path, files, writeback, direct=direct)
         with out, ThreadPoolExecutor(options.workers, thread_name_prefix="ferry-pull") as pool:
             run = _Restore(
                 ChunkResolver(store, index, pool, base_dir),
@@ -149,7 +149,7 @@ async def pull(
         await _to_thread_to_the_end(seal, staging.path, files, dest, plan.fsync)
     events.progress.finish()
     result = run.result(manifests, got, base_dir, dest, time.monotonic() - started)
-    result.write_path = way.name
+    result.write_path = "direct" if direct else "buffered"
     if share is not None:
         record = share.to_record(result.job, result.step)
         result.share = {k: record[k] for k in ("layout", "bytes")}

@@ -21,23 +21,12 @@ that came before its flush (settle.py)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 MEMINFO = Path("/proc/meminfo")
 RESERVE_FRACTION = 0.10
 RESERVE_MIN = 1 << 30
 SHARE = 0.5
-
-
-@dataclass(frozen=True)
-class WritePath:
-    direct: bool
-    why: str  # one line, for the pull's result and the log
-
-    @property
-    def name(self) -> str:
-        return "direct" if self.direct else "buffered"
 
 
 def spare_memory(meminfo: Path | None = None) -> int | None:
@@ -54,13 +43,10 @@ def spare_memory(meminfo: Path | None = None) -> int | None:
     return max(0, int((available - reserve) * SHARE))
 
 
-def choose_write_path(nbytes: int, chosen: str, spare: int | None) -> WritePath:
-    """``nbytes``: what the restore writes; ``chosen``: the ``write_path`` tunable (auto,
-    direct, buffered); ``spare``: ``spare_memory()``."""
+def writes_direct(nbytes: int, chosen: str) -> bool:
+    """Whether a restore writing ``nbytes`` goes with O_DIRECT, by the ``write_path``
+    tunable ``chosen`` (auto, direct, buffered); only ``auto`` reads the kernel's meminfo."""
     if chosen != "auto":
-        return WritePath(chosen == "direct", f"write_path is {chosen}")
-    if spare is None:
-        return WritePath(True, "free memory unknown")
-    if nbytes <= spare:
-        return WritePath(False, f"{nbytes} bytes fit in the {spare} the page cache can spare")
-    return WritePath(True, f"{nbytes} bytes exceed the {spare} the page cache can spare")
+        return chosen == "direct"
+    spare = spare_memory()
+    return spare is None or nbytes > spare
