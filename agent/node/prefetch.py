@@ -34,7 +34,7 @@ from agent.peers.chunks import PeerSource
 from agent.peers.fanout import FanoutSource, Landing
 from agent.rpc.services import Spawn, own_task
 from transfer.durable import fsync_dir
-from transfer.engine import PullEvents, PullPlan, Sources, TransferOptions, pull, resolve_manifests
+from transfer.engine import PullEvents, PullPlan, Sources, TransferOptions, pull
 from transfer.engine.catalog import Catalog, resolve_checkpoint
 from transfer.engine.dcpshare import Layout
 from transfer.engine.localcheck import local_copy_differences
@@ -44,7 +44,7 @@ from transfer.engine.ratelimit import RateLimit
 from transfer.engine.restorenames import staging_path
 from transfer.engine.scan import SourceFile, check_unchanged, scan_checkpoint
 from transfer.engine.settle import settle
-from transfer.engine.share import covers, plan_share, plan_shares, read_record, widen
+from transfer.engine.share import plan_fill, plan_shares
 from transfer.engine.sources import ChunkSource
 from transfer.engine.staging import discard_leftovers, sweep_stale_staging
 from transfer.errors import (
@@ -434,12 +434,26 @@ class Prefetcher:
         dest = self.hot_dir.step_path(record.job, record.step)
         record.dest = str(dest)
         held = self.hot_dir.checkpoints(record.job)
-        base = next((c for c in held if c.step < record.step), None)
+        to_share = record.layout is not None or record.items is not None
+        to_share = to_share or self.hot_dir.is_share(dest)
+        base = self._base(record, held, to_share)
         # held from the listing on, with no await in between: hot retention checks the holds
         # just before it takes a step away (hotretention.apply_hot), so neither the step
         # found here nor the base chosen is evicted under this prefetch
         with self.holds.hold((record.job, record.step), (record.job, base.step) if base else None):
-            await self._pull_here(record, name, store, manifests, dest, held, base)
+            await self._pull_here(record, name, store, manifests, held, base, to_share)
+
+    def _base(
+        self, record: PrefetchJob, held: list[LocalCheckpoint], to_share: bool
+    ) -> LocalCheckpoint | None:
+        """The checkpoint a restore starts from: the newest older whole one here; for a
+        share (or into a partial copy), a partial copy counts too."""
+        assert record.step is not None
+        older = [c for c in held if c.step < record.step]
+        if to_share:
+            shares = self.hot_dir.shares()
+            older += [c for c in shares if c.job == record.job and c.step < record.step]
+        return max(older, key=lambda c: c.step, default=None)
 
     async def _pull_here(
         self,
@@ -447,11 +461,12 @@ class Prefetcher:
         name: str,
         store: Store,
         manifests: list[Manifest],
-        dest: Path,
         held: list[LocalCheckpoint],
         base: LocalCheckpoint | None,
+        to_share: bool,
     ) -> None:
-        assert record.step is not None
+        assert record.step is not None and record.dest is not None
+        dest = Path(record.dest)
         here = next((c for c in held if c.step == record.step), None)
         if here is not None:
             # already here (written by training on this node, or an earlier prefetch):
@@ -476,58 +491,48 @@ class Prefetcher:
                 await self._fill_in(record, name, store, here.path, manifests)
             record.satisfied_by = "filled_in" if problems else "held"
             return
-        if record.layout is not None or record.items is not None or self.hot_dir.is_share(dest):
-            await self._pull_share(record, name, store, manifests, dest)
-            return
-        base_manifests = None
-        if base is not None:  # where its chunks are, so unchanged ones are all we read
-            try:
-                base_manifests = await resolve_manifests(store, record.job, base.step)
-            except FerryError:
-                base_manifests = None  # not in this tier: look everywhere, as without it
         base_dir = base.path if base is not None else None
+        if to_share:
+            await self._pull_share(record, name, store, manifests, base_dir)
+            return
+        # (the base's manifests: the pull reads them by its directory's name, once)
         plan = PullPlan(record.job, record.step, manifests=manifests)
-        await self._restore(record, name, store, plan, dest, base_dir, base_manifests)
+        await self._restore(record, name, store, plan, dest, base_dir)
         record.satisfied_by = "restored"
         files = await asyncio.to_thread(scan_checkpoint, dest)
         self._restored[(record.job, record.step)] = (files, record.background)
 
     async def _pull_share(
-        self, record: PrefetchJob, name: str, store: Store, manifests: list[Manifest], dest: Path
+        self,
+        record: PrefetchJob,
+        name: str,
+        store: Store,
+        manifests: list[Manifest],
+        base: Path | None,
     ) -> None:
         """A share of the step (record.layout or record.items), or the whole step where a
         share copy is (record asks for neither): a copy already holding what is asked is
         ready ("held"); one holding less is completed in place: what is asked and what it
         holds is pulled beside it, reusing its verified chunks, and swapped in."""
-        assert record.step is not None
-        share = None
-        if record.layout is not None or record.items is not None:
-            layout = None if record.layout is None else _layout_of(record.layout)
-            share = await plan_share(Catalog(store), manifests, layout, record.items)
-        had = read_record(dest) if self.hot_dir.is_share(dest) else None
-        if had is not None and share is not None and covers(had, share):
+        assert record.step is not None and record.dest is not None
+        dest = Path(record.dest)
+        layout = None if record.layout is None else _layout_of(record.layout)
+        todo = await plan_fill(Catalog(store), manifests, dest, layout, record.items)
+        if todo.held:
             record.satisfied_by = "held"
             return
-        # its base, when it starts from nothing: the newest older step here, whole or a share
-        held = [*self.hot_dir.checkpoints(record.job), *self.hot_dir.shares()]
-        older = [c for c in held if c.job == record.job and c.step < record.step]
-        base = max(older, key=lambda c: c.step, default=None) if had is None else None
-        with self.holds.hold((record.job, record.step), (record.job, base.step) if base else None):
-            if had is None:
-                plan = PullPlan(record.job, record.step, manifests=manifests, share=share)
-                await self._restore(record, name, store, plan, dest, base.path if base else None)
-                record.satisfied_by = "restored"
-                return
-            wider = None if share is None else widen(share, had)
-            scratch = staging_path(dest, "fill-")
-            try:
-                plan = PullPlan(
-                    record.job, record.step, manifests=manifests, share=wider, fsync=True
-                )
-                await self._restore(record, name, store, plan, scratch, dest)
-                await asyncio.to_thread(_swap_in, scratch, dest)
-            finally:
-                await asyncio.to_thread(shutil.rmtree, scratch, True)
+        plan = PullPlan(record.job, record.step, manifests=manifests, share=todo.share)
+        if not todo.fill:  # from nothing, from its base
+            await self._restore(record, name, store, plan, dest, base)
+            record.satisfied_by = "restored"
+            return
+        scratch = staging_path(dest, "fill-")
+        try:
+            plan = dataclasses.replace(plan, fsync=True)
+            await self._restore(record, name, store, plan, scratch, dest)
+            await asyncio.to_thread(_swap_in, scratch, dest)
+        finally:
+            await asyncio.to_thread(shutil.rmtree, scratch, True)
         record.satisfied_by = "filled_in"
 
     def _intact_restore(self, record: PrefetchJob, here: Path) -> str | None:
@@ -557,7 +562,6 @@ class Prefetcher:
         plan: PullPlan,
         dest: Path,
         base: Path | None,
-        base_manifests: list[Manifest] | None = None,
     ) -> None:
         """Pull ``plan``'s checkpoint (or its share) into ``dest`` (its manifests resolved
         once, by _fetch: not read again; ``base``, then peers, then this tier) and record
@@ -570,7 +574,7 @@ class Prefetcher:
         record.bytes_by_source.setdefault(source, 0)  # named even when it sends nothing
         record.eta_rate = self.meter.rate(source)
         peers = (self.chunk_source,) if self.chunk_source is not None else ()
-        sources = Sources(base, base_manifests, peers)
+        sources = Sources(base, chain=peers)
         # what this restore will land here: members asking for it are held until it does
         wanted: list[str] = []
         if record.fanout is not None and self.fanout_client is not None:
@@ -587,7 +591,7 @@ class Prefetcher:
                 wanted = list(needs[me])
             fan = FanoutSource(self.fanout_client, *record.fanout, needs)
             await fan.probe()
-            sources = Sources(base, base_manifests, (fan,), fan.mine)
+            sources = Sources(base, chain=(fan,), store_first=fan.mine)
         began = time.monotonic()
         self.landing.expect(wanted)
         rate_limit = self.background_limit if record.background else None

@@ -187,6 +187,39 @@ def covers(record: dict[str, object], share: Share) -> bool:
     return True
 
 
+@dataclass(frozen=True)
+class ShareFill:
+    """What a restore into a step directory that may hold a partial copy pulls:
+    ``share`` (None: the whole step); ``held``: the copy there already holds all of it;
+    ``fill``: it holds part of it, so the restore is pulled beside it (reusing its verified
+    chunks) and swapped in."""
+
+    share: Share | None
+    held: bool = False
+    fill: bool = False
+
+
+async def plan_fill(
+    catalog: Catalog,
+    manifests: list[Manifest],
+    copy: Path,
+    layout: Layout | None = None,
+    items: object = None,
+) -> ShareFill:
+    """What to pull into ``copy`` (a step directory, a partial copy or not there yet) for
+    the share of ``layout`` or ``items`` (neither: the whole step). One answer, so a
+    caller plans a share, reads the copy's record and widens in one place."""
+    share = None
+    if layout is not None or items is not None:
+        share = await plan_share(catalog, manifests, layout, items)
+    had = read_record(copy)
+    if had is None:
+        return ShareFill(share)
+    if share is not None and covers(had, share):
+        return ShareFill(share, held=True)
+    return ShareFill(None if share is None else widen(share, had), fill=True)
+
+
 def widen(share: Share, record: dict[str, object]) -> Share:
     """``share`` and what the copy ``record`` describes holds, as one share (an explicit
     item set: the union of two layouts is not a layout)."""
