@@ -7,6 +7,7 @@ tree byte for byte against its source.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -15,7 +16,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import blake3
@@ -64,6 +65,47 @@ def drop_caches() -> bool:
     except OSError:
         return False
     return True
+
+
+BLKIO = Path("/sys/fs/cgroup/blkio")
+
+
+def whole_disk(path: Path) -> str:
+    """``MAJ:MIN`` of the disk (not the partition) holding ``path``: what a blkio throttle
+    rule names."""
+    dev = os.stat(path).st_dev
+    sys_dev = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}")
+    if (sys_dev / "partition").exists():
+        return (sys_dev.resolve().parent / "dev").read_text().strip()
+    return f"{os.major(dev)}:{os.minor(dev)}"
+
+
+@contextlib.contextmanager
+def throttled_disk(path: Path, bytes_per_second: float | None) -> Iterator[None]:
+    """This process (and every process it starts from now on) reads and writes the disk
+    holding ``path`` at most ``bytes_per_second`` each way: a second, slower disk for a
+    benchmark, made of this one (a cgroup-v1 blkio throttle, which holds direct I/O; needs
+    root). Processes started before (the S3 server) are not throttled. None: as it is."""
+    if not bytes_per_second:
+        yield
+        return
+    group = BLKIO / f"ferry-bench-{os.getpid()}"
+    if not BLKIO.is_dir():
+        raise SystemExit(f"--disk-mbps needs the cgroup-v1 blkio controller at {BLKIO}")
+    group.mkdir(exist_ok=True)
+    rule = f"{whole_disk(path)} {int(bytes_per_second)}\n"
+    for way in ("read", "write"):
+        (group / f"blkio.throttle.{way}_bps_device").write_text(rule)
+    (group / "cgroup.procs").write_text(f"{os.getpid()}\n")
+    try:
+        yield
+    finally:
+        (BLKIO / "cgroup.procs").write_text(f"{os.getpid()}\n")
+        for pid in (group / "cgroup.procs").read_text().split():  # children left in it
+            with contextlib.suppress(OSError):
+                (BLKIO / "cgroup.procs").write_text(f"{pid}\n")
+        with contextlib.suppress(OSError):
+            group.rmdir()
 
 
 def _device_counters(path: Path) -> tuple[int, ...] | None:

@@ -644,3 +644,42 @@ def test_each_command_lists_only_the_knobs_it_uses() -> None:
 
     args = build_parser().parse_args(["pull", "s", "d", "--job", "j", "--zstd-level", "3"])
     assert args.zstd_level == 3
+
+
+def test_a_restore_takes_as_long_as_the_slower_of_its_source_and_its_disk() -> None:
+    """Issue 32: the estimate knows the disk it writes to. A restore streams, so a disk
+    slower than the source sets its time (a node whose volume is slower than its network),
+    a faster one leaves the source's; the two never add up."""
+    meter = BandwidthMeter()
+    meter.record("tier:x", 400 * MiB, 1.0)  # the source: 400 MiB/s
+    meter.record("disk", 100 * MiB, 1.0)  # the disk: 100 MiB/s
+    slow_disk = estimate_migration({"tier:x": 200 * MiB}, meter, bytes_total=400 * MiB,
+                                   gpus=1, gpu_hour_price=0, bytes_written=400 * MiB)  # fmt: skip
+    assert slow_disk.seconds == pytest.approx(4.0)  # the disk's 400 MiB, not the tier's 0.5 s
+    assert slow_disk.seconds_low < 4.0 < slow_disk.seconds_high  # the disk's spread widens it
+    meter.record("disk", 4000 * MiB, 1.0)  # (EWMA: ~1.27 GiB/s)
+    fast_disk = estimate_migration({"tier:x": 200 * MiB}, meter, bytes_total=400 * MiB,
+                                   gpus=1, gpu_hour_price=0, bytes_written=400 * MiB)  # fmt: skip
+    assert fast_disk.seconds == pytest.approx(0.5)  # the source's time: overlapped, not added
+    nothing = estimate_migration({"local": 0}, meter, bytes_total=5, gpus=1, gpu_hour_price=0)
+    assert nothing.seconds == 0.0  # nothing written (a replica): the disk costs nothing
+    with pytest.raises(ValueError):
+        estimate_migration({}, meter, bytes_total=1, gpus=1, gpu_hour_price=0, bytes_written=-1)
+
+
+def test_the_write_probe_writes_as_a_restore_and_leaves_nothing(tmp_path: Path) -> None:
+    """The disk probe writes what it says, from several writers, in both write paths, and
+    removes its scratch file; a restore's write stage gives the same kind of figure."""
+    from transfer.engine.writeprobe import PROBE_NAME, probe_write, write_rate
+
+    for direct in (True, False):
+        nbytes, took = probe_write(tmp_path, direct=direct, workers=2, nbytes=9 << 20)
+        assert nbytes == 9 << 20 and took > 0
+        assert list(tmp_path.iterdir()) == []  # no .ferry-write-probe left behind
+    (tmp_path / PROBE_NAME).write_bytes(b"a killed probe's")  # replaced, then removed
+    probe_write(tmp_path, direct=True, workers=1, nbytes=1 << 20)
+    assert not (tmp_path / PROBE_NAME).exists()
+    # two writers kept in their writes for 1 s each wrote 200 MiB: 200 MiB/s
+    assert write_rate(200 * MiB, 2.0, 2) == pytest.approx(200 * MiB)
+    assert write_rate(100, 1.0, 2) is None  # too little to say
+    assert write_rate(200 * MiB, 0.0, 2) is None  # too fast to say

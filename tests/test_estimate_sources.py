@@ -72,6 +72,29 @@ def test_a_tier_seen_for_the_first_time_is_probed_then_measured_by_transfers(
     asyncio.run(go())
 
 
+def test_the_estimate_knows_the_disk_a_restore_writes_to(local_url: str, tmp_path: Path) -> None:
+    """Issue 32: an estimate says what a restore writes here and how fast this node's disk
+    takes it: probed at the agent's start, then measured by each restore; a step held here
+    writes nothing. The time is never below what the disk takes for the bytes written."""
+    k20, k40 = adamw_series(tmp_path / "src", 2, seed=23, mib=8)
+
+    async def go() -> None:
+        await push_series(local_url, [k20, k40])
+        async with agent(tmp_path / "d", [local_url], "d") as url, FerryClient(url, TOKEN) as d:
+            first = await d.estimate("llm", 20)
+            assert first["disk_rate_basis"] == "probe", first  # the start-up probe's
+            assert first["bytes_written"] == first["bytes_total"] > 0
+            assert first["seconds"] >= first["bytes_written"] / first["disk_rate"]
+            await prefetched(d, 20)
+            after = await d.estimate("llm", 40)  # the restore of 20 measured the disk
+            assert after["disk_rate_basis"] == "measured", after
+            assert after["seconds"] >= after["bytes_written"] / after["disk_rate"]
+            held = await d.estimate("llm", 20)
+            assert (held["bytes_written"], held["disk_rate_basis"]) == (0, None)
+
+    asyncio.run(go())
+
+
 def test_a_probe_samples_a_quarter_of_the_transfer_within_its_bounds() -> None:
     """A probe costs at most a quarter of the prefetch it stands for, beyond PROBE_BYTES,
     and never more than PROBE_MAX; the sample stops at its budget and follows each chunk

@@ -15,7 +15,9 @@ MiB = 1 << 20
 #: Rates (bytes/s) assumed for a source kind until a transfer from it has been measured.
 #: Deliberately conservative for one node: NVMe sustains several GB/s, 10 GbE carries
 #: ~1.1 GB/s, and one node's streams to an object store commonly get a few hundred MB/s.
-DEFAULT_RATES: Mapping[str, float] = {"local": 1.0e9, "peer": 0.5e9, "tier": 0.2e9}
+#: ``disk``: how fast a restore writes to the hot dir's disk (probed at the agent's start,
+#: re-measured by every restore: transfer/engine/writeprobe.py).
+DEFAULT_RATES: Mapping[str, float] = {"local": 1.0e9, "peer": 0.5e9, "tier": 0.2e9, "disk": 1.0e9}
 
 #: Weight of a new sample: it moves the average about a third of the way, so a changed
 #: link (congestion, another peer) shows within a few transfers while one outlier does not
@@ -108,6 +110,13 @@ class BandwidthMeter:
     def measured(self, source: str) -> bool:
         return source in self._rates
 
+    def basis(self, source: str) -> str:
+        """Where ``rate(source)`` comes from: "measured" (transfers), "probe" (a probe's
+        rate, until the first transfer replaces it) or "default"."""
+        if source in self._provisional:
+            return "probe"
+        return "measured" if source in self._rates else "default"
+
     def snapshot(self) -> dict[str, float]:
         """Measured sources only (bytes/s), for JSON and metrics; defaults are not data."""
         return dict(sorted(self._rates.items()))
@@ -146,15 +155,19 @@ def estimate_migration(
     gpu_hour_price: float,
     parallel: bool = False,
     fixed_seconds: float = 0.0,
+    bytes_written: int = 0,
 ) -> MigrationEstimate:
     """Time and GPU cost to bring the missing bytes to a node (plus ``fixed_seconds``,
     taken as anywhere from half to twice that in the range).
 
     Sequential by default: sources are drained cheapest first and share the node's NIC and
     disk, so their times add up; ``parallel`` takes the slowest source instead (an upper
-    bound on overlap, for sources that use independent paths).
+    bound on overlap, for sources that use independent paths). ``bytes_written``: what
+    the restore writes to this node's disk (the whole step or share, reused chunks too),
+    at the ``disk`` rate: a restore streams, so it takes as long as the slower of its
+    sources and its disk, never their sum.
     """
-    if any(n < 0 for n in bytes_by_source.values()) or bytes_total < 0:
+    if any(n < 0 for n in bytes_by_source.values()) or min(bytes_total, bytes_written) < 0:
         raise ValueError("byte counts must not be negative")
     if gpus < 0 or not gpu_hour_price >= 0:
         raise ValueError("gpus and gpu_hour_price must not be negative")
@@ -165,10 +178,15 @@ def estimate_migration(
     moving = [(n, meter.rate(s), 2 * meter.spread(s)) for s, n in bytes_by_source.items() if n]
     combine = max if parallel else sum
 
+    disk = (bytes_written, meter.rate("disk"), 2 * meter.spread("disk"))
+
     def total(rate_factor: float, sign: int) -> float:
-        times = [n / (rate * max(0.25, 1 + sign * k * rate_factor)) for n, rate, k in moving]
+        def at(n: int, rate: float, k: float) -> float:
+            return n / (rate * max(0.25, 1 + sign * k * rate_factor))
+
+        times = [at(*source) for source in moving]
         fixed = fixed_seconds * (1.0 if not rate_factor else 0.5 if sign > 0 else 2.0)
-        return fixed + (float(combine(times)) if times else 0.0)
+        return fixed + max(float(combine(times)) if times else 0.0, at(*disk))
 
     return MigrationEstimate(
         bytes_total=bytes_total,

@@ -26,6 +26,9 @@ from transfer.errors import CheckpointNotFoundError, FerryError, StoreError
 from transfer.format.manifest import FileEntry, Manifest
 from transfer.store.base import Store
 
+#: what a Sourcing's source is when the step (or the share asked) is here already
+HELD = frozenset({"local", "replica"})
+
 
 @dataclass(frozen=True)
 class Sourcing:
@@ -73,6 +76,10 @@ class PrefetchEstimator:
             except StoreError as exc:  # the next tier may answer (as a prefetch would use it)
                 unreachable.append(f"{name}: {' '.join(str(exc).split())}")
                 continue
+            # a restore writes the whole step (or share), reused chunks too; a held one none
+            written = 0 if sourcing.source in HELD else total
+            if written:
+                await self.prefetcher.measure_disk()
             est = estimate_migration(
                 sourcing.moving,
                 self.meter,
@@ -80,11 +87,14 @@ class PrefetchEstimator:
                 gpus=gpus,
                 gpu_hour_price=gpu_hour_price,
                 fixed_seconds=PREFETCH_START_SECONDS,
+                bytes_written=written,
             )
             doc = est.to_dict()
             doc.update(job=job, step=manifests[0].step, node=self.config.node)
             doc.update(source=sourcing.source)
             doc.update(bytes_bases=sourcing.bases, rate_basis=sourcing.rate_basis)
+            doc.update(bytes_written=written, disk_rate=round(self.meter.rate("disk")))
+            doc.update(disk_rate_basis=self.meter.basis("disk") if written else None)
             doc.update(share=None if share is None else _share_doc(share))
             return doc
         which = "latest" if step is None else str(step)

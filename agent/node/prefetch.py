@@ -47,6 +47,7 @@ from transfer.engine.settle import settle
 from transfer.engine.share import plan_fill, plan_shares
 from transfer.engine.sources import ChunkSource
 from transfer.engine.staging import discard_leftovers, sweep_stale_staging
+from transfer.engine.writeprobe import probe_write, write_rate
 from transfer.errors import (
     CheckpointNotFoundError,
     DestinationError,
@@ -246,6 +247,25 @@ class Prefetcher:
         self.swept = self._sweep()
         self._slots = asyncio.Semaphore(concurrency)
         self._dest_locks: dict[tuple[str, int], asyncio.Lock] = {}
+        self._disk_probe = asyncio.Lock()
+
+    async def measure_disk(self) -> None:
+        """The hot dir's write rate, as a restore here writes (writeprobe.py), into the
+        meter as ``disk``: probed once, at the agent's start or at an estimate's first
+        contact, whichever asks first; every restore then re-measures it (``_restore``).
+        A probe that fails is logged, and the default rate stands."""
+        async with self._disk_probe:
+            if self.meter.measured("disk"):
+                return
+            direct = self.options.write_path != "buffered"  # auto: a large restore's path
+            try:
+                nbytes, took = await asyncio.to_thread(
+                    probe_write, self.hot_dir.root, direct=direct, workers=self.options.workers
+                )
+            except OSError as exc:
+                log.warning("could not probe the write rate of %s: %s", self.hot_dir.root, exc)
+                return
+            self.meter.record("disk", nbytes, took, provisional=True)
 
     def _sweep(self) -> list[Path]:
         """Staging dirs of prefetches a killed agent left behind (none can be running yet),
@@ -610,6 +630,10 @@ class Prefetcher:
             self.meter.record("peer", result.bytes_from_source, took)
         else:
             self.meter.record(source, result.bytes_transferred, took)
+        written = result.bytes_raw
+        rate = write_rate(written, result.stage_seconds.get("write", 0.0), self.options.workers)
+        if rate is not None:  # the disk this restore wrote to, as fast as it went
+            self.meter.record("disk", written, written / rate)
         # bytes_by_source / bytes_by_peer were counted live by _count_moved
         record.chunks_local = result.chunks_local
         record.chunks_resumed = result.chunks_resumed

@@ -160,6 +160,8 @@ async def _services(app: web.Application):  # type: ignore[no-untyped-def]
         app[HOLDS] = StepHolds()
         prefetcher = app[PREFETCHER] = _prefetcher(app, queue, services)
         app[LANDING] = prefetcher.landing
+        # the hot dir's write rate, before the first estimate needs it (a quarter second)
+        services.spawn(prefetcher.measure_disk(), name="disk-probe")
         standby = app[STANDBY] = Standby(
             prefetcher,
             tiers,
