@@ -1,0 +1,98 @@
+"""``ferry agent``, ``ferry estimate``, ``ferry plan`` and ``ferry demo``: the commands
+about agents and training jobs rather than one store. It owns their parsers, the estimate
+asked of an agent and the checkpoint-interval arithmetic; run.py hands ``ferry agent``'s
+flags to agent.daemon and ``ferry demo``'s to demo.py."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from agent.cli.args import add_tls_args
+from agent.cli.shared import human
+from transfer.errors import FerryError
+
+if TYPE_CHECKING:
+    from agent.cli.args import Commands
+
+
+def add_agent(sub: Commands) -> None:
+    p = sub.add_parser("agent", help="run the node agent (RPC; prefetch, estimates, pins)")
+    p.add_argument("--config", type=Path, help="TOML file; every key also FERRY_<KEY>")
+    p.add_argument("--print-example-config", action="store_true")
+
+
+def add_estimate(sub: Commands) -> None:
+    p = sub.add_parser("estimate", help="ask an agent what moving a checkpoint there costs")
+    p.add_argument("agent_url", help="e.g. http://node-b:7070 (https:// for a TLS agent)")
+    p.add_argument("--token-file", type=Path, required=True)
+    add_tls_args(p)
+    p.add_argument("--job", required=True)
+    p.add_argument("--step", default="latest")
+    p.add_argument("--gpus", type=int, default=1, help="GPUs idle while the job migrates")
+    p.add_argument("--gpu-hour-price", type=float, default=0.0)
+    p.add_argument("--json", action="store_true")
+
+
+def add_plan(sub: Commands) -> None:
+    p = sub.add_parser("plan", help="badput and the checkpoint interval that minimises it")
+    p.add_argument("--save-seconds", type=float, required=True, help="training stall per save")
+    p.add_argument("--step-seconds", type=float, required=True, help="one training step")
+    p.add_argument(
+        "--mtbi-hours", type=float, required=True, help="mean time between interruptions"
+    )
+    p.add_argument("--interval-steps", type=int, help="the interval in use now, to compare")
+    p.add_argument("--restart-seconds", type=float, default=0.0)
+    p.add_argument("--json", action="store_true")
+
+
+def add_demo(sub: Commands) -> None:
+    p = sub.add_parser("demo", help="run the whole flow on generated checkpoints")
+    p.add_argument("--workdir", type=Path, help="keep everything here (default: a temp dir)")
+
+
+async def cmd_estimate(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    import aiohttp
+
+    from agent.rpc.client import FerryClient, RpcError
+
+    token = args.token_file.read_text().strip()
+    tls = {"ca_file": args.ca_file, "cert_file": args.cert_file, "key_file": args.key_file}
+    async with FerryClient(args.agent_url, token, **tls) as client:
+        try:
+            doc: dict[str, Any] = await client.estimate(
+                args.job, args.step, gpus=args.gpus, gpu_hour_price=args.gpu_hour_price
+            )
+        except (RpcError, aiohttp.ClientError, TimeoutError) as exc:
+            raise FerryError(f"{client.base_url}: {str(exc) or type(exc).__name__}") from None
+    line = (
+        f"{doc['node']}: {args.job} step {doc['step']}: {human(doc['bytes_missing'])} missing "
+        f"of {human(doc['bytes_total'])}, ~{doc['seconds']:.1f}s, cost {doc['cost']:.2f} "
+        f"({args.gpus} GPUs); recommended scale-down cooldown {doc['cooldown_seconds']:.0f}s"
+    )
+    return doc, line
+
+
+def cmd_plan(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    from agent.node.estimate import badput_fraction, optimal_interval_steps
+
+    mtbi = args.mtbi_hours * 3600
+    best = optimal_interval_steps(args.save_seconds, args.step_seconds, mtbi)
+    doc: dict[str, Any] = {
+        "optimal_interval_steps": best,
+        "optimal_badput": badput_fraction(
+            args.save_seconds, best * args.step_seconds, mtbi, args.restart_seconds
+        ),
+    }
+    line = (
+        f"save every {best} steps ({best * args.step_seconds:.0f}s): badput "
+        f"{doc['optimal_badput']:.2%} of training time"
+    )
+    if args.interval_steps:
+        now = badput_fraction(
+            args.save_seconds, args.interval_steps * args.step_seconds, mtbi, args.restart_seconds
+        )
+        doc["current_interval_steps"], doc["current_badput"] = args.interval_steps, now
+        line += f"; every {args.interval_steps} steps (now): {now:.2%}"
+    return doc, line

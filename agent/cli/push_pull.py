@@ -1,0 +1,252 @@
+"""``ferry init``, ``ferry push`` and ``ferry pull``: making a store, and moving a checkpoint
+directory into it and out of it (a whole step, one node's part, or a share of a DCP step)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from agent.cli.args import (
+    UsageError,
+    add_store_args,
+    add_transfer_args,
+    parse_step,
+    transfer_options,
+)
+from agent.cli.shared import default_node, human, require_store
+from transfer.format.names import check_name, step_from_dirname
+
+if TYPE_CHECKING:
+    from agent.cli.args import Commands
+    from transfer.engine.progress import Progress
+    from transfer.store.base import Store
+
+
+def add_init(sub: Commands) -> None:
+    p = sub.add_parser(
+        "init",
+        help="make a store: an empty (or missing) directory or prefix gets ferry-store.json; "
+        "an existing store is left as it is",
+    )
+    p.add_argument("store_url")
+    add_store_args(p)
+
+
+def add_push(sub: Commands) -> None:
+    p = sub.add_parser("push", help="push a checkpoint directory to a store")
+    p.add_argument("ckpt_dir", type=Path)
+    p.add_argument("store_url")
+    p.add_argument("--job", required=True)
+    p.add_argument("--step", type=int, help="default: the number in the directory name")
+    p.add_argument("--node", default=None, help="default: $FERRY_NODE or the host name")
+    p.add_argument("--base-step", type=int, help="delta base (default: the previous step)")
+    p.add_argument(
+        "--base-dir",
+        type=Path,
+        help="local copy of the base checkpoint (default: a sibling step dir)",
+    )
+    p.add_argument(
+        "--full",
+        dest="delta",
+        action="store_false",
+        help="store a keyframe: no delta base (as --no-delta)",
+    )
+    p.add_argument(
+        "--part",
+        action="store_true",
+        help="CKPT_DIR is this node's part of a multi-node save (rank 0's node holds "
+        ".metadata): files it names may be on other nodes; those here must be whole",
+    )
+    p.add_argument(
+        "--init",
+        action="store_true",
+        help="make STORE_URL a store first if it is not one yet (as `ferry init`; for scripts)",
+    )
+    add_store_args(p)
+    add_transfer_args(p)
+
+
+def add_pull(sub: Commands) -> None:
+    p = sub.add_parser("pull", help="pull a checkpoint from a store into a new directory")
+    p.add_argument("store_url")
+    p.add_argument("dest_dir", type=Path)
+    p.add_argument("--job", required=True)
+    p.add_argument("--step", default="latest", help="a step number or 'latest' (default)")
+    p.add_argument("--node", default=None, help="only this node's part (default: all parts)")
+    p.add_argument(
+        "--base-dir",
+        type=Path,
+        help="a local checkpoint of the job: chunks it holds are not downloaded",
+    )
+    p.add_argument(
+        "--fsync",
+        action="store_true",
+        help="flush every file to disk before returning (default: return once renamed into "
+        "place; a marker beside it lets a later pull or agent remove it if the machine went "
+        "down before the kernel wrote it back)",
+    )
+    p.add_argument(
+        "--world-size",
+        type=int,
+        help="with --ranks: pull only the share of a DCP step those ranks of a world of this "
+        "size read (Shard(0) split; .metadata whole); the copy is marked partial",
+    )
+    p.add_argument("--ranks", help="the ranks this node will run: A,B or A-B (with --world-size)")
+    p.add_argument(
+        "--items",
+        type=Path,
+        help="pull only the storage items this JSON list names ([{path, offset, length}], "
+        "as written by transfer.engine.dcpplan_torch for layouts the rule does not cover)",
+    )
+    add_store_args(p, writes=False)
+    add_transfer_args(p, writes=False)
+
+
+async def cmd_init(store: Store, args: argparse.Namespace) -> tuple[dict[str, Any], str]:
+    from transfer.engine.catalog import init_store
+
+    created = await init_store(store)  # idempotent: an existing store is left as it is
+    return {"store": store.url, "created": created}, (
+        f"created a ckpt-ferry store at {store.url}"
+        if created
+        else f"{store.url} is already a ckpt-ferry store (nothing changed)"
+    )
+
+
+async def cmd_push(
+    store: Store, args: argparse.Namespace, progress: Progress
+) -> tuple[dict[str, Any], str]:
+    """``progress``: what main shows while the push runs (run.py chooses it)."""
+    from agent.node.journal import cli_push_journal, default_state_dir
+    from transfer.engine import PushPlan, push
+    from transfer.engine.catalog import init_store
+
+    step = args.step if args.step is not None else step_from_dirname(args.ckpt_dir.name)
+    if step is None:
+        raise UsageError(f"cannot tell the step from {args.ckpt_dir.name!r}: pass --step")
+    node = args.node or default_node()
+    check_name("job", args.job)
+    check_name("node", node)
+    # before anything is written anywhere: a directory that is no store stays untouched
+    await (init_store(store) if args.init else require_store(store, hint=" (or pass --init)"))
+    if not args.node and not os.environ.get("FERRY_NODE"):
+        await _warn_if_new_part(store, args.job, step, node)
+    # a push killed half way and run again reuses the packs it had made durable
+    journal = cli_push_journal(default_state_dir(), store.url, args.job, step, node, args.ckpt_dir)
+    try:
+        r = await push(
+            store,
+            args.ckpt_dir,
+            job=args.job,
+            step=step,
+            node=node,
+            options=transfer_options(args),
+            progress=progress,
+            plan=PushPlan(
+                base_step=args.base_step,
+                base_dir=args.base_dir,
+                resume=journal.resume(args.job, step, store.url),
+                part=args.part,
+                create_store=False,
+            ),
+        )
+        journal.remove()  # committed: its manifest references every pack
+    finally:
+        journal.close()
+    rate = r.bytes_raw / r.seconds / 1e6 if r.seconds else 0.0
+    note = " (already committed, identical)" if r.already_committed else ""
+    line = (
+        f"pushed {r.job} step {r.step} node {r.node}: {r.files} files, {human(r.bytes_raw)}, "
+        f"wrote {human(r.bytes_transferred)} ({r.chunks_deduped}/{r.chunks_total} chunks "
+        f"deduplicated, {r.chunks_delta} delta-coded"
+        + (f" against step {r.base_step}" if r.base_step is not None else "")
+        + f") in {r.seconds:.2f}s, {rate:,.0f} MB/s{note}"
+    )
+    return r.to_dict(), line
+
+
+async def _warn_if_new_part(store: Store, job: str, step: int, node: str) -> None:
+    """The node name defaulted to the host name, and the step already has other nodes'
+    parts: in a container every run is a new host, so say what is about to happen."""
+    from transfer.engine.catalog import list_parts
+
+    nodes = [c.node for c in await list_parts(store, job, step)]
+    if nodes and node not in nodes:
+        print(
+            f"ferry push: note: {job} step {step} already has parts from node(s) "
+            f"{', '.join(nodes)}; this push adds one as node {node!r} (the host name, used "
+            "when neither --node nor FERRY_NODE is set)",
+            file=sys.stderr,
+        )
+
+
+async def cmd_pull(
+    store: Store, args: argparse.Namespace, progress: Progress
+) -> tuple[dict[str, Any], str]:
+    """``progress``: what main shows while the pull runs (run.py chooses it)."""
+    from transfer.engine import PullEvents, PullPlan, Sources, pull
+    from transfer.engine.settle import settle
+
+    step = None if args.step == "latest" else parse_step(args.step)
+    # restores an earlier run left unconfirmed: confirm them, or drop them after a reboot
+    import asyncio
+
+    await asyncio.to_thread(settle, args.dest_dir.absolute().parent)
+    manifests, share = await _share_of(store, args, step)
+    r = await pull(
+        store,
+        args.dest_dir,
+        PullPlan(args.job, step, args.node, manifests, share=share, fsync=args.fsync),
+        Sources(base_dir=args.base_dir),
+        PullEvents(progress=progress),
+        transfer_options(args),
+    )
+    rate = r.bytes_raw / r.seconds / 1e6 if r.seconds else 0.0
+    what = f"{human(r.bytes_raw)}"
+    if share is not None:
+        of = f"ranks {args.ranks} of {args.world_size}" if share.layout else "the items listed"
+        what = f"the share of {of}: {human(share.nbytes)} of storage items, {what} of files"
+    line = (
+        f"pulled {r.job} step {r.step} ({len(r.nodes)} part(s)) into {r.dest}: {r.files} files, "
+        f"{what}, read {human(r.bytes_transferred)}"
+        + (
+            f" (with {r.base_dir}: {r.chunks_local} chunks reused, {r.bases_local} decoded"
+            " against its bytes)"
+            if r.base_dir
+            else ""
+        )
+        + f" in {r.seconds:.2f}s, "
+        f"{rate:,.0f} MB/s, every chunk verified"
+    )
+    return r.to_dict(), line
+
+
+async def _share_of(store: Store, args: argparse.Namespace, step: int | None) -> tuple[Any, Any]:
+    """(manifests, share) of a share pull (--world-size/--ranks or --items), else (None, None)."""
+    if args.world_size is None and args.ranks is None and args.items is None:
+        return None, None
+    if args.items is not None and (args.world_size is not None or args.ranks is not None):
+        raise UsageError("--items names the share itself: leave out --world-size and --ranks")
+    if args.items is None and (args.world_size is None or args.ranks is None):
+        raise UsageError("a share needs both --world-size W and --ranks A,B (or --items FILE)")
+    if args.node is not None:
+        raise UsageError("a share is read from every node's part: leave out --node")
+    import json
+
+    from transfer.engine.catalog import Catalog, resolve_manifests
+    from transfer.engine.dcpshare import Layout, parse_ranks
+    from transfer.engine.share import plan_share
+
+    items = layout = None
+    if args.items is not None:
+        try:
+            items = json.loads(args.items.read_bytes())
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"--items {args.items}: {exc}") from None
+    else:
+        layout = Layout(args.world_size, parse_ranks(args.ranks))
+    manifests = await resolve_manifests(store, args.job, step)
+    return manifests, await plan_share(Catalog(store), manifests, layout, items)
