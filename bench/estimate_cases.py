@@ -29,7 +29,7 @@ from typing import Any
 
 from agent.rpc.client import FerryClient
 from bench._loopback import agent, loopback_s3
-from bench._measure import drop_caches, settle
+from bench._measure import drop_caches, settle, throttled_disk
 from bench.data import link_tree
 from bench.store_cost import saves
 from transfer.engine import PushPlan, push
@@ -117,9 +117,9 @@ async def run(series: Path, work: Path, bucket: str) -> list[str]:
         f"({sum(f.stat().st_size for f in k1.iterdir()) / 1e6:,.0f} MB) against the "
         "measured prefetch",
         "",
-        "| case | contact | source (estimate) | rate from | bytes predicted / moved | "
-        "predicted s (range) | measured s | error | in range |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| case | contact | source (estimate) | rate from | disk MB/s (from) | "
+        "bytes predicted / moved | predicted s (range) | measured s | error | in range |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     async with node("trainer", work, tier, [k, k1]) as (peer, _):
         cases = [
@@ -148,6 +148,7 @@ async def run(series: Path, work: Path, bucket: str) -> list[str]:
                     )
                     rows.append(
                         f"| {label} | {contact} | {est['source']} | {est['rate_basis']} | "
+                        f"{est['disk_rate'] / 1e6:,.0f} ({est['disk_rate_basis'] or '-'}) | "
                         f"{est['bytes_missing'] / 1e6:,.0f} / {moved / 1e6:,.0f} MB | "
                         f"{est['seconds']:.2f} ({low:.2f}-{high:.2f}) | {took:.2f} | "
                         f"{off} | {'yes' if low <= took <= high else 'no'} |"
@@ -161,9 +162,18 @@ async def run(series: Path, work: Path, bucket: str) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("series", type=Path, nargs="?", default=Path("/work/series/full"))
+    ap.add_argument(
+        "--disk-mbps",
+        type=float,
+        help="the agents' disk throttled to this many MB/s each way (a second, slower disk "
+        "made of this one; root: bench._measure.throttled_disk); the S3 server is not",
+    )
     args = ap.parse_args()
-    with loopback_s3("ferry-estcases-") as (work, ep):
+    rate = args.disk_mbps * 1e6 if args.disk_mbps else None
+    with loopback_s3("ferry-estcases-") as (work, ep), throttled_disk(work, rate):
         rows = asyncio.run(run(args.series, work, ep.bucket))
+    if rate:
+        rows[0] += f" (the agents' disk throttled to {args.disk_mbps:g} MB/s: --disk-mbps)"
     print("\n".join(rows))
 
 

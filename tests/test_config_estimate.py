@@ -22,6 +22,7 @@ from agent.daemon.config import (
 )
 from agent.node.estimate import (
     DEFAULT_RATES,
+    PREFETCH_START_SECONDS,
     BandwidthMeter,
     badput_fraction,
     badput_per_interruption,
@@ -679,7 +680,19 @@ def test_the_write_probe_writes_as_a_restore_and_leaves_nothing(tmp_path: Path) 
     (tmp_path / PROBE_NAME).write_bytes(b"a killed probe's")  # replaced, then removed
     probe_write(tmp_path, direct=True, workers=1, nbytes=1 << 20)
     assert not (tmp_path / PROBE_NAME).exists()
-    # two writers kept in their writes for 1 s each wrote 200 MiB: 200 MiB/s
-    assert write_rate(200 * MiB, 2.0, 2) == pytest.approx(200 * MiB)
-    assert write_rate(100, 1.0, 2) is None  # too little to say
-    assert write_rate(200 * MiB, 0.0, 2) is None  # too fast to say
+    assert write_rate(200 * MiB, 2.0) == pytest.approx(100 * MiB)
+    assert write_rate(100, 1.0) is None  # too little to say
+    assert write_rate(200 * MiB, 0.0) is None  # too fast to say
+
+
+def test_a_prefetch_s_fixed_part_is_timed_not_assumed() -> None:
+    """The fixed part of an estimate is the constant until this agent has timed a
+    prefetch, then an EWMA of what prefetches took besides their bytes."""
+    meter = BandwidthMeter()
+    assert meter.start_seconds() == PREFETCH_START_SECONDS
+    meter.record_start(0.02)
+    assert meter.start_seconds() == 0.02
+    meter.record_start(0.12)
+    assert meter.start_seconds() == pytest.approx(0.3 * 0.12 + 0.7 * 0.02)
+    meter.record_start(float("nan"))  # not a time: ignored
+    assert meter.start_seconds() == pytest.approx(0.3 * 0.12 + 0.7 * 0.02)

@@ -12,6 +12,7 @@ import os
 import shutil
 from pathlib import Path
 
+from agent.node.estimate import PREFETCH_START_SECONDS
 from agent.rpc.client import FerryClient
 from tests.conftest import adamw_series, prefetched
 from tests.harness import TOKEN, agent, peer_agent, push_series
@@ -91,6 +92,11 @@ def test_the_estimate_knows_the_disk_a_restore_writes_to(local_url: str, tmp_pat
             assert after["seconds"] >= after["bytes_written"] / after["disk_rate"]
             held = await d.estimate("llm", 20)
             assert (held["bytes_written"], held["disk_rate_basis"]) == (0, None)
+            # the fixed part: the constant until a prefetch is timed, then what it took
+            # besides its restore
+            assert first["seconds_start"] == PREFETCH_START_SECONDS
+            assert after["seconds_start"] != PREFETCH_START_SECONDS
+            assert held["seconds_start"] == after["seconds_start"] >= 0
 
     asyncio.run(go())
 

@@ -105,8 +105,10 @@ def test_changed_file_is_pushed_and_pulled_as_new_version(
     assert r["chunks_new"] == 1  # only the 1 MiB chunk that changed
     assert r["bytes_transferred"] < 1.2 * (1 << 20) + 10_000
 
-    ferry_json(capsys, "pull", store_url, str(tmp_path / "o1"), "--job", "j", "--step", "10")
+    o1 = ferry_json(capsys, "pull", store_url, str(tmp_path / "o1"), "--job", "j", "--step", "10")
     ferry_json(capsys, "pull", store_url, str(tmp_path / "o2"), "--job", "j", "--step", "latest")
+    # what it wrote and how long the disk was busy with it (the estimate's disk rate)
+    assert o1["bytes_written"] == o1["bytes_raw"] and o1["write_busy_seconds"] > 0
     assert tree_bytes(tmp_path / "o1") == tree_bytes(v1)
     assert tree_bytes(tmp_path / "o2") == tree_bytes(v2)
 

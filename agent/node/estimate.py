@@ -38,10 +38,11 @@ MIN_SAMPLE_SECONDS = 0.010
 COOLDOWN_MARGIN_SECONDS = 300.0
 
 #: What a prefetch costs besides its bytes (the RPC, scheduling, checking what is already
-#: there): a standby's replica of the 1.69 GB corpus save, which moves nothing, took
-#: 0.038-0.053 s to prefetch here, timed with the client polling every 5 ms (``python -m
-#: bench.estimate_cases /work/corpus/full``, the replica rows); the range given is half to
-#: twice this.
+#: there), until this agent has timed one (``BandwidthMeter.record_start``): a standby's
+#: replica of the 1.69 GB corpus save, which moves nothing, took 0.038-0.053 s to prefetch
+#: on one machine and 0.02 s on another, timed with the client polling every 5 ms
+#: (``python -m bench.estimate_cases /work/corpus/full``, the replica rows); the range given
+#: is half to twice the figure used.
 PREFETCH_START_SECONDS = 0.045
 
 
@@ -62,6 +63,19 @@ class BandwidthMeter:
         self._spread: dict[str, float] = {}
         #: sources whose rate is a probe's: the first transfer replaces it
         self._provisional: set[str] = set()
+        #: EWMA of what a prefetch took besides its transfer and its re-check (seconds)
+        self._start: float | None = None
+
+    def record_start(self, seconds: float) -> None:
+        """What a finished prefetch took besides moving or re-checking bytes: its fixed
+        part (resolving the step, pins, planning, the answer)."""
+        if seconds >= 0 and math.isfinite(seconds):
+            old = self._start
+            self._start = seconds if old is None else EWMA_ALPHA * seconds + (1 - EWMA_ALPHA) * old
+
+    def start_seconds(self) -> float:
+        """A prefetch's fixed part as timed here, or PREFETCH_START_SECONDS before any."""
+        return PREFETCH_START_SECONDS if self._start is None else self._start
 
     def record(self, source: str, nbytes: int, seconds: float, provisional: bool = False) -> bool:
         """Add a measurement; returns False if it was too small to count. ``provisional``:

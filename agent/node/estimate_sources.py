@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from agent.daemon.config import AgentConfig
-from agent.node.estimate import PREFETCH_START_SECONDS, BandwidthMeter, estimate_migration
+from agent.node.estimate import BandwidthMeter, estimate_migration
 from agent.node.hotdir import LocalCheckpoint
 from agent.node.prefetch import Prefetcher
 from agent.peers import probe
@@ -86,7 +86,7 @@ class PrefetchEstimator:
                 bytes_total=total,
                 gpus=gpus,
                 gpu_hour_price=gpu_hour_price,
-                fixed_seconds=PREFETCH_START_SECONDS,
+                fixed_seconds=self.meter.start_seconds(),
                 bytes_written=written,
             )
             doc = est.to_dict()
@@ -95,6 +95,7 @@ class PrefetchEstimator:
             doc.update(bytes_bases=sourcing.bases, rate_basis=sourcing.rate_basis)
             doc.update(bytes_written=written, disk_rate=round(self.meter.rate("disk")))
             doc.update(disk_rate_basis=self.meter.basis("disk") if written else None)
+            doc.update(seconds_start=self.meter.start_seconds())
             doc.update(share=None if share is None else _share_doc(share))
             return doc
         which = "latest" if step is None else str(step)

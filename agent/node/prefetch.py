@@ -108,6 +108,8 @@ class PrefetchJob:
     satisfied_by: str | None = None
     #: a standby's replication (agent/node/standby.py): rate-capped, never the scheduler's wait
     background: bool = False
+    #: seconds spent restoring or re-checking bytes; the rest of its time is its fixed part
+    moving_seconds: float = 0.0
     #: a fan-out restore (agent/peers/fanout.py): every member's agent URL, and this agent's
     fanout: tuple[tuple[str, ...], str] | None = None
     #: ... and the layout of each member prefetching a share (by URL)
@@ -365,6 +367,9 @@ class Prefetcher:
                 self.finished_bytes[source] = self.finished_bytes.get(source, 0) + nbytes
             self._finished.append(record.id)
             self._forget_oldest_finished()
+            if record.state is State.READY and record.started is not None:
+                took = record.finished - record.started
+                self.meter.record_start(max(0.0, took - record.moving_seconds))
             event(log, "prefetch", level=logging.INFO if record.state is State.READY
                   else logging.WARNING, id=record.id, job=record.job, step=record.step,
                   outcome=record.state.value,
@@ -499,6 +504,7 @@ class Prefetcher:
                 return
             began = time.monotonic()
             problems = await local_copy_differences(here.path, manifests)
+            record.moving_seconds += time.monotonic() - began
             if not problems:  # a whole re-hash: what the estimate of a held step is made of
                 held_bytes = sum(f.size for m in manifests for f in m.files)
                 self.meter.record("local", held_bytes, time.monotonic() - began)
@@ -626,14 +632,14 @@ class Prefetcher:
         # the rate of whichever source moved most of it: a peer-served restore timed as the
         # tier's would make the tier look as slow as the few bytes it sent
         took = time.monotonic() - began
+        record.moving_seconds += took
         if result.bytes_from_source > result.bytes_transferred:
             self.meter.record("peer", result.bytes_from_source, took)
         else:
             self.meter.record(source, result.bytes_transferred, took)
-        written = result.bytes_raw
-        rate = write_rate(written, result.stage_seconds.get("write", 0.0), self.options.workers)
-        if rate is not None:  # the disk this restore wrote to, as fast as it went
-            self.meter.record("disk", written, written / rate)
+        written, busy = result.bytes_written, result.write_busy_seconds
+        if write_rate(written, busy) is not None:  # the disk it wrote to, as fast as it went
+            self.meter.record("disk", written, busy)
         # bytes_by_source / bytes_by_peer were counted live by _count_moved
         record.chunks_local = result.chunks_local
         record.chunks_resumed = result.chunks_resumed

@@ -84,6 +84,10 @@ class PullResult:
     share: dict[str, object] | None = None
     #: "buffered" or "direct": how its chunks were written (engine/writepath.py)
     write_path: str = ""
+    #: bytes written into the staging files, and the wall seconds some write was in
+    #: progress: their ratio is the rate the disk took them at (writeprobe.write_rate)
+    bytes_written: int = 0
+    write_busy_seconds: float = 0.0
 
     def to_dict(self) -> dict[str, object]:
         return dict(self.__dict__)
@@ -150,6 +154,7 @@ async def pull(
     events.progress.finish()
     result = run.result(manifests, got, base_dir, dest, time.monotonic() - started)
     result.write_path = "direct" if direct else "buffered"
+    result.bytes_written, result.write_busy_seconds = out.bytes_written, out.busy_seconds
     if share is not None:
         record = share.to_record(result.job, result.step)
         result.share = {k: record[k] for k in ("layout", "bytes")}

@@ -231,6 +231,15 @@ class StagingFiles:
         self._fds: dict[int, int] = {}
         self._lock = threading.Lock()
         self._buffered_locks: dict[int, threading.Lock] = {}
+        #: wall seconds with at least one write in progress: the disk's rate is the bytes
+        #: written over this (a disk that keeps up is idle between writes; one that does
+        #: not is always busy), whichever threads wrote (workers, or a source landing
+        #: chunks in its receiving thread)
+        self.busy_seconds = 0.0
+        self.bytes_written = 0
+        self._busy = threading.Lock()
+        self._writing = 0
+        self._busy_since = 0.0
 
     def __enter__(self) -> StagingFiles:
         return self
@@ -261,6 +270,26 @@ class StagingFiles:
             os.close(fd)
 
     def pwrite(self, index: int, offset: int, data: Buffer) -> None:
+        self._begin_write()
+        try:
+            self._pwrite(index, offset, data)
+        finally:
+            self._end_write(len(memoryview(data)))
+
+    def _begin_write(self) -> None:
+        with self._busy:
+            if not self._writing:
+                self._busy_since = time.monotonic()
+            self._writing += 1
+
+    def _end_write(self, nbytes: int) -> None:
+        with self._busy:
+            self._writing -= 1
+            self.bytes_written += nbytes
+            if not self._writing:
+                self.busy_seconds += time.monotonic() - self._busy_since
+
+    def _pwrite(self, index: int, offset: int, data: Buffer) -> None:
         kept = index in self._keep
         direct = None
         if kept:

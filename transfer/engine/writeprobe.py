@@ -3,25 +3,25 @@
 A restore's time is set by the slower of its source and the disk it writes to. The
 source is probed or measured by every transfer; the destination disk was not, and on a
 node whose volume is slower than its network (a shared or network-attached volume) an
-estimate made from the source alone was 2-4x short (issue 32). This writes what a restore
-writes (chunk-sized blocks, from ``workers`` threads at once, through the same writer:
-O_DIRECT for the aligned interior, or buffered, as engine/writepath.py chooses) into one
-scratch file beside the restores and times it.
+estimate made from the source alone was 2-4x short (issue 32). ``probe_write`` writes what
+a restore writes, through the restore's own writer (engine/staging.py ``StagingFiles``:
+O_DIRECT or buffered as engine/writepath.py chooses, buffered spells while the device
+falls behind), chunk-sized blocks from several threads at once, into one scratch file.
 
-``write_rate`` turns a finished restore's own write stage (thread-seconds summed over its
-writers) into the same figure, so every restore re-measures the disk it wrote to.
+The figure is the same one every restore reports (``PullResult.bytes_written`` over
+``write_busy_seconds``: the wall time some write was in progress), so the probe's first
+rate and each restore's re-measurement of it mean one thing.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from transfer.directio import aligned, open_direct, write_at
+from transfer.directio import aligned
+from transfer.engine.staging import StagingFiles
+from transfer.format.manifest import ChunkRef, FileEntry
 
 #: big enough that the device, not the first request, sets the pace (at 280 MB/s: 0.24 s;
 #: at 2 GB/s: 35 ms), small enough to run at every agent start
@@ -38,47 +38,35 @@ def probe_write(
     block: int = 4 << 20,
     nbytes: int = PROBE_BYTES,
 ) -> tuple[int, float]:
-    """Write ``nbytes`` in ``block``-sized writes from ``workers`` threads into a scratch
-    file in ``directory`` (removed after), as a restore writes its chunks: (bytes, seconds).
-    Nothing is flushed after the writes, as a restore does not wait for its buffered
-    bytes (they are settled later); an O_DIRECT write is on the device when it returns."""
+    """Write ``nbytes`` in ``block``-sized chunks from ``workers`` threads into a scratch
+    file in ``directory`` (removed after), as a restore writes: (bytes, busy seconds).
+    Nothing is flushed after, as a restore does not wait for its buffered bytes (they
+    are settled later); an O_DIRECT write is on the device when it returns."""
     path = directory / PROBE_NAME
+    offsets = range(0, nbytes, block)
+    chunks = tuple(
+        ChunkRef(f"probe-{i}", min(block, nbytes - at), "raw", 0, 0, 0)
+        for i, at in enumerate(offsets)
+    )
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
     try:
         os.ftruncate(fd, nbytes)
-        direct_fd = open_direct(path) if direct else None
-        buffers = threading.local()
-        # buffered writers to one file take turns, as a restore's do (staging.py)
-        turn = threading.Lock() if direct_fd is None else contextlib.nullcontext()
-
-        def write(offset: int) -> None:
-            view = getattr(buffers, "view", None)
-            if view is None:  # one aligned, touched buffer per writer, as a restore has
-                view = buffers.view = aligned(block)
-                view[:] = os.urandom(block)
-            n = min(block, nbytes - offset)
-            with turn:
-                write_at(fd, direct_fd, offset, view[:n], yield_to_reads=False)
-
-        try:
-            began = time.perf_counter()
-            with ThreadPoolExecutor(max(1, workers), thread_name_prefix="ferry-probe") as pool:
-                list(pool.map(write, range(0, nbytes, block)))
-            took = time.perf_counter() - began
-        finally:
-            if direct_fd is not None:
-                os.close(direct_fd)
     finally:
         os.close(fd)
+    data = aligned(block)  # page-aligned, as a restore's reader buffers are
+    data[:] = os.urandom(block)
+    try:
+        out = StagingFiles(directory, [FileEntry(PROBE_NAME, nbytes, 0o600, chunks)], False, direct)
+        with out, ThreadPoolExecutor(max(1, workers), thread_name_prefix="ferry-probe") as pool:
+            list(pool.map(lambda at: out.pwrite(0, at, data[: min(block, nbytes - at)]), offsets))
+    finally:
         path.unlink(missing_ok=True)
-    return nbytes, took
+    return out.bytes_written, out.busy_seconds
 
 
-def write_rate(nbytes: int, write_thread_seconds: float, writers: int) -> float | None:
-    """The disk's write rate a restore saw: ``nbytes`` written in ``write_thread_seconds``
-    summed over ``writers`` threads that wrote at once (a disk that keeps up leaves them
-    little time in their writes; one that does not keeps them all there). None when the
-    restore wrote too little, or too fast, to say."""
-    if nbytes < (1 << 20) or write_thread_seconds <= 1e-4:
+def write_rate(nbytes: int, busy_seconds: float) -> float | None:
+    """The rate a disk took ``nbytes`` at, written over ``busy_seconds`` of wall time with
+    some write in progress; None when that is too little, or too quick, to say."""
+    if nbytes < (1 << 20) or busy_seconds <= 1e-4:
         return None
-    return nbytes * max(1, writers) / write_thread_seconds
+    return nbytes / busy_seconds
