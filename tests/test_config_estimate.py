@@ -689,10 +689,23 @@ def test_a_prefetch_s_fixed_part_is_timed_not_assumed() -> None:
     """The fixed part of an estimate is the constant until this agent has timed a
     prefetch, then an EWMA of what prefetches took besides their bytes."""
     meter = BandwidthMeter()
-    assert meter.start_seconds() == PREFETCH_START_SECONDS
-    meter.record_start(0.02)
-    assert meter.start_seconds() == 0.02
-    meter.record_start(0.12)
-    assert meter.start_seconds() == pytest.approx(0.3 * 0.12 + 0.7 * 0.02)
-    meter.record_start(float("nan"))  # not a time: ignored
-    assert meter.start_seconds() == pytest.approx(0.3 * 0.12 + 0.7 * 0.02)
+    assert meter.start_seconds("restore") == PREFETCH_START_SECONDS
+    meter.record_start("restore", 0.02)
+    assert meter.start_seconds("restore") == 0.02
+    meter.record_start("restore", 0.12)
+    assert meter.start_seconds("restore") == pytest.approx(0.3 * 0.12 + 0.7 * 0.02)
+    meter.record_start("restore", float("nan"))  # not a time: ignored
+    assert meter.start_seconds("restore") == pytest.approx(0.3 * 0.12 + 0.7 * 0.02)
+    assert meter.start_seconds("check") == PREFETCH_START_SECONDS  # a check: its own
+
+
+def test_a_restore_the_disk_kept_up_with_never_slows_the_disk_s_rate() -> None:
+    """A restore re-measures the disk only where the disk set its pace (writes in progress
+    most of the time), or where it shows the disk faster than the meter thought: a slow
+    restore limited by its source or a busy CPU says the disk is at least that fast."""
+    from agent.node.prefetch import _disk_sample
+
+    assert _disk_sample(300e6, busy=0.9, took=1.0, current=2e9)  # disk-bound: its rate
+    assert not _disk_sample(300e6, busy=0.5, took=1.0, current=2e9)  # it kept up
+    assert _disk_sample(3e9, busy=0.1, took=1.0, current=2e9)  # faster than thought
+    assert not _disk_sample(None, busy=0.0, took=1.0, current=2e9)  # wrote too little

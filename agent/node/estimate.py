@@ -63,19 +63,24 @@ class BandwidthMeter:
         self._spread: dict[str, float] = {}
         #: sources whose rate is a probe's: the first transfer replaces it
         self._provisional: set[str] = set()
-        #: EWMA of what a prefetch took besides its transfer and its re-check (seconds)
-        self._start: float | None = None
+        #: EWMA of what a prefetch took besides its transfer and its re-check (seconds),
+        #: per kind: "restore" (it moved bytes) or "check" (the step was here)
+        self._start: dict[str, float] = {}
 
-    def record_start(self, seconds: float) -> None:
-        """What a finished prefetch took besides moving or re-checking bytes: its fixed
-        part (resolving the step, pins, planning, the answer)."""
+    def record_start(self, kind: str, seconds: float) -> None:
+        """What a finished prefetch of ``kind`` took besides moving or re-checking bytes:
+        its fixed part (resolving the step, pins, planning, staging, the answer). A
+        restore's is larger than a check's (it plans, stages and renames), so they are
+        kept apart."""
         if seconds >= 0 and math.isfinite(seconds):
-            old = self._start
-            self._start = seconds if old is None else EWMA_ALPHA * seconds + (1 - EWMA_ALPHA) * old
+            old = self._start.get(kind)
+            new = seconds if old is None else EWMA_ALPHA * seconds + (1 - EWMA_ALPHA) * old
+            self._start[kind] = new
 
-    def start_seconds(self) -> float:
-        """A prefetch's fixed part as timed here, or PREFETCH_START_SECONDS before any."""
-        return PREFETCH_START_SECONDS if self._start is None else self._start
+    def start_seconds(self, kind: str) -> float:
+        """The fixed part of a prefetch of ``kind`` as timed here, or
+        PREFETCH_START_SECONDS before one was."""
+        return self._start.get(kind, PREFETCH_START_SECONDS)
 
     def record(self, source: str, nbytes: int, seconds: float, provisional: bool = False) -> bool:
         """Add a measurement; returns False if it was too small to count. ``provisional``:

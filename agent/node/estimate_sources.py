@@ -78,6 +78,7 @@ class PrefetchEstimator:
                 continue
             # a restore writes the whole step (or share), reused chunks too; a held one none
             written = 0 if sourcing.source in HELD else total
+            start = self.meter.start_seconds("check" if sourcing.source in HELD else "restore")
             if written:
                 await self.prefetcher.measure_disk()
             est = estimate_migration(
@@ -86,7 +87,7 @@ class PrefetchEstimator:
                 bytes_total=total,
                 gpus=gpus,
                 gpu_hour_price=gpu_hour_price,
-                fixed_seconds=self.meter.start_seconds(),
+                fixed_seconds=start,
                 bytes_written=written,
             )
             doc = est.to_dict()
@@ -95,7 +96,7 @@ class PrefetchEstimator:
             doc.update(bytes_bases=sourcing.bases, rate_basis=sourcing.rate_basis)
             doc.update(bytes_written=written, disk_rate=round(self.meter.rate("disk")))
             doc.update(disk_rate_basis=self.meter.basis("disk") if written else None)
-            doc.update(seconds_start=self.meter.start_seconds())
+            doc.update(seconds_start=start)
             doc.update(share=None if share is None else _share_doc(share))
             return doc
         which = "latest" if step is None else str(step)

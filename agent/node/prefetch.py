@@ -369,7 +369,8 @@ class Prefetcher:
             self._forget_oldest_finished()
             if record.state is State.READY and record.started is not None:
                 took = record.finished - record.started
-                self.meter.record_start(max(0.0, took - record.moving_seconds))
+                kind = "check" if record.satisfied_by in ("held", "replica") else "restore"
+                self.meter.record_start(kind, max(0.0, took - record.moving_seconds))
             event(log, "prefetch", level=logging.INFO if record.state is State.READY
                   else logging.WARNING, id=record.id, job=record.job, step=record.step,
                   outcome=record.state.value,
@@ -576,6 +577,12 @@ class Prefetcher:
             return None
         return "replica" if background else "held"
 
+    def _measured_disk(self, written: int, busy: float, took: float) -> None:
+        """The disk this restore wrote to, as fast as it took the bytes (``_disk_sample``)."""
+        rate = write_rate(written, busy)
+        if _disk_sample(rate, busy, took, self.meter.rate("disk")):
+            self.meter.record("disk", written, busy)
+
     def is_replica(self, job: str, step: int) -> bool:
         """Whether a standby's replication put ``step`` here (this agent's run)."""
         return self._restored.get((job, step), ([], False))[1]
@@ -637,12 +644,26 @@ class Prefetcher:
             self.meter.record("peer", result.bytes_from_source, took)
         else:
             self.meter.record(source, result.bytes_transferred, took)
-        written, busy = result.bytes_written, result.write_busy_seconds
-        if write_rate(written, busy) is not None:  # the disk it wrote to, as fast as it went
-            self.meter.record("disk", written, busy)
+        self._measured_disk(result.bytes_written, result.write_busy_seconds, took)
         # bytes_by_source / bytes_by_peer were counted live by _count_moved
         record.chunks_local = result.chunks_local
         record.chunks_resumed = result.chunks_resumed
+
+
+#: a restore whose writes were in progress this much of its time was held back by its disk
+DISK_BOUND = 0.8
+
+
+def _disk_sample(rate: float | None, busy: float, took: float, current: float) -> bool:
+    """Whether a restore's write ``rate`` (``busy`` of its ``took`` seconds writing) is a
+    sample of the disk's: when the disk set the pace, yes; when it kept up (idle between
+    writes, a source or the CPU the limit), the disk is at least that fast, which says
+    something only when that is faster than the rate the meter has. A CPU-bound restore
+    on a busy machine, whose writers wait for a core mid-write, never drags the disk's
+    rate down to its own pace."""
+    if rate is None:
+        return False
+    return busy >= DISK_BOUND * took or rate > current
 
 
 def _layout_of(doc: dict[str, Any]) -> Layout:
