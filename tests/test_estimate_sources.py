@@ -133,3 +133,34 @@ def test_a_probe_samples_a_quarter_of_the_transfer_within_its_bounds() -> None:
     runs = [list(r.chunks) for r in coalesce(picked, max_gap=0)]
     assert max(len(r) for r in runs) >= 6 and len(runs) <= 63 // 6 + 1
     assert all(b.offset == a.offset + a.stored for r in runs for a, b in itertools.pairwise(r))
+
+
+def test_auto_writes_buffered_only_where_the_page_cache_is_the_cheaper_way(
+    local_url: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 32: ``write_path = "auto"`` on an agent probes both ways of writing at start
+    and keeps buffered restores (the load then reads memory) only where filling the page
+    cache is at least as fast as writing to the device (one log line says what it chose)."""
+    from transfer.engine.writepath import auto_on_this_machine
+
+    assert auto_on_this_machine(1.8e9, 5e9) == "auto"  # this VM: the cache is cheap
+    assert auto_on_this_machine(1.8e9, 0.3e9) == "direct"  # one with costly fresh pages
+    (k20,) = adamw_series(tmp_path / "src", 1, seed=24, mib=4)
+
+    async def go() -> dict[str, object]:
+        await push_series(local_url, [k20])
+        env = {"FERRY_TRANSFER_WRITE_PATH": "auto"}
+        async with (
+            agent(tmp_path / "e", [local_url], "e", extra_env=env) as url,
+            FerryClient(url, TOKEN) as e,
+        ):
+            await e.estimate("llm", 20)  # (waits for the start-up probe)
+            return await prefetched(e, 20)
+
+    with caplog.at_level("INFO"):
+        asyncio.run(go())
+    (probe,) = [r for r in caplog.records if r.getMessage() == "write_probe"]
+    fields = probe.__dict__["ferry_fields"]  # (agent/daemon/logs.py event's fields)
+    assert fields["write_path"] in ("auto", "direct")
+    rule = auto_on_this_machine(fields["rate_direct"], fields["rate_buffered"])
+    assert fields["write_path"] == rule

@@ -47,6 +47,7 @@ from transfer.engine.settle import settle
 from transfer.engine.share import plan_fill, plan_shares
 from transfer.engine.sources import ChunkSource
 from transfer.engine.staging import discard_leftovers, sweep_stale_staging
+from transfer.engine.writepath import auto_on_this_machine
 from transfer.engine.writeprobe import probe_write, write_rate
 from transfer.errors import (
     CheckpointNotFoundError,
@@ -259,15 +260,28 @@ class Prefetcher:
         async with self._disk_probe:
             if self.meter.measured("disk"):
                 return
-            direct = self.options.write_path != "buffered"  # auto: a large restore's path
+            chosen = self.options.write_path
             try:
-                nbytes, took = await asyncio.to_thread(
-                    probe_write, self.hot_dir.root, direct=direct, workers=self.options.workers
-                )
+                nbytes, took = await self._probe(direct=chosen != "buffered")  # auto: large's
+                if chosen == "auto":
+                    into_cache = await self._probe(direct=False)
             except OSError as exc:
                 log.warning("could not probe the write rate of %s: %s", self.hot_dir.root, exc)
                 return
             self.meter.record("disk", nbytes, took, provisional=True)
+            buffered_rate = None
+            if chosen == "auto":  # buffered only where the page cache is the cheaper way
+                buffered_rate = into_cache[0] / into_cache[1]
+                path = auto_on_this_machine(nbytes / took, buffered_rate)
+                self.options = dataclasses.replace(self.options, write_path=path)
+            event(log, "write_probe", rate_direct=round(nbytes / took),
+                  rate_buffered=buffered_rate and round(buffered_rate),
+                  write_path=self.options.write_path)  # fmt: skip
+
+    async def _probe(self, *, direct: bool) -> tuple[int, float]:
+        return await asyncio.to_thread(
+            probe_write, self.hot_dir.root, direct=direct, workers=self.options.workers
+        )
 
     def _sweep(self) -> list[Path]:
         """Staging dirs of prefetches a killed agent left behind (none can be running yet),

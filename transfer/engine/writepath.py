@@ -50,3 +50,12 @@ def writes_direct(nbytes: int, chosen: str) -> bool:
         return chosen == "direct"
     spare = spare_memory()
     return spare is None or nbytes > spare
+
+
+def auto_on_this_machine(direct_rate: float, buffered_rate: float) -> str:
+    """What ``auto`` becomes on a node whose probes (writeprobe.py) wrote at these rates:
+    "auto" (buffered when it fits) where filling the page cache is at least as fast as
+    writing to the device, so the load that follows reads memory at no cost to the
+    restore; "direct" where the page cache is the slower way (one VM: ~5 ms of system time
+    per MiB buffered, the load's cheaper read did not pay for it)."""
+    return "auto" if buffered_rate >= direct_rate else "direct"
