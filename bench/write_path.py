@@ -25,7 +25,9 @@ How::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
+import inspect
 import os
 import shutil
 import statistics
@@ -43,9 +45,26 @@ if str(REPO) not in sys.path:
 from bench._env import ferry_command, reproduce_command, write_results  # noqa: E402
 from bench._measure import check_same, drop_caches, run_timed, tree_digest  # noqa: E402
 
+
+def tensor_digest(state: dict) -> str:
+    """BLAKE3 of every tensor's bytes, by name: what a load put in memory (the loader runs
+    this after its clock stops; a test runs it on the state it saved)."""
+    import blake3
+    import torch
+
+    h = blake3.blake3()
+    for name in sorted(state):
+        h.update(name.encode() + b"\0")
+        h.update(state[name].detach().reshape(-1).view(torch.uint8).numpy())
+    return str(h.hexdigest())
+
+
 #: A fresh process that imports torch, waits for a line on stdin, then loads every tensor
-#: of the DCP save named by argv[1] into memory and prints the seconds the load took.
-LOADER = """
+#: of the DCP save named by argv[1] into memory and prints the seconds the load took and
+#: the bytes loaded; then (its clock stopped) the digest of what it loaded.
+LOADER = (
+    inspect.getsource(tensor_digest)
+    + """
 import sys, time, warnings
 warnings.filterwarnings("ignore")
 import torch
@@ -62,7 +81,42 @@ sd = {k: torch.empty(v.size, dtype=v.properties.dtype)
 dcp.load(sd, storage_reader=FileSystemReader(sys.argv[1]), no_dist=True)
 print(f"{time.monotonic() - t:.4f} {sum(x.numel() * x.element_size() for x in sd.values())}",
       flush=True)
+print(tensor_digest(sd), flush=True)
 """
+)
+
+
+@dataclasses.dataclass
+class Loaded:
+    seconds: float  # the load alone, timed in the loader
+    nbytes: int  # of the tensors loaded
+    digest: str  # tensor_digest of them
+    at: float  # time.monotonic() here when the loader said it was done
+
+
+def start_loader(save: Path) -> subprocess.Popen[str]:
+    """A loader for ``save`` (need not exist yet), its torch imported: ready for ``load``."""
+    loader = subprocess.Popen(
+        [sys.executable, "-c", LOADER, str(save)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert loader.stdout is not None
+    if loader.stdout.readline().strip() != "ready":
+        raise SystemExit("the loader did not start")
+    return loader
+
+
+def load(loader: subprocess.Popen[str]) -> Loaded:
+    """Tell a started loader to load its save now; what it loaded."""
+    assert loader.stdin is not None and loader.stdout is not None
+    loader.stdin.write("go\n")
+    loader.stdin.flush()
+    timed = loader.stdout.readline().split()
+    at = time.monotonic()
+    digest = loader.stdout.readline().strip()
+    if loader.wait(timeout=600) != 0 or len(timed) != 2 or int(timed[1]) <= 0:
+        raise SystemExit(f"the loader failed or loaded nothing ({timed}, {digest!r})")
+    return Loaded(float(timed[0]), int(timed[1]), digest, at)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -77,13 +131,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def one_round(store: Path, dest: Path, arm: str, save_bytes: int) -> dict[str, Any]:
     drop_caches()
-    loader = subprocess.Popen(
-        [sys.executable, "-c", LOADER, str(dest)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    assert loader.stdin is not None and loader.stdout is not None
-    if loader.stdout.readline().strip() != "ready":
-        raise SystemExit("the loader did not start")
+    loader = start_loader(dest)
     began = time.monotonic()
     cmd = [*ferry_command(), "pull", str(store), str(dest), "--job", "j", "--step", "1",
            "--write-path", arm]  # fmt: skip
@@ -91,17 +139,12 @@ def one_round(store: Path, dest: Path, arm: str, save_bytes: int) -> dict[str, A
     if ran.returncode != 0:
         raise SystemExit(f"ferry pull --write-path {arm} failed: {ran.stderr[-2000:]}")
     pulled = time.monotonic()
-    loader.stdin.write("go\n")
-    loader.stdin.flush()
-    load_s, loaded = loader.stdout.readline().split()
-    loader.wait(timeout=600)
-    done = time.monotonic()
-    if int(loaded) <= 0:
-        raise SystemExit("the loader loaded nothing")
+    loaded = load(loader)
+    load_s, done = loaded.seconds, loaded.at
     return {
-        "arm": arm, "pull": pulled - began, "load": float(load_s), "total": done - began,
+        "arm": arm, "pull": pulled - began, "load": load_s, "total": done - began,
         "pull_cpu": ran.cpu_user + ran.cpu_sys, "pull_sys": ran.cpu_sys,
-        "loaded_bytes": int(loaded), "save_bytes": save_bytes,
+        "loaded_bytes": loaded.nbytes, "save_bytes": save_bytes,
     }  # fmt: skip
 
 
