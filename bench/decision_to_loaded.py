@@ -26,9 +26,10 @@ Printed per case: medians of the fetch, the load and decision -> loaded; the fet
 seconds per raw GB (the agent process's utime + stime from t0 to ready, the CLI's or
 s5cmd's own; the S3 server's is not counted); each case's total against s5cmd cp's and
 s5cmd cp + sync's. And the limits the stages run against, measured at the start: the
-hot dir's disk with O_DIRECT (``dd``, bench/limits.py) and the load alone (k+1's own
-files) from a cold and from a warm page cache. The first run compares every restored copy
-with k+1 byte for byte; every load's tensors are checked against the load of k+1 itself.
+hot dir's disk with O_DIRECT (``dd``, bench/limits.py), one GET of as many bytes from the
+S3 server, and the load alone (k+1's own files) from a cold and from a warm page cache.
+The first run compares every restored copy with k+1 byte for byte; every load's tensors
+are checked against the load of k+1 itself.
 
 ``--busy-memory``: the same while a helper process holds ``--busy-fraction`` (0.7) of
 MemAvailable, allocated and touched, so a path that leaves its bytes in the page cache for
@@ -42,6 +43,7 @@ import argparse
 import asyncio
 import contextlib
 import datetime
+import functools
 import os
 import shutil
 import statistics
@@ -64,6 +66,7 @@ from bench._env import reproduce_command, write_results  # noqa: E402
 from bench._loopback import loopback_s3  # noqa: E402
 from bench._measure import (  # noqa: E402
     check_same,
+    device_bytes,
     drop_caches,
     proc_cpu_seconds,
     run_timed,
@@ -71,7 +74,7 @@ from bench._measure import (  # noqa: E402
     tree_digest,
 )
 from bench.agents import TOKEN, Agent, agent_env  # noqa: E402
-from bench.limits import disk  # noqa: E402
+from bench.limits import disk, s3_raw  # noqa: E402
 from bench.peers import Commands, tool_env  # noqa: E402
 from bench.store_cost import saves  # noqa: E402
 from bench.write_path import Loaded, load, start_loader  # noqa: E402
@@ -279,22 +282,32 @@ class Bench:
         if case == "standby":
             return
         dest = self.dest(case)
-        if case.startswith("prefetch"):  # the agent's flush after ready, then remove
-            await estimate_cases.settled(dest.parent.parent, dest.name)
-        shutil.rmtree(dest)
+        shutil.rmtree(dest)  # (an agent's restore: flushed, one_case waited for it)
 
     async def one_case(
         self, case: str, rnd: int, loader: subprocess.Popen[str], reference: str
     ) -> dict[str, Any]:
-        """``loader``: started on ``dest(case)``, torch imported (before the clock)."""
+        """``loader``: started on ``dest(case)``, torch imported (before the clock). Beside
+        the load: what the disk read and wrote meanwhile, and when an agent's flush of its
+        restore (after ready) ended."""
         dest = self.dest(case)
         drop_caches()
         waited = settle(self.work, limit=self.args.settle_limit)
         fetched = await self.fetch(case)
-        loaded = load(loader)
+        io0, ready_at = device_bytes(self.work), time.monotonic()
+        disk_io = functools.partial(device_bytes, self.work)
+        loading = asyncio.ensure_future(asyncio.to_thread(load, loader, disk_io))
+        flushed = None
+        if case.startswith("prefetch"):
+            await estimate_cases.settled(dest.parent.parent, dest.name)
+            flushed = time.monotonic() - ready_at
+        loaded = await loading
+        io1 = loaded.probed
+        read, written = (b - a for a, b in zip(io0, io1, strict=True)) if io0 and io1 else (0, 0)
         row = {"round": rnd, "case": case, **fetched, "load": loaded.seconds,
                "total": fetched["fetch"] + loaded.seconds, "settle_waited": waited,
-               "loaded_bytes": loaded.nbytes}  # fmt: skip
+               "loaded_bytes": loaded.nbytes, "load_disk_read": read,
+               "load_disk_written": written, "flushed_after": flushed}  # fmt: skip
         if loaded.digest != reference:
             raise SystemExit(f"WRONG TENSORS loaded after {case}: {loaded.digest} != {reference}")
         if rnd == 1:
@@ -317,14 +330,16 @@ def start_loaders(saves: list[Path]) -> list[subprocess.Popen[str]]:
     """A loader per save, all importing torch at once (sooner than one after another; each
     then waits idle for its turn)."""
     with ThreadPoolExecutor(len(saves)) as pool:
-        return list(pool.map(start_loader, saves))
+        return list(pool.map(functools.partial(start_loader, warm=True), saves))
 
 
-def load_alone(loaders: list[subprocess.Popen[str]]) -> tuple[Loaded, Loaded]:
-    """The load of a save by itself (two loaders started on it): from a cold page cache,
-    then again from a warm one."""
+def load_alone(loaders: list[subprocess.Popen[str]], disk: Path, limit: float) -> list[Loaded]:
+    """The load of a save by itself (two loaders started on it), as the cases' loads run
+    (page cache dropped, the machine left to settle): from a cold page cache, then again
+    from the warm one the first left."""
     drop_caches()
-    return load(loaders[0]), load(loaders[1])
+    settle(disk, limit=limit)
+    return [load(loader) for loader in loaders]
 
 
 async def one_run(bench: Bench, rnd: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -333,7 +348,7 @@ async def one_run(bench: Bench, rnd: int) -> tuple[dict[str, Any], list[dict[str
     order = CASES[shift:] + CASES[:shift]
     loaders = start_loaders([bench.k1, bench.k1, *map(bench.dest, order)])
     try:
-        cold, warm = load_alone(loaders[:2])
+        cold, warm = load_alone(loaders[:2], bench.work, bench.args.settle_limit)
         if warm.digest != cold.digest:
             raise SystemExit("two loads of k+1 gave different tensors")
         alone = {"cold": cold.seconds, "warm": warm.seconds, "digest": cold.digest}
@@ -342,9 +357,15 @@ async def one_run(bench: Bench, rnd: int) -> tuple[dict[str, Any], list[dict[str
         for case, loader in zip(order, loaders[2:], strict=True):
             row = await bench.one_case(case, rnd, loader, cold.digest)
             rows.append(row)
+            flushed = row["flushed_after"]
+            during = (
+                f"disk read {row['load_disk_read'] / MB:,.0f} MB, written "
+                f"{row['load_disk_written'] / MB:,.0f} MB during the load"
+                + ("" if flushed is None else f"; the agent's flush ended after {flushed:.2f} s")
+            )
             print(f"r{rnd} {case:<21} fetch {row['fetch']:6.2f} s (CPU {row['cpu']:5.2f},"
                   f" {row['moved'] / MB:6,.0f} MB)  load {row['load']:5.2f} s  total "
-                  f"{row['total']:6.2f} s  [settle {row['settle_waited']:.1f} s"
+                  f"{row['total']:6.2f} s  [{during}; settled {row['settle_waited']:.1f} s"
                   f"{', ' + row['satisfied_by'] if row['satisfied_by'] else ''}]",
                   flush=True)  # fmt: skip
     finally:
@@ -366,7 +387,7 @@ async def measure(args: argparse.Namespace, ep: S3Endpoint, work: Path) -> dict[
         with contextlib.ExitStack() as stack:
             if args.busy_memory:
                 doc["busy_memory"] = stack.enter_context(busy_memory(args.busy_fraction))
-            doc["limits"] = disk(work, bench.raw_bytes)
+            doc["limits"] = disk(work, bench.raw_bytes) | s3_raw(ep, work, bench.raw_bytes)
             print(", ".join(f"{name} {v:,.0f} MB/s" for name, v in doc["limits"].items()))
             for rnd in range(1, args.runs + 1):
                 alone, rows = await one_run(bench, rnd)
@@ -398,24 +419,27 @@ def report(doc: dict[str, Any]) -> str:
         f"each case{held}",
         "",
         "| case | fetch s | load s | decision -> loaded s | fetch CPU-s / raw GB | moved MB "
-        f"| load / load alone cold | / {PLAIN} | / {SYNCED} |",
-        "|---|---|---|---|---|---|---|---|---|",
+        f"| load: MB read from disk | load / load alone cold | / {PLAIN} | / {SYNCED} |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for case in doc["cases"]:
         total = med(case, "total")
         lines.append(
             f"| {case} | {med(case, 'fetch'):.2f} | {med(case, 'load'):.2f} | {total:.2f} | "
             f"{med(case, 'cpu') / (raw_mb / 1e3):.2f} | {med(case, 'moved') / MB:,.0f} | "
-            f"{med(case, 'load') / cold:.2f}x | {total / med(PLAIN, 'total'):.2f}x | "
-            f"{total / med(SYNCED, 'total'):.2f}x |"
+            f"{med(case, 'load_disk_read') / MB:,.0f} | {med(case, 'load') / cold:.2f}x | "
+            f"{total / med(PLAIN, 'total'):.2f}x | {total / med(SYNCED, 'total'):.2f}x |"
         )
     write, read = lim["disk_write_direct"], lim["disk_read_direct"]
+    get = lim["s3_get_one_object"]
     lines += [
         "",
         f"Limits, measured at the start: the hot dir's disk with O_DIRECT (`dd`): write "
         f"{write:,.0f} MB/s (k+1 in {raw_mb / write:.2f} s), read {read:,.0f} MB/s "
-        f"({raw_mb / read:.2f} s); the load of k+1 alone (medians): {cold:.2f} s from a cold "
-        f"page cache ({raw_mb / cold:,.0f} MB/s), {warm:.2f} s from a warm one.",
+        f"({raw_mb / read:.2f} s); the S3 server on loopback, one object of as many bytes "
+        f"through botocore: GET {get:,.0f} MB/s ({raw_mb / get:.2f} s); the load of k+1 alone "
+        f"(medians): {cold:.2f} s from a cold page cache ({raw_mb / cold:,.0f} MB/s), "
+        f"{warm:.2f} s from a warm one ({raw_mb / warm:,.0f} MB/s).",
     ]
     return "\n".join(lines)
 
