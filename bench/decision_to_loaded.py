@@ -227,6 +227,12 @@ class Bench:
             await node.client.close()
             node.agent.stop()
 
+    def busy(self) -> tuple[int, int, float]:
+        """Bytes the hot dir's disk has read and written, CPU seconds the agents have used."""
+        read, written = device_bytes(self.work) or (0, 0)
+        cpu = sum(proc_cpu_seconds(node.pid) or 0.0 for node in self.nodes.values())
+        return read, written, cpu
+
     def hot(self, name: str) -> Path:
         return self.work / f"hot-{name}"
 
@@ -294,18 +300,17 @@ class Bench:
         drop_caches()
         waited = settle(self.work, limit=self.args.settle_limit)
         fetched = await self.fetch(case)
-        io0, ready_at = device_bytes(self.work), time.monotonic()
-        disk_io = functools.partial(device_bytes, self.work)
-        loading = asyncio.ensure_future(asyncio.to_thread(load, loader, disk_io))
+        io0, ready_at = self.busy(), time.monotonic()
+        loading = asyncio.ensure_future(asyncio.to_thread(load, loader, self.busy))
         flushed = None
         if case.startswith("prefetch"):
             await estimate_cases.settled(dest.parent.parent, dest.name)
             flushed = time.monotonic() - ready_at
         loaded = await loading
-        io1 = loaded.probed
-        read, written = (b - a for a, b in zip(io0, io1, strict=True)) if io0 and io1 else (0, 0)
+        read, written, agents_cpu = (b - a for a, b in zip(io0, loaded.probed, strict=True))
         row = {"round": rnd, "case": case, **fetched, "load": loaded.seconds,
                "total": fetched["fetch"] + loaded.seconds, "settle_waited": waited,
+               "agents_cpu_during_load": agents_cpu,
                "loaded_bytes": loaded.nbytes, "load_disk_read": read,
                "load_disk_written": written, "flushed_after": flushed}  # fmt: skip
         if loaded.digest != reference:
@@ -360,7 +365,8 @@ async def one_run(bench: Bench, rnd: int) -> tuple[dict[str, Any], list[dict[str
             flushed = row["flushed_after"]
             during = (
                 f"disk read {row['load_disk_read'] / MB:,.0f} MB, written "
-                f"{row['load_disk_written'] / MB:,.0f} MB during the load"
+                f"{row['load_disk_written'] / MB:,.0f} MB, agents' CPU "
+                f"{row['agents_cpu_during_load']:.2f} s during the load"
                 + ("" if flushed is None else f"; the agent's flush ended after {flushed:.2f} s")
             )
             print(f"r{rnd} {case:<21} fetch {row['fetch']:6.2f} s (CPU {row['cpu']:5.2f},"
