@@ -111,18 +111,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("series", type=Path, help="a directory of step_*/ DCP saves")
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument(
-        "--busy-memory",
-        action="store_true",
-        help="a helper process holds --busy-fraction of MemAvailable meanwhile",
-    )
+    busy = "a helper process holds --busy-fraction of MemAvailable meanwhile"
+    ap.add_argument("--busy-memory", action="store_true", help=busy)
     ap.add_argument("--busy-fraction", type=float, default=0.7)
-    ap.add_argument(
-        "--settle-limit",
-        type=float,
-        default=10.0,
-        help="at most this long waiting for a quiet machine before each case",
-    )
+    quiet = "at most this long waiting for a quiet machine before each case"
+    ap.add_argument("--settle-limit", type=float, default=10.0, help=quiet)
     ap.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent / "results")
     ap.add_argument("--out-stem", default=None,
                     help="results file name (default decision_to_loaded[_busy])")  # fmt: skip
