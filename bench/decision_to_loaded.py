@@ -12,8 +12,10 @@ holds k (copied in as the training save would have written it), and C, empty.
 
 Each run times every case once (the order rotating from run to run), from t0, "the
 decision", to every tensor of k+1 loaded in a fresh loader process: before t0 the loader
-has imported torch (not timed) and waits, the page cache is dropped and the machine left to
-settle (bench/_measure.py: at most ``--settle-limit`` seconds). The cases:
+has imported torch and loaded a tiny save once (not timed: bench/write_path.py
+``start_loader(warm=True)``) and waits, the page cache is dropped and the machine left to
+settle (bench/_measure.py: at most ``--settle-limit`` seconds). Decision -> loaded is the
+fetch's seconds plus the load's (as the loader timed it, from its go signal). The cases:
 
 - standby: the prefetch RPC of k+1 to S answers ready at once (nothing moved), then load;
 - prefetch holding k / onto an empty node: the prefetch RPC of k+1 to B / C (the
@@ -25,7 +27,9 @@ settle (bench/_measure.py: at most ``--settle-limit`` seconds). The cases:
 Printed per case: medians of the fetch, the load and decision -> loaded; the fetch's CPU
 seconds per raw GB (the agent process's utime + stime from t0 to ready, the CLI's or
 s5cmd's own; the S3 server's is not counted); each case's total against s5cmd cp's and
-s5cmd cp + sync's. And the limits the stages run against, measured at the start: the
+s5cmd cp + sync's; per case and run, what the disk holding the hot dirs read and wrote
+during the load (the whole device's counters: other work on the machine shows there too)
+and the agents' CPU meanwhile. And the limits the stages run against, measured at the start: the
 hot dir's disk with O_DIRECT (``dd``, bench/limits.py), one GET of as many bytes from the
 S3 server, and the load alone (k+1's own files) from a cold and from a warm page cache.
 The first run compares every restored copy with k+1 byte for byte; every load's tensors
