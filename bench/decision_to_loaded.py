@@ -126,11 +126,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def mem_available() -> int:
+def meminfo(field: str) -> int:
+    """A /proc/meminfo field, in bytes."""
     for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith("MemAvailable:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1]) * 1024
-    raise SystemExit("no MemAvailable in /proc/meminfo")
+    raise SystemExit(f"no {field} in /proc/meminfo")
+
+
+def mem_available() -> int:
+    return meminfo("MemAvailable")
 
 
 @contextlib.contextmanager
@@ -298,6 +303,7 @@ class Bench:
         waited = settle(self.work, limit=self.args.settle_limit)
         fetched = await self.fetch(case)
         io0, ready_at = self.busy(), time.monotonic()
+        dirty = meminfo("Dirty") + meminfo("Writeback")  # the machine's, at ready
         loading = asyncio.ensure_future(asyncio.to_thread(load, loader, self.busy))
         flushed = None
         if case.startswith("prefetch"):
@@ -309,7 +315,8 @@ class Bench:
                "total": fetched["fetch"] + loaded.seconds, "settle_waited": waited,
                "agents_cpu_during_load": agents_cpu,
                "loaded_bytes": loaded.nbytes, "load_disk_read": read,
-               "load_disk_written": written, "flushed_after": flushed}  # fmt: skip
+               "load_disk_written": written, "flushed_after": flushed,
+               "dirty_at_ready": dirty}  # fmt: skip
         if loaded.digest != reference:
             raise SystemExit(f"WRONG TENSORS loaded after {case}: {loaded.digest} != {reference}")
         if rnd == 1:
@@ -362,7 +369,8 @@ async def one_run(bench: Bench, rnd: int) -> tuple[dict[str, Any], list[dict[str
             flushed = row["flushed_after"]
             during = (
                 f"disk read {row['load_disk_read'] / MB:,.0f} MB, written "
-                f"{row['load_disk_written'] / MB:,.0f} MB, agents' CPU "
+                f"{row['load_disk_written'] / MB:,.0f} MB (dirty at ready "
+                f"{row['dirty_at_ready'] / MB:,.0f} MB), agents' CPU "
                 f"{row['agents_cpu_during_load']:.2f} s during the load"
                 + ("" if flushed is None else f"; the agent's flush ended after {flushed:.2f} s")
             )
