@@ -121,6 +121,17 @@ def _device_counters(path: Path) -> tuple[int, ...] | None:
     return in_flight, writes, discards
 
 
+def device_bytes(path: Path) -> tuple[int, int] | None:
+    """(bytes read, bytes written) since boot by the block device holding ``path``, from
+    /sys/dev/block (Linux; sectors of 512 bytes); None where it cannot be read."""
+    dev = os.stat(path).st_dev
+    try:
+        fields = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}/stat").read_text().split()
+    except OSError:
+        return None
+    return int(fields[2]) * 512, int(fields[6]) * 512
+
+
 def settle(path: Path, quiet: float = 1.0, limit: float = 120.0) -> float:
     """Write back, then wait until the machine has been quiet for ``quiet`` seconds, at most
     ``limit``: the disk holding ``path`` idle (nothing in flight, no write or discard

@@ -25,7 +25,9 @@ How::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
+import inspect
 import os
 import shutil
 import statistics
@@ -33,6 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,15 +46,40 @@ if str(REPO) not in sys.path:
 from bench._env import ferry_command, reproduce_command, write_results  # noqa: E402
 from bench._measure import check_same, drop_caches, run_timed, tree_digest  # noqa: E402
 
-#: A fresh process that imports torch, waits for a line on stdin, then loads every tensor
-#: of the DCP save named by argv[1] into memory and prints the seconds the load took.
-LOADER = """
+
+def tensor_digest(state: dict) -> str:
+    """BLAKE3 of every tensor's bytes, by name: what a load put in memory (the loader runs
+    this after its clock stops; a test runs it on the state it saved)."""
+    import blake3
+    import torch
+
+    h = blake3.blake3()
+    for name in sorted(state):
+        h.update(name.encode() + b"\0")
+        h.update(state[name].detach().reshape(-1).view(torch.uint8).numpy())
+    return str(h.hexdigest())
+
+
+#: A fresh process that imports torch (argv[2] "warm": see start_loader), waits for a line
+#: on stdin, then loads every tensor of the DCP save named by argv[1] into memory and prints
+#: the seconds the load took and the bytes loaded; then (its clock stopped) the digest of
+#: what it loaded.
+LOADER = (
+    inspect.getsource(tensor_digest)
+    + """
 import sys, time, warnings
 warnings.filterwarnings("ignore")
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+if sys.argv[2:] == ["warm"]:  # the load's own code run once: read in from disk now
+    import tempfile
+    with tempfile.TemporaryDirectory() as tiny:
+        sd = {"w": torch.ones(8), "h": torch.ones(8, dtype=torch.bfloat16)}
+        dcp.save(sd, storage_writer=dcp.FileSystemWriter(tiny), no_dist=True)
+        dcp.load(sd, storage_reader=FileSystemReader(tiny), no_dist=True)
+        tensor_digest(sd)
 print("ready", flush=True)
 sys.stdin.readline()
 t = time.monotonic()
@@ -62,7 +90,51 @@ sd = {k: torch.empty(v.size, dtype=v.properties.dtype)
 dcp.load(sd, storage_reader=FileSystemReader(sys.argv[1]), no_dist=True)
 print(f"{time.monotonic() - t:.4f} {sum(x.numel() * x.element_size() for x in sd.values())}",
       flush=True)
+print(tensor_digest(sd), flush=True)
 """
+)
+
+
+@dataclasses.dataclass
+class Loaded:
+    seconds: float  # the load alone, timed in the loader
+    nbytes: int  # of the tensors loaded
+    digest: str  # tensor_digest of them
+    at: float  # time.monotonic() here when the loader said it was done
+    probed: Any = None  # what load's probe answered then
+
+
+def start_loader(save: Path, warm: bool = False) -> subprocess.Popen[str]:
+    """A loader for ``save`` (need not exist yet), its torch imported: ready for ``load``.
+    ``warm``: it has also saved and loaded a tiny checkpoint, so the code of a load is in
+    memory, as in a process that has loaded before, and a page cache dropped after this
+    leaves the load only the checkpoint's bytes to read (a fresh process's first load
+    after a drop read ~50 MB of torch's code too, in 25 major page faults: 0.04-0.1 s of
+    a 0.15-0.5 s load; warm, 0 faults and only the save's bytes)."""
+    argv = [sys.executable, "-c", LOADER, str(save), *(["warm"] if warm else [])]
+    loader = subprocess.Popen(
+        argv,
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    assert loader.stdout is not None
+    if loader.stdout.readline().strip() != "ready":
+        raise SystemExit("the loader did not start")
+    return loader
+
+
+def load(loader: subprocess.Popen[str], probe: Callable[[], Any] | None = None) -> Loaded:
+    """Tell a started loader to load its save now; what it loaded. ``probe``: called the
+    moment the load is done (before the loader digests it), its answer in ``Loaded.probed``."""
+    assert loader.stdin is not None and loader.stdout is not None
+    loader.stdin.write("go\n")
+    loader.stdin.flush()
+    timed = loader.stdout.readline().split()
+    at = time.monotonic()
+    probed = probe() if probe is not None else None
+    digest = loader.stdout.readline().strip()
+    if loader.wait(timeout=600) != 0 or len(timed) != 2 or int(timed[1]) <= 0:
+        raise SystemExit(f"the loader failed or loaded nothing ({timed}, {digest!r})")
+    return Loaded(float(timed[0]), int(timed[1]), digest, at, probed)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -77,13 +149,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def one_round(store: Path, dest: Path, arm: str, save_bytes: int) -> dict[str, Any]:
     drop_caches()
-    loader = subprocess.Popen(
-        [sys.executable, "-c", LOADER, str(dest)],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    assert loader.stdin is not None and loader.stdout is not None
-    if loader.stdout.readline().strip() != "ready":
-        raise SystemExit("the loader did not start")
+    loader = start_loader(dest)
     began = time.monotonic()
     cmd = [*ferry_command(), "pull", str(store), str(dest), "--job", "j", "--step", "1",
            "--write-path", arm]  # fmt: skip
@@ -91,17 +157,12 @@ def one_round(store: Path, dest: Path, arm: str, save_bytes: int) -> dict[str, A
     if ran.returncode != 0:
         raise SystemExit(f"ferry pull --write-path {arm} failed: {ran.stderr[-2000:]}")
     pulled = time.monotonic()
-    loader.stdin.write("go\n")
-    loader.stdin.flush()
-    load_s, loaded = loader.stdout.readline().split()
-    loader.wait(timeout=600)
-    done = time.monotonic()
-    if int(loaded) <= 0:
-        raise SystemExit("the loader loaded nothing")
+    loaded = load(loader)
+    load_s, done = loaded.seconds, loaded.at
     return {
-        "arm": arm, "pull": pulled - began, "load": float(load_s), "total": done - began,
+        "arm": arm, "pull": pulled - began, "load": load_s, "total": done - began,
         "pull_cpu": ran.cpu_user + ran.cpu_sys, "pull_sys": ran.cpu_sys,
-        "loaded_bytes": int(loaded), "save_bytes": save_bytes,
+        "loaded_bytes": loaded.nbytes, "save_bytes": save_bytes,
     }  # fmt: skip
 
 

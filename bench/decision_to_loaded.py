@@ -1,0 +1,476 @@
+"""From the scheduler's decision to every rank's state loaded: what an elastic-training
+scheduler waits for, by how the next checkpoint reaches the node.
+
+    python -m bench.decision_to_loaded SERIES_DIR [--runs 3] [--busy-memory]
+
+SERIES_DIR holds step_*/ saves (``bench.gen_checkpoints``, ``bench.corpus``); its two
+newest are k and k+1. Starts SeaweedFS on loopback, pushes k, then k+1 (delta-coded
+against k) into a store, and uploads k+1's raw files under a separate prefix of the same
+bucket for s5cmd. Three real ``ferry agent`` processes serve the store's prefix as their
+tier: S, a standby for the job (it has copied k+1 in before the decision), B, whose hot dir
+holds k (copied in as the training save would have written it), and C, empty.
+
+Each run times every case once (the order rotating from run to run), from t0, "the
+decision", to every tensor of k+1 loaded in a fresh loader process: before t0 the loader
+has imported torch and loaded a tiny save once (not timed: bench/write_path.py
+``start_loader(warm=True)``) and waits, the page cache is dropped and the machine left to
+settle (bench/_measure.py: at most ``--settle-limit`` seconds). Decision -> loaded is the
+fetch's seconds plus the load's (as the loader timed it, from its go signal). The cases:
+
+- standby: the prefetch RPC of k+1 to S answers ready at once (nothing moved), then load;
+- prefetch holding k / onto an empty node: the prefetch RPC of k+1 to B / C (the
+  scheduler's client polls its status until ready), then load from the agent's hot dir;
+- ``s5cmd cp`` of k+1's raw files into an empty directory, then load; ``s5cmd cp`` then
+  ``sync`` of those files (fsync: its bytes on disk, as an O_DIRECT restore's are);
+- ``ferry pull`` (the CLI) holding k (``--base-dir``: B's copy) and cold, then load.
+
+Printed per case: medians of the fetch, the load and decision -> loaded; the fetch's CPU
+seconds per raw GB (the agent process's utime + stime from t0 to ready, the CLI's or
+s5cmd's own; the S3 server's is not counted); each case's total against s5cmd cp's and
+s5cmd cp + sync's; per case and run, what the disk holding the hot dirs read and wrote
+during the load (the whole device's counters: other work on the machine shows there too)
+and the agents' CPU meanwhile. And the limits the stages run against, measured at the start: the
+hot dir's disk with O_DIRECT (``dd``, bench/limits.py), one GET of as many bytes from the
+S3 server, and the load alone (k+1's own files) from a cold and from a warm page cache.
+The first run compares every restored copy with k+1 byte for byte; every load's tensors
+are checked against the load of k+1 itself.
+
+``--busy-memory``: the same while a helper process holds ``--busy-fraction`` (0.7) of
+MemAvailable, allocated and touched, so a path that leaves its bytes in the page cache for
+the load cannot count on spare memory (released at the end).
+Results: bench/results/decision_to_loaded[_busy].md and .json (``--out-stem``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import datetime
+import functools
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+from agent.rpc.client import FerryClient  # noqa: E402
+from bench import estimate_cases, tls_cost  # noqa: E402
+from bench._env import reproduce_command, write_results  # noqa: E402
+from bench._loopback import loopback_s3  # noqa: E402
+from bench._measure import (  # noqa: E402
+    check_same,
+    device_bytes,
+    drop_caches,
+    proc_cpu_seconds,
+    run_timed,
+    settle,
+    tree_digest,
+)
+from bench.agents import TOKEN, Agent, agent_env  # noqa: E402
+from bench.limits import disk, s3_raw  # noqa: E402
+from bench.peers import Commands, tool_env  # noqa: E402
+from bench.store_cost import saves  # noqa: E402
+from bench.write_path import Loaded, load, start_loader  # noqa: E402
+from tests.s3server import S3Endpoint  # noqa: E402
+from transfer.format.names import step_from_dirname  # noqa: E402
+
+JOB = "bench"
+assert JOB == estimate_cases.JOB == tls_cost.JOB  # their helpers name the job
+MB, GB = 1e6, 1e9
+CASES = (
+    "standby",
+    "prefetch holding k",
+    "prefetch, empty node",
+    "s5cmd cp",
+    "s5cmd cp + sync",
+    "ferry pull holding k",
+    "ferry pull, cold",
+)
+PLAIN, SYNCED = "s5cmd cp", "s5cmd cp + sync"
+
+#: holds argv[1] bytes, every page touched, until its stdin closes; the first process the
+#: kernel's OOM killer takes if the machine runs short after all
+HOLDER = """
+import sys
+from pathlib import Path
+Path("/proc/self/oom_score_adj").write_text("1000")
+held = b"\\x01" * int(sys.argv[1])
+print("held", flush=True)
+sys.stdin.read()
+"""
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    ap.add_argument("series", type=Path, help="a directory of step_*/ DCP saves")
+    ap.add_argument("--runs", type=int, default=3)
+    busy = "a helper process holds --busy-fraction of MemAvailable meanwhile"
+    ap.add_argument("--busy-memory", action="store_true", help=busy)
+    ap.add_argument("--busy-fraction", type=float, default=0.7)
+    quiet = "at most this long waiting for a quiet machine before each case"
+    ap.add_argument("--settle-limit", type=float, default=10.0, help=quiet)
+    ap.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent / "results")
+    ap.add_argument("--out-stem", default=None,
+                    help="results file name (default decision_to_loaded[_busy])")  # fmt: skip
+    return ap.parse_args(argv)
+
+
+def meminfo(field: str) -> int:
+    """A /proc/meminfo field, in bytes."""
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith(f"{field}:"):
+            return int(line.split()[1]) * 1024
+    raise SystemExit(f"no {field} in /proc/meminfo")
+
+
+def mem_available() -> int:
+    return meminfo("MemAvailable")
+
+
+@contextlib.contextmanager
+def busy_memory(fraction: float) -> Iterator[dict[str, int]]:
+    """A helper process holding ``fraction`` of MemAvailable while the block runs."""
+    before = mem_available()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(int(before * fraction))],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout is not None
+        if holder.stdout.readline().strip() != "held":
+            raise SystemExit("the memory holder did not start")
+        info = {"held": int(before * fraction), "available_before": before,
+                "available_held": mem_available()}  # fmt: skip
+        print(f"busy memory: holding {info['held'] / GB:.1f} GB; MemAvailable "
+              f"{before / GB:.1f} -> {info['available_held'] / GB:.1f} GB", flush=True)  # fmt: skip
+        yield info
+        if holder.poll() is not None:
+            raise SystemExit("the memory holder died while the cases ran (out of memory?)")
+    finally:
+        if holder.stdin is not None:
+            holder.stdin.close()
+        holder.wait(timeout=60)
+
+
+@dataclass
+class Node:
+    """One agent process and the scheduler's RPC client to it."""
+
+    agent: Agent
+    client: FerryClient
+
+    @property
+    def pid(self) -> int:
+        assert self.agent.proc is not None
+        return self.agent.proc.pid
+
+
+@dataclass
+class Bench:
+    args: argparse.Namespace
+    ep: S3Endpoint
+    work: Path
+    prefix: str  # of this run's objects in the bucket
+    k: Path
+    k1: Path
+    cmd: Commands = field(init=False)
+    env: dict[str, str] = field(init=False)
+    nodes: dict[str, Node] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.cmd = Commands(self.ep)
+        # s5cmd from the interpreter's environment, activated or not
+        path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+        self.env = {**os.environ, **tool_env(self.ep, self.work / "rclone.conf"),
+                    "PYTHONPATH": str(REPO), "PATH": path}  # fmt: skip
+        self.step = step_from_dirname(self.k1.name) or 0
+        self.digest = tree_digest(self.k1)
+        self.raw_bytes = sum(size for size, _ in self.digest.values())
+        self.tier = self.cmd.s3(f"{self.prefix}/tier")
+        self.raw = self.cmd.s3(f"{self.prefix}/raw")
+
+    async def setup(self) -> None:
+        await tls_cost._push_both(self.tier, self.k, self.k1)
+        ran = run_timed(self.cmd.s5cmd("cp", f"{self.k1}/*", f"{self.raw}/"), self.env, None)
+        if ran.returncode != 0:
+            raise SystemExit(f"s5cmd upload failed ({ran.returncode}): {ran.stderr[-2000:]}")
+        (self.work / "token").write_text(TOKEN + "\n")
+        held = self.hot("b") / JOB / self.k.name
+        shutil.copytree(self.k, held)  # written there as by the training save
+        for name, standby in (("s", JOB), ("b", ""), ("c", "")):
+            env = agent_env(dict(os.environ), name, self.hot(name), self.tier, self.ep.url,
+                            self.work / "token", [])  # fmt: skip
+            # the tier holds k and k+1 already: B's watcher would push its k again beside
+            # the measured cases; nothing else of the agents' own runs beside them either
+            env.update(FERRY_QUIET_SECONDS="3600", FERRY_RETENTION_INTERVAL_SECONDS="3600",
+                       FERRY_STANDBY_JOBS=standby, FERRY_STANDBY_MAX_RATE="0")  # fmt: skip
+            agent = Agent(name, self.hot(name), env)
+            agent.launch(self.work / f"agent-{name}.log")
+            self.nodes[name] = Node(agent, FerryClient(agent.url, TOKEN, timeout=900))
+        for name, node in self.nodes.items():
+            node.agent.wait_healthy(self.work / f"agent-{name}.log")
+        began = time.monotonic()
+        await estimate_cases.replicated(self.nodes["s"].client, self.step)
+        print(f"standby S has k+1 ({time.monotonic() - began:.1f} s after its start)", flush=True)
+
+    async def close(self) -> None:
+        for node in self.nodes.values():
+            await node.client.close()
+            node.agent.stop()
+
+    def busy(self) -> tuple[int, int, float]:
+        """Bytes the hot dir's disk has read and written, CPU seconds the agents have used."""
+        read, written = device_bytes(self.work) or (0, 0)
+        cpu = sum(proc_cpu_seconds(node.pid) or 0.0 for node in self.nodes.values())
+        return read, written, cpu
+
+    def hot(self, name: str) -> Path:
+        return self.work / f"hot-{name}"
+
+    def dest(self, case: str) -> Path:
+        """Where the case puts k+1 (and the loader reads it)."""
+        if case == "standby":
+            return self.hot("s") / JOB / self.k1.name
+        if case.startswith("prefetch"):
+            return self.hot("b" if "holding" in case else "c") / JOB / self.k1.name
+        return self.work / "dest" / self.k1.name
+
+    async def fetch(self, case: str) -> dict[str, Any]:
+        """Bring k+1 to ``dest(case)``, timed from now: seconds, CPU seconds, bytes moved."""
+        if case == "standby" or case.startswith("prefetch"):
+            node = self.nodes["s" if case == "standby" else "b" if "holding" in case else "c"]
+            cpu0, began = proc_cpu_seconds(node.pid), time.monotonic()
+            done = await estimate_cases.ready(
+                node.client, await node.client.prefetch(JOB, self.step)
+            )
+            took, cpu1 = time.monotonic() - began, proc_cpu_seconds(node.pid)
+            if done["state"] != "ready" or Path(done["dest"]) != self.dest(case):
+                raise SystemExit(f"{case}: prefetch ended {done}")
+            return {"fetch": took, "cpu": (cpu1 or 0.0) - (cpu0 or 0.0),
+                    "moved": sum(done["bytes_by_source"].values()),
+                    "satisfied_by": done["satisfied_by"]}  # fmt: skip
+        return self.fetch_command(case)
+
+    def fetch_command(self, case: str) -> dict[str, Any]:
+        """s5cmd or the ferry CLI: the command's own wall clock and CPU seconds."""
+        dest = self.dest(case)
+        if case.startswith("s5cmd"):
+            argv = self.cmd.s5cmd("cp", f"{self.raw}/*", f"{dest}/")
+        else:
+            argv = [*self.cmd.ferry_pull(f"{self.prefix}/tier", JOB, self.step, dest)]
+            if "holding" in case:
+                argv += ["--base-dir", str(self.hot("b") / JOB / self.k.name)]
+        ran = run_timed(argv, self.env, None)
+        if ran.returncode != 0:
+            raise SystemExit(f"{case} failed ({ran.returncode}): {ran.stderr[-2000:]}")
+        took = ran.seconds
+        if case == SYNCED:  # fsync each file and the directory: on disk, not just in memory
+            began = time.monotonic()
+            subprocess.run(["sync", str(dest), *map(str, dest.iterdir())], check=True)
+            took += time.monotonic() - began
+        moved = self.raw_bytes
+        if case.startswith("ferry"):
+            moved = int(json_of(ran.stdout).get("bytes_transferred", 0))
+        return {"fetch": took, "cpu": ran.cpu_user + ran.cpu_sys, "moved": moved,
+                "satisfied_by": None}  # fmt: skip
+
+    async def clean(self, case: str) -> None:
+        """Leave the node as it was before the case (the standby keeps its replica)."""
+        if case == "standby":
+            return
+        dest = self.dest(case)
+        shutil.rmtree(dest)  # (an agent's restore: flushed, one_case waited for it)
+
+    async def one_case(
+        self, case: str, rnd: int, loader: subprocess.Popen[str], reference: str
+    ) -> dict[str, Any]:
+        """``loader``: started on ``dest(case)``, torch imported (before the clock). Beside
+        the load: what the disk read and wrote meanwhile, and when an agent's flush of its
+        restore (after ready) ended."""
+        dest = self.dest(case)
+        drop_caches()
+        waited = settle(self.work, limit=self.args.settle_limit)
+        fetched = await self.fetch(case)
+        io0, ready_at = self.busy(), time.monotonic()
+        dirty = meminfo("Dirty") + meminfo("Writeback")  # the machine's, at ready
+        loading = asyncio.ensure_future(asyncio.to_thread(load, loader, self.busy))
+        flushed = None
+        if case.startswith("prefetch"):
+            await estimate_cases.settled(dest.parent.parent, dest.name)
+            flushed = time.monotonic() - ready_at
+        loaded = await loading
+        read, written, agents_cpu = (b - a for a, b in zip(io0, loaded.probed, strict=True))
+        row = {"round": rnd, "case": case, **fetched, "load": loaded.seconds,
+               "total": fetched["fetch"] + loaded.seconds, "settle_waited": waited,
+               "agents_cpu_during_load": agents_cpu,
+               "loaded_bytes": loaded.nbytes, "load_disk_read": read,
+               "load_disk_written": written, "flushed_after": flushed,
+               "dirty_at_ready": dirty}  # fmt: skip
+        if loaded.digest != reference:
+            raise SystemExit(f"WRONG TENSORS loaded after {case}: {loaded.digest} != {reference}")
+        if rnd == 1:
+            check_same(self.digest, dest, case)
+        await self.clean(case)
+        return row
+
+
+def json_of(text: str) -> dict[str, Any]:
+    import json
+
+    try:
+        doc = json.loads(text)
+    except ValueError:
+        return {}
+    return doc if isinstance(doc, dict) else {}
+
+
+def start_loaders(saves: list[Path]) -> list[subprocess.Popen[str]]:
+    """A loader per save, all importing torch at once (sooner than one after another; each
+    then waits idle for its turn)."""
+    with ThreadPoolExecutor(len(saves)) as pool:
+        return list(pool.map(functools.partial(start_loader, warm=True), saves))
+
+
+def load_alone(loaders: list[subprocess.Popen[str]], disk: Path, limit: float) -> list[Loaded]:
+    """The load of a save by itself (two loaders started on it), as the cases' loads run
+    (page cache dropped, the machine left to settle): from a cold page cache, then again
+    from the warm one the first left."""
+    drop_caches()
+    settle(disk, limit=limit)
+    return [load(loader) for loader in loaders]
+
+
+async def one_run(bench: Bench, rnd: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The load of k+1 alone, cold and warm, then every case, the order rotated by ``rnd``."""
+    shift = (rnd - 1) % len(CASES)
+    order = CASES[shift:] + CASES[:shift]
+    loaders = start_loaders([bench.k1, bench.k1, *map(bench.dest, order)])
+    try:
+        cold, warm = load_alone(loaders[:2], bench.work, bench.args.settle_limit)
+        if warm.digest != cold.digest:
+            raise SystemExit("two loads of k+1 gave different tensors")
+        alone = {"cold": cold.seconds, "warm": warm.seconds, "digest": cold.digest}
+        print(f"r{rnd} load alone: cold {cold.seconds:.2f} s, warm {warm.seconds:.2f} s")
+        rows = []
+        for case, loader in zip(order, loaders[2:], strict=True):
+            row = await bench.one_case(case, rnd, loader, cold.digest)
+            rows.append(row)
+            flushed = row["flushed_after"]
+            during = (
+                f"disk read {row['load_disk_read'] / MB:,.0f} MB, written "
+                f"{row['load_disk_written'] / MB:,.0f} MB (dirty at ready "
+                f"{row['dirty_at_ready'] / MB:,.0f} MB), agents' CPU "
+                f"{row['agents_cpu_during_load']:.2f} s during the load"
+                + ("" if flushed is None else f"; the agent's flush ended after {flushed:.2f} s")
+            )
+            print(f"r{rnd} {case:<21} fetch {row['fetch']:6.2f} s (CPU {row['cpu']:5.2f},"
+                  f" {row['moved'] / MB:6,.0f} MB)  load {row['load']:5.2f} s  total "
+                  f"{row['total']:6.2f} s  [{during}; settled {row['settle_waited']:.1f} s"
+                  f"{', ' + row['satisfied_by'] if row['satisfied_by'] else ''}]",
+                  flush=True)  # fmt: skip
+    finally:
+        for loader in loaders:  # those a failure left waiting
+            if loader.poll() is None:
+                loader.kill()
+                loader.wait()
+    return alone, rows
+
+
+async def measure(args: argparse.Namespace, ep: S3Endpoint, work: Path) -> dict[str, Any]:
+    k, k1 = saves(args.series)[-2:]
+    bench = Bench(args, ep, work, f"d2l-{os.getpid()}-{int(time.time())}", k, k1)
+    doc: dict[str, Any] = {"series": str(args.series), "k": k.name, "k1": k1.name,
+                           "raw_bytes": bench.raw_bytes, "cases": list(CASES),
+                           "runs": args.runs, "rows": [], "load_alone": []}  # fmt: skip
+    try:
+        await bench.setup()
+        with contextlib.ExitStack() as stack:
+            if args.busy_memory:
+                doc["busy_memory"] = stack.enter_context(busy_memory(args.busy_fraction))
+            doc["limits"] = disk(work, bench.raw_bytes) | s3_raw(ep, work, bench.raw_bytes)
+            print(", ".join(f"{name} {v:,.0f} MB/s" for name, v in doc["limits"].items()))
+            for rnd in range(1, args.runs + 1):
+                alone, rows = await one_run(bench, rnd)
+                doc["load_alone"].append(alone)
+                doc["rows"] += rows
+    finally:
+        await bench.close()
+    doc["reference_digest"] = doc["load_alone"][0]["digest"]
+    return doc
+
+
+def report(doc: dict[str, Any]) -> str:
+    def med(case: str, key: str) -> float:
+        return float(statistics.median(r[key] for r in doc["rows"] if r["case"] == case))
+
+    raw_mb, lim = doc["raw_bytes"] / MB, doc["limits"]
+    cold = statistics.median(a["cold"] for a in doc["load_alone"])
+    warm = statistics.median(a["warm"] for a in doc["load_alone"])
+    busy = doc.get("busy_memory")
+    held = ""
+    if busy:
+        held = (
+            f"; another process holding {busy['held'] / GB:.1f} GB (MemAvailable "
+            f"{busy['available_before'] / GB:.1f} -> {busy['available_held'] / GB:.1f} GB)"
+        )
+    lines = [
+        f"{doc['series']}: {doc['k1']} ({raw_mb:,.0f} MB raw) onto a node, from the decision "
+        f"to every tensor loaded; medians of {doc['runs']} runs, page cache dropped before "
+        f"each case{held}",
+        "",
+        "| case | fetch s | load s | decision -> loaded s | fetch CPU-s / raw GB | moved MB "
+        f"| load: MB read from disk | load / load alone cold | / {PLAIN} | / {SYNCED} |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for case in doc["cases"]:
+        total = med(case, "total")
+        lines.append(
+            f"| {case} | {med(case, 'fetch'):.2f} | {med(case, 'load'):.2f} | {total:.2f} | "
+            f"{med(case, 'cpu') / (raw_mb / 1e3):.2f} | {med(case, 'moved') / MB:,.0f} | "
+            f"{med(case, 'load_disk_read') / MB:,.0f} | {med(case, 'load') / cold:.2f}x | "
+            f"{total / med(PLAIN, 'total'):.2f}x | {total / med(SYNCED, 'total'):.2f}x |"
+        )
+    write, read = lim["disk_write_direct"], lim["disk_read_direct"]
+    get = lim["s3_get_one_object"]
+    lines += [
+        "",
+        f"Limits, measured at the start: the hot dir's disk with O_DIRECT (`dd`): write "
+        f"{write:,.0f} MB/s (k+1 in {raw_mb / write:.2f} s), read {read:,.0f} MB/s "
+        f"({raw_mb / read:.2f} s); the S3 server on loopback, one object of as many bytes "
+        f"through botocore: GET {get:,.0f} MB/s ({raw_mb / get:.2f} s); the load of k+1 alone "
+        f"(medians): {cold:.2f} s from a cold page cache ({raw_mb / cold:,.0f} MB/s), "
+        f"{warm:.2f} s from a warm one ({raw_mb / warm:,.0f} MB/s).",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command = reproduce_command([sys.executable, "-m", "bench.decision_to_loaded", *argv])
+    print(command, flush=True)
+    with loopback_s3("ferry-d2l-") as (work, ep):
+        doc = asyncio.run(measure(args, ep, work))
+    md = report(doc)
+    print(md)
+    date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    stem = args.out_stem or (
+        "decision_to_loaded_busy" if args.busy_memory else "decision_to_loaded"
+    )
+    write_results(args.out_dir, stem, command, date, md + "\n\n`" + command + "`\n", **doc)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
