@@ -668,6 +668,28 @@ def test_a_restore_takes_as_long_as_the_slower_of_its_source_and_its_disk() -> N
         estimate_migration({}, meter, bytes_total=1, gpus=1, gpu_hour_price=0, bytes_written=-1)
 
 
+def test_the_write_probe_takes_a_small_part_of_the_free_space(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The probe runs beside training's saves: on a hot dir with little free it writes at
+    most a sixteenth of what is free, in whole blocks, and nothing at all below 8 MiB (a
+    64 MiB probe on a 48 MiB hot dir failed a save with ENOSPC)."""
+    from types import SimpleNamespace
+
+    from transfer.engine import writeprobe
+
+    def free(nbytes: int) -> None:
+        usage = SimpleNamespace(total=nbytes, used=0, free=nbytes)
+        monkeypatch.setattr(writeprobe.shutil, "disk_usage", lambda _path: usage)
+
+    free(100 << 30)
+    assert writeprobe.probe_size(tmp_path) == writeprobe.PROBE_BYTES
+    free(500 << 20)
+    assert writeprobe.probe_size(tmp_path) == 28 << 20  # 31.25 MiB, in 4 MiB blocks
+    free(48 << 20)
+    assert writeprobe.probe_size(tmp_path) == 0
+
+
 def test_the_write_probe_writes_as_a_restore_and_leaves_nothing(tmp_path: Path) -> None:
     """The disk probe writes what it says, from several writers, in both write paths, and
     removes its scratch file; a restore's write stage gives the same kind of figure."""

@@ -16,6 +16,7 @@ rate and each restore's re-measurement of it mean one thing.
 from __future__ import annotations
 
 import os
+import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -28,6 +29,19 @@ from transfer.format.manifest import ChunkRef, FileEntry
 PROBE_BYTES = 64 << 20
 #: the scratch file, hidden (a dot name: never a checkpoint); a killed probe's is replaced
 PROBE_NAME = ".ferry-write-probe"
+#: the most of the hot dir's free space a probe may take for a moment (training may be
+#: saving beside it: a probe that filled a small disk failed a save with ENOSPC), and the
+#: least worth writing (less says nothing of the device: the default rate stands)
+PROBE_FREE_SHARE = 1 / 16
+PROBE_MIN_BYTES = 8 << 20
+
+
+def probe_size(directory: Path, block: int = 4 << 20) -> int:
+    """Bytes a probe of ``directory``'s disk may write now: PROBE_BYTES, or less where the
+    disk has little free (whole blocks); 0 where too little is free to probe at all."""
+    free = shutil.disk_usage(directory).free
+    nbytes = min(PROBE_BYTES, int(free * PROBE_FREE_SHARE)) // block * block
+    return nbytes if nbytes >= PROBE_MIN_BYTES else 0
 
 
 def probe_write(
