@@ -35,6 +35,9 @@ S3 server, and the load alone (k+1's own files) from a cold and from a warm page
 The first run compares every restored copy with k+1 byte for byte; every load's tensors
 are checked against the load of k+1 itself.
 
+``--write-path``: how the agents' and the CLI's restores write (``warm``, ``direct``, ``buffered``,
+``auto``; default: the product's own default), to compare the write paths' whole waits.
+
 ``--busy-memory``: the same while a helper process holds ``--busy-fraction`` (0.7) of
 MemAvailable, allocated and touched, so a path that leaves its bytes in the page cache for
 the load cannot count on spare memory (released at the end).
@@ -84,6 +87,7 @@ from bench.store_cost import saves  # noqa: E402
 from bench.write_path import Loaded, load, start_loader  # noqa: E402
 from tests.s3server import S3Endpoint  # noqa: E402
 from transfer.format.names import step_from_dirname  # noqa: E402
+from transfer.options import WRITE_PATHS  # noqa: E402
 
 JOB = "bench"
 assert JOB == estimate_cases.JOB == tls_cost.JOB  # their helpers name the job
@@ -120,6 +124,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--busy-fraction", type=float, default=0.7)
     quiet = "at most this long waiting for a quiet machine before each case"
     ap.add_argument("--settle-limit", type=float, default=10.0, help=quiet)
+    ap.add_argument("--write-path", choices=WRITE_PATHS, default=None,
+                    help="how the agents' and the CLI's restores write (default: the "
+                         "product's default)")  # fmt: skip
     ap.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent / "results")
     ap.add_argument("--out-stem", default=None,
                     help="results file name (default decision_to_loaded[_busy])")  # fmt: skip
@@ -215,6 +222,8 @@ class Bench:
             # the measured cases; nothing else of the agents' own runs beside them either
             env.update(FERRY_QUIET_SECONDS="3600", FERRY_RETENTION_INTERVAL_SECONDS="3600",
                        FERRY_STANDBY_JOBS=standby, FERRY_STANDBY_MAX_RATE="0")  # fmt: skip
+            if self.args.write_path:
+                env["FERRY_TRANSFER_WRITE_PATH"] = self.args.write_path
             agent = Agent(name, self.hot(name), env)
             agent.launch(self.work / f"agent-{name}.log")
             self.nodes[name] = Node(agent, FerryClient(agent.url, TOKEN, timeout=900))
@@ -271,6 +280,8 @@ class Bench:
             argv = [*self.cmd.ferry_pull(f"{self.prefix}/tier", JOB, self.step, dest)]
             if "holding" in case:
                 argv += ["--base-dir", str(self.hot("b") / JOB / self.k.name)]
+            if self.args.write_path:
+                argv += ["--write-path", self.args.write_path]
         ran = run_timed(argv, self.env, None)
         if ran.returncode != 0:
             raise SystemExit(f"{case} failed ({ran.returncode}): {ran.stderr[-2000:]}")

@@ -141,7 +141,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("save", type=Path, help="a DCP save directory (.metadata + shards)")
     ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--arms", default="direct,buffered,auto", help="write paths, first = 1.00x")
+    ap.add_argument(
+        "--arms", default="direct,warm,buffered,auto", help="write paths, first = 1.00x"
+    )
     ap.add_argument("--workdir", type=Path, default=None, help="on the disk to measure")
     ap.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent / "results")
     return ap.parse_args(argv)

@@ -4,6 +4,8 @@ a fresh prefix in it per test, and helpers to build checkpoint directories."""
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import mmap
 import os
 import secrets
 from collections.abc import Iterator
@@ -225,3 +227,20 @@ async def prefetched(client: FerryClient, step: int | str = "latest", job: str =
     done = await client.wait_prefetch(await client.prefetch(job, step), within_s=60)
     assert done["state"] == "ready", done
     return done
+
+
+def resident_fraction(path: Path) -> float:
+    """The part of ``path``'s pages in the page cache: mincore(2) over a private mapping of
+    it (mapping faults nothing in, and neither does mincore)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    size = path.stat().st_size
+    pages = -(-size // mmap.PAGESIZE)
+    vec = (ctypes.c_ubyte * pages)()
+    with path.open("rb") as f, mmap.mmap(f.fileno(), size, access=mmap.ACCESS_COPY) as m:
+        view = (ctypes.c_char * size).from_buffer(m)
+        try:
+            rc = libc.mincore(ctypes.c_void_p(ctypes.addressof(view)), ctypes.c_size_t(size), vec)
+        finally:
+            del view
+    assert rc == 0, os.strerror(ctypes.get_errno())
+    return sum(b & 1 for b in vec) / pages

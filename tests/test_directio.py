@@ -9,6 +9,7 @@ import errno
 import itertools
 import os
 import random
+import time
 from pathlib import Path
 from typing import Any
 
@@ -204,27 +205,38 @@ def test_aligned_memory_is_written_direct_without_a_copy(
 
 
 @pytest.mark.parametrize(
-    ("write_path", "available_kib", "direct"),
+    ("write_path", "available_kib", "went"),
     [
-        ("auto", 1 << 20, True),  # 1 GiB available, all of it reserve: no room to spare
-        ("auto", 16 << 20, False),  # the restore fits in what the page cache can spare
-        ("buffered", 1 << 20, False),  # chosen: always that way
-        ("direct", 16 << 20, True),
+        ("warm", 16 << 20, "warm"),  # fits: direct, read back into the page cache
+        ("warm", 1 << 20, "direct"),  # 1 GiB available, all of it reserve: no room to spare
+        ("auto", 1 << 20, "direct"),
+        ("auto", 16 << 20, "buffered"),  # the restore fits in what the page cache can spare
+        ("buffered", 1 << 20, "buffered"),  # chosen: always that way
+        ("direct", 16 << 20, "direct"),
     ],
 )
-def test_a_restore_writes_buffered_when_it_fits_in_spare_memory(
+def test_a_restore_is_left_in_the_page_cache_when_it_fits_in_spare_memory(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     write_path: str,
     available_kib: int,
-    direct: bool,
+    went: str,
 ) -> None:
     """Issue 32: a restore written with O_DIRECT is not in the page cache when the training
-    process loads it next, so the load pays the disk again. A restore goes buffered when it
-    fits in what the node can spare (engine/writepath.py, read from the kernel's meminfo),
-    with O_DIRECT when it does not; ``write_path`` (``--write-path``,
-    ``FERRY_TRANSFER_WRITE_PATH``) direct or buffered forces one; the result says which."""
-    from tests.conftest import open_test_store, random_bytes, run, tree_bytes, write_file
+    process loads it next, so the load pays the disk again. When it fits in what the node
+    can spare (engine/writepath.py, read from the kernel's meminfo), ``warm`` (the default)
+    writes it with O_DIRECT and has the kernel read each chunk back into the page cache,
+    ``auto`` writes it buffered; too big, both go O_DIRECT only; ``write_path``
+    (``--write-path``, ``FERRY_TRANSFER_WRITE_PATH``) direct or buffered forces one; the
+    result says which. A warm restore is in memory once the kernel's reads are done."""
+    from tests.conftest import (
+        open_test_store,
+        random_bytes,
+        resident_fraction,
+        run,
+        tree_bytes,
+        write_file,
+    )  # fmt: skip
     from transfer.engine import PullPlan, pull, push, staging, writepath
     from transfer.options import TransferOptions
 
@@ -245,6 +257,13 @@ def test_a_restore_writes_buffered_when_it_fits_in_spare_memory(
     run(push(store, src, job="j", step=1, node="n", options=options))
     dest = tmp_path / "dest"
     result = run(pull(store, dest, PullPlan("j", 1), options=options))
-    assert tree_bytes(dest) == tree_bytes(src)
-    assert bool(opened) is direct, opened
-    assert result.write_path == ("direct" if direct else "buffered")
+    assert bool(opened) is (went != "buffered"), opened
+    assert result.write_path == went
+    if went == "direct":  # (its bytes went past the cache: none of them read back)
+        assert resident_fraction(dest / "a.bin") == 0.0
+    if went == "warm":  # the kernel's reads were only started: give them a moment
+        deadline = time.monotonic() + 10
+        while resident_fraction(dest / "a.bin") < 1.0 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert resident_fraction(dest / "a.bin") == 1.0
+    assert tree_bytes(dest) == tree_bytes(src)  # (read last: this fills the cache)

@@ -23,7 +23,7 @@ def test_every_write_path_is_pulled_and_loaded(tmp_path: Path) -> None:
     argv = [str(save), "--runs", "1", "--workdir", str(tmp_path), "--out-dir", str(out)]
     assert write_path.main(argv) == 0
     doc = json.loads((out / "write_path_series_tiny.json").read_text())
-    assert sorted(r["arm"] for r in doc["rows"]) == ["auto", "buffered", "direct"]
+    assert sorted(r["arm"] for r in doc["rows"]) == ["auto", "buffered", "direct", "warm"]
     for row in doc["rows"]:
         assert row["loaded_bytes"] == 4 * 256 * 1024 * 4, row
         assert row["pull"] > 0 and row["load"] > 0 and row["total"] >= row["pull"], row

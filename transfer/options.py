@@ -13,7 +13,7 @@ CHECKSUMS = ("crc32", "md5", "none")
 
 
 #: how a restore may write (TransferOptions.write_path; engine/writepath.py)
-WRITE_PATHS = ("auto", "direct", "buffered")
+WRITE_PATHS = ("warm", "direct", "buffered", "auto")
 
 
 @dataclass(frozen=True)
@@ -43,13 +43,14 @@ class TransferOptions:
     #: ... and only while a cold restore of it (its own payload and every base's, back to
     #: the keyframe) stays within this multiple of the chunk coded on its own
     max_cold_cost: float = 2.0
-    #: how a restore writes (engine/writepath.py): "direct", its chunks' aligned interiors
-    #: with O_DIRECT (buffered in spells while the device falls behind: staging.py);
-    #: "buffered", into the page cache; "auto", buffered when it fits in the memory the
-    #: node can spare (the load after it then reads memory), else direct. Direct is the
-    #: default because it is what measured fastest from decision to loaded tensors here
-    #: (docs/RELIABILITY.md, "How a restore writes")
-    write_path: str = "direct"
+    #: how a restore writes (engine/writepath.py): "warm", with O_DIRECT, each chunk read
+    #: back into the page cache by the kernel as it lands when the restore fits in the
+    #: memory the node can spare (the load after it then reads memory); "direct", O_DIRECT
+    #: only (buffered in spells while the device falls behind: staging.py); "buffered",
+    #: into the page cache; "auto", buffered when it fits, else direct. Warm is the default:
+    #: it measured fastest from decision to loaded tensors (docs/RELIABILITY.md, "How a
+    #: restore writes")
+    write_path: str = "warm"
 
     def memory_estimate(self) -> int:
         """Bytes a transfer holds at its peak, whatever the checkpoint size: every part in
@@ -189,7 +190,8 @@ class TransferSettings:
     )
     write_path: str = _knob(
         _DEFAULT_TRANSFER.write_path,
-        "how restores write: direct (O_DIRECT), buffered, or auto (buffered if it fits)",
+        "how restores write: warm (O_DIRECT, read back into memory for the load if it "
+        "fits), direct (O_DIRECT), buffered, or auto (buffered if it fits)",
         WRITE_PATHS,
     )
     memory_mib: int = _knob(0, "cap on transfer buffers (shrinks window); 0: none")

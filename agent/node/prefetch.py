@@ -34,7 +34,7 @@ from agent.peers.chunks import PeerSource
 from agent.peers.fanout import FanoutSource, Landing
 from agent.rpc.services import Spawn, own_task
 from transfer.durable import fsync_dir
-from transfer.engine import PullEvents, PullPlan, Sources, TransferOptions, pull
+from transfer.engine import PullEvents, PullPlan, Sources, TransferOptions, pull, warmcache
 from transfer.engine.catalog import Catalog, resolve_checkpoint
 from transfer.engine.dcpshare import Layout
 from transfer.engine.localcheck import local_copy_differences
@@ -47,8 +47,8 @@ from transfer.engine.settle import settle
 from transfer.engine.share import plan_fill, plan_shares
 from transfer.engine.sources import ChunkSource
 from transfer.engine.staging import discard_leftovers, sweep_stale_staging
-from transfer.engine.writepath import auto_on_this_machine
-from transfer.engine.writeprobe import probe_write, write_rate
+from transfer.engine.writepath import auto_on_this_machine, fits_in_spare_memory
+from transfer.engine.writeprobe import probe_size, probe_write, write_rate
 from transfer.errors import (
     CheckpointNotFoundError,
     DestinationError,
@@ -262,10 +262,15 @@ class Prefetcher:
                 return
             chosen = self.options.write_path
             try:
-                nbytes, took = await self._probe(direct=chosen != "buffered")  # auto: large's
-                if chosen == "auto":
-                    into_cache = await self._probe(direct=False)
-            except OSError as exc:
+                size = await asyncio.to_thread(probe_size, self.hot_dir.root)
+                if not size:  # (a nearly full disk: training's saves need the room)
+                    log.warning("too little free space in %s to probe its write rate: the "
+                                "default rate stands", self.hot_dir.root)  # fmt: skip
+                    return
+                nbytes, took = await self._probe(size, direct=chosen != "buffered")
+                if chosen == "auto":  # (and large restores' way)
+                    into_cache = await self._probe(size, direct=False)
+            except (OSError, FerryError) as exc:  # (a full disk: DestinationError)
                 log.warning("could not probe the write rate of %s: %s", self.hot_dir.root, exc)
                 return
             self.meter.record("disk", nbytes, took, provisional=True)
@@ -278,10 +283,11 @@ class Prefetcher:
                   rate_buffered=buffered_rate and round(buffered_rate),
                   write_path=self.options.write_path)  # fmt: skip
 
-    async def _probe(self, *, direct: bool) -> tuple[int, float]:
+    async def _probe(self, nbytes: int, *, direct: bool) -> tuple[int, float]:
         return await asyncio.to_thread(
-            probe_write, self.hot_dir.root, direct=direct, workers=self.options.workers
-        )
+            probe_write,
+            self.hot_dir.root, direct=direct, workers=self.options.workers, nbytes=nbytes,
+        )  # fmt: skip
 
     def _sweep(self) -> list[Path]:
         """Staging dirs of prefetches a killed agent left behind (none can be running yet),
@@ -392,8 +398,22 @@ class Prefetcher:
                   bytes=sum(record.bytes_by_source.values()),
                   **{f"bytes_{k}": v for k, v in record.bytes_by_source.items()},
                   error=record.error)  # fmt: skip
-        if record.state is State.READY:  # flush it once the scheduler has its answer
-            await asyncio.to_thread(self._settle, record)
+        if record.state is State.READY:  # once the scheduler has its answer:
+            await asyncio.to_thread(self._warm_held, record)  # the load is coming
+            await asyncio.to_thread(self._settle, record)  # flush what was restored
+
+    def _warm_held(self, record: PrefetchJob) -> None:
+        """A step that was here already (a standby's replica, an earlier restore, training's
+        own save) is most likely not in the page cache: ask the kernel to read it in now,
+        ahead of the load the scheduler starts next, if it fits in spare memory and the
+        write path leaves restores in memory (warmcache.py). A restore warmed itself."""
+        if record.background or record.satisfied_by not in ("held", "replica"):
+            return
+        if self.options.write_path == "direct" or record.dest is None:
+            return
+        files = warmcache.tree_files(Path(record.dest))
+        if fits_in_spare_memory(warmcache.allocated_bytes(files)):
+            warmcache.warm_files(files)
 
     def _settle(self, record: PrefetchJob) -> None:
         try:
@@ -645,9 +665,12 @@ class Prefetcher:
         events = PullEvents(
             _JobProgress(record), self.landing.land, functools.partial(_count_moved, record, source)
         )
+        options = self.options
+        if record.background and options.write_path == "warm":  # no load is coming yet
+            options = dataclasses.replace(options, write_path="direct")
         try:
             plan = dataclasses.replace(plan, rate_limit=rate_limit)
-            result = await pull(store, dest, plan, sources, events, self.options)
+            result = await pull(store, dest, plan, sources, events, options)
         finally:
             self.landing.release(wanted)
         # the rate of whichever source moved most of it: a peer-served restore timed as the

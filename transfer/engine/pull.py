@@ -46,7 +46,7 @@ from transfer.engine.staging import (
     worth_resuming,
 )
 from transfer.engine.workers import run_workers
-from transfer.engine.writepath import writes_direct
+from transfer.engine.writepath import restore_path
 from transfer.errors import FerryError
 from transfer.format.chunkid import chunk_id
 from transfer.format.manifest import FileEntry, Manifest
@@ -82,7 +82,7 @@ class PullResult:
     #: a share's pull: its layout, its bytes, and chunk_bytes: the file bytes its chunks
     #: cover (the share plus the rest of each chunk it cuts through; before dedupe)
     share: dict[str, object] | None = None
-    #: "buffered" or "direct": how its chunks were written (engine/writepath.py)
+    #: "warm", "direct" or "buffered": how its chunks were written (engine/writepath.py)
     write_path: str = ""
     #: bytes written into the staging files, and the wall seconds some write was in
     #: progress: their ratio is the rate the disk took them at (writeprobe.write_rate)
@@ -132,10 +132,12 @@ async def pull(
         # download; without it the kernel writes back on its own, and starting it per chunk
         # only made writers wait on the disk queue (settle.py flushes later)
         writeback = plan.fsync or boot_id() is None
-        # buffered when the restore fits in spare memory: the load that follows reads it
-        # there (engine/writepath.py)
-        direct = writes_direct(covered, options.write_path)
-        out = StagingFiles(staging.path, files, writeback, direct=direct)
+        # left in the page cache when it fits in spare memory (warm, or buffered): the load
+        # that follows reads it there (engine/writepath.py)
+        how = restore_path(covered, options.write_path)
+        out = StagingFiles(
+            staging.path, files, writeback, direct=how != "buffered", warm=how == "warm"
+        )
         with out, ThreadPoolExecutor(options.workers, thread_name_prefix="ferry-pull") as pool:
             run = _Restore(
                 ChunkResolver(store, index, pool, base_dir),
@@ -153,7 +155,7 @@ async def pull(
         await _to_thread_to_the_end(seal, staging.path, files, dest, plan.fsync)
     events.progress.finish()
     result = run.result(manifests, got, base_dir, dest, time.monotonic() - started)
-    result.write_path = "direct" if direct else "buffered"
+    result.write_path = how
     result.bytes_written, result.write_busy_seconds = out.bytes_written, out.busy_seconds
     if share is not None:
         record = share.to_record(result.job, result.step)

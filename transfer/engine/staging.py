@@ -31,6 +31,7 @@ from transfer.directio import open_direct, write_at
 from transfer.durable import fsync_dir
 from transfer.engine.restorenames import STAGING_MARK, marker_path, staging_path
 from transfer.engine.settle import boot_id, fsync_tree, mark_unsynced
+from transfer.engine.warmcache import warm_range
 from transfer.engine.writeback import start_writeback
 from transfer.errors import AccessDeniedError, DestinationError, FerryError, StoreError
 from transfer.format.manifest import FileEntry
@@ -217,11 +218,17 @@ class StagingFiles:
     BUFFERED_SPELL = 16  # writes (64 MiB at 4 MiB chunks)
 
     def __init__(
-        self, staging: Path, files: list[FileEntry], writeback: bool, direct: bool = True
+        self,
+        staging: Path,
+        files: list[FileEntry],
+        writeback: bool,
+        direct: bool = True,
+        warm: bool = False,
     ) -> None:
         self._paths = [staging / f.path for f in files]
         self._writeback = writeback
         self._direct = direct  # engine/writepath.py chose
+        self._warm = warm  # ... and whether what goes direct is read back for the load
         self._direct_fds: dict[int, int | None] = {}
         self._slow_writes = 0  # direct writes in a row slower than MIN_DIRECT_RATE
         self._buffered_left = 0  # writes to go buffered before direct is tried again
@@ -311,6 +318,8 @@ class StagingFiles:
                 began = time.monotonic()
                 write_at(fd, direct, offset, view, yield_to_reads=False)
                 self._judge_device(len(view), time.monotonic() - began)
+                if self._warm:  # (the edges went buffered: already cached)
+                    warm_range(fd, offset, len(view))
             else:
                 # one buffered writer per file: the kernel serialises them on the inode's
                 # lock anyway, and writers spinning on it burnt ~5 s of system time on a

@@ -1,21 +1,29 @@
-"""How a restore writes its chunks: past the page cache with O_DIRECT, or into it.
+"""How a restore writes its chunks: past the page cache with O_DIRECT, or into it, and
+whether it is left in the page cache for the load that follows.
 
 What comes next decides (issue 32): the training process loads the restored checkpoint at
-once. Written buffered, its bytes are still in memory then, and the load reads memory;
-written with O_DIRECT, the load reads the disk again. But a buffered write fills fresh
-page-cache pages, and what that costs is the machine's: on the 2-core benchmark VM,
-ferry's parallel buffered writes cost ~5 ms of system time per MiB (a 272 MB restore
-0.64 s direct against 2.0 s buffered; the 1.69 GB save 3.1 s against 9.6-12.6 s), while
-the disk read they spare the load is ~1 ms per MiB (the load 0.81 s from disk against
-0.50 s from memory). Direct is the default (``write_path = "direct"``); ``"auto"`` writes
-buffered when the restore fits in what the node can spare, for machines where filling
-the page cache is cheap, and ``"buffered"`` always. The figures, with the commands, are in
-docs/RELIABILITY.md ("How a restore writes").
+once. The four ways (the ``write_path`` tunable):
+
+- ``"warm"`` (the default): O_DIRECT, and each chunk read back into the page cache by the
+  kernel as soon as its write returns (warmcache.py), when the restore fits in what the
+  node can spare; the load then reads memory, and no CPU copied the bytes into fresh pages.
+  A restore too big for spare memory goes plain direct.
+- ``"direct"``: O_DIRECT only; the load reads the disk again.
+- ``"buffered"``: into the page cache; the load reads memory, but every byte is copied into
+  fresh page-cache pages, which on a VM whose free memory goes back to its host costs
+  1.4-4.9 ms of system time per MiB (warmcache.py), and the dirty pages are written back
+  while the load runs.
+- ``"auto"``: buffered when it fits, else direct; on an agent, which probes both ways of
+  writing at its start, buffered only where the page cache took the bytes at least as
+  fast as the device (a slow disk beside cheap memory), else warm.
+
+From the scheduler's decision to every tensor loaded (bench/decision_to_loaded.py), the
+figures with their commands are in docs/RELIABILITY.md ("How a restore writes").
 
 "What the node can spare": the kernel's ``MemAvailable`` less a reserve (``RESERVE_FRACTION``
 of the total, at least ``RESERVE_MIN``), of which a restore may fill ``SHARE``: a restore
 larger than that would only push other pages out, the training process's among them, and
-be read from the disk anyway. The crash guarantee is the same either way: a restore is
+be read from the disk anyway. The crash guarantee is the same every way: a restore is
 renamed into place behind a durable ``.ferry-unsynced`` marker and removed after a reboot
 that came before its flush (settle.py)."""
 
@@ -43,19 +51,28 @@ def spare_memory(meminfo: Path | None = None) -> int | None:
     return max(0, int((available - reserve) * SHARE))
 
 
-def writes_direct(nbytes: int, chosen: str) -> bool:
-    """Whether a restore writing ``nbytes`` goes with O_DIRECT, by the ``write_path``
-    tunable ``chosen`` (auto, direct, buffered); only ``auto`` reads the kernel's meminfo."""
-    if chosen != "auto":
-        return chosen == "direct"
+def restore_path(nbytes: int, chosen: str) -> str:
+    """How a restore writing ``nbytes`` goes, by the ``write_path`` tunable ``chosen``:
+    "warm", "direct" or "buffered" (only ``warm`` and ``auto`` read the kernel's meminfo)."""
+    if chosen in ("direct", "buffered"):
+        return chosen
     spare = spare_memory()
-    return spare is None or nbytes > spare
+    if spare is None or nbytes > spare:
+        return "direct"
+    return "warm" if chosen == "warm" else "buffered"
+
+
+def fits_in_spare_memory(nbytes: int) -> bool:
+    """Whether ``nbytes`` may be left in the page cache now (a held step warmed for its
+    load: warmcache.py)."""
+    spare = spare_memory()
+    return spare is not None and nbytes <= spare
 
 
 def auto_on_this_machine(direct_rate: float, buffered_rate: float) -> str:
     """What ``auto`` becomes on a node whose probes (writeprobe.py) wrote at these rates:
     "auto" (buffered when it fits) where filling the page cache is at least as fast as
-    writing to the device, so the load that follows reads memory at no cost to the
-    restore; "direct" where the page cache is the slower way (one VM: ~5 ms of system time
-    per MiB buffered, the load's cheaper read did not pay for it)."""
-    return "auto" if buffered_rate >= direct_rate else "direct"
+    writing to the device (a slow disk beside cheap memory: the bytes reach the load
+    sooner through memory), "warm" where the page cache is the slower way (one VM: ~5 ms
+    of system time per MiB buffered, into pages its host had taken back)."""
+    return "auto" if buffered_rate >= direct_rate else "warm"
