@@ -6,9 +6,9 @@ restore, can be slow on a VM whose free memory goes back to its host.
 Linux free page reporting (``CONFIG_PAGE_REPORTING``, virtio-balloon; the kernel command
 line's ``page_reporting.page_reporting_order``) hands free memory back to the host a few
 seconds after it was freed; the next touch of such a page faults into the host, and the
-guest sees it as system time. Every case below starts right after the page cache is dropped
-(its pages freed), then either at once ("recycled": the pages are still the guest's) or
-after ``--idle`` seconds ("returned": reported and taken back), and times, per MiB:
+guest sees it as system time. Each case runs ``--idle`` seconds after the page cache was
+dropped ("returned": its pages reported and taken back), then again at once into the pages
+the first run just freed ("recycled": still the guest's), and times, per MiB:
 
 - anon: touching ``--mib`` of fresh anonymous memory (what a loader's tensors cost);
 - buffered: writing as much into a new file through the page cache, 4 MiB pwrites (a
@@ -94,22 +94,31 @@ def _read_back(path: Path) -> None:
             pass
 
 
-def one(case: str, work: Path, nbytes: int, idle: float) -> tuple[float, float]:
+def one(case: str, work: Path, nbytes: int, idle: float) -> list[tuple[float, float]]:
+    """(wall, system seconds) of ``case`` after ``idle`` seconds of a dropped page cache
+    ("returned"), then of the same again at once, into the pages the first one just freed
+    ("recycled")."""
     scratch = work / "scratch"
-    if case == "readahead":  # on the device, not in memory
-        _write(scratch, nbytes, direct=True)
-    drop_caches()
-    time.sleep(idle)
     jobs: dict[str, Callable[[], None]] = {
         "anon": lambda: _touch(nbytes),
         "buffered": lambda: _write(scratch, nbytes, direct=False),
         "direct": lambda: _write(scratch, nbytes, direct=True),
         "readahead": lambda: _read_back(scratch),
     }
-    try:
-        return _timed(jobs[case])
-    finally:
-        scratch.unlink(missing_ok=True)
+    times = []
+    for rest in (idle, 0.0):
+        if case == "readahead":  # on the device, not in memory
+            _write(scratch, nbytes, direct=True)
+        if rest:
+            drop_caches()
+            time.sleep(rest)
+        else:  # (the first one's pages freed, its file's page cache included)
+            drop_caches()
+        try:
+            times.append(_timed(jobs[case]))
+        finally:
+            scratch.unlink(missing_ok=True)
+    return times
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -117,9 +126,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rows = []
     with tempfile.TemporaryDirectory(prefix="ferry-page-cost-", dir=args.dir) as tmp:
         for rnd in range(args.rounds):
-            for state, idle in (("recycled", 0.0), ("returned", args.idle)):
-                for case in CASES:
-                    wall, system = one(case, Path(tmp), nbytes, idle)
+            for case in CASES:
+                timed = one(case, Path(tmp), nbytes, args.idle)
+                for state, (wall, system) in zip(("returned", "recycled"), timed, strict=True):
                     row = {
                         "round": rnd + 1, "state": state, "case": case, "wall": wall,
                         "sys_ms_per_mib": system * 1e3 / args.mib, "mb_per_s": nbytes / wall / 1e6,
@@ -140,13 +149,13 @@ def report(doc: dict[str, Any]) -> str:
         f"{doc['mib']} MiB per case, medians of {len(doc['rows']) // (2 * len(CASES))} rounds; "
         f"'returned': {doc['idle']:g} s idle after the page cache was dropped",
         "",
-        "| case | recycled MB/s | recycled sys ms/MiB | returned MB/s | returned sys ms/MiB |",
+        "| case | returned MB/s | returned sys ms/MiB | recycled MB/s | recycled sys ms/MiB |",
         "|---|---|---|---|---|",
     ]
     for case in CASES:
         cells = [
             f"{med(s, case, 'mb_per_s'):,.0f} | {med(s, case, 'sys_ms_per_mib'):.2f}"
-            for s in ("recycled", "returned")
+            for s in ("returned", "recycled")
         ]
         lines.append(f"| {case} | {' | '.join(cells)} |")
     return "\n".join(lines)

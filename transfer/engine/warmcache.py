@@ -5,10 +5,12 @@ checkpoint. A restore written with O_DIRECT is on the disk and not in memory, so
 reads the disk again (289 MB fine-tune: 0.74 s from a cold cache against 0.24 s warm). A
 buffered restore leaves it in memory, but the CPU then copies every byte into freshly
 allocated pages: on VMs whose free memory goes back to the host (free page reporting:
-this class of machine), each first touch of such a page faults into the host, 1.4-4.9 ms
-of system time per MiB after a few idle seconds against 0.1 ms for a page just freed.
+this class of machine), each first touch of such a page faults into the host: 2.3 ms of
+system time per MiB 3 s after the cache was dropped, 0.18 ms into pages just freed, while
+the kernel's read-back costs ~0.25 ms either way (``python -m bench.page_cost``).
 Asking the kernel to read each chunk back as soon as its O_DIRECT write has returned
-(``posix_fadvise(POSIX_FADV_WILLNEED)``) fills the cache by DMA, off the CPU, while the
+(``posix_fadvise(POSIX_FADV_WILLNEED)``) fills the cache by DMA (the CPU only allocates the
+pages) while the
 rest of the restore is still being fetched: the load then reads memory. The bytes read
 back are the ones just written and verified (an O_DIRECT write drops any cached copy of
 its range before it returns), so nothing unverified reaches the cache.

@@ -11,7 +11,7 @@ once. The four ways (the ``write_path`` tunable):
 - ``"direct"``: O_DIRECT only; the load reads the disk again.
 - ``"buffered"``: into the page cache; the load reads memory, but every byte is copied into
   fresh page-cache pages, which on a VM whose free memory goes back to its host costs
-  1.4-4.9 ms of system time per MiB (warmcache.py), and the dirty pages are written back
+  ~2.3 ms of system time per MiB (warmcache.py), and the dirty pages are written back
   while the load runs.
 - ``"auto"``: buffered when it fits, else direct; on an agent, which probes both ways of
   writing at its start, buffered only where the page cache took the bytes at least as
