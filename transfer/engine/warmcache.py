@@ -10,8 +10,7 @@ system time per MiB 3 s after the cache was dropped, 0.18 ms into pages just fre
 the kernel's read-back costs ~0.25 ms either way (``python -m bench.page_cost``).
 Asking the kernel to read each chunk back as soon as its O_DIRECT write has returned
 (``posix_fadvise(POSIX_FADV_WILLNEED)``) fills the cache by DMA (the CPU only allocates the
-pages) while the
-rest of the restore is still being fetched: the load then reads memory. The bytes read
+pages) while the rest of the restore is still being fetched: the load then reads memory. The bytes read
 back are the ones just written and verified (an O_DIRECT write drops any cached copy of
 its range before it returns), so nothing unverified reaches the cache.
 
