@@ -10,9 +10,9 @@ system time per MiB 3 s after the cache was dropped, 0.18 ms into pages just fre
 the kernel's read-back costs ~0.25 ms either way (``python -m bench.page_cost``).
 Asking the kernel to read each chunk back as soon as its O_DIRECT write has returned
 (``posix_fadvise(POSIX_FADV_WILLNEED)``) fills the cache by DMA (the CPU only allocates the
-pages) while the rest of the restore is still being fetched: the load then reads memory. The bytes read
-back are the ones just written and verified (an O_DIRECT write drops any cached copy of
-its range before it returns), so nothing unverified reaches the cache.
+pages) while the rest of the restore is still being fetched: the load then reads memory.
+The bytes read back are the ones just written and verified (an O_DIRECT write drops any
+cached copy of its range before it returns), so nothing unverified reaches the cache.
 
 The kernel reads at most one readahead window per call (``max(read_ahead_kb,
 max_sectors_kb)`` of the device: mm/readahead.c ``force_page_cache_ra``), so a range is
