@@ -44,7 +44,13 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from bench._env import ferry_command, reproduce_command, write_results  # noqa: E402
-from bench._measure import check_same, drop_caches, run_timed, tree_digest  # noqa: E402
+from bench._measure import (  # noqa: E402
+    check_same,
+    drop_caches,
+    run_timed,
+    throttled_disk,
+    tree_digest,
+)  # fmt: skip
 
 
 def tensor_digest(state: dict) -> str:
@@ -145,6 +151,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--arms", default="direct,warm,buffered,auto", help="write paths, first = 1.00x"
     )
     ap.add_argument("--workdir", type=Path, default=None, help="on the disk to measure")
+    ap.add_argument("--disk-mbps", type=float, default=None,
+                    help="throttle that disk to this many MB/s each way for the pulls and "
+                         "loads (root: bench._measure.throttled_disk)")  # fmt: skip
     ap.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent / "results")
     return ap.parse_args(argv)
 
@@ -179,20 +188,23 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         digest = tree_digest(args.save)
         save_bytes = sum(size for size, _ in digest.values())
         rows = []
-        for rnd in range(args.runs):
-            shift = rnd % len(arms)
-            for arm in arms[shift:] + arms[:shift]:
-                row = one_round(store, dest, arm, save_bytes) | {"round": rnd + 1}
-                if rnd == 0:
-                    check_same(digest, dest, f"ferry pull --write-path {arm}")
-                shutil.rmtree(dest)
-                rows.append(row)
-                print(f"r{rnd + 1} {arm:<9} pull {row['pull']:6.2f} s (CPU {row['pull_cpu']:5.2f}"
-                      f", sys {row['pull_sys']:5.2f})  load {row['load']:5.2f} s  total "
-                      f"{row['total']:6.2f} s", flush=True)  # fmt: skip
+        with throttled_disk(work, args.disk_mbps * 1e6 if args.disk_mbps else None):
+            for rnd in range(args.runs):
+                shift = rnd % len(arms)
+                for arm in arms[shift:] + arms[:shift]:
+                    row = one_round(store, dest, arm, save_bytes) | {"round": rnd + 1}
+                    if rnd == 0:
+                        check_same(digest, dest, f"ferry pull --write-path {arm}")
+                    shutil.rmtree(dest)
+                    rows.append(row)
+                    print(f"r{rnd + 1} {arm:<9} pull {row['pull']:6.2f} s (CPU "
+                          f"{row['pull_cpu']:5.2f}, sys {row['pull_sys']:5.2f})  load "
+                          f"{row['load']:5.2f} s  total {row['total']:6.2f} s",
+                          flush=True)  # fmt: skip
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    return {"save": str(args.save), "save_bytes": save_bytes, "arms": arms, "rows": rows}
+    doc = {"save": str(args.save), "save_bytes": save_bytes, "arms": arms, "rows": rows}
+    return doc | {"disk_mbps": args.disk_mbps}
 
 
 def report(doc: dict[str, Any]) -> str:
@@ -202,7 +214,8 @@ def report(doc: dict[str, Any]) -> str:
     first = doc["arms"][0]
     lines = [
         f"{doc['save']} ({doc['save_bytes'] / 1e6:,.0f} MB), medians of "
-        f"{len(doc['rows']) // len(doc['arms'])}, page cache dropped before each",
+        f"{len(doc['rows']) // len(doc['arms'])}, page cache dropped before each"
+        + (f"; the disk throttled to {doc['disk_mbps']:g} MB/s" if doc.get("disk_mbps") else ""),
         "",
         "| write path | pull s | load s | start -> loaded s | pull CPU s (sys) "
         f"| total / {first} |",
@@ -228,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     print(md)
     date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     stem = f"write_path_{args.save.parent.parent.name}_{args.save.parent.name}"
+    stem += f"_{args.disk_mbps:g}mbps" if args.disk_mbps else ""
     write_results(args.out_dir, stem, command, date, md, **doc)
     return 0
 

@@ -174,6 +174,36 @@ def test_a_restore_writes_its_chunks_direct_while_the_device_keeps_up(
     assert path.read_bytes() == b"".join(pieces)
 
 
+def test_a_warm_restore_whose_device_falls_behind_stays_buffered(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A warm restore's chunks are read back by the disk as they land, so a disk slower than
+    WARM_MIN_DIRECT_RATE (a 280 MB/s one: warm 1.16-1.20x direct's wait to loaded, as
+    buffered 0.71x) takes the rest of the restore buffered, with no direct write tried
+    again; a fast one's stays direct (and read back)."""
+    from transfer.engine.staging import StagingFiles
+
+    chunk, count = 1 << 20, 24  # more than BUFFERED_SPELL (16) after the first 2 slow ones
+    path, entry = _staged_file(tmp_path, chunk, count, 0)
+    os.close(direct_fd_or_skip(path))
+    rng = random.Random(6)
+    pieces = [rng.randbytes(c.size) for c in entry.chunks]
+    went_direct: list[int] = []
+    monkeypatch.setattr(
+        "transfer.engine.staging.write_at",
+        lambda *a, **k: went_direct.append(1) or directio.write_at(*a, **k),
+    )
+    for floor, direct_writes in ((1e18, 2), (0.0, count)):  # every write slow / none
+        monkeypatch.setattr(StagingFiles, "WARM_MIN_DIRECT_RATE", floor)
+        went_direct.clear()
+        with StagingFiles(tmp_path, [entry], writeback=False, warm=True) as out:
+            for i, piece in enumerate(pieces):
+                out.pwrite(0, i * chunk, piece)
+            assert out.spells == (1 if floor else 0)
+        assert len(went_direct) == direct_writes
+        assert path.read_bytes() == b"".join(pieces)
+
+
 def test_aligned_memory_is_written_direct_without_a_copy(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

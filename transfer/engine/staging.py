@@ -22,6 +22,7 @@ import re
 import shutil
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -214,6 +215,11 @@ class StagingFiles:
 
     MAX_KEPT_OPEN = 1024
     MIN_DIRECT_RATE = 64e6  # bytes per second, one writer
+    #: ... for a warm restore (writepath.py), whose chunks the disk must also read back:
+    #: below this the page cache is the faster way into memory, even at a fresh page's
+    #: ~2.3 ms per MiB (bench.page_cost; a 280 MB/s disk, the 8-rank save from the pull's
+    #: start to loaded: warm 1.16-1.20x direct before it fell back, 0.70x after)
+    WARM_MIN_DIRECT_RATE = 300e6
     SLOW_DIRECT_WRITES = 2
     BUFFERED_SPELL = 16  # writes (64 MiB at 4 MiB chunks)
 
@@ -228,9 +234,15 @@ class StagingFiles:
         self._paths = [staging / f.path for f in files]
         self._writeback = writeback
         self._direct = direct  # engine/writepath.py chose
-        self._warm = warm  # ... and whether what goes direct is read back for the load
+        #: ... and whether what goes direct is read back for the load: by one thread of its
+        #: own, so that no writer waits while the kernel allocates pages and queues reads
+        self._warmer = ThreadPoolExecutor(1, thread_name_prefix="ferry-warm") if warm else None
         self._direct_fds: dict[int, int | None] = {}
-        self._slow_writes = 0  # direct writes in a row slower than MIN_DIRECT_RATE
+        self._slow_writes = 0  # direct writes in a row slower than _min_rate
+        self._min_rate = self.WARM_MIN_DIRECT_RATE if warm else self.MIN_DIRECT_RATE
+        #: a warm restore whose disk fell behind stays buffered: every direct write tried
+        #: again would be read back too, beside the fetch's own reads and writes
+        self._spell = 1 << 62 if warm else self.BUFFERED_SPELL
         self._buffered_left = 0  # writes to go buffered before direct is tried again
         self.spells = 0  # how often the device fell behind (tests, diagnostics)
         multi = [i for i, f in enumerate(files) if len(f.chunks) > 1]
@@ -252,6 +264,8 @@ class StagingFiles:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if self._warmer is not None:  # (the hints queued are quick to give)
+            self._warmer.shutdown(wait=True)
         with self._lock:
             fds, self._fds = list(self._fds.values()), {}
             fds += [fd for fd in self._direct_fds.values() if fd is not None]
@@ -318,8 +332,8 @@ class StagingFiles:
                 began = time.monotonic()
                 write_at(fd, direct, offset, view, yield_to_reads=False)
                 self._judge_device(len(view), time.monotonic() - began)
-                if self._warm:  # (the edges went buffered: already cached)
-                    warm_range(fd, offset, len(view))
+                if self._warmer is not None:  # (the edges went buffered: already cached)
+                    self._warmer.submit(self._warm_range, index, offset, len(view))
             else:
                 # one buffered writer per file: the kernel serialises them on the inode's
                 # lock anyway, and writers spinning on it burnt ~5 s of system time on a
@@ -339,6 +353,16 @@ class StagingFiles:
             if not kept:
                 os.close(fd)
 
+    def _warm_range(self, index: int, offset: int, length: int) -> None:
+        try:
+            fd = os.open(self._paths[index], os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            return  # (a hint: nothing to fail)
+        try:
+            warm_range(fd, offset, length)
+        finally:
+            os.close(fd)
+
     def _file_lock(self, index: int) -> threading.Lock:
         with self._lock:
             return self._buffered_locks.setdefault(index, threading.Lock())
@@ -347,13 +371,13 @@ class StagingFiles:
         if nbytes < (1 << 20):
             return
         with self._lock:
-            if seconds * self.MIN_DIRECT_RATE <= nbytes:
+            if seconds * self._min_rate <= nbytes:
                 self._slow_writes = 0
                 return
             self._slow_writes += 1
             if self._slow_writes >= self.SLOW_DIRECT_WRITES:  # it falls behind: for a while,
                 self._slow_writes = 0  # finish in the page cache
-                self._buffered_left = self.BUFFERED_SPELL
+                self._buffered_left = self._spell
                 self.spells += 1
 
 

@@ -7,7 +7,9 @@ once. The four ways (the ``write_path`` tunable):
 - ``"warm"`` (the default): O_DIRECT, and each chunk read back into the page cache by the
   kernel as soon as its write returns (warmcache.py), when the restore fits in what the
   node can spare; the load then reads memory, and no CPU copied the bytes into fresh pages.
-  A restore too big for spare memory goes plain direct.
+  Where the disk falls behind, the rest goes buffered (it would read every chunk back
+  beside writing it: staging.py ``WARM_MIN_DIRECT_RATE``). A restore too big for spare
+  memory goes plain direct.
 - ``"direct"``: O_DIRECT only; the load reads the disk again.
 - ``"buffered"``: into the page cache; the load reads memory, but every byte is copied into
   fresh page-cache pages, which on a VM whose free memory goes back to its host costs
