@@ -174,36 +174,6 @@ def test_a_restore_writes_its_chunks_direct_while_the_device_keeps_up(
     assert path.read_bytes() == b"".join(pieces)
 
 
-def test_a_warm_restore_whose_device_falls_behind_stays_buffered(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """A warm restore's chunks are read back by the disk as they land, so a disk slower than
-    WARM_MIN_DIRECT_RATE (a 280 MB/s one: warm 1.16-1.20x direct's wait to loaded, as
-    buffered 0.71x) takes the rest of the restore buffered, with no direct write tried
-    again; a fast one's stays direct (and read back)."""
-    from transfer.engine.staging import StagingFiles
-
-    chunk, count = 1 << 20, 24  # more than BUFFERED_SPELL (16) after the first 2 slow ones
-    path, entry = _staged_file(tmp_path, chunk, count, 0)
-    os.close(direct_fd_or_skip(path))
-    rng = random.Random(6)
-    pieces = [rng.randbytes(c.size) for c in entry.chunks]
-    went_direct: list[int] = []
-    monkeypatch.setattr(
-        "transfer.engine.staging.write_at",
-        lambda *a, **k: went_direct.append(1) or directio.write_at(*a, **k),
-    )
-    for floor, direct_writes in ((1e18, 2), (0.0, count)):  # every write slow / none
-        monkeypatch.setattr(StagingFiles, "WARM_MIN_DIRECT_RATE", floor)
-        went_direct.clear()
-        with StagingFiles(tmp_path, [entry], writeback=False, warm=True) as out:
-            for i, piece in enumerate(pieces):
-                out.pwrite(0, i * chunk, piece)
-            assert out.spells == (1 if floor else 0)
-        assert len(went_direct) == direct_writes
-        assert path.read_bytes() == b"".join(pieces)
-
-
 def test_aligned_memory_is_written_direct_without_a_copy(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -240,7 +210,9 @@ def test_aligned_memory_is_written_direct_without_a_copy(
         ("warm", 16 << 20, "warm"),  # fits: direct, read back into the page cache
         ("warm", 1 << 20, "direct"),  # 1 GiB available, all of it reserve: no room to spare
         ("auto", 1 << 20, "direct"),
-        ("auto", 16 << 20, "buffered"),  # the restore fits in what the page cache can spare
+        ("auto", 16 << 20, "warm"),  # no probe said the page cache is the faster way
+        ("auto-probed", 16 << 20, "buffered"),  # an agent's probe did: page_cache_first
+        ("auto-probed", 1 << 20, "direct"),
         ("buffered", 1 << 20, "buffered"),  # chosen: always that way
         ("direct", 16 << 20, "direct"),
     ],
@@ -254,9 +226,10 @@ def test_a_restore_is_left_in_the_page_cache_when_it_fits_in_spare_memory(
 ) -> None:
     """Issue 32: a restore written with O_DIRECT is not in the page cache when the training
     process loads it next, so the load pays the disk again. When it fits in what the node
-    can spare (engine/writepath.py, read from the kernel's meminfo), ``warm`` (the default)
-    writes it with O_DIRECT and has the kernel read each chunk back into the page cache,
-    ``auto`` writes it buffered; too big, both go O_DIRECT only; ``write_path``
+    can spare (engine/writepath.py, read from the kernel's meminfo), ``warm`` writes it with
+    O_DIRECT and has the kernel read each chunk back into the page cache, as ``auto`` (the
+    default) does unless an agent's probe found the page cache the faster way
+    (``page_cache_first``: then buffered); too big, both go O_DIRECT only; ``write_path``
     (``--write-path``, ``FERRY_TRANSFER_WRITE_PATH``) direct or buffered forces one; the
     result says which. A warm restore is in memory once the kernel's reads are done."""
     from tests.conftest import (
@@ -283,7 +256,10 @@ def test_a_restore_is_left_in_the_page_cache_when_it_fits_in_spare_memory(
     monkeypatch.setattr(staging, "open_direct", lambda p: opened.append(p) or real(p))
     (tmp_path / "store").mkdir()
     store = open_test_store(str(tmp_path / "store"))
-    options = TransferOptions(chunk_size=1 << 20, write_path=write_path)
+    probed = write_path == "auto-probed"
+    options = TransferOptions(
+        chunk_size=1 << 20, write_path=write_path.removesuffix("-probed"), page_cache_first=probed
+    )
     run(push(store, src, job="j", step=1, node="n", options=options))
     dest = tmp_path / "dest"
     result = run(pull(store, dest, PullPlan("j", 1), options=options))

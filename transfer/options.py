@@ -13,7 +13,7 @@ CHECKSUMS = ("crc32", "md5", "none")
 
 
 #: how a restore may write (TransferOptions.write_path; engine/writepath.py)
-WRITE_PATHS = ("warm", "direct", "buffered", "auto")
+WRITE_PATHS = ("auto", "warm", "direct", "buffered")
 
 
 @dataclass(frozen=True)
@@ -43,14 +43,19 @@ class TransferOptions:
     #: ... and only while a cold restore of it (its own payload and every base's, back to
     #: the keyframe) stays within this multiple of the chunk coded on its own
     max_cold_cost: float = 2.0
-    #: how a restore writes (engine/writepath.py): "warm", with O_DIRECT, each chunk read
-    #: back into the page cache by the kernel as it lands when the restore fits in the
-    #: memory the node can spare (the load after it then reads memory); "direct", O_DIRECT
-    #: only (buffered in spells while the device falls behind: staging.py); "buffered",
-    #: into the page cache; "auto", buffered when it fits, else direct. Warm is the default:
-    #: it measured fastest from decision to loaded tensors (docs/RELIABILITY.md, "How a
-    #: restore writes")
-    write_path: str = "warm"
+    #: how a restore writes (engine/writepath.py): "auto" (the default), buffered when it
+    #: fits in the memory the node can spare (the load after it then reads memory) where
+    #: an agent's start-up probes found the page cache at least as fast as the device
+    #: (``page_cache_first``), else warm; "warm", O_DIRECT with each chunk read back into
+    #: the page cache by the kernel as it lands, when it fits; "direct", O_DIRECT only
+    #: (buffered in spells while the device falls behind: staging.py); "buffered", into
+    #: the page cache. Measured from the pull's start to loaded tensors on two disks
+    #: (docs/RELIABILITY.md, "How a restore writes")
+    write_path: str = "auto"
+    #: what ``auto`` found on this node: an agent's start-up probes wrote into the page
+    #: cache at least as fast as to its disk, so ``auto`` buffers a restore that fits
+    #: (else, and in the one-shot CLI, which does not probe, ``auto`` goes warm)
+    page_cache_first: bool = False
 
     def memory_estimate(self) -> int:
         """Bytes a transfer holds at its peak, whatever the checkpoint size: every part in
@@ -190,8 +195,9 @@ class TransferSettings:
     )
     write_path: str = _knob(
         _DEFAULT_TRANSFER.write_path,
-        "how restores write: warm (O_DIRECT, read back into memory for the load if it "
-        "fits), direct (O_DIRECT), buffered, or auto (buffered if it fits)",
+        "how restores write: auto (buffered if it fits where an agent's probe finds the page "
+        "cache as fast as the disk, else warm), warm (O_DIRECT, read back into memory if it "
+        "fits), direct (O_DIRECT) or buffered",
         WRITE_PATHS,
     )
     memory_mib: int = _knob(0, "cap on transfer buffers (shrinks window); 0: none")

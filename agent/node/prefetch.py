@@ -47,7 +47,7 @@ from transfer.engine.settle import settle
 from transfer.engine.share import plan_fill, plan_shares
 from transfer.engine.sources import ChunkSource
 from transfer.engine.staging import discard_leftovers, sweep_stale_staging
-from transfer.engine.writepath import auto_on_this_machine, fits_in_spare_memory
+from transfer.engine.writepath import fits_in_spare_memory, page_cache_first
 from transfer.engine.writeprobe import probe_size, probe_write, write_rate
 from transfer.errors import (
     CheckpointNotFoundError,
@@ -277,11 +277,12 @@ class Prefetcher:
             buffered_rate = None
             if chosen == "auto":  # buffered only where the page cache is the cheaper way
                 buffered_rate = into_cache[0] / into_cache[1]
-                path = auto_on_this_machine(nbytes / took, buffered_rate)
-                self.options = dataclasses.replace(self.options, write_path=path)
+                first = page_cache_first(nbytes / took, buffered_rate)
+                self.options = dataclasses.replace(self.options, page_cache_first=first)
             event(log, "write_probe", rate_direct=round(nbytes / took),
                   rate_buffered=buffered_rate and round(buffered_rate),
-                  write_path=self.options.write_path)  # fmt: skip
+                  write_path=self.options.write_path,
+                  page_cache_first=self.options.page_cache_first)  # fmt: skip
 
     async def _probe(self, nbytes: int, *, direct: bool) -> tuple[int, float]:
         return await asyncio.to_thread(
@@ -666,8 +667,8 @@ class Prefetcher:
             _JobProgress(record), self.landing.land, functools.partial(_count_moved, record, source)
         )
         options = self.options
-        if record.background and options.write_path == "warm":  # no load is coming yet
-            options = dataclasses.replace(options, write_path="direct")
+        if record.background and options.write_path in ("auto", "warm"):  # no load is
+            options = dataclasses.replace(options, write_path="direct")  # coming yet
         try:
             plan = dataclasses.replace(plan, rate_limit=rate_limit)
             result = await pull(store, dest, plan, sources, events, options)

@@ -134,7 +134,7 @@ async def pull(
         writeback = plan.fsync or boot_id() is None
         # left in the page cache when it fits in spare memory (warm, or buffered): the load
         # that follows reads it there (engine/writepath.py)
-        how = restore_path(covered, options.write_path)
+        how = restore_path(covered, options.write_path, options.page_cache_first)
         out = StagingFiles(
             staging.path, files, writeback, direct=how != "buffered", warm=how == "warm"
         )

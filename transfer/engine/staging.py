@@ -215,11 +215,6 @@ class StagingFiles:
 
     MAX_KEPT_OPEN = 1024
     MIN_DIRECT_RATE = 64e6  # bytes per second, one writer
-    #: ... for a warm restore (writepath.py), whose chunks the disk must also read back:
-    #: below this the page cache is the faster way into memory, even at a fresh page's
-    #: ~2.3 ms per MiB (bench.page_cost; a 280 MB/s disk, the 8-rank save from the pull's
-    #: start to loaded: warm 1.16-1.20x direct before it fell back, 0.70x after)
-    WARM_MIN_DIRECT_RATE = 300e6
     SLOW_DIRECT_WRITES = 2
     BUFFERED_SPELL = 16  # writes (64 MiB at 4 MiB chunks)
 
@@ -238,11 +233,7 @@ class StagingFiles:
         #: own, so that no writer waits while the kernel allocates pages and queues reads
         self._warmer = ThreadPoolExecutor(1, thread_name_prefix="ferry-warm") if warm else None
         self._direct_fds: dict[int, int | None] = {}
-        self._slow_writes = 0  # direct writes in a row slower than _min_rate
-        self._min_rate = self.WARM_MIN_DIRECT_RATE if warm else self.MIN_DIRECT_RATE
-        #: a warm restore whose disk fell behind stays buffered: every direct write tried
-        #: again would be read back too, beside the fetch's own reads and writes
-        self._spell = 1 << 62 if warm else self.BUFFERED_SPELL
+        self._slow_writes = 0  # direct writes in a row slower than MIN_DIRECT_RATE
         self._buffered_left = 0  # writes to go buffered before direct is tried again
         self.spells = 0  # how often the device fell behind (tests, diagnostics)
         multi = [i for i, f in enumerate(files) if len(f.chunks) > 1]
@@ -371,13 +362,13 @@ class StagingFiles:
         if nbytes < (1 << 20):
             return
         with self._lock:
-            if seconds * self._min_rate <= nbytes:
+            if seconds * self.MIN_DIRECT_RATE <= nbytes:
                 self._slow_writes = 0
                 return
             self._slow_writes += 1
             if self._slow_writes >= self.SLOW_DIRECT_WRITES:  # it falls behind: for a while,
                 self._slow_writes = 0  # finish in the page cache
-                self._buffered_left = self._spell
+                self._buffered_left = self.BUFFERED_SPELL
                 self.spells += 1
 
 

@@ -4,20 +4,21 @@ whether it is left in the page cache for the load that follows.
 What comes next decides (issue 32): the training process loads the restored checkpoint at
 once. The four ways (the ``write_path`` tunable):
 
-- ``"warm"`` (the default): O_DIRECT, and each chunk read back into the page cache by the
-  kernel as soon as its write returns (warmcache.py), when the restore fits in what the
-  node can spare; the load then reads memory, and no CPU copied the bytes into fresh pages.
-  Where the disk falls behind, the rest goes buffered (it would read every chunk back
-  beside writing it: staging.py ``WARM_MIN_DIRECT_RATE``). A restore too big for spare
-  memory goes plain direct.
+- ``"auto"`` (the default): on an agent, which probes both ways of writing at its start,
+  buffered where the page cache took the bytes at least as fast as the device (a slow
+  disk, or cheap memory: ``TransferOptions.page_cache_first``), else warm. The one-shot
+  CLI does not probe (64 MiB written twice per command would cost more than it saves):
+  warm. Either way, plain direct for a restore too big for spare memory.
+- ``"warm"``: O_DIRECT, and each chunk read back into the page cache by the kernel as soon
+  as its write returns (warmcache.py), when the restore fits in what the node can spare;
+  the load then reads memory, and no CPU copied the bytes into fresh pages. A restore too
+  big for spare memory goes plain direct. On a slow disk the read-back doubles the disk's
+  work (1.04-1.22x direct's wait at 280 MB/s), which is why ``auto`` buffers there.
 - ``"direct"``: O_DIRECT only; the load reads the disk again.
 - ``"buffered"``: into the page cache; the load reads memory, but every byte is copied into
   fresh page-cache pages, which on a VM whose free memory goes back to its host costs
   ~2.3 ms of system time per MiB (warmcache.py), and the dirty pages are written back
   while the load runs.
-- ``"auto"``: buffered when it fits, else direct; on an agent, which probes both ways of
-  writing at its start, buffered only where the page cache took the bytes at least as
-  fast as the device (a slow disk beside cheap memory), else warm.
 
 From the scheduler's decision to every tensor loaded (bench/decision_to_loaded.py), the
 figures with their commands are in docs/RELIABILITY.md ("How a restore writes").
@@ -53,15 +54,16 @@ def spare_memory(meminfo: Path | None = None) -> int | None:
     return max(0, int((available - reserve) * SHARE))
 
 
-def restore_path(nbytes: int, chosen: str) -> str:
+def restore_path(nbytes: int, chosen: str, page_cache_first: bool = False) -> str:
     """How a restore writing ``nbytes`` goes, by the ``write_path`` tunable ``chosen``:
-    "warm", "direct" or "buffered" (only ``warm`` and ``auto`` read the kernel's meminfo)."""
+    "warm", "direct" or "buffered" (only ``warm`` and ``auto`` read the kernel's meminfo;
+    ``auto`` buffers where ``page_cache_first``, else goes warm)."""
     if chosen in ("direct", "buffered"):
         return chosen
     spare = spare_memory()
     if spare is None or nbytes > spare:
         return "direct"
-    return "warm" if chosen == "warm" else "buffered"
+    return "buffered" if chosen == "auto" and page_cache_first else "warm"
 
 
 def fits_in_spare_memory(nbytes: int) -> bool:
@@ -71,10 +73,10 @@ def fits_in_spare_memory(nbytes: int) -> bool:
     return spare is not None and nbytes <= spare
 
 
-def auto_on_this_machine(direct_rate: float, buffered_rate: float) -> str:
-    """What ``auto`` becomes on a node whose probes (writeprobe.py) wrote at these rates:
-    "auto" (buffered when it fits) where filling the page cache is at least as fast as
-    writing to the device (a slow disk beside cheap memory: the bytes reach the load
-    sooner through memory), "warm" where the page cache is the slower way (one VM: ~5 ms
-    of system time per MiB buffered, into pages its host had taken back)."""
-    return "auto" if buffered_rate >= direct_rate else "warm"
+def page_cache_first(direct_rate: float, buffered_rate: float) -> bool:
+    """Whether ``auto`` buffers on a node whose probes (writeprobe.py) wrote at these
+    rates: where filling the page cache is at least as fast as writing to the device (a
+    slow disk beside memory: 0.67-0.74x direct's wait to loaded tensors at 280 MB/s, where
+    warm's read-back doubled the disk's work), not where the page cache is the slower way
+    (one VM: ~5 ms of system time per MiB buffered, into pages its host had taken back)."""
+    return buffered_rate >= direct_rate
