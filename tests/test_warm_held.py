@@ -71,4 +71,7 @@ def test_a_held_step_is_read_into_memory_at_the_decision(
     satisfied_by, evicted, resident = asyncio.run(go())
     assert satisfied_by == "held"
     assert evicted == 0.0  # (the test's own eviction worked)
-    assert resident == (1.0 if write_path == "warm" else 0.0)
+    if write_path == "warm":  # (readahead is a hint: a busy machine may drop a page of it)
+        assert resident >= 0.95
+    else:
+        assert resident == 0.0

@@ -36,6 +36,8 @@ _SYS_DEV = Path("/sys/dev/block")
 def warm_range(fd: int, offset: int, length: int) -> None:
     """Ask the kernel to read ``[offset, offset + length)`` of ``fd``'s file into the page
     cache, without waiting for it (a hint: an error is no reason to fail a restore)."""
+    if not hasattr(os, "posix_fadvise"):  # (not Linux: nothing to ask)
+        return
     step = _window(os.fstat(fd).st_dev)
     end = offset + length
     try:
