@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import argparse
+import datetime
 import hashlib
 import os
 import platform
 import shlex
 import subprocess
+import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +75,28 @@ def reproduce_command(argv: list[str]) -> str:
     used (the default is a server the benchmark starts itself)."""
     ext = os.environ.get("FERRY_TEST_S3_ENDPOINT")
     return (f"FERRY_TEST_S3_ENDPOINT={shlex.quote(ext)} " if ext else "") + shlex.join(argv)
+
+
+def run_and_record(
+    module: str,
+    argv: list[str] | None,
+    parse_args: Callable[[list[str] | None], argparse.Namespace],
+    run: Callable[[argparse.Namespace], dict[str, Any]],
+    report: Callable[[dict[str, Any]], str],
+    stem: Callable[[argparse.Namespace], str],
+) -> int:
+    """A benchmark's ``main``: print the command that reproduces it, run it, print its
+    report and write it (``write_results``) under ``args.out_dir`` as ``stem(args)``."""
+    args = parse_args(argv)
+    command = reproduce_command([sys.executable, "-m", module,
+                                 *(sys.argv[1:] if argv is None else argv)])  # fmt: skip
+    print(command, flush=True)
+    doc = run(args)
+    md = report(doc)
+    print(md)
+    date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    write_results(args.out_dir, stem(args), command, date, md, **doc)
+    return 0
 
 
 def write_results(

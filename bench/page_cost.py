@@ -23,7 +23,6 @@ Results: bench/results/page_cost.md and .json. Root is needed (drop_caches).
 from __future__ import annotations
 
 import argparse
-import datetime
 import mmap
 import os
 import resource
@@ -39,7 +38,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench._env import reproduce_command, write_results  # noqa: E402
+from bench._env import run_and_record  # noqa: E402
 from bench._measure import drop_caches  # noqa: E402
 from transfer.directio import aligned  # noqa: E402
 from transfer.engine.warmcache import warm_files  # noqa: E402
@@ -162,16 +161,9 @@ def report(doc: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    command = reproduce_command([sys.executable, "-m", "bench.page_cost",
-                                 *(sys.argv[1:] if argv is None else argv)])  # fmt: skip
-    print(command, flush=True)
-    doc = run(args)
-    md = report(doc)
-    print(md)
-    date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    write_results(args.out_dir, "page_cost", command, date, md, **doc)
-    return 0
+    return run_and_record(
+        "bench.page_cost", argv, parse_args, run, report, lambda _args: "page_cost"
+    )
 
 
 if __name__ == "__main__":

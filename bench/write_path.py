@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import inspect
 import os
 import shutil
@@ -43,7 +42,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from bench._env import ferry_command, reproduce_command, write_results  # noqa: E402
+from bench._env import ferry_command, run_and_record  # noqa: E402
 from bench._measure import (  # noqa: E402
     check_same,
     drop_caches,
@@ -231,19 +230,13 @@ def report(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    command = reproduce_command([sys.executable, "-m", "bench.write_path",
-                                 *(sys.argv[1:] if argv is None else argv)])  # fmt: skip
-    print(command, flush=True)
-    doc = run(args)
-    md = report(doc)
-    print(md)
-    date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
+def _stem(args: argparse.Namespace) -> str:
     stem = f"write_path_{args.save.parent.parent.name}_{args.save.parent.name}"
-    stem += f"_{args.disk_mbps:g}mbps" if args.disk_mbps else ""
-    write_results(args.out_dir, stem, command, date, md, **doc)
-    return 0
+    return stem + (f"_{args.disk_mbps:g}mbps" if args.disk_mbps else "")
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_and_record("bench.write_path", argv, parse_args, run, report, _stem)
 
 
 if __name__ == "__main__":
