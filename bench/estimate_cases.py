@@ -76,15 +76,11 @@ async def measure(
 
 
 async def ready(client: FerryClient, prefetch_id: str) -> dict[str, Any]:
-    """The prefetch's final state, polled every 5 ms for its first 0.1 s (a held replica
-    answers that fast), then every 50 ms: polling every 5 ms throughout (200 requests a
-    second on the agent's event loop, in this process) made the prefetch it timed ~10% slower
-    (inside the pull: 3.02 / 2.61 / 2.71 s against 2.56-2.98 s at 100 ms; an engine pull
-    alone 2.46-3.02 s)."""
-    try:
-        return await client.wait_prefetch(prefetch_id, within_s=0.1, poll=0.005)
-    except TimeoutError:
-        return await client.wait_prefetch(prefetch_id, poll=0.05)
+    """The prefetch's final state, by the agent's long poll: it answers when the prefetch
+    ends, so the time measured is the prefetch's own. (Before the long poll this polled
+    every 5 ms for 0.1 s, then every 50 ms; 5 ms throughout, 200 requests a second on the
+    agent's event loop, made the prefetch it timed ~10% slower.)"""
+    return await client.wait_prefetch(prefetch_id)
 
 
 @contextlib.asynccontextmanager

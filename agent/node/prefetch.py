@@ -119,6 +119,8 @@ class PrefetchJob:
     #: request gave it: transfer/engine/share.py), or an explicit item list; None: all
     layout: dict[str, Any] | None = None
     items: list[Any] | None = None
+    #: set once the state is final: what ``GET /v1/prefetch/{id}?wait=`` waits for
+    ended: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
 
     def to_dict(self) -> dict[str, Any]:
         remaining = max(self.bytes_total - self.bytes_done, 0)
@@ -388,6 +390,7 @@ class Prefetcher:
                 self.finished_bytes[source] = self.finished_bytes.get(source, 0) + nbytes
             self._finished.append(record.id)
             self._forget_oldest_finished()
+            record.ended.set()
             if record.state is State.READY and record.started is not None:
                 took = record.finished - record.started
                 kind = "check" if record.satisfied_by in ("held", "replica") else "restore"

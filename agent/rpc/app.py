@@ -39,15 +39,17 @@ from agent.rpc.appkeys import (
     PART_SIZES,
     PEERS,
     PINS,
+    PREFETCH_WAITERS,
     PREFETCHER,
     PUSHQUEUE,
     RETENTION,
     STANDBY,
+    STOPPING,
     TIERS,
     TLS,
 )
 from agent.rpc.auth import Credentials, SecretFile
-from agent.rpc.limits import CHUNK_REQUESTS_PER_CLIENT, InFlight
+from agent.rpc.limits import CHUNK_REQUESTS_PER_CLIENT, WAITS_PER_CLIENT, InFlight
 from agent.rpc.metrics import Metrics
 from agent.rpc.middleware import auth_middleware, error_middleware
 from agent.rpc.routes import route_modules
@@ -73,6 +75,9 @@ def create_app(config: AgentConfig, token: str) -> web.Application:
     app[CONFIG] = config
     app[CREDENTIALS] = _credentials(config, token)
     app[CHUNK_CLIENTS] = InFlight(CHUNK_REQUESTS_PER_CLIENT)
+    app[PREFETCH_WAITERS] = InFlight(WAITS_PER_CLIENT)
+    app[STOPPING] = asyncio.Event()
+    app.on_shutdown.append(_stopping)  # before aiohttp waits for the requests in flight
     app[TLS] = AgentTls(
         config.tls_cert_file,
         config.tls_key_file,
@@ -183,6 +188,10 @@ async def _services(app: web.Application):  # type: ignore[no-untyped-def]
             # deadline, which leaves every store consistent
             services.spawn(runner.loop(stop), name="retention")
         yield
+
+
+async def _stopping(app: web.Application) -> None:
+    app[STOPPING].set()
 
 
 def _prefetcher(app: web.Application, queue: PushQueue, services: Services) -> Prefetcher:

@@ -3,6 +3,8 @@ the tiers, the prefetcher, the push queue...), set up by agent/rpc/app.py."""
 
 from __future__ import annotations
 
+import asyncio
+
 from aiohttp import web
 
 from agent.daemon.config import AgentConfig
@@ -27,6 +29,12 @@ TLS = web.AppKey("tls", AgentTls)
 
 #: chunk requests in flight, per client (agent/rpc/limits.py)
 CHUNK_CLIENTS = web.AppKey("chunk_clients", InFlight)
+
+#: long polls of prefetches in flight, per client (agent/rpc/limits.py)
+PREFETCH_WAITERS = web.AppKey("prefetch_waiters", InFlight)
+
+#: set when the agent begins to stop: what a held request gives up for
+STOPPING = web.AppKey("stopping", asyncio.Event)
 
 TIERS = web.AppKey("tiers", list)
 

@@ -13,6 +13,10 @@ import aiohttp
 
 from agent.rpc.tls import client_context
 
+#: the longest one status request of ``wait_prefetch`` is held by the agent (at most its
+#: WAIT_SECONDS, agent/rpc/routes/prefetch.py)
+LONG_POLL_SECONDS = 20.0
+
 
 class RpcError(Exception):
     def __init__(self, status: int, message: str) -> None:
@@ -125,8 +129,11 @@ class FerryClient:
                 }
         return str((await self._call("POST", "/v1/prefetch", json=body))["id"])
 
-    async def prefetch_status(self, prefetch_id: str) -> dict[str, Any]:
-        return await self._call("GET", f"/v1/prefetch/{prefetch_id}")  # type: ignore[no-any-return]
+    async def prefetch_status(self, prefetch_id: str, wait: float = 0.0) -> dict[str, Any]:
+        """``wait``: the agent answers once the prefetch has ended, or after that long."""
+        params = {"wait": f"{wait:.3f}"} if wait > 0 else None
+        doc = await self._call("GET", f"/v1/prefetch/{prefetch_id}", params=params)
+        return doc  # type: ignore[no-any-return]
 
     async def cancel_prefetch(self, prefetch_id: str) -> dict[str, Any]:
         return await self._call("DELETE", f"/v1/prefetch/{prefetch_id}")  # type: ignore[no-any-return]
@@ -134,15 +141,21 @@ class FerryClient:
     async def wait_prefetch(
         self, prefetch_id: str, within_s: float = 600.0, poll: float = 0.1
     ) -> dict[str, Any]:
-        """Poll until the prefetch is ready, failed or cancelled; returns its final state."""
+        """Until the prefetch is ready, failed or cancelled; returns its final state. Each
+        request is a long poll (``?wait=``: the agent answers when the prefetch ends, or
+        after LONG_POLL_SECONDS); an agent that answers a poll early without an end (one
+        from before the long poll) is asked again every ``poll`` seconds."""
         deadline = time.monotonic() + within_s
+        longest = min(LONG_POLL_SECONDS, 0.8 * (self._session.timeout.total or 30.0))
         while True:
-            status = await self.prefetch_status(prefetch_id)
+            wait, asked = max(0.0, min(longest, deadline - time.monotonic())), time.monotonic()
+            status = await self.prefetch_status(prefetch_id, wait)
             if status["state"] in ("ready", "failed", "cancelled"):
                 return status
             if time.monotonic() > deadline:
                 raise TimeoutError(f"prefetch {prefetch_id} still {status['state']}")
-            await asyncio.sleep(poll)
+            if time.monotonic() - asked < wait:
+                await asyncio.sleep(poll)
 
     async def standby(
         self, job: str, layout: tuple[int, list[int]] | None = None

@@ -12,7 +12,10 @@ pushes, and its own prefetches' reads, take no slot here and wait for no client.
 - chunk requests in flight from one client (its address): CHUNK_REQUESTS_PER_CLIENT (an
   agent asks at most PEER_THREADS at once); a chunk's reply must be taken within
   SEND_SECONDS, else the connection is cut (a client that stops reading holds a 4 MiB
-  reply, and its slot, no longer than that).
+  reply, and its slot, no longer than that);
+- long polls of prefetches (``GET /v1/prefetch/{id}?wait=``) in flight from one client:
+  WAITS_PER_CLIENT, each held at most 30 s (routes/prefetch.py WAIT_SECONDS), and none
+  beyond the start of the agent's stop.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from aiohttp import web
 
 MAX_PREFETCHES = 64
 CHUNK_REQUESTS_PER_CLIENT = 32  # 4 x agent.peers.chunks.PEER_THREADS
+WAITS_PER_CLIENT = 2 * MAX_PREFETCHES  # a scheduler waiting on every prefetch, twice over
 BODY_SECONDS = 30.0
 SEND_SECONDS = 30.0
 RETRY_AFTER_SECONDS = 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import re
 from typing import Any
@@ -9,8 +10,9 @@ from urllib.parse import urlsplit
 
 from aiohttp import web
 
+from agent.node.prefetch import FINAL, PrefetchJob
 from agent.rpc import limits
-from agent.rpc.appkeys import METRICS, PREFETCHER
+from agent.rpc.appkeys import METRICS, PREFETCH_WAITERS, PREFETCHER, STOPPING
 from agent.rpc.middleware import finite_number, json_body, parse_layout, parse_step_arg
 from transfer.format.names import check_name
 
@@ -112,11 +114,47 @@ def _is_agent_url(url: str) -> bool:
         return False
 
 
+#: the longest ``GET /v1/prefetch/{id}?wait=`` holds a request for the prefetch to end
+WAIT_SECONDS = 30.0
+
+
 async def get_prefetch(request: web.Request) -> web.Response:
+    """The prefetch's record; ``?wait=<s>``: once it has ended, or after that long (a long
+    poll: the scheduler learns of the end at once, with one request, not one per poll)."""
     record = request.app[PREFETCHER].jobs.get(request.match_info["id"])
     if record is None:
         raise web.HTTPNotFound(reason="no such prefetch")
+    wait = _wait_seconds(request.query.get("wait", "0"))
+    if wait and record.state not in FINAL:
+        waiters, client = request.app[PREFETCH_WAITERS], request.remote or ""
+        if not waiters.enter(client):
+            return limits.too_many(f"{waiters.limit} waits in flight from {client} already")
+        try:
+            await _until_ended(record, request.app[STOPPING], wait)
+        finally:
+            waiters.leave(client)
     return web.json_response(record.to_dict())
+
+
+def _wait_seconds(text: str) -> float:
+    try:
+        wait = float(text)
+    except ValueError:
+        wait = -1.0
+    if not 0.0 <= wait <= WAIT_SECONDS:  # nan and inf too
+        raise ValueError(f"wait must be a number of seconds within 0..{WAIT_SECONDS:g}")
+    return wait
+
+
+async def _until_ended(record: PrefetchJob, stopping: asyncio.Event, seconds: float) -> None:
+    """Until ``record`` ends, the agent stops (its shutdown waits for no poll), or
+    ``seconds`` pass."""
+    waits = [asyncio.ensure_future(e.wait()) for e in (record.ended, stopping)]
+    try:
+        await asyncio.wait(waits, timeout=seconds, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for w in waits:
+            w.cancel()
 
 
 async def delete_prefetch(request: web.Request) -> web.Response:
