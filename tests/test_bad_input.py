@@ -521,6 +521,34 @@ def test_an_endpoint_without_a_scheme_is_one_line_not_a_panic(
     assert "Traceback" not in err and "panic" not in err.lower() and len(err.splitlines()) == 1
 
 
+def test_the_command_as_run_flushes_its_output_and_keeps_its_exit_codes(
+    local_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``python -m agent`` as a user's shell runs it, its output a buffered pipe: what it
+    printed arrives whole, and each outcome has its exit code and its one-line reason."""
+    import subprocess
+    import sys
+
+    pushed(local_url, tmp_path, capsys)
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}  # a pipe buffers
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        argv = [sys.executable, "-m", "agent", *args]
+        return subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env)
+
+    listed = run("ls", local_url, "--json")
+    assert listed.returncode == 0, listed.stderr
+    assert [c["job"] for c in json.loads(listed.stdout)["checkpoints"]] == ["j"]
+    helped = run("--help")
+    assert helped.returncode == 0 and helped.stdout.startswith("usage: ferry")
+    misused = run("pull")
+    assert misused.returncode == 2 and "the following arguments are required" in misused.stderr
+    failed = run("pull", local_url, str(tmp_path / "dest"), "--job", "nope", "--json")
+    assert failed.returncode == 1 and json.loads(failed.stdout)["ok"] is False
+    assert len(failed.stderr.splitlines()) == 1 and "nope" in failed.stderr, failed.stderr
+
+
 @pytest.mark.parametrize("command", [["ls"], ["du"], ["du", "--json"]])
 def test_output_cut_short_by_its_reader_ends_quietly(
     command: list[str], local_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
