@@ -60,11 +60,15 @@ class Agent:
     env: dict[str, str]
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
+    #: the address it listens on, and what its command runs under (``ip netns exec NS``:
+    #: an agent behind a shaped link, bench.decision_to_loaded --link)
+    host: str = "127.0.0.1"
+    wrap: tuple[str, ...] = ()
 
     @property
     def url(self) -> str:
         scheme = "https" if self.env.get("FERRY_TLS_CERT_FILE") else "http"
-        return f"{scheme}://127.0.0.1:{self.port}"
+        return f"{scheme}://{self.host}:{self.port}"
 
     def _tls(self) -> ssl.SSLContext | None:
         """Over TLS: verified against the agent's CA, presenting its own certificate (which
@@ -90,10 +94,10 @@ class Agent:
 
     def launch(self, log: Path) -> None:
         self.hot.mkdir(parents=True, exist_ok=True)
-        env = {**self.env, "FERRY_LISTEN": f"127.0.0.1:{self.port}"}
+        env = {**self.env, "FERRY_LISTEN": f"{self.host}:{self.port}"}
         with log.open("ab") as fh:
             self.proc = subprocess.Popen(
-                [*ferry_command(), "agent"],
+                [*self.wrap, *ferry_command(), "agent"],
                 env=env,
                 cwd=REPO,
                 stdout=fh,

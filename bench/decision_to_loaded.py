@@ -38,6 +38,11 @@ are checked against the load of k+1 itself.
 ``--write-path``: how the agents' and the CLI's restores write (``warm``, ``direct``, ``buffered``,
 ``auto``; default: the product's own default), to compare the write paths' whole waits.
 
+``--link RATE`` (root): every case's transfers over a link shaped to RATE each way (e.g.
+``2gbit``; bench/shaped_link.py's veth pair and ``tc tbf``): the agents, ``s5cmd`` and the
+CLI run in a network namespace and reach the S3 server on the host end, as a node reads
+its store over a NIC, not over loopback (the pushes before, and the loads, are not shaped).
+
 ``--busy-memory``: the same while a helper process holds ``--busy-fraction`` (0.7) of
 MemAvailable, allocated and touched, so a path that leaves its bytes in the page cache for
 the load cannot count on spare memory (released at the end).
@@ -49,6 +54,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import datetime
 import functools
 import os
@@ -56,6 +62,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -83,9 +90,10 @@ from bench._measure import (  # noqa: E402
 from bench.agents import TOKEN, Agent, agent_env  # noqa: E402
 from bench.limits import disk, s3_raw  # noqa: E402
 from bench.peers import Commands, tool_env  # noqa: E402
+from bench.shaped_link import HOST_IP, NS, NS_IP, shaped_link  # noqa: E402
 from bench.store_cost import saves  # noqa: E402
 from bench.write_path import Loaded, load, start_loader  # noqa: E402
-from tests.s3server import S3Endpoint  # noqa: E402
+from tests.s3server import S3Endpoint, S3Server  # noqa: E402
 from transfer.format.names import step_from_dirname  # noqa: E402
 from transfer.options import WRITE_PATHS  # noqa: E402
 
@@ -127,6 +135,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--write-path", choices=WRITE_PATHS, default=None,
                     help="how the agents' and the CLI's restores write (default: the "
                          "product's default)")  # fmt: skip
+    ap.add_argument("--link", metavar="RATE", default=None,
+                    help="the node's transfers over a link shaped to RATE each way (tc: "
+                         "2gbit, 10gbit; root)")  # fmt: skip
     ap.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent / "results")
     ap.add_argument("--out-stem", default=None,
                     help="results file name (default decision_to_loaded[_busy])")  # fmt: skip
@@ -183,6 +194,17 @@ class Node:
         return self.agent.proc.pid
 
 
+@dataclass(frozen=True)
+class Link:
+    """How the node's processes (agents, s5cmd, the CLI) reach the store: on loopback, or
+    from a network namespace over a shaped veth pair (``--link``)."""
+
+    endpoint: S3Endpoint  # the store's, as the node sees it
+    wrap: tuple[str, ...] = ()  # what the node's commands run under
+    host: str = "127.0.0.1"  # the address its agents listen on
+    rate: str | None = None  # tc's rate each way, or None: loopback
+
+
 @dataclass
 class Bench:
     args: argparse.Namespace
@@ -191,15 +213,16 @@ class Bench:
     prefix: str  # of this run's objects in the bucket
     k: Path
     k1: Path
+    link: Link
     cmd: Commands = field(init=False)
     env: dict[str, str] = field(init=False)
     nodes: dict[str, Node] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.cmd = Commands(self.ep)
+        self.cmd = Commands(self.link.endpoint)
         # s5cmd from the interpreter's environment, activated or not
         path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
-        self.env = {**os.environ, **tool_env(self.ep, self.work / "rclone.conf"),
+        self.env = {**os.environ, **tool_env(self.link.endpoint, self.work / "rclone.conf"),
                     "PYTHONPATH": str(REPO), "PATH": path}  # fmt: skip
         self.step = step_from_dirname(self.k1.name) or 0
         self.digest = tree_digest(self.k1)
@@ -216,15 +239,15 @@ class Bench:
         held = self.hot("b") / JOB / self.k.name
         shutil.copytree(self.k, held)  # written there as by the training save
         for name, standby in (("s", JOB), ("b", ""), ("c", "")):
-            env = agent_env(dict(os.environ), name, self.hot(name), self.tier, self.ep.url,
-                            self.work / "token", [])  # fmt: skip
+            env = agent_env(dict(os.environ), name, self.hot(name), self.tier,
+                            self.link.endpoint.url, self.work / "token", [])  # fmt: skip
             # the tier holds k and k+1 already: B's watcher would push its k again beside
             # the measured cases; nothing else of the agents' own runs beside them either
             env.update(FERRY_QUIET_SECONDS="3600", FERRY_RETENTION_INTERVAL_SECONDS="3600",
                        FERRY_STANDBY_JOBS=standby, FERRY_STANDBY_MAX_RATE="0")  # fmt: skip
             if self.args.write_path:
                 env["FERRY_TRANSFER_WRITE_PATH"] = self.args.write_path
-            agent = Agent(name, self.hot(name), env)
+            agent = Agent(name, self.hot(name), env, host=self.link.host, wrap=self.link.wrap)
             agent.launch(self.work / f"agent-{name}.log")
             self.nodes[name] = Node(agent, FerryClient(agent.url, TOKEN, timeout=900))
         for name, node in self.nodes.items():
@@ -282,7 +305,7 @@ class Bench:
                 argv += ["--base-dir", str(self.hot("b") / JOB / self.k.name)]
             if self.args.write_path:
                 argv += ["--write-path", self.args.write_path]
-        ran = run_timed(argv, self.env, None)
+        ran = run_timed([*self.link.wrap, *argv], self.env, None)
         if ran.returncode != 0:
             raise SystemExit(f"{case} failed ({ran.returncode}): {ran.stderr[-2000:]}")
         took = ran.seconds
@@ -398,12 +421,15 @@ async def one_run(bench: Bench, rnd: int) -> tuple[dict[str, Any], list[dict[str
     return alone, rows
 
 
-async def measure(args: argparse.Namespace, ep: S3Endpoint, work: Path) -> dict[str, Any]:
+async def measure(
+    args: argparse.Namespace, ep: S3Endpoint, work: Path, link: Link
+) -> dict[str, Any]:
     k, k1 = saves(args.series)[-2:]
-    bench = Bench(args, ep, work, f"d2l-{os.getpid()}-{int(time.time())}", k, k1)
+    bench = Bench(args, ep, work, f"d2l-{os.getpid()}-{int(time.time())}", k, k1, link)
     doc: dict[str, Any] = {"series": str(args.series), "k": k.name, "k1": k1.name,
                            "raw_bytes": bench.raw_bytes, "cases": list(CASES),
-                           "runs": args.runs, "rows": [], "load_alone": []}  # fmt: skip
+                           "runs": args.runs, "rows": [], "load_alone": [],
+                           "link": link.rate}  # fmt: skip
     try:
         await bench.setup()
         with contextlib.ExitStack() as stack:
@@ -438,7 +464,12 @@ def report(doc: dict[str, Any]) -> str:
     lines = [
         f"{doc['series']}: {doc['k1']} ({raw_mb:,.0f} MB raw) onto a node, from the decision "
         f"to every tensor loaded; medians of {doc['runs']} runs, page cache dropped before "
-        f"each case{held}",
+        f"each case{held}"
+        + (
+            f"; the node's transfers over a link shaped to {doc['link']} each way"
+            if doc.get("link")
+            else ""
+        ),
         "",
         "| case | fetch s | load s | decision -> loaded s | fetch CPU-s / raw GB | moved MB "
         f"| load: MB read from disk | load / load alone cold | / {PLAIN} | / {SYNCED} |",
@@ -458,7 +489,8 @@ def report(doc: dict[str, Any]) -> str:
         "",
         f"Limits, measured at the start: the hot dir's disk with O_DIRECT (`dd`): write "
         f"{write:,.0f} MB/s (k+1 in {raw_mb / write:.2f} s), read {read:,.0f} MB/s "
-        f"({raw_mb / read:.2f} s); the S3 server on loopback, one object of as many bytes "
+        f"({raw_mb / read:.2f} s); the S3 server from the host (never shaped), one object "
+        f"of as many bytes "
         f"through botocore: GET {get:,.0f} MB/s ({raw_mb / get:.2f} s); the load of k+1 alone "
         f"(medians): {cold:.2f} s from a cold page cache ({raw_mb / cold:,.0f} MB/s), "
         f"{warm:.2f} s from a warm one ({raw_mb / warm:,.0f} MB/s).",
@@ -466,13 +498,40 @@ def report(doc: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+@contextlib.contextmanager
+def store_and_link(rate: str | None) -> Iterator[tuple[Path, S3Endpoint, Link]]:
+    """A scratch directory, a running S3 server (its credentials in the environment, for
+    the pushes made before the cases) and how the node reaches it: on loopback, or (``rate``)
+    from bench/shaped_link.py's namespace over a veth pair shaped to ``rate`` each way."""
+    if rate is None:
+        with loopback_s3("ferry-d2l-") as (work, ep):
+            yield work, ep, Link(ep)
+        return
+    work = Path(tempfile.mkdtemp(prefix="ferry-d2l-"))
+    (work / "s3").mkdir()
+    server = S3Server(work / "s3", bind="0.0.0.0")  # the namespace reaches it on HOST_IP
+    try:
+        ep = server.start()
+        os.environ.update(
+            AWS_ACCESS_KEY_ID=ep.access_key, AWS_SECRET_ACCESS_KEY=ep.secret_key,
+            AWS_ENDPOINT_URL=ep.url, AWS_EC2_METADATA_DISABLED="true",
+        )  # fmt: skip
+        port = ep.url.rsplit(":", 1)[1]
+        seen = dataclasses.replace(ep, url=f"http://{HOST_IP}:{port}")
+        with shaped_link(rate):
+            yield work, ep, Link(seen, ("ip", "netns", "exec", NS), NS_IP, rate)
+    finally:
+        server.stop()
+        shutil.rmtree(work, ignore_errors=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     argv = list(sys.argv[1:] if argv is None else argv)
     command = reproduce_command([sys.executable, "-m", "bench.decision_to_loaded", *argv])
     print(command, flush=True)
-    with loopback_s3("ferry-d2l-") as (work, ep):
-        doc = asyncio.run(measure(args, ep, work))
+    with store_and_link(args.link) as (work, ep, link):
+        doc = asyncio.run(measure(args, ep, work, link))
     md = report(doc)
     print(md)
     date = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
