@@ -11,11 +11,13 @@ import itertools
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from agent.node.estimate import PREFETCH_START_SECONDS
 from agent.rpc.client import FerryClient
+from bench._measure import BLKIO, throttled_disk
 from tests.conftest import adamw_series, prefetched
 from tests.harness import TOKEN, agent, peer_agent, push_series
 
@@ -145,22 +147,52 @@ def test_auto_writes_buffered_only_where_the_page_cache_is_the_cheaper_way(
 
     assert page_cache_first(0.28e9, 0.45e9)  # a slow disk: the page cache is the way
     assert not page_cache_first(1.8e9, 0.3e9)  # one with costly fresh pages: warm
+    auto_probe_and_estimate(local_url, tmp_path, caplog)
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not BLKIO.is_dir(), reason="a slow disk: the cgroup-v1 blkio throttle"
+)
+def test_on_a_slow_disk_the_first_estimate_writes_at_the_page_caches_rate(
+    local_url: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A disk that takes O_DIRECT writes at 50 MB/s (a throttle that holds direct I/O
+    only): ``auto`` restores go through the page cache, and the first estimate's disk is
+    that rate (auto_probe_and_estimate), not the O_DIRECT probe's (2-3x slow here)."""
+    with throttled_disk(tmp_path, 50e6):
+        fields, _ = auto_probe_and_estimate(local_url, tmp_path, caplog)
+    assert fields["page_cache_first"] is True, fields
+
+
+def auto_probe_and_estimate(
+    local_url: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """An ``auto`` agent's start-up write probe (its log line's fields) and its first
+    estimate of a step that fits in memory, whose disk rate is the probe's figure for the
+    way that step's restore writes."""
+    from transfer.engine.writepath import page_cache_first
+
     (k20,) = adamw_series(tmp_path / "src", 1, seed=24, mib=4)
 
-    async def go() -> dict[str, object]:
+    async def go() -> dict[str, Any]:
         await push_series(local_url, [k20])
         env = {"FERRY_TRANSFER_WRITE_PATH": "auto"}
         async with (
             agent(tmp_path / "e", [local_url], "e", extra_env=env) as url,
             FerryClient(url, TOKEN) as e,
         ):
-            await e.estimate("llm", 20)  # (waits for the start-up probe)
-            return await prefetched(e, 20)
+            first = await e.estimate("llm", 20)  # (waits for the start-up probe)
+            await prefetched(e, 20)
+            return first
 
     with caplog.at_level("INFO"):
-        asyncio.run(go())
+        estimate = asyncio.run(go())
     (probe,) = [r for r in caplog.records if r.getMessage() == "write_probe"]
-    fields = probe.__dict__["ferry_fields"]  # (agent/daemon/logs.py event's fields)
+    fields: dict[str, Any] = probe.__dict__["ferry_fields"]  # (agent/daemon/logs.py's event)
     assert fields["write_path"] == "auto"
     rule = page_cache_first(fields["rate_direct"], fields["rate_buffered"])
     assert fields["page_cache_first"] is rule
+    way = fields["rate_buffered"] if rule else fields["rate_direct"]
+    assert estimate["disk_rate_basis"] == "probe"
+    assert abs(estimate["disk_rate"] - way) <= 1, (estimate["disk_rate"], fields)
+    return fields, estimate

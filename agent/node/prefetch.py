@@ -275,12 +275,14 @@ class Prefetcher:
             except (OSError, FerryError) as exc:  # (a full disk: DestinationError)
                 log.warning("could not probe the write rate of %s: %s", self.hot_dir.root, exc)
                 return
-            self.meter.record("disk", nbytes, took, provisional=True)
             buffered_rate = None
             if chosen == "auto":  # buffered only where the page cache is the cheaper way
                 buffered_rate = into_cache[0] / into_cache[1]
                 first = page_cache_first(nbytes / took, buffered_rate)
                 self.options = dataclasses.replace(self.options, page_cache_first=first)
+            # the estimate's disk: the way restores that fit will write (the rest go direct)
+            way = into_cache if self.options.page_cache_first else (nbytes, took)
+            self.meter.record("disk", *way, provisional=True)
             event(log, "write_probe", rate_direct=round(nbytes / took),
                   rate_buffered=buffered_rate and round(buffered_rate),
                   write_path=self.options.write_path,
