@@ -4,7 +4,8 @@
 
 bench.decision_to_loaded found the ``dcp.load`` after an agent's prefetch slower than after
 ``ferry pull`` or ``s5cmd cp`` (the 1.69 GB corpus: 3.3-5.7 s against 2.5-4.3 s), although
-every load read memory. This isolates it: SAVE_DIR is pushed to SeaweedFS on loopback, then
+every load read memory. This tries to isolate it (two runs: only each run's first load was
+slow, whatever restored it; bench/README): SAVE_DIR is pushed to SeaweedFS on loopback, then
 in alternated rounds, page cache dropped and the machine settled before each, it is
 restored by (a) a fresh agent's prefetch, loaded while that agent runs; (b) the same, the
 agent stopped before the load; (c) ``ferry pull``; and loaded by a fresh, warmed loader
