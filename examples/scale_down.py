@@ -9,7 +9,8 @@ from. The scheduler:
 1. asks each survivor's agent what bringing the checkpoint over costs (GET /v1/estimate),
 2. pins the checkpoint on each (POST /v1/pins) so retention keeps it while this runs,
 3. starts a prefetch on every survivor at once (POST /v1/prefetch), as one fan-out group
-   (the store is read about once for all of them, not once each), and polls them,
+   (the store is read about once for all of them, not once each), and waits for them
+   (each status request a long poll: GET /v1/prefetch/{id}?wait=),
 4. commits the scale-down only when all are ``ready``; if one fails or the timeout passes,
    it cancels the others (DELETE /v1/prefetch/{id}) and aborts,
 5. unpins either way.
@@ -270,11 +271,15 @@ def _progress_line(s: Survivor) -> str:
 
 
 async def wait_all(survivors: list[Survivor], deadline: float, poll: float) -> None:
-    """Poll until every prefetch is ready; raises Abort on a failure or at the deadline."""
+    """Until every prefetch is ready (a progress line per change, every ``poll`` seconds);
+    raises Abort on a failure or at the deadline. Each status request is a long poll
+    (``wait``): the last prefetch's end is seen when it happens, not up to ``poll`` later."""
     shown: dict[str, tuple[str, int]] = {}
     while True:
+        asked = time.monotonic()
+        wait = min(poll, max(deadline - asked, 0.0), 30.0)  # (the agent's longest wait)
         answers = await asyncio.gather(
-            *(s.client.prefetch_status(str(s.prefetch_id)) for s in survivors),
+            *(s.client.prefetch_status(str(s.prefetch_id), wait) for s in survivors),
             return_exceptions=True,
         )
         for s, answer in zip(survivors, answers, strict=True):
@@ -294,7 +299,8 @@ async def wait_all(survivors: list[Survivor], deadline: float, poll: float) -> N
         if time.monotonic() >= deadline:
             late = [s.name for s in survivors if s.status["state"] != "ready"]
             raise Abort(f"timeout: not ready in time: {', '.join(late)}")
-        await asyncio.sleep(min(poll, max(deadline - time.monotonic(), 0.0)))
+        # (an agent from before the long poll answers at once: keep to the interval)
+        await asyncio.sleep(max(0.0, min(asked + poll, deadline) - time.monotonic()))
 
 
 async def cancel_unfinished(survivors: list[Survivor]) -> None:
