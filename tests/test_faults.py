@@ -250,3 +250,36 @@ def test_a_server_that_hangs_is_cut_off_by_the_read_timeout_and_retried(
             await store.close()
 
         asyncio.run(go())
+
+
+def test_a_stop_during_a_restore_from_a_store_that_stopped_answering_is_not_held_by_retries(
+    s3_url: str, s3_env: S3Endpoint, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every pack read stalls, then its connection drops (a black-holing store). The
+    agent stops mid-restore: its reader threads finish the read they are in and try no
+    other (store/retry.py ``no_retries_after``), so the stop takes about one stall, not
+    one per try of the retry policy (6 here) for every reader."""
+    from tests.conftest import adamw_series
+    from tests.harness import push_series, until
+
+    stall = 3.0
+    (k0,) = adamw_series(tmp_path / "train", 1)
+    with FaultProxy(s3_env.url, stall_seconds=stall) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
+
+        async def go() -> float:
+            await push_series(s3_url, [k0])
+            env = {"FERRY_DRAIN_SECONDS": "0.2"}
+            async with agent(tmp_path / "hot", [s3_url], extra_env=env) as url:
+                async with FerryClient(url, TOKEN) as client:
+                    proxy.set_faults(1.0, ("stall",), only=".pack")
+                    pid = await client.prefetch("llm", 20)
+                    await until(lambda: proxy.stats.faults["stall"] > 0, within=30)  # held
+                    assert (await client.prefetch_status(pid))["state"] == "running"
+                stopping = time.monotonic()
+            return time.monotonic() - stopping
+
+        took = asyncio.run(go())
+    tries = RetryPolicy().attempts
+    assert took < 3 * stall < tries * stall, took  # one stall each, not `tries` of them
+    assert not list((tmp_path / "hot").glob("llm/step_*")), "a torn restore was left"

@@ -28,6 +28,7 @@ import asyncio
 import collections
 import concurrent.futures
 import os
+import threading
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
@@ -43,6 +44,7 @@ from transfer.engine.workers import run_workers
 from transfer.errors import FormatError, IntegrityError, NotFoundError, RangeNotSatisfiableError
 from transfer.format.layout import pack_key
 from transfer.store.base import RangeReader, RangeStream
+from transfer.store.retry import no_retries_after
 
 _MAX_GAP = 256 << 10  # read through gaps this small rather than issue another request
 
@@ -174,6 +176,10 @@ class _Fetch:
         self.on_bad = on_bad
         self.rate_limit = rate_limit
         self.buffers = _ThreadBuffers()
+        #: set when the fetch ends (done, failed or cancelled): its reader threads try no
+        #: request again (store/retry.py ``no_retries_after``), so its end never waits out
+        #: their retries against a store that stopped answering
+        self.ending = threading.Event()
 
     def local_base(self, c: StoredChunk) -> memoryview | None:
         """The base of delta chunk ``c`` from the node's copy at its position (unverified:
@@ -278,7 +284,8 @@ class _Fetch:
         before = self.buffers.base_bytes
         self.buffers.window = _BaseWindow(self, self._remote_bases(r.chunks))
         try:
-            got, left, rest = self._receive_and_finish(reader, r, buf)
+            with no_retries_after(self.ending):
+                got, left, rest = self._receive_and_finish(reader, r, buf)
         finally:
             self.buffers.window = None
         return got + self.buffers.base_bytes - before, left, rest
@@ -448,6 +455,7 @@ class _Fetch:
         try:
             await run_workers(ranges, worker, readers)
         finally:
+            self.ending.set()
             pool.shutdown(wait=False, cancel_futures=True)
             await _drain(running)
 

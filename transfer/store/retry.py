@@ -8,10 +8,12 @@ request against a store that was down)."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import random
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -64,6 +66,34 @@ class RetryPolicy:
         return random.uniform(cap / 2, cap)
 
 
+#: per thread: an event that, once set, ends ``run_retried``'s tries (``no_retries_after``)
+_stop = threading.local()
+
+
+@contextlib.contextmanager
+def no_retries_after(event: threading.Event) -> Iterator[None]:
+    """In this thread, inside: once ``event`` is set, a failed request is not tried again
+    and no backoff is waited out. A cancelled restore's reader threads (engine/fetch.py):
+    the restore's end waits for them, and a store that black-holes reads held each for
+    every try of its policy (6 x a 60 s read timeout), so an agent's stop for minutes."""
+    before = getattr(_stop, "event", None)
+    _stop.event = event
+    try:
+        yield
+    finally:
+        _stop.event = before
+
+
+def _stopped(backoff: float) -> bool:
+    """Wait ``backoff`` seconds, or less if this thread's tries were stopped: whether they
+    were."""
+    event: threading.Event | None = getattr(_stop, "event", None)
+    if event is None:
+        time.sleep(backoff)
+        return False
+    return event.wait(backoff)
+
+
 def run_retried(
     policy: RetryPolicy,
     errors: ErrorTable,
@@ -71,16 +101,20 @@ def run_retried(
     attempt: Callable[[], T],
     where: str | None = None,
 ) -> T:
-    """``attempt()`` until it succeeds, fails for good (``errors.transient`` says no) or
-    the policy's tries are used up; a failure comes out as ``errors.mapped`` makes it (a
-    StoreError passes through as it is)."""
+    """``attempt()`` until it succeeds, fails for good (``errors.transient`` says no), the
+    policy's tries are used up or the thread's tries are stopped (``no_retries_after``); a
+    failure comes out as ``errors.mapped`` makes it (a StoreError passes through as it is)."""
     for tried in range(1, policy.attempts + 1):
         try:
             return attempt()
         except Exception as exc:
-            if not errors.transient(exc) or tried == policy.attempts:
+            # (the backoff is waited out here, only before another try)
+            if (
+                not errors.transient(exc)
+                or tried == policy.attempts
+                or _stopped(policy.backoff_seconds(tried))
+            ):
                 if isinstance(exc, StoreError):
                     raise
                 raise errors.mapped(exc, what, tried, where) from exc
-        time.sleep(policy.backoff_seconds(tried))
     raise AssertionError("unreachable")
