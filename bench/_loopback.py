@@ -21,7 +21,7 @@ from agent.rpc.app import create_app
 from agent.rpc.appkeys import TLS
 from agent.rpc.client import FerryClient
 from bench._env import reproduce_command
-from tests.s3server import S3Endpoint, start_s3_server
+from tests.s3server import S3Endpoint, S3Server
 
 TOKEN = "bench"
 
@@ -33,12 +33,13 @@ def free_port() -> int:
 
 
 @contextmanager
-def loopback_s3(prefix: str) -> Iterator[tuple[Path, S3Endpoint]]:
+def loopback_s3(prefix: str, bind: str = "127.0.0.1") -> Iterator[tuple[Path, S3Endpoint]]:
     """A scratch directory and a running S3 server (its credentials in the environment);
-    both are gone afterwards."""
+    both are gone afterwards. ``bind``: the server's listening address (0.0.0.0: a client
+    in a network namespace reaches it too, bench/shaped_link.py)."""
     work = Path(tempfile.mkdtemp(prefix=prefix))
-    server = start_s3_server(work / "s3")
-    ep = server.endpoint
+    server = S3Server(work / "s3", bind=bind)
+    ep = server.start()
     os.environ.update(
         AWS_ACCESS_KEY_ID=ep.access_key, AWS_SECRET_ACCESS_KEY=ep.secret_key,
         AWS_ENDPOINT_URL=ep.url, AWS_EC2_METADATA_DISABLED="true",

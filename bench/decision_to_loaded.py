@@ -62,7 +62,6 @@ import shutil
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -93,7 +92,7 @@ from bench.peers import Commands, tool_env  # noqa: E402
 from bench.shaped_link import HOST_IP, NS, NS_IP, shaped_link  # noqa: E402
 from bench.store_cost import saves  # noqa: E402
 from bench.write_path import Loaded, load, start_loader  # noqa: E402
-from tests.s3server import S3Endpoint, S3Server  # noqa: E402
+from tests.s3server import S3Endpoint  # noqa: E402
 from transfer.format.names import step_from_dirname  # noqa: E402
 from transfer.options import WRITE_PATHS  # noqa: E402
 
@@ -507,22 +506,10 @@ def store_and_link(rate: str | None) -> Iterator[tuple[Path, S3Endpoint, Link]]:
         with loopback_s3("ferry-d2l-") as (work, ep):
             yield work, ep, Link(ep)
         return
-    work = Path(tempfile.mkdtemp(prefix="ferry-d2l-"))
-    (work / "s3").mkdir()
-    server = S3Server(work / "s3", bind="0.0.0.0")  # the namespace reaches it on HOST_IP
-    try:
-        ep = server.start()
-        os.environ.update(
-            AWS_ACCESS_KEY_ID=ep.access_key, AWS_SECRET_ACCESS_KEY=ep.secret_key,
-            AWS_ENDPOINT_URL=ep.url, AWS_EC2_METADATA_DISABLED="true",
-        )  # fmt: skip
-        port = ep.url.rsplit(":", 1)[1]
+    with loopback_s3("ferry-d2l-", bind="0.0.0.0") as (work, ep), shaped_link(rate):
+        port = ep.url.rsplit(":", 1)[1]  # the namespace reaches the server on HOST_IP
         seen = dataclasses.replace(ep, url=f"http://{HOST_IP}:{port}")
-        with shaped_link(rate):
-            yield work, ep, Link(seen, ("ip", "netns", "exec", NS), NS_IP, rate)
-    finally:
-        server.stop()
-        shutil.rmtree(work, ignore_errors=True)
+        yield work, ep, Link(seen, ("ip", "netns", "exec", NS), NS_IP, rate)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,9 +13,18 @@ import pytest
 
 from agent.cli.run import main as ferry
 from agent.rpc.client import FerryClient
-from tests.conftest import random_bytes, tree_bytes
+from tests.conftest import adamw_series, random_bytes, tree_bytes
 from tests.faultproxy import KINDS, FaultProxy
-from tests.harness import TOKEN, agent, make_queue, queue_agent, save, tier_states
+from tests.harness import (
+    TOKEN,
+    agent,
+    make_queue,
+    push_series,
+    queue_agent,
+    save,
+    tier_states,
+    until,
+)
 from tests.s3server import S3Endpoint
 from transfer.errors import StoreError
 from transfer.format.layout import PACKS_PREFIX
@@ -259,9 +268,6 @@ def test_a_stop_during_a_restore_from_a_store_that_stopped_answering_is_not_held
     agent stops mid-restore: its reader threads finish the read they are in and try no
     other (store/retry.py ``no_retries_after``), so the stop takes about one stall, not
     one per try of the retry policy (6 here) for every reader."""
-    from tests.conftest import adamw_series
-    from tests.harness import push_series, until
-
     stall = 3.0
     (k0,) = adamw_series(tmp_path / "train", 1)
     with FaultProxy(s3_env.url, stall_seconds=stall) as proxy:

@@ -126,6 +126,18 @@ def finite_number(value: object, low: float, high: float) -> bool:
     )
 
 
+def query_seconds(request: web.Request, name: str, most: float) -> float:
+    """The query parameter ``name`` as seconds within 0..``most`` (absent: 0); anything
+    else, NaN and infinity too, is a bad request."""
+    try:
+        seconds = float(request.query.get(name, "0"))
+    except ValueError:
+        seconds = math.nan
+    if not 0.0 <= seconds <= most:
+        raise ValueError(f"{name} must be a number of seconds within 0..{most:g}")
+    return seconds
+
+
 def parse_step(value: object) -> int:
     """A step number; 120.0 is one too (JSON Schema's integers include integral floats)."""
     if isinstance(value, float) and value.is_integer() and 0 <= value < 1e18:

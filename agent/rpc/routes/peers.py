@@ -12,6 +12,7 @@ from agent.peers.fanout import WAIT_SECONDS
 from agent.peers.wire import ENCODING_HEADER
 from agent.rpc import limits
 from agent.rpc.appkeys import CHUNK_CLIENTS, CONFIG, HOT_INDEX, LANDING, METRICS
+from agent.rpc.middleware import query_seconds
 from transfer.format.chunkid import is_chunk_id
 
 log = logging.getLogger(__name__)
@@ -27,9 +28,7 @@ async def get_chunk(request: web.Request) -> web.StreamResponse:
     if not is_chunk_id(cid) or (base is not None and not is_chunk_id(base)):
         raise ValueError("not a chunk id")
     enc = request.query.get("enc")  # a hint: an unknown name is ignored
-    wait = float(request.query.get("wait", "0"))
-    if not 0.0 <= wait <= WAIT_SECONDS:
-        raise ValueError(f"wait must be within 0..{WAIT_SECONDS:g} seconds")
+    wait = query_seconds(request, "wait", WAIT_SECONDS)
     clients, client = request.app[CHUNK_CLIENTS], request.remote or ""
     if not clients.enter(client):  # one client's requests in flight are bounded
         return limits.too_many(f"{clients.limit} chunk requests in flight from {client} already")

@@ -13,7 +13,13 @@ from aiohttp import web
 from agent.node.prefetch import FINAL, PrefetchJob
 from agent.rpc import limits
 from agent.rpc.appkeys import METRICS, PREFETCH_WAITERS, PREFETCHER, STOPPING
-from agent.rpc.middleware import finite_number, json_body, parse_layout, parse_step_arg
+from agent.rpc.middleware import (
+    finite_number,
+    json_body,
+    parse_layout,
+    parse_step_arg,
+    query_seconds,
+)
 from transfer.format.names import check_name
 
 log = logging.getLogger(__name__)
@@ -124,7 +130,7 @@ async def get_prefetch(request: web.Request) -> web.Response:
     record = request.app[PREFETCHER].jobs.get(request.match_info["id"])
     if record is None:
         raise web.HTTPNotFound(reason="no such prefetch")
-    wait = _wait_seconds(request.query.get("wait", "0"))
+    wait = query_seconds(request, "wait", WAIT_SECONDS)
     if wait and record.state not in FINAL:
         waiters, client = request.app[PREFETCH_WAITERS], request.remote or ""
         if not waiters.enter(client):
@@ -134,16 +140,6 @@ async def get_prefetch(request: web.Request) -> web.Response:
         finally:
             waiters.leave(client)
     return web.json_response(record.to_dict())
-
-
-def _wait_seconds(text: str) -> float:
-    try:
-        wait = float(text)
-    except ValueError:
-        wait = -1.0
-    if not 0.0 <= wait <= WAIT_SECONDS:  # nan and inf too
-        raise ValueError(f"wait must be a number of seconds within 0..{WAIT_SECONDS:g}")
-    return wait
 
 
 async def _until_ended(record: PrefetchJob, stopping: asyncio.Event, seconds: float) -> None:
