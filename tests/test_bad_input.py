@@ -42,6 +42,18 @@ def pushed(store_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     return src
 
 
+def test_pushing_a_file_instead_of_a_save_directory_says_so(
+    local_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A regular file given as the save was taken for a partial copy whose marker could not
+    be read ("a share (unreadable: Not a directory) of None step None")."""
+    afile = tmp_path / "afile"
+    afile.write_bytes(b"x" * 1000)
+    err = ferry_fails(capsys, "push", str(afile), local_url, "--job", "j", "--step", "6")
+    assert "is not a directory" in err and "None" not in err and "partial" not in err, err
+    assert len(err.splitlines()) == 1
+
+
 def test_store_path_that_does_not_exist(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     src = make_checkpoint(tmp_path / "step_000001")
     missing = tmp_path / "no" / "such" / "store"

@@ -154,7 +154,7 @@ def read_record(root: Path) -> dict[str, object] | None:
     does not parse still marks the copy partial (it is never taken for the whole step)."""
     try:
         raw = (root / SHARE_MARKER).read_bytes()
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # (``root`` no directory: not a copy)
         return None
     except OSError as exc:
         return {"error": f"unreadable: {exc.strerror}"}
