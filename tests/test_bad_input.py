@@ -386,6 +386,32 @@ def test_an_empty_store_url_never_makes_the_current_directory_a_store(
     assert sorted(p.name for p in tmp_path.iterdir()) == before
 
 
+@pytest.mark.parametrize("url", ["s3//bucket/x", "file//tmp/x", "memory//x"])
+def test_a_url_whose_colon_was_lost_is_refused_not_made_a_local_store(
+    url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``ferry init s3//bucket/x`` made ./s3/bucket/x a local store and exited 0; a local
+    directory of that name is still reachable as ``./s3//bucket/x``."""
+    monkeypatch.chdir(tmp_path)
+    err = ferry_fails(capsys, "init", url)
+    assert "mistyped" in err and f"./{url}" in err and len(err.splitlines()) == 1, err
+    assert list(tmp_path.iterdir()) == []
+    assert ferry(["init", f"./{url}"]) == 0
+    assert (tmp_path / url.split("/")[0]).is_dir()
+
+
+def test_an_empty_save_directory_is_not_committed(
+    local_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An empty directory was committed as a 0-file step, and the real save of that step,
+    pushed next, was refused as "already committed with different content"."""
+    empty = tmp_path / "step_000007"
+    empty.mkdir()
+    err = ferry_fails(capsys, "push", str(empty), local_url, "--job", "j", "--node", "n")
+    assert "holds no files" in err and len(err.splitlines()) == 1, err
+    pushed(local_url, tmp_path, capsys)  # the save itself, same step: commits (exit 0)
+
+
 def test_ls_of_a_directory_that_is_no_store_or_of_an_unknown_job_is_an_error(
     local_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

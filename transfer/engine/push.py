@@ -166,6 +166,12 @@ def _complete_sources(ckpt_dir: Path, part: bool) -> list[SourceFile]:
             "only what training saved is pushed"
         )
     sources = scan_checkpoint(ckpt_dir)
+    if not sources:
+        # committing it would claim the step: the real save, pushed next, would then be
+        # refused as "already committed with different content"
+        raise FerryError(
+            f"{ckpt_dir} holds no files: nothing to push (is the save still being written?)"
+        )
     dcp.check_complete(ckpt_dir, {f.path: f.size for f in sources}, part=part)
     return sources
 

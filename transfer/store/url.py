@@ -105,6 +105,13 @@ def _file_store(url: str, parsed: ParseResult, options: StoreOptions) -> Store:
 
 
 def _path_store(url: str, parsed: ParseResult, options: StoreOptions) -> Store:
+    scheme, sep, _ = url.partition("//")
+    if sep and scheme in _MISTYPED_SCHEMES:
+        # ``s3//bucket/x`` (the colon lost) would quietly become a local directory
+        raise ValueError(
+            f"store URL {url!r} looks like a mistyped {scheme}:// URL; a local directory of "
+            f"that name: ./{url}"
+        )
     return LocalStore(Path(url).expanduser().absolute(), options.retry_policy(), options.pool_size)
 
 
@@ -137,3 +144,6 @@ SCHEMES: dict[str, Callable[[str, ParseResult, StoreOptions], Store]] = {
     "file": _file_store,
     "s3": _s3_store,
 }
+
+#: A path that starts ``NAME//`` with one of these is a URL whose colon was lost.
+_MISTYPED_SCHEMES = frozenset({*SCHEMES, "memory", "gs", "gcs", "az", "abfs"} - {""})
