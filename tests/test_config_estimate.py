@@ -668,6 +668,27 @@ def test_a_restore_takes_as_long_as_the_slower_of_its_source_and_its_disk() -> N
         estimate_migration({}, meter, bytes_total=1, gpus=1, gpu_hour_price=0, bytes_written=-1)
 
 
+def test_rates_taken_alone_add_the_disk_until_a_restore_has_measured_them() -> None:
+    """A probe rates the source alone, without writing, and the disk alone, without
+    receiving: a restore that does both at once on shared cores took their sum, not the
+    slower (first contact from a tier, 289 MB, 2 cores: -35..-48% as the slower). Once a
+    restore measured the source, its rate includes the writes beside it: the slower."""
+    meter = BandwidthMeter()
+    meter.record("tier:x", 400 * MiB, 1.0, provisional=True)  # a probe: 400 MiB/s alone
+    meter.record("disk", 800 * MiB, 1.0, provisional=True)  # the write probe: 800 MiB/s
+    first = estimate_migration({"tier:x": 400 * MiB}, meter, bytes_total=400 * MiB,
+                               gpus=1, gpu_hour_price=0, bytes_written=400 * MiB)  # fmt: skip
+    assert first.seconds == pytest.approx(1.5)  # 1 s receiving + 0.5 s writing
+    assert first.seconds_low < 1.0 < 1.5 < first.seconds_high  # down to the slower of the two
+    meter.record("tier:x", 400 * MiB, 1.0)  # a restore's own figure replaces the probe's
+    after = estimate_migration({"tier:x": 400 * MiB}, meter, bytes_total=400 * MiB,
+                               gpus=1, gpu_hour_price=0, bytes_written=400 * MiB)  # fmt: skip
+    assert after.seconds == pytest.approx(1.0)
+    default = estimate_migration({"peer:y": 100 * MiB}, meter, bytes_total=400 * MiB,
+                                 gpus=1, gpu_hour_price=0, bytes_written=400 * MiB)  # fmt: skip
+    assert default.seconds == pytest.approx(100 * MiB / 0.5e9 + 0.5)  # a default adds too
+
+
 def test_the_write_probe_takes_a_small_part_of_the_free_space(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

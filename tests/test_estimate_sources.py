@@ -196,3 +196,22 @@ def auto_probe_and_estimate(
     assert estimate["disk_rate_basis"] == "probe"
     assert abs(estimate["disk_rate"] - way) <= 1, (estimate["disk_rate"], fields)
     return fields, estimate
+
+
+def test_the_local_probe_reads_the_largest_file_as_the_re_check_does(tmp_path: Path) -> None:
+    """The probe of a copy held here reads (and hashes) the start of its largest file, up
+    to PROBE_BYTES, chunk by chunk: all of a file shorter than that, a ragged last chunk
+    included; nothing to read is None, not a rate of zero."""
+    from agent.peers import probe
+
+    step = tmp_path / "step_000010"
+    step.mkdir()
+    assert probe.probe_local(step) is None
+    (step / ".metadata").write_bytes(b"m" * 100)
+    (step / "__0_0.distcp").write_bytes(os.urandom(probe.CHUNK * 2 + 12_345))
+    got = probe.probe_local(step)
+    assert got is not None and got.moved == got.raw == probe.CHUNK * 2 + 12_345
+    assert got.seconds > 0
+    (step / "__0_0.distcp").write_bytes(b"")
+    (step / ".metadata").unlink()
+    assert probe.probe_local(step) is None

@@ -29,10 +29,9 @@ from pathlib import Path
 from agent.peers.chunks import PeerSource
 from transfer.engine.chunkindex import ChunkIndex, StoredChunk
 from transfer.engine.ranges import coalesce
-from transfer.engine.resolver import decode_verified
+from transfer.engine.resolver import decode_verified, read_file_hashed
 from transfer.engine.sources import LocalBase
 from transfer.errors import FerryError
-from transfer.format.chunkid import chunk_id
 from transfer.format.layout import pack_key
 from transfer.store.base import Store
 
@@ -189,9 +188,12 @@ def probe_local(step_dir: Path) -> Probe | None:
     files = sorted((p for p in step_dir.iterdir() if p.is_file()), key=lambda p: p.stat().st_size)
     if not files:
         return None
+    # read as the re-check reads (resolver.read_file_hashed): reading one open file
+    # piece by piece instead rated 780-960 MB/s a copy the re-check read at 1.9-2.1 GB/s
+    # (this machine, cold page cache), and a held step's estimate came out +59..+110%
+    largest = files[-1]
+    want = min(PROBE_BYTES, largest.stat().st_size)
     began, done = time.monotonic(), 0
-    with open(files[-1], "rb", buffering=0) as fh:
-        while done < PROBE_BYTES and (piece := fh.read(min(CHUNK, PROBE_BYTES - done))):
-            chunk_id(piece)
-            done += len(piece)
+    while done < want and read_file_hashed(largest, done, min(CHUNK, want - done)) is not None:
+        done += min(CHUNK, want - done)
     return Probe(done, done, time.monotonic() - began) if done else None

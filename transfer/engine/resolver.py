@@ -39,10 +39,18 @@ def read_local_chunk(
 def read_file_verified(path: Path, offset: int, size: int, expected: str) -> bytearray | None:
     """The ``size`` bytes of ``path`` at ``offset`` (never through a symlink) if they hash
     to ``expected``: the one check of a local copy before it is used or served."""
+    got = read_file_hashed(path, offset, size)
+    return got[0] if got is not None and got[1] == expected else None
+
+
+def read_file_hashed(path: Path, offset: int, size: int) -> tuple[bytearray, str] | None:
+    """The ``size`` bytes of ``path`` at ``offset`` and their chunk id, or None if they are
+    not all there: how a local copy is read and hashed, by its re-check and by the probe
+    that rates it (agent/peers/probe.py)."""
     data = bytearray(size)
-    if not read_file_into(path, offset, memoryview(data)) or chunk_id(data) != expected:
+    if not read_file_into(path, offset, memoryview(data)):
         return None
-    return data
+    return data, chunk_id(data)
 
 
 def read_local_into(root: Path, rel: str, offset: int, buf: memoryview) -> bool:
