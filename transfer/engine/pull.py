@@ -14,7 +14,7 @@ import shutil
 import threading
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cache
@@ -94,7 +94,7 @@ class PullResult:
 
 
 @cache
-def _zero_chunk_id(size: int) -> str:
+def zero_chunk_id(size: int) -> str:
     return chunk_id(bytes(size))
 
 
@@ -119,8 +119,8 @@ async def pull(
     base_dir, base_manifests, share = sources.base_dir, sources.base_manifests, plan.share
     check_base_dir(base_dir)
     if base_dir is not None and base_manifests is None:
-        base_manifests = await _manifests_named_by(store, plan.job, base_dir)
-    index = _checked_index(manifests)
+        base_manifests = await manifests_named_by(store, plan.job, base_dir)
+    index = checked_index(manifests)
     # the caller's merge only with the caller's manifests (without them, files are stale)
     merged = plan.files if plan.manifests and plan.files is not None else merged_files(manifests)
     files, targets, hints, clips, covered = _plan_writes(merged, share)
@@ -188,7 +188,7 @@ Hints = dict[str, tuple[str, int]]  # chunk id -> its first (path, offset)
 Clips = dict[tuple[int, int], tuple[int, list[tuple[int, int]]]]
 
 
-def _checked_index(manifests: list[Manifest]) -> ChunkIndex:
+def checked_index(manifests: list[Manifest]) -> ChunkIndex:
     """The chunk index, every encoding one this version decodes (the parser accepts any
     name, and checked that each encoding and its base agree)."""
     index = ChunkIndex()
@@ -223,7 +223,7 @@ def _plan_writes(
             if not pieces:
                 continue
             covered += c.size
-            if c.id == _zero_chunk_id(c.size):
+            if c.id == zero_chunk_id(c.size):
                 continue  # the staging files start zero-filled (sparse)
             if pieces != [(offset, end)]:
                 clips[(fi, offset)] = (c.size, pieces)
@@ -401,22 +401,22 @@ class _Restore:
         resolver, index, window = self.resolver, self.index, self.options.window
         resumed: set[str] = set()
         if self.staging.adopted:  # a killed restore's leftover: keep what verifies in place
-            resumed = await _reuse_local(
+            resumed = await reuse_local(
                 resolver, index, list(self.targets), self.hints, self.write_elsewhere, window,
                 root=self.staging.path,
             )  # fmt: skip
         # what base_dir holds where, once: it picks the chunks to read there and the bases
         # offered to the chunk sources
-        held = _held_at(base_manifests) if resolver.local_root is not None else {}
+        held = held_at(base_manifests) if resolver.local_root is not None else {}
         known = held if base_manifests is not None else None
-        candidates = _same_position(self.targets, self.hints, known)
+        candidates = same_position(self.targets, self.hints, known)
         candidates = [c for c in candidates if c not in resumed]
         maybe_local = set(candidates)
         early = [cid for cid in self.targets if cid not in resumed and cid not in maybe_local]
         remote = _Remote(self, held, sources, rate_limit)
         async with asyncio.TaskGroup() as both:
             reuse = both.create_task(
-                _reuse_local(resolver, index, candidates, self.hints, self.write, window)
+                reuse_local(resolver, index, candidates, self.hints, self.write, window)
             )
             both.create_task(remote.fetch(early))
         local = resumed | reuse.result()
@@ -427,7 +427,7 @@ class _Restore:
 class _Remote:
     """Chunks not on this node, from the chain of chunk sources (beside the chunks they
     leave to the store, fetched at once) and then the store; what came from where adds
-    up over calls. ``held``: what base_dir holds where (_held_at)."""
+    up over calls. ``held``: what base_dir holds where (held_at)."""
 
     def __init__(
         self,
@@ -470,7 +470,7 @@ class _Remote:
         self.fetched += mine + rest
 
 
-async def _manifests_named_by(store: Store, job: str, base_dir: Path) -> list[Manifest] | None:
+async def manifests_named_by(store: Store, job: str, base_dir: Path) -> list[Manifest] | None:
     """The committed manifests of the step base_dir's name gives (``step_000120``), if the
     store has them: then only the chunks they place unchanged at the same position are
     read from base_dir (without them every position is read and hashed: a whole cold read
@@ -585,7 +585,7 @@ class _WriteGate:
                 self._cond.wait()
 
 
-def _held_at(base_manifests: list[Manifest] | None) -> dict[tuple[str, int], tuple[str, int]]:
+def held_at(base_manifests: list[Manifest] | None) -> dict[tuple[str, int], tuple[str, int]]:
     """(path, offset) -> (chunk id, size) of what base_dir holds there, per its manifests."""
     if not base_manifests:
         return {}
@@ -620,14 +620,14 @@ def local_bases(
     """For each chunk of ``files`` (a step's parts merged: pullplan.merged_files), what
     ``base_dir`` holds at its position if that differs (a source may send the chunk as a
     delta against it)."""
-    held = _held_at(base_manifests)
+    held = held_at(base_manifests)
     hints = _plan_writes(files)[2]
     found = {cid: _local_base(base_dir, held, hint, cid) for cid, hint in hints.items()}
     return {cid: base for cid, base in found.items() if base is not None}
 
 
-def _same_position(
-    targets: dict[str, list[tuple[int, int]]],
+def same_position(
+    targets: Iterable[str],
     hints: Hints,
     held: dict[tuple[str, int], tuple[str, int]] | None,
 ) -> list[str]:
@@ -642,7 +642,7 @@ def _same_position(
     return [cid for cid in targets if held.get(hints[cid], ("",))[0] == cid]
 
 
-async def _reuse_local(
+async def reuse_local(
     resolver: ChunkResolver,
     index: ChunkIndex,
     candidates: list[str],
