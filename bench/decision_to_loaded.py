@@ -22,7 +22,11 @@ fetch's seconds plus the load's (as the loader timed it, from its go signal). Th
   scheduler's client polls its status until ready), then load from the agent's hot dir;
 - ``s5cmd cp`` of k+1's raw files into an empty directory, then load; ``s5cmd cp`` then
   ``sync`` of those files (fsync: its bytes on disk, as an O_DIRECT restore's are);
-- ``ferry pull`` (the CLI) holding k (``--base-dir``: B's copy) and cold, then load.
+- ``ferry pull`` (the CLI) holding k (``--base-dir``: B's copy) and cold, then load;
+- FerryReader holding k / onto an empty node: the loader's ``dcp.load`` reads k+1 from the
+  store itself (transfer/engine/dcpreader_torch.py; ``base_dir`` B's copy of k, or none):
+  no fetch before the load, nothing written to disk; its fetch CPU is the loader's CPU
+  over the whole load (deserialising included), and its load is the whole wait.
 
 Printed per case: medians of the fetch, the load and decision -> loaded; the fetch's CPU
 seconds per raw GB (the agent process's utime + stime from t0 to ready, the CLI's or
@@ -56,7 +60,7 @@ import asyncio
 import contextlib
 import dataclasses
 import datetime
-import functools
+import json
 import os
 import shutil
 import statistics
@@ -107,7 +111,10 @@ CASES = (
     "s5cmd cp + sync",
     "ferry pull holding k",
     "ferry pull, cold",
+    "FerryReader holding k",
+    "FerryReader, empty node",
 )
+STREAMED = ("FerryReader holding k", "FerryReader, empty node")
 PLAIN, SYNCED = "s5cmd cp", "s5cmd cp + sync"
 
 #: holds argv[1] bytes, every page touched, until its stdin closes; the first process the
@@ -277,8 +284,27 @@ class Bench:
             return self.hot("b" if "holding" in case else "c") / JOB / self.k1.name
         return self.work / "dest" / self.k1.name
 
+    def loader_source(self, case: str) -> str:
+        """What the case's loader loads: ``dest(case)``, or (FerryReader) the store's step."""
+        if case not in STREAMED:
+            return str(self.dest(case))
+        held = self.hot("b") / JOB / self.k.name
+        spec = {"store": self.tier, "job": JOB, "step": self.step,
+                "base_dir": str(held) if "holding" in case else None,
+                "endpoint_url": self.link.endpoint.url}  # fmt: skip
+        return "ferry+" + json.dumps(spec)
+
+    def start_loader(self, case: str | None) -> subprocess.Popen[str]:
+        """A warm loader for ``case`` (None: k+1's own files); a FerryReader's is started as
+        the agents are (under ``--link``, behind the shaped link), with the store's keys."""
+        if case not in STREAMED:
+            return start_loader(self.k1 if case is None else self.dest(case), warm=True)
+        return start_loader(self.loader_source(case), warm=True, env=self.env, wrap=self.link.wrap)
+
     async def fetch(self, case: str) -> dict[str, Any]:
         """Bring k+1 to ``dest(case)``, timed from now: seconds, CPU seconds, bytes moved."""
+        if case in STREAMED:  # the load fetches: its own CPU and bytes fill these in
+            return {"fetch": 0.0, "cpu": 0.0, "moved": 0, "satisfied_by": None}
         if case == "standby" or case.startswith("prefetch"):
             node = self.nodes["s" if case == "standby" else "b" if "holding" in case else "c"]
             cpu0, began = proc_cpu_seconds(node.pid), time.monotonic()
@@ -320,7 +346,7 @@ class Bench:
 
     async def clean(self, case: str) -> None:
         """Leave the node as it was before the case (the standby keeps its replica)."""
-        if case == "standby":
+        if case == "standby" or case in STREAMED:
             return
         dest = self.dest(case)
         shutil.rmtree(dest)  # (an agent's restore: flushed, one_case waited for it)
@@ -350,16 +376,17 @@ class Bench:
                "loaded_bytes": loaded.nbytes, "load_disk_read": read,
                "load_disk_written": written, "flushed_after": flushed,
                "dirty_at_ready": dirty}  # fmt: skip
+        if case in STREAMED:
+            row.update(cpu=loaded.cpu, moved=loaded.moved)
         if loaded.digest != reference:
             raise SystemExit(f"WRONG TENSORS loaded after {case}: {loaded.digest} != {reference}")
-        if rnd == 1:
+        if rnd == 1 and case not in STREAMED:
             check_same(self.digest, dest, case)
         await self.clean(case)
         return row
 
 
 def json_of(text: str) -> dict[str, Any]:
-    import json
 
     try:
         doc = json.loads(text)
@@ -368,11 +395,11 @@ def json_of(text: str) -> dict[str, Any]:
     return doc if isinstance(doc, dict) else {}
 
 
-def start_loaders(saves: list[Path]) -> list[subprocess.Popen[str]]:
-    """A loader per save, all importing torch at once (sooner than one after another; each
+def start_loaders(bench: Bench, cases: list[str | None]) -> list[subprocess.Popen[str]]:
+    """A loader per case, all importing torch at once (sooner than one after another; each
     then waits idle for its turn)."""
-    with ThreadPoolExecutor(len(saves)) as pool:
-        return list(pool.map(functools.partial(start_loader, warm=True), saves))
+    with ThreadPoolExecutor(len(cases)) as pool:
+        return list(pool.map(bench.start_loader, cases))
 
 
 def load_alone(loaders: list[subprocess.Popen[str]], disk: Path, limit: float) -> list[Loaded]:
@@ -388,7 +415,7 @@ async def one_run(bench: Bench, rnd: int) -> tuple[dict[str, Any], list[dict[str
     """The load of k+1 alone, cold and warm, then every case, the order rotated by ``rnd``."""
     shift = (rnd - 1) % len(CASES)
     order = CASES[shift:] + CASES[:shift]
-    loaders = start_loaders([bench.k1, bench.k1, *map(bench.dest, order)])
+    loaders = start_loaders(bench, [None, None, *order])
     try:
         cold, warm = load_alone(loaders[:2], bench.work, bench.args.settle_limit)
         if warm.digest != cold.digest:

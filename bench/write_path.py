@@ -34,7 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -67,17 +67,22 @@ def tensor_digest(state: dict) -> str:
 
 #: A fresh process that imports torch (argv[2] "warm": see start_loader), waits for a line
 #: on stdin, then loads every tensor of the DCP save named by argv[1] into memory and prints
-#: the seconds the load took and the bytes loaded; then (its clock stopped) the digest of
-#: what it loaded.
+#: the seconds the load took, the bytes loaded, its CPU seconds and the bytes it fetched
+#: (-1: none, it read files); then (its clock stopped) the digest of what it loaded.
+#: argv[1] is a directory, or "ferry+" and a JSON spec of FerryReader's arguments (store,
+#: job, step, base_dir, endpoint_url): the load then reads the step from the store itself.
 LOADER = (
     inspect.getsource(tensor_digest)
     + """
-import sys, time, warnings
+import json, sys, time, warnings
 warnings.filterwarnings("ignore")
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+spec = json.loads(sys.argv[1][6:]) if sys.argv[1].startswith("ferry+") else None
+if spec is not None:  # imported before the clock, as a training process would have
+    from transfer.engine.dcpreader_torch import FerryReader
 if sys.argv[2:] == ["warm"]:  # the load's own code run once: read in from disk now
     import tempfile
     with tempfile.TemporaryDirectory() as tiny:
@@ -87,14 +92,19 @@ if sys.argv[2:] == ["warm"]:  # the load's own code run once: read in from disk 
         tensor_digest(sd)
 print("ready", flush=True)
 sys.stdin.readline()
-t = time.monotonic()
-reader = FileSystemReader(sys.argv[1])
+t, cpu = time.monotonic(), time.process_time()
+if spec is None:
+    reader = FileSystemReader(sys.argv[1])
+else:
+    reader = FerryReader(spec["store"], spec["job"], spec["step"], base_dir=spec["base_dir"],
+                         endpoint_url=spec["endpoint_url"])
 md = reader.read_metadata()
 sd = {k: torch.empty(v.size, dtype=v.properties.dtype)
       for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
-dcp.load(sd, storage_reader=FileSystemReader(sys.argv[1]), no_dist=True)
-print(f"{time.monotonic() - t:.4f} {sum(x.numel() * x.element_size() for x in sd.values())}",
-      flush=True)
+dcp.load(sd, storage_reader=reader, no_dist=True)
+moved = -1 if spec is None else reader.bytes_fetched
+print(f"{time.monotonic() - t:.4f} {sum(x.numel() * x.element_size() for x in sd.values())}"
+      f" {time.process_time() - cpu:.4f} {moved}", flush=True)
 print(tensor_digest(sd), flush=True)
 """
 )
@@ -107,19 +117,26 @@ class Loaded:
     digest: str  # tensor_digest of them
     at: float  # time.monotonic() here when the loader said it was done
     probed: Any = None  # what load's probe answered then
+    cpu: float = 0.0  # the loader's CPU seconds over the load
+    moved: int = -1  # bytes a FerryReader load fetched (-1: it read files)
 
 
-def start_loader(save: Path, warm: bool = False) -> subprocess.Popen[str]:
+def start_loader(
+    save: Path | str,
+    warm: bool = False,
+    env: dict[str, str] | None = None,
+    wrap: Sequence[str] = (),
+) -> subprocess.Popen[str]:
     """A loader for ``save`` (need not exist yet), its torch imported: ready for ``load``.
     ``warm``: it has also saved and loaded a tiny checkpoint, so the code of a load is in
     memory, as in a process that has loaded before, and a page cache dropped after this
     leaves the load only the checkpoint's bytes to read (a fresh process's first load
     after a drop read ~50 MB of torch's code too, in 25 major page faults: 0.04-0.1 s of
     a 0.15-0.5 s load; warm, 0 faults and only the save's bytes)."""
-    argv = [sys.executable, "-c", LOADER, str(save), *(["warm"] if warm else [])]
+    argv = [*wrap, sys.executable, "-c", LOADER, str(save), *(["warm"] if warm else [])]
     loader = subprocess.Popen(
         argv,
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
     )  # fmt: skip
     assert loader.stdout is not None
     if loader.stdout.readline().strip() != "ready":
@@ -137,9 +154,10 @@ def load(loader: subprocess.Popen[str], probe: Callable[[], Any] | None = None) 
     at = time.monotonic()
     probed = probe() if probe is not None else None
     digest = loader.stdout.readline().strip()
-    if loader.wait(timeout=600) != 0 or len(timed) != 2 or int(timed[1]) <= 0:
+    if loader.wait(timeout=600) != 0 or len(timed) != 4 or int(timed[1]) <= 0:
         raise SystemExit(f"the loader failed or loaded nothing ({timed}, {digest!r})")
-    return Loaded(float(timed[0]), int(timed[1]), digest, at, probed)
+    seconds, nbytes, cpu, moved = float(timed[0]), int(timed[1]), float(timed[2]), int(timed[3])
+    return Loaded(seconds, nbytes, digest, at, probed, cpu, moved)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

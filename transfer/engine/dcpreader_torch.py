@@ -77,7 +77,9 @@ class FerryReader(StorageReader):
         self.storage_data: dict[Any, Any] = {}
         self.load_id = uuid.uuid4().hex
         self.last_restore: MemRestoreResult | None = None
+        self.bytes_fetched = 0  # stored bytes this reader read from the store, all calls
         self._manifests: list[Manifest] | None = None
+        self._metadata: bytes | None = None
         self._loop = _LoopThread()
 
     def close(self) -> None:
@@ -100,6 +102,18 @@ class FerryReader(StorageReader):
         self.load_id = uuid.uuid4().hex
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        what = f"{self.job} step {self.manifests()[0].step}"
+        metadata = _metadata_from(self._metadata_bytes(), what)
+        storage_meta = getattr(metadata, "storage_meta", None) or StorageMeta()
+        storage_meta.load_id = self.load_id
+        metadata.storage_meta = storage_meta
+        return metadata
+
+    def _metadata_bytes(self) -> bytes:
+        """The step's ``.metadata``, fetched once (a load reads it on every rank, and a
+        caller often once more to build its state_dict)."""
+        if self._metadata is not None:
+            return self._metadata
         manifests = self.manifests()
         sizes = {f.path: f.size for m in manifests for f in m.files}
         what = f"{self.job} step {manifests[0].step}"
@@ -112,13 +126,13 @@ class FerryReader(StorageReader):
         def landed(path: str, offset: int, data: Buffer) -> None:
             raw[offset : offset + len(data)] = data
 
-        self._loop.run(restore_ranges(self.store, manifests, whole_files(manifests, [METADATA]),
-                                      landed, self.base_dir, self.options))  # fmt: skip
-        metadata = _metadata_from(bytes(raw), what)
-        storage_meta = getattr(metadata, "storage_meta", None) or StorageMeta()
-        storage_meta.load_id = self.load_id
-        metadata.storage_meta = storage_meta
-        return metadata
+        wanted = whole_files(manifests, [METADATA])
+        got = self._loop.run(
+            restore_ranges(self.store, manifests, wanted, landed, self.base_dir, self.options)
+        )
+        self.bytes_fetched += got.bytes_fetched
+        self._metadata = bytes(raw)
+        return self._metadata
 
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
@@ -162,6 +176,7 @@ class FerryReader(StorageReader):
                 fetch.exception()  # (waits for the cancellation to finish)
             raise
         self.last_restore = fetch.result()
+        self.bytes_fetched += self.last_restore.bytes_fetched
         done: torch.futures.Future[None] = torch.futures.Future()
         done.set_result(None)
         return done
