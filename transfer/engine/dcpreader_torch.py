@@ -27,7 +27,7 @@ import uuid
 from collections import defaultdict
 from collections.abc import Coroutine, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import IO, Any, TypeVar, cast
 
 import torch
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
@@ -189,11 +189,12 @@ class FerryReader(StorageReader):
         return self._manifests
 
 
-def _load_item(req: ReadItem, data: bytearray, planner: LoadPlanner) -> None:
+def _load_item(req: ReadItem, data: memoryview, planner: LoadPlanner) -> None:
     if req.type == LoadItemType.BYTE_IO:
-        planner.load_bytes(req, io.BytesIO(data))
+        planner.load_bytes(req, io.BytesIO(data))  # (a copy: the planner may keep it)
         return
-    tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    item = cast(IO[bytes], _ViewReader(data))
+    tensor = torch.load(item, map_location="cpu", weights_only=True)
     for dim, (start, length) in enumerate(zip(req.storage_offsets, req.lengths, strict=True)):
         if start != 0 or length != tensor.size(dim):
             tensor = tensor.narrow(dim, start, length)
@@ -205,6 +206,64 @@ def _load_item(req: ReadItem, data: bytearray, planner: LoadPlanner) -> None:
         )
     target.copy_(tensor)
     planner.commit_tensor(req, target)
+
+
+class _ViewReader(io.RawIOBase):
+    """A read-only file over a memoryview: torch.load reads an item where it landed (an
+    io.BytesIO would copy the item first)."""
+
+    def __init__(self, view: memoryview) -> None:
+        super().__init__()
+        self._view, self._at = view, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def readinto(self, buf: Any) -> int:
+        n = min(len(buf), len(self._view) - self._at)
+        memoryview(buf).cast("B")[:n] = self._view[self._at : self._at + n]
+        self._at += n
+        return n
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._at, io.SEEK_END: len(self._view)}[whence]
+        self._at = max(0, base + offset)
+        return self._at
+
+    def tell(self) -> int:
+        return self._at
+
+
+class _Recycled:
+    """Item buffers handed back once loaded and given out again: fresh pages cost a fault
+    each (bench/page_cost.py: 0.7-1.0 ms per MiB on this VM's anonymous memory), and a
+    load's items come and go one after another. Keeps at most ``keep`` bytes idle."""
+
+    def __init__(self, keep: int = 512 << 20) -> None:
+        self._idle: list[bytearray] = []
+        self._keep = keep
+        self._lock = threading.Lock()
+
+    def take(self, n: int) -> memoryview:
+        with self._lock:
+            fits = [b for b in self._idle if n <= len(b) <= 2 * n + (4 << 20)]
+            if fits:
+                buf = min(fits, key=len)
+                self._idle.remove(buf)
+                return memoryview(buf)[:n]
+        return memoryview(bytearray(n))
+
+    def give(self, view: memoryview) -> None:
+        buf = view.obj
+        assert isinstance(buf, bytearray)
+        view.release()
+        with self._lock:
+            self._idle.append(buf)
+            while sum(len(b) for b in self._idle) > self._keep:
+                self._idle.remove(min(self._idle, key=len))
 
 
 class _Assembly:
@@ -221,7 +280,8 @@ class _Assembly:
         self._by_path = dict(by_path)
         self._starts = {p: [s[1] for s in items] for p, items in by_path.items()}
         self._left = {s: s[2] for s in slices}
-        self._buffers: dict[Slice, bytearray] = {}
+        self._buffers: dict[Slice, memoryview] = {}
+        self._recycled = _Recycled()
         self._lock = threading.Lock()
         self._whole: queue.SimpleQueue[Slice] = queue.SimpleQueue()
         self._error: BaseException | None = None
@@ -243,7 +303,7 @@ class _Assembly:
             with self._lock:
                 buf = self._buffers.get(key)
                 if buf is None:
-                    buf = self._buffers[key] = bytearray(key[2])
+                    buf = self._buffers[key] = self._recycled.take(key[2])
             buf[lo - key[1] : hi - key[1]] = view[lo - offset : hi - offset]
             with self._lock:
                 self._left[key] -= hi - lo
@@ -255,8 +315,9 @@ class _Assembly:
         self._error = exc
         self._whole.put(self._END)
 
-    def whole_items(self) -> Iterator[tuple[Slice, bytearray]]:
-        """Each item as it becomes whole; raises the fetch's error, if any."""
+    def whole_items(self) -> Iterator[tuple[Slice, memoryview]]:
+        """Each item as it becomes whole, its buffer recycled once the caller is done with
+        it (when the caller asks for the next); raises the fetch's error, if any."""
         todo = len(self._left)
         while todo:
             key = self._whole.get()
@@ -268,7 +329,11 @@ class _Assembly:
             todo -= 1
             with self._lock:
                 data = self._buffers.pop(key, None)
-            yield key, data if data is not None else bytearray(key[2])
+            if data is None:  # an empty item: nothing landed
+                yield key, memoryview(bytearray(key[2]))
+                continue
+            yield key, data
+            self._recycled.give(data)
 
 
 class _LoopThread:
