@@ -521,6 +521,14 @@ def report(doc: dict[str, Any]) -> str:
         f"(medians): {cold:.2f} s from a cold page cache ({raw_mb / cold:,.0f} MB/s), "
         f"{warm:.2f} s from a warm one ({raw_mb / warm:,.0f} MB/s).",
     ]
+    if any(case in STREAMED for case in doc["cases"]):
+        lines += [
+            "",
+            "FerryReader rows: nothing is fetched before the load, which reads k+1 from the "
+            "store itself, so its load is the whole wait; their CPU is the loader's over that "
+            "load (fetch, decode, verify and deserialise), and the disk read during it is the "
+            "S3 server's reading its own objects (its cache dropped, as before every case).",
+        ]
     return "\n".join(lines)
 
 
