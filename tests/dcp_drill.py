@@ -19,7 +19,9 @@ import re
 import shutil
 import socket
 import sys
+import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -123,20 +125,26 @@ def save_drill(dir: Path, world_size: int = 8, seed: int = 0, width: int = 64) -
     shutil.rmtree(work, ignore_errors=True)
 
 
-def load_drill(dirs_by_rank: dict[int, Path], world_size: int, width: int = 64) -> dict[str, Any]:
+def load_drill(
+    dirs_by_rank: Mapping[int, Path | dict[str, Any]], world_size: int, width: int = 64
+) -> dict[str, Any]:
     """``world_size`` ranks each ``dcp.load`` a fresh model + AdamW (sharded over the new
-    world size) from the directory given for its rank. Returns rank 0's view: ``model`` and
+    world size) from the directory given for its rank, or from a store through FerryReader
+    (a dict of its arguments: store, job, step, and ``env``, set in the rank first: the
+    store's credentials). Returns rank 0's view: ``model`` and
     ``optim`` ({flattened key: full tensor or value}), ``loss`` (forward on BATCH at the
     loaded weights), ``loss_after`` (after one more AdamW step: depends on the optimizer
     state), ``planned`` ({rank: DCP's planned byte ranges for that rank's load}) and
-    ``local_shapes`` ({rank: {parameter: its local shard's shape}})."""
+    ``local_shapes`` ({rank: {parameter: its local shard's shape}}) and, for FerryReader
+    ranks, ``restored`` ({rank: (chunk bytes covering its plan, bytes it fetched)})."""
     import torch
 
     if sorted(dirs_by_rank) != list(range(world_size)):
         raise ValueError(f"dirs_by_rank must name ranks 0..{world_size - 1}")
-    first = Path(next(iter(dirs_by_rank.values())))
-    work = first.parent / f".load.{os.getpid()}.{time.monotonic_ns()}.work"
-    dirs = {str(r): str(d) for r, d in dirs_by_rank.items()}
+    paths = [Path(d) for d in dirs_by_rank.values() if not isinstance(d, dict)]
+    parent = paths[0].parent if paths else Path(tempfile.gettempdir())
+    work = parent / f".load.{os.getpid()}.{time.monotonic_ns()}.work"
+    dirs = {str(r): d if isinstance(d, dict) else str(d) for r, d in dirs_by_rank.items()}
     try:
         args = {"dirs": dirs, "out": str(work / "result.pt"), "width": width}
         _run_ranks("load", world_size, work, args)
@@ -320,8 +328,19 @@ def _worker_load(args: dict[str, Any]) -> None:
     model_sd, optim_sd = get_state_dict(model, optim)  # materialises AdamW state
     state = {"model": model_sd, "optim": optim_sd}
     src = args["dirs"][str(rank)]
-    planned = planned_ranges(state, src)
-    load(state, storage_reader=FileSystemReader(src))
+    restored = None
+    if isinstance(src, dict):  # straight from a store
+        from transfer.engine.dcpreader_torch import FerryReader
+
+        os.environ.update(src["env"])
+        planned = None
+        with FerryReader(src["store"], src["job"], src["step"]) as reader:
+            load(state, storage_reader=reader)
+        assert reader.last_restore is not None
+        restored = (reader.last_restore.bytes_raw, reader.bytes_fetched)
+    else:
+        planned = planned_ranges(state, src)
+        load(state, storage_reader=FileSystemReader(src))
     set_state_dict(model, optim, model_state_dict=model_sd, optim_state_dict=optim_sd)
     model_sd, optim_sd = get_state_dict(model, optim)
     flat_model, _ = flatten_state_dict(model_sd)
@@ -335,9 +354,10 @@ def _worker_load(args: dict[str, Any]) -> None:
         result["loss_after"] = float(model(torch.tensor(BATCH)).item())
     shards = {k: tuple(v.to_local().shape) for k, v in model.named_parameters()}
     gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, (planned, shards))
+    dist.all_gather_object(gathered, (planned, shards, restored))
     result["planned"] = {r: g[0] for r, g in enumerate(gathered)}
     result["local_shapes"] = {r: g[1] for r, g in enumerate(gathered)}
+    result["restored"] = {r: g[2] for r, g in enumerate(gathered)}
     if rank == 0:
         torch.save(result, args["out"])
 

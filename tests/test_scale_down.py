@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -399,3 +400,29 @@ def test_a_standby_replicates_its_share_before_the_decision(
     assert decision["satisfied_by"] == "held", decision
     assert sum(decision["bytes_by_source"].values()) == 0
     assert (hot / "drill" / f"step_{STEP:06d}" / ".ferry-share.json").exists()
+
+
+def test_survivors_load_their_shares_straight_from_the_store(
+    drill: tuple[Path, list[Path]], s3_env: Any, s3_url: str
+) -> None:
+    """Four new ranks each ``dcp.load`` through FerryReader from the S3 store the four nodes
+    pushed their parts to: no pull, no file written; the state equals a load of the whole
+    save, and each rank fetches the chunks of its own share, not the step."""
+    save, nodes = drill
+    asyncio.run(push_parts_small_chunks(s3_url, nodes))
+    raw = sum(p.stat().st_size for p in save.iterdir())
+    env = {k: v for k, v in os.environ.items() if k.startswith("AWS_")}
+    source = {"store": s3_url, "job": "drill", "step": STEP, "env": env}
+    reference = load_drill(dict.fromkeys(range(4), save), 4, width=WIDTH)
+    streamed = load_drill(dict.fromkeys(range(4), source), 4, width=WIDTH)
+    for kind in ("model", "optim"):
+        assert streamed[kind].keys() == reference[kind].keys()
+        for key, want in reference[kind].items():
+            have = streamed[kind][key]
+            assert want.equal(have) if hasattr(want, "shape") else have == want, key
+    assert streamed["loss_after"] == reference["loss_after"]
+    for rank, (covered, fetched) in streamed["restored"].items():
+        # a quarter of the sharded items and the replicated ones, in whole 1 MiB chunks
+        # (0.26-0.27 of the save each, measured)
+        assert covered <= 0.35 * raw, (rank, covered, raw)
+        assert 0 < fetched <= covered, (rank, fetched, covered)
