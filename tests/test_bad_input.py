@@ -54,6 +54,18 @@ def test_pushing_a_file_instead_of_a_save_directory_says_so(
     assert len(err.splitlines()) == 1
 
 
+def test_a_checkpoint_path_that_does_not_exist_is_named_first(
+    tmp_path: Path, local_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A typo'd path was told "cannot tell the step from 'exist': pass --step" (usage, exit
+    2); with --step it then learnt the directory is none. Now the first answer says so."""
+    missing = tmp_path / "does" / "not" / "exist"
+    err = ferry_fails(capsys, "push", str(missing), local_url, "--job", "j", "--node", "n")
+    assert err.strip() == (
+        f"ferry push: error: checkpoint directory {missing} does not exist or is not a directory"
+    ), err
+
+
 def test_store_path_that_does_not_exist(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     src = make_checkpoint(tmp_path / "step_000001")
     missing = tmp_path / "no" / "such" / "store"

@@ -123,7 +123,9 @@ async def cmd_push(
     from agent.node.journal import cli_push_journal, default_state_dir
     from transfer.engine import PushPlan, push
     from transfer.engine.catalog import init_store
+    from transfer.engine.scan import check_checkpoint_dir
 
+    check_checkpoint_dir(args.ckpt_dir)
     step = args.step if args.step is not None else step_from_dirname(args.ckpt_dir.name)
     if step is None:
         raise UsageError(f"cannot tell the step from {args.ckpt_dir.name!r}: pass --step")

@@ -24,11 +24,17 @@ class SourceFile:
     inode: int = 0
 
 
+def check_checkpoint_dir(root: Path) -> None:
+    """The directory to push must be one (said before anything else is asked of it: a
+    typo'd path was told "cannot tell the step", and then, with --step, that it is none)."""
+    if not root.is_dir():
+        raise FerryError(f"checkpoint directory {root} does not exist or is not a directory")
+
+
 def scan_checkpoint(root: Path) -> list[SourceFile]:
     """Every regular file under ``root``, sorted by path. Symlinks and devices are refused:
     a checkpoint is plain data, and following links could read outside it."""
-    if not root.is_dir():
-        raise FerryError(f"checkpoint directory {root} does not exist or is not a directory")
+    check_checkpoint_dir(root)
     found: list[SourceFile] = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames.sort()
