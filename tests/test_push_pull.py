@@ -13,6 +13,7 @@ import pytest
 
 from agent.cli.run import main as ferry
 from tests.conftest import (
+    adamw_series,
     make_checkpoint,
     open_test_store,
     random_bytes,
@@ -384,3 +385,36 @@ def test_breaking_a_dead_push_lease_logs_who_held_it_readably(
         f"{host} pid {dead.pid} (its process is gone)"
     )
     assert "{" not in line and not lease.exists()
+
+
+def test_verify_counts_a_steps_delta_bases_apart(
+    local_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`ferry verify` of a delta-coded step also reads the earlier step's chunks its deltas
+    decode against: its count says how many of the chunks read are those (a newcomer read
+    "85 chunks" of a 70-chunk step as wrong)."""
+    k, k1 = adamw_series(tmp_path / "hot", 2)
+    for d in (k, k1):
+        args = ["push", str(d), local_url, "--job", "j", "--node", "n", "--chunk-size-mib", "1"]
+        assert ferry(args) == 0
+    capsys.readouterr()
+    assert ferry(["verify", local_url, "--job", "j", "--step", "40", "--json"]) == 0
+    one = json.loads(capsys.readouterr().out)
+    own = {c.id for c in asyncio.run(_manifest_chunks(local_url, 40))}
+    assert one["base_chunks"] > 0 and one["chunks"] == len(own) + one["base_chunks"], one
+    assert ferry(["verify", local_url, "--job", "j", "--step", "40"]) == 0
+    assert f"({one['base_chunks']} of them earlier steps' bases)" in capsys.readouterr().out
+    assert ferry(["verify", local_url, "--job", "j", "--json"]) == 0  # both steps: no base
+    assert json.loads(capsys.readouterr().out)["base_chunks"] == 0  # is outside what is read
+
+
+async def _manifest_chunks(url: str, step: int) -> list[StoredChunk]:
+    from transfer.engine.catalog import load_manifest
+
+    store = open_test_store(url)
+    try:
+        m = await load_manifest(store, "j", step, "n")
+        return [StoredChunk(c.id, c.size, c.enc, m.packs[c.pack], c.offset, c.stored)
+                for f in m.files for c in f.chunks]  # fmt: skip
+    finally:
+        await store.close()

@@ -154,8 +154,9 @@ async def cmd_verify(store: Store, args: argparse.Namespace) -> tuple[dict[str, 
     verdict = f"{len(r.bad)} BAD chunk(s)"
     if r.bad_manifests:
         verdict = f"{len(r.bad_manifests)} unreadable manifest(s), " + verdict
+    bases = f" ({r.base_chunks} of them earlier steps' bases)" if r.base_chunks else ""
     lines.append(
-        f"verified {r.checkpoints} checkpoint part(s), {r.chunks} chunks, "
+        f"verified {r.checkpoints} checkpoint part(s), {r.chunks} chunks{bases}, "
         f"{human(r.bytes_read)} read in {r.seconds:.2f}s: " + ("all good" if r.ok else verdict)
     )
     if not r.ok:

@@ -26,7 +26,9 @@ class BadChunk:
 @dataclass
 class VerifyResult:
     checkpoints: int = 0
-    chunks: int = 0
+    chunks: int = 0  # distinct chunks read and hashed, base_chunks included
+    #: of those, chunks of other steps that only this step's deltas decode against
+    base_chunks: int = 0
     bytes_read: int = 0
     seconds: float = 0.0
     bad: list[BadChunk] = field(default_factory=list)
@@ -42,6 +44,7 @@ class VerifyResult:
             "ok": self.ok,
             "checkpoints": self.checkpoints,
             "chunks": self.chunks,
+            "base_chunks": self.base_chunks,
             "bytes_transferred": self.bytes_read,
             "seconds": self.seconds,
             "bad_chunks": [b.__dict__ for b in self.bad],
@@ -66,6 +69,7 @@ async def verify(
     result = VerifyResult(checkpoints=len(entries))
     index = ChunkIndex()
     used_by: dict[str, list[str]] = defaultdict(list)
+    in_files: set[str] = set()
     for c in entries:
         try:
             m = await load_manifest(store, c.job, c.step, c.node)
@@ -76,9 +80,11 @@ async def verify(
         for f in m.files:
             for ch in f.chunks:
                 used_by[ch.id].append(f"{m.job}/{m.step}/{m.node}:{f.path}")
+                in_files.add(ch.id)
         for ch in m.bases:
             used_by[ch.id].append(f"{m.job}/{m.step}/{m.node}:(base of a delta chunk)")
     result.chunks = len(used_by)
+    result.base_chunks = len(used_by.keys() - in_files)
     bad: dict[str, str] = {}
 
     def count(n: int) -> None:
