@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import pickle
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ import pytest
 from agent.cli.run import main as ferry
 from tests.conftest import open_test_store
 from transfer.engine.catalog import load_manifest
-from transfer.errors import IntegrityError
+from transfer.errors import FerryError, IntegrityError
 from transfer.format.layout import pack_key
 
 torch = pytest.importorskip("torch")
@@ -121,10 +122,13 @@ def test_a_partial_state_fetches_only_what_its_plan_reads(
     assert one.bytes_raw <= 512 * 512 * 4 + (2 << 20) < everything.bytes_raw / 2
 
 
+@pytest.mark.parametrize("held", [False, True], ids=["cold", "holding k"])
 def test_a_corrupt_chunk_fails_the_load_naming_it(
-    series: tuple[str, Path, dict[str, Any]],
+    series: tuple[str, Path, dict[str, Any]], held: bool
 ) -> None:
-    store_url, _, _ = series
+    """One error, the chunk's (holding k, the local reuse and the fetch run side by side
+    in a TaskGroup: its ExceptionGroup came out whole)."""
+    store_url, k, _ = series
 
     async def flip_every_pack_of_step_40() -> None:
         store = open_test_store(store_url)
@@ -138,7 +142,9 @@ def test_a_corrupt_chunk_fails_the_load_naming_it(
             await store.close()
 
     asyncio.run(flip_every_pack_of_step_40())
-    with FerryReader(store_url, "t", 40) as reader, pytest.raises(BaseException) as failed:
+    base = k if held else None
+    reader = FerryReader(store_url, "t", 40, base_dir=base)
+    with reader, pytest.raises(BaseException) as failed:
         dcp.load(fresh_state(), storage_reader=reader, no_dist=True)
     # DCP wraps each rank's error: {rank: (the exception, its frames)}
     error = failed.value.failures[0][0]
@@ -152,18 +158,79 @@ class _Boom:
         return (os.system, ("touch BOOM_FILE",))
 
 
+def _boom_through_an_allowed_module() -> bytes:
+    """Protocol 4 names a global as (module, dotted name): os.system, one dot away from a
+    module DCP's metadata lives in (it imports os)."""
+    module, name = b"torch.distributed.checkpoint.filesystem", b"os.system"
+    return (
+        b"\x80\x04"
+        + b"\x8c" + bytes([len(module)]) + module
+        + b"\x8c" + bytes([len(name)]) + name
+        + b"\x93" + b"\x8c\x0ftouch BOOM_FILE" + b"\x85R."
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "pickled, named",
+    [
+        (pickle.dumps(_Boom()), "posix.system"),
+        (_boom_through_an_allowed_module(), "torch.distributed.checkpoint.filesystem.os.system"),
+    ],
+    ids=["os.system", "os.system through an allowed module"],
+)
 def test_a_hostile_metadata_is_refused_and_never_run(
-    store_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    store_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, pickled: bytes, named: str
 ) -> None:
     save = tmp_path / "step_000010"
     dcp.save({"w": torch.ones(4)}, storage_writer=dcp.FileSystemWriter(str(save)), no_dist=True)
-    (save / ".metadata").write_bytes(pickle.dumps(_Boom()))
+    (save / ".metadata").write_bytes(pickled)
     assert ferry(["push", str(save), store_url, "--job", "h", "--node", "n"]) == 0
     monkeypatch.chdir(tmp_path)
     with FerryReader(store_url, "h", 10) as reader, pytest.raises(BaseException) as failed:
         dcp.load({"w": torch.zeros(4)}, storage_reader=reader, no_dist=True)
-    assert "h step 10: .metadata is not DCP metadata (posix.system" in str(failed.value)
+    assert f"h step 10: .metadata is not DCP metadata ({named} is not" in str(failed.value)
     assert not (tmp_path / "BOOM_FILE").exists()
+
+
+class _FailsAtFirstTensor(dcp.DefaultLoadPlanner):  # type: ignore[misc]
+    def commit_tensor(self, read_item: Any, tensor: Any) -> None:
+        raise RuntimeError("the caller's planner failed")
+
+
+def test_a_load_that_fails_in_the_caller_ends_its_fetch_first(
+    series: tuple[str, Path, dict[str, Any]],
+) -> None:
+    """The planner fails at the first item: read_data returns (raises) only once the
+    fetch has ended; no thread of it goes on reading the store behind the caller's back."""
+    store_url, k, _ = series
+    with FerryReader(store_url, "t", 40, base_dir=k) as reader:
+        with pytest.raises(BaseException, match="the caller's planner failed"):
+            dcp.load(fresh_state(), storage_reader=reader, planner=_FailsAtFirstTensor(),
+                     no_dist=True)  # fmt: skip
+        # (before the reader's close, which would end a fetch still running)
+        left = [t.name for t in threading.enumerate() if t.name.startswith("ferry-mem")]
+        assert left == [], left
+        assert reader.last_restore is None  # (it never finished)
+
+
+def test_mistakes_fail_in_one_line_before_the_load(
+    series: tuple[str, Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    store_url, _, _ = series
+    with pytest.raises(FerryError, match="no committed checkpoint for job 'nosuch' step 40"):
+        FerryReader(store_url, "nosuch", 40)
+    with pytest.raises(FerryError, match="no committed checkpoint for job 't' step 41"):
+        FerryReader(store_url, "t", 41)
+    with pytest.raises(FerryError, match=r"base directory .* does not exist"):
+        FerryReader(store_url, "t", 40, base_dir=tmp_path / "step_000020")
+    with pytest.raises(TypeError, match="step must be an int or None, not str '40'"):
+        FerryReader(store_url, "t", "40")  # type: ignore[arg-type]
+    reader = FerryReader(store_url, "t")  # the newest
+    assert reader.step == 40
+    reader.close()
+    reader.close()  # again: nothing
+    with pytest.raises(BaseException, match="this FerryReader is closed: make a new one"):
+        dcp.load(fresh_state(), storage_reader=reader, no_dist=True)
 
 
 def test_a_step_without_metadata_says_so(store_url: str, tmp_path: Path) -> None:

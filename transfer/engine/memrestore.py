@@ -38,6 +38,7 @@ from transfer.engine.pull import (
 from transfer.engine.pullplan import merged_files
 from transfer.engine.resolver import ChunkResolver
 from transfer.engine.scan import check_base_dir
+from transfer.engine.taskgroup_errors import first_error
 from transfer.errors import FerryError
 from transfer.format.manifest import Manifest
 from transfer.options import TransferOptions
@@ -121,8 +122,7 @@ async def restore_ranges(
             landed(path, offset, data)
 
     def count(n: int) -> None:
-        moved[0] += n  # (the resolver's reader threads: += on a list item is not atomic,
-        # but the count is a report, and the pull counts the same way)
+        moved[0] += n  # (called on the event loop's thread only)
 
     async def from_store(chunks: list[StoredChunk]) -> None:
         fetched.extend(chunks)
@@ -138,11 +138,14 @@ async def restore_ranges(
     with ThreadPoolExecutor(options.workers, thread_name_prefix="ferry-mem") as pool:
         resolver = ChunkResolver(store, index, pool, base_dir, on_bytes_read=count)
         early = [index[cid] for cid in plan.targets if cid not in maybe_local]
-        async with asyncio.TaskGroup() as both:  # the disk and the network overlap
-            reuse = both.create_task(
-                reuse_local(resolver, index, candidates, hints, hand_on, options.window)
-            )
-            both.create_task(from_store(early))
+        try:
+            async with asyncio.TaskGroup() as both:  # the disk and the network overlap
+                reuse = both.create_task(
+                    reuse_local(resolver, index, candidates, hints, hand_on, options.window)
+                )
+                both.create_task(from_store(early))
+        except BaseExceptionGroup as group:  # the first error, as a pull raises it
+            raise first_error(group) from None
         local = reuse.result()
         await from_store([index[cid] for cid in candidates if cid not in local])
     return MemRestoreResult(
