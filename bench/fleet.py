@@ -15,6 +15,8 @@ tallying each request by method and key), in this order:
 - ``pull step``: ``transfer.engine.pull`` of step S (all N parts merged) into an empty dir;
 - ``pull latest``: the same with ``step=None``;
 - ``pull node``: node n0005's part of step S alone (``node=``);
+- ``read into memory``: what one rank's FerryReader asks for its items: the step's parts
+  resolved, then n0005's file restored into memory (``transfer.engine.memrestore``);
 - ``push``: n0005's part of a new step S+1 (its previous save beside it on disk, as on a
   node that wrote it: the delta base is read locally);
 - ``retention``: what ``ferry retention URL --keep-last 1 --grace 0 --expected-nodes ...``
@@ -64,7 +66,8 @@ from bench._loopback import run_main
 from tests.faultproxy import FaultProxy
 from tests.s3server import S3Endpoint
 from transfer.engine import PullPlan, PushPlan, pull, push
-from transfer.engine.catalog import open_catalog
+from transfer.engine.catalog import open_catalog, resolve_manifests
+from transfer.engine.memrestore import restore_ranges
 from transfer.options import TransferOptions
 from transfer.retention import (
     Tier,
@@ -81,7 +84,7 @@ from transfer.store.base import Store
 
 JOB = "fleet"
 STEP_EVERY = 100
-OPS = ("push", "pull step", "pull latest", "pull node", "retention", "gc")
+OPS = ("push", "pull step", "pull latest", "pull node", "read into memory", "retention", "gc")
 METHODS = ("LIST", "GET", "PUT", "HEAD", "DELETE", "POST")
 DEFAULT_NODES = (8, 32, 128, 512)
 QUICK_NODES = (4, 8)
@@ -306,6 +309,18 @@ async def op_pull(store: Store, fleet: Fleet, step: int | None, node: str | None
         shutil.rmtree(dest, ignore_errors=True)
 
 
+async def op_read_into_memory(store: Store, fleet: Fleet) -> None:
+    """What one rank's FerryReader (transfer/engine/dcpreader_torch.py) asks of the store
+    for its items, ``.metadata`` aside: the step's parts resolved once, then the ranges it
+    reads (here the measured node's whole file) restored into memory."""
+    manifests = await resolve_manifests(store, JOB, fleet.last)
+    path = f"__{measured_rank(fleet.n)}_0.distcp"
+    size = next(f.size for m in manifests for f in m.files if f.path == path)
+    got = await restore_ranges(store, manifests, {path: [(0, size)]}, lambda *_: None)
+    if got.bytes_raw != size:
+        raise SystemExit(f"read into memory: {got.bytes_raw} of {size} bytes")
+
+
 async def op_push(store: Store, fleet: Fleet) -> None:
     """One node's part of the next step, pushed as the agent of a multi-node job pushes it
     (``part=True``: the step is judged whole once, by the node that finds its last part in,
@@ -346,6 +361,7 @@ def operations(fleet: Fleet) -> list[tuple[str, Op]]:
         ("pull step", lambda s, f: op_pull(s, f, f.last, None)),
         ("pull latest", lambda s, f: op_pull(s, f, None, None)),
         ("pull node", lambda s, f: op_pull(s, f, f.last, f.me)),
+        ("read into memory", op_read_into_memory),
         ("push", op_push),
         ("retention", op_retention),
         ("gc", op_gc),
