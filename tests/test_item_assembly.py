@@ -19,20 +19,21 @@ def file_bytes(n: int, seed: int = 0) -> bytes:
     return random.Random(seed).randbytes(n)
 
 
-def land_all(assembly: ItemAssembly, path: str, data: bytes, threads: int = 4) -> None:
-    """Hand ``data`` over in CHUNK pieces, shuffled, from ``threads`` threads."""
-    offsets = list(range(0, len(data), CHUNK))
-    random.Random(1).shuffle(offsets)
+def land_all(assembly: ItemAssembly, files: dict[str, bytes], threads: int = 4) -> None:
+    """Hand each file over in CHUNK pieces, shuffled, from ``threads`` threads, then end.
+    (Never from the loader's thread: a chunk waiting for room would wait for itself.)"""
+    pieces = [(path, off) for path, data in files.items() for off in range(0, len(data), CHUNK)]
+    random.Random(1).shuffle(pieces)
     errors: list[BaseException] = []
 
-    def run(mine: list[int]) -> None:
+    def run(mine: list[tuple[str, int]]) -> None:
         try:
-            for off in mine:
-                assembly.landed(path, off, memoryview(data)[off : off + CHUNK])
+            for path, off in mine:
+                assembly.landed(path, off, memoryview(files[path])[off : off + CHUNK])
         except BaseException as exc:
             errors.append(exc)
 
-    workers = [threading.Thread(target=run, args=(offsets[i::threads],)) for i in range(threads)]
+    workers = [threading.Thread(target=run, args=(pieces[i::threads],)) for i in range(threads)]
     for w in workers:
         w.start()
     for w in workers:
@@ -50,14 +51,14 @@ def test_items_come_whole_once_with_their_bytes_whatever_the_order() -> None:
     ]  # fmt: skip
     assembly = ItemAssembly(slices, budget=4096)
     seen: dict[Slice, bytes] = {}
-    landing = threading.Thread(target=land_all, args=(assembly, "f", data))
+    other = file_bytes(10, seed=2)
+    landing = threading.Thread(target=land_all, args=(assembly, {"f": data, "g": other}))
     landing.start()
-    other = file_bytes(20, seed=2)
-    assembly.landed("g", 0, other[:10])
     for key, view in assembly.whole_items():
         assert key not in seen, key
         seen[key] = bytes(view)
-    landing.join()
+    landing.join(timeout=10)
+    assert not landing.is_alive()
     assert set(seen) == set(slices)
     for path, off, n in slices:
         want = (data if path == "f" else other)[off : off + n]

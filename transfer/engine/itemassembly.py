@@ -66,7 +66,8 @@ class ItemAssembly:
                 self._put_whole(s)
 
     def landed(self, path: str, offset: int, data: Buffer) -> None:
-        """(A restore's thread.) Bytes of ``path`` at ``offset``, into the items they overlap."""
+        """(A restore's thread, never the loader's: it may wait for the loader to take
+        items.) Bytes of ``path`` at ``offset``, into the items they overlap."""
         if self._abandoned:
             raise Abandoned("the load stopped taking items")
         items = self._by_path.get(path)
