@@ -15,8 +15,12 @@ tallying each request by method and key), in this order:
 - ``pull step``: ``transfer.engine.pull`` of step S (all N parts merged) into an empty dir;
 - ``pull latest``: the same with ``step=None``;
 - ``pull node``: node n0005's part of step S alone (``node=``);
-- ``read into memory``: what one rank's FerryReader asks for its items: the step's parts
-  resolved, then n0005's file restored into memory (``transfer.engine.memrestore``);
+- ``load, coordinator``: what the coordinator rank of a ``dcp.load`` through FerryReader
+  asks of the store: the step's parts resolved once, every node's rank planned from them
+  (``transfer.engine.memrestore.plan_ranges``: here each rank reads one node's file), then
+  its own share (n0005's file) restored into memory;
+- ``load, another rank``: what each other rank asks: its share restored from the plan the
+  coordinator sent it (no manifest, no listing);
 - ``push``: n0005's part of a new step S+1 (its previous save beside it on disk, as on a
   node that wrote it: the delta base is read locally);
 - ``retention``: what ``ferry retention URL --keep-last 1 --grace 0 --expected-nodes ...``
@@ -67,7 +71,7 @@ from tests.faultproxy import FaultProxy
 from tests.s3server import S3Endpoint
 from transfer.engine import PullPlan, PushPlan, pull, push
 from transfer.engine.catalog import open_catalog, resolve_manifests
-from transfer.engine.memrestore import restore_ranges
+from transfer.engine.memrestore import RangePlan, StepChunks, plan_ranges, restore_plan
 from transfer.options import TransferOptions
 from transfer.retention import (
     Tier,
@@ -84,7 +88,10 @@ from transfer.store.base import Store
 
 JOB = "fleet"
 STEP_EVERY = 100
-OPS = ("push", "pull step", "pull latest", "pull node", "read into memory", "retention", "gc")
+OPS = (
+    "push", "pull step", "pull latest", "pull node", "load, coordinator", "load, another rank",
+    "retention", "gc",
+)  # fmt: skip
 METHODS = ("LIST", "GET", "PUT", "HEAD", "DELETE", "POST")
 DEFAULT_NODES = (8, 32, 128, 512)
 QUICK_NODES = (4, 8)
@@ -282,6 +289,7 @@ class Fleet:
     prefix: str
     root: Path  # node dirs
     work: Path  # pull destinations
+    planned: RangePlan | None = None  # the coordinator's plan for another rank
 
     @property
     def nodes(self) -> list[str]:
@@ -309,16 +317,32 @@ async def op_pull(store: Store, fleet: Fleet, step: int | None, node: str | None
         shutil.rmtree(dest, ignore_errors=True)
 
 
-async def op_read_into_memory(store: Store, fleet: Fleet) -> None:
-    """What one rank's FerryReader (transfer/engine/dcpreader_torch.py) asks of the store
-    for its items, ``.metadata`` aside: the step's parts resolved once, then the ranges it
-    reads (here the measured node's whole file) restored into memory."""
-    manifests = await resolve_manifests(store, JOB, fleet.last)
-    path = f"__{measured_rank(fleet.n)}_0.distcp"
-    size = next(f.size for m in manifests for f in m.files if f.path == path)
-    got = await restore_ranges(store, manifests, {path: [(0, size)]}, lambda *_: None)
-    if got.bytes_raw != size:
-        raise SystemExit(f"read into memory: {got.bytes_raw} of {size} bytes")
+async def op_load_coordinator(store: Store, fleet: Fleet) -> None:
+    """The coordinator of a FerryReader load (transfer/engine/dcpreader_torch.py),
+    ``.metadata`` aside: the step resolved once, every rank's share planned, its own read."""
+    step = StepChunks(await resolve_manifests(store, JOB, fleet.last))
+    plans = {
+        rank: plan_ranges(step, {path: [(0, step.files[path].size)]})
+        for rank in range(fleet.n)
+        for path in [f"__{rank}_0.distcp"]
+    }
+    mine = measured_rank(fleet.n)
+    await restore_into_memory(store, plans[mine])
+    fleet.planned = plans[(mine + 1) % fleet.n]  # for "load, another rank"
+
+
+async def op_load_another_rank(store: Store, fleet: Fleet) -> None:
+    """Another rank of the same load: its share, from the plan the coordinator sent it."""
+    if fleet.planned is None:
+        raise SystemExit("load, another rank: the coordinator's operation did not run first")
+    await restore_into_memory(store, fleet.planned)
+
+
+async def restore_into_memory(store: Store, plan: RangePlan) -> None:
+    got = await restore_plan(store, plan, lambda *_: None)
+    want = sum(hi - lo for spans in plan.wanted.values() for lo, hi in spans)
+    if got.bytes_raw != want:
+        raise SystemExit(f"a load restored {got.bytes_raw} of {want} bytes")
 
 
 async def op_push(store: Store, fleet: Fleet) -> None:
@@ -361,7 +385,8 @@ def operations(fleet: Fleet) -> list[tuple[str, Op]]:
         ("pull step", lambda s, f: op_pull(s, f, f.last, None)),
         ("pull latest", lambda s, f: op_pull(s, f, None, None)),
         ("pull node", lambda s, f: op_pull(s, f, f.last, f.me)),
-        ("read into memory", op_read_into_memory),
+        ("load, coordinator", op_load_coordinator),
+        ("load, another rank", op_load_another_rank),
         ("push", op_push),
         ("retention", op_retention),
         ("gc", op_gc),

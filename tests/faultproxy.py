@@ -60,6 +60,7 @@ class ProxyStats:
     bytes_up: int = 0  # request bodies received (what clients sent towards the store)
     bytes_down: int = 0  # reply bodies sent back
     by_method: Counter[str] = field(default_factory=Counter)
+    by_area: Counter[str] = field(default_factory=Counter)  # "GET manifests" -> requests
 
 
 class OnItsOwnLoop:
@@ -197,6 +198,7 @@ class FaultProxy(OnItsOwnLoop):
         self.stats.requests += 1
         self.stats.bytes_up += len(body)
         self.stats.by_method[request.method] += 1
+        self.stats.by_area[_area(request)] += 1
         if self._down:
             self.stats.refused += 1
             return _drop(request)
@@ -290,3 +292,14 @@ def _drop(request: web.Request, *, flush: bool = False) -> web.StreamResponse:
         else:
             transport.abort()
     raise asyncio.CancelledError  # nothing more to send; aiohttp drops the handler quietly
+
+
+def _area(request: web.Request) -> str:
+    """ "GET manifests", "GET packs", "LIST": a request by method and the store area of its
+    key (the top folder under the store's prefix: manifests/, packs/, complete/, ...)."""
+    if request.method == "GET" and ("list-type" in request.query or "uploads" in request.query):
+        return "LIST"
+    for area in ("manifests", "packs", "complete", "pins", "heads", "locks", "gc"):
+        if f"/{area}/" in request.path:
+            return f"{request.method} {area}"
+    return f"{request.method} {request.path.rsplit('/', 1)[-1]}"

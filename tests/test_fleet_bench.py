@@ -25,8 +25,13 @@ def test_quick_fleet_counts_requests(s3_env: S3Endpoint, tmp_path: Path) -> None
         assert r["populate_seconds"] >= 0 and r["objects"] > 2 * n  # a manifest + pack each
         assert set(r["ops"]) == set(fleet.OPS)
         for name, op in r["ops"].items():
+            if name == "load, another rank":  # its plan came from the coordinator
+                assert op["control_requests"] == 0 and op["data_requests"] > 0, (n, op)
+                continue
             assert op["control_requests"] > 0, (n, name, op)
             assert op["bytes"]["control_down"] > 0, (n, name, op)
+        # a load reads the step's manifests once, on its coordinator
+        assert r["ops"]["load, coordinator"]["areas"].get("GET manifests", 0) == n
         pull_step = r["ops"]["pull step"]["areas"]
         assert pull_step.get("GET manifests", 0) >= n, pull_step
         assert r["ops"]["pull step"]["data_requests"] >= n  # every part's pack at least

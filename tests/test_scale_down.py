@@ -23,6 +23,7 @@ from tests.conftest import init_test_store, open_test_store, tree_bytes
 
 pytest.importorskip("torch")
 from tests.dcp_drill import DrillError, load_drill, save_drill, split_by_node
+from tests.faultproxy import FaultProxy
 
 pytestmark = pytest.mark.slow  # each test runs real gloo ranks (a 10 s drill save per worker)
 
@@ -403,18 +404,23 @@ def test_a_standby_replicates_its_share_before_the_decision(
 
 
 def test_survivors_load_their_shares_straight_from_the_store(
-    drill: tuple[Path, list[Path]], s3_env: Any, s3_url: str
+    drill: tuple[Path, list[Path]], s3_env: Any, s3_url: str, s3_proxy: FaultProxy
 ) -> None:
     """Four new ranks each ``dcp.load`` through FerryReader from the S3 store the four nodes
     pushed their parts to: no pull, no file written; the state equals a load of the whole
-    save, and each rank fetches the chunks of its own share, not the step."""
+    save, each rank fetches the chunks of its own share, not the step, and the step's
+    manifests are read once for the load (by the coordinator), not once per rank."""
     save, nodes = drill
     asyncio.run(push_parts_small_chunks(s3_url, nodes))
     raw = sum(p.stat().st_size for p in save.iterdir())
     env = {k: v for k, v in os.environ.items() if k.startswith("AWS_")}
+    env["AWS_ENDPOINT_URL"] = s3_proxy.url  # (a counting forwarder: no faults)
     source = {"store": s3_url, "job": "drill", "step": STEP, "env": env}
     reference = load_drill(dict.fromkeys(range(4), save), 4, width=WIDTH)
     streamed = load_drill(dict.fromkeys(range(4), source), 4, width=WIDTH)
+    asked = s3_proxy.stats.by_area
+    assert asked["GET manifests"] == len(nodes), asked  # 4 x 4 when each rank read them
+    assert asked["LIST"] + asked["GET ferry-store.json"] <= 3, asked  # the coordinator's alone
     for kind in ("model", "optim"):
         assert streamed[kind].keys() == reference[kind].keys()
         for key, want in reference[kind].items():
@@ -426,3 +432,20 @@ def test_survivors_load_their_shares_straight_from_the_store(
         # (0.26-0.27 of the save each, measured)
         assert covered <= 0.35 * raw, (rank, covered, raw)
         assert 0 < fetched <= covered, (rank, fetched, covered)
+
+
+def test_a_step_the_store_lacks_fails_every_rank_in_one_line(
+    drill: tuple[Path, list[Path]], s3_env: Any, s3_url: str
+) -> None:
+    """Only the coordinator reads the store before DCP's first collective; when it cannot,
+    every rank gets its error (none waits for a broadcast that never comes)."""
+    _, nodes = drill
+    asyncio.run(push_parts_small_chunks(s3_url, nodes[:1]))
+    env = {k: v for k, v in os.environ.items() if k.startswith("AWS_")}
+    source = {"store": s3_url, "job": "drill", "step": STEP + 1, "env": env}
+    with pytest.raises(DrillError) as failed:
+        load_drill(dict.fromkeys(range(2), source), 2, width=WIDTH)
+    text = str(failed.value)
+    for rank in range(2):
+        assert f"rank {rank}:" in text, text
+    assert text.count(f"no committed checkpoint for job 'drill' step {STEP + 1}") >= 2, text

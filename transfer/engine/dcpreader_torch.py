@@ -15,7 +15,9 @@ code run). torch is imported here: the rest of ckpt-ferry never needs it.
 
 from __future__ import annotations
 
+import dataclasses
 import io
+import logging
 import pickle
 import uuid
 import weakref
@@ -24,6 +26,7 @@ from pathlib import Path
 from typing import IO, Any, cast
 
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
@@ -34,13 +37,22 @@ from transfer.engine.dcp import MAX_METADATA_BYTES, METADATA
 from transfer.engine.dcpshare import merge_ranges
 from transfer.engine.itemassembly import DEFAULT_BUDGET, ItemAssembly, Slice
 from transfer.engine.loopthread import LoopThread
-from transfer.engine.memrestore import MemRestoreResult, Wanted, restore_ranges, whole_files
+from transfer.engine.memrestore import (
+    MemRestoreResult,
+    RangePlan,
+    StepChunks,
+    plan_ranges,
+    restore_plan,
+)
+from transfer.engine.pull import committed_manifests, held_at
 from transfer.engine.scan import check_base_dir
 from transfer.errors import FerryError, FormatError
-from transfer.format.manifest import Manifest
+from transfer.format.names import step_from_dirname
 from transfer.options import TransferOptions
 from transfer.store.base import Store
 from transfer.store.url import StoreOptions, open_store
+
+log = logging.getLogger(__name__)
 
 
 class FerryReader(StorageReader):
@@ -51,8 +63,18 @@ class FerryReader(StorageReader):
     ``memory_budget``: the item buffers a load keeps before the fetch waits for it
     (itemassembly.py). ``last_restore`` reports the last read's bytes.
 
-    The step is resolved here, so a wrong store, job, step or ``base_dir`` fails in one
-    line before ``dcp.load`` (inside it, DCP wraps every error in a CheckpointException)."""
+    In a process group (torch.distributed initialised, more than one rank) one rank, the
+    coordinator, reads the step's manifests and ``.metadata`` and plans every rank's
+    chunks; the others get ``.metadata`` by broadcast and their plan inside DCP's load
+    plan, and ask the store for their chunks only. So a load of N nodes' parts costs the
+    store O(N) control requests, not O(N) per rank. ``process_group`` and
+    ``coordinator_rank`` must be the ones given to ``dcp.load`` (both default as it does);
+    ``collective=False`` makes every rank read for itself (``dcp.load(no_dist=True)``).
+    ``read_metadata`` is then collective: call it on every rank or on none.
+
+    Alone (no group), the step is resolved here, so a wrong store, job, step or
+    ``base_dir`` fails in one line before ``dcp.load`` (inside it, DCP wraps every error
+    in a CheckpointException); in a group, in ``read_metadata``, on every rank alike."""
 
     def __init__(
         self,
@@ -64,6 +86,9 @@ class FerryReader(StorageReader):
         endpoint_url: str | None = None,
         options: TransferOptions | None = None,
         memory_budget: int = DEFAULT_BUDGET,
+        process_group: Any = None,
+        coordinator_rank: int = 0,
+        collective: bool = True,
     ) -> None:
         super().__init__()
         if step is not None and (not isinstance(step, int) or isinstance(step, bool)):
@@ -82,16 +107,20 @@ class FerryReader(StorageReader):
         self.load_id = uuid.uuid4().hex
         self.last_restore: MemRestoreResult | None = None
         self.bytes_fetched = 0  # stored bytes this reader read from the store, all calls
+        self.step: int | None = step  # (the newest, once resolved)
+        self._group = _Group.of(process_group, coordinator_rank) if collective else None
         self._metadata: bytes | None = None
+        self._step_chunks: StepChunks | None = None  # where the manifests were read
+        self._held: dict[int, dict[tuple[str, int], tuple[str, int]] | None] = {}
         self._loop = LoopThread("ferry-reader")
         # a reader dropped without close() still ends its thread (and the store it opened)
         self._close = weakref.finalize(self, _close, self._loop, store if owned else None)
-        try:
-            self._manifests = self._loop.run(resolve_manifests(self.store, job, step))
-        except BaseException:
-            self.close()
-            raise
-        self.step: int = self._manifests[0].step
+        if self._group is None:
+            try:
+                self._resolve()
+            except BaseException:
+                self.close()
+                raise
 
     def close(self) -> None:
         """End the reader's loop and, if the reader opened the store (a URL), its
@@ -118,37 +147,46 @@ class FerryReader(StorageReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         self._check_open()
-        what = f"{self.job} step {self.step}"
-        metadata = _metadata_from(self._metadata_bytes(), what)
+        if self._metadata is None:
+            if self._group is None:
+                self._metadata = self._read_metadata_file()
+            else:
+                self._metadata, self.step = self._group.from_coordinator(
+                    lambda: (self._read_metadata_file(), self.step)
+                )
+        metadata = _metadata_from(self._metadata, f"{self.job} step {self.step}")
         storage_meta = getattr(metadata, "storage_meta", None) or StorageMeta()
         storage_meta.load_id = self.load_id
         metadata.storage_meta = storage_meta
         return metadata
 
-    def _metadata_bytes(self) -> bytes:
-        """The step's ``.metadata``, fetched once (a load reads it on every rank, and a
-        caller often once more to build its state_dict)."""
-        if self._metadata is not None:
-            return self._metadata
-        manifests = self.manifests()
-        sizes = {f.path: f.size for m in manifests for f in m.files}
-        what = f"{self.job} step {manifests[0].step}"
-        if METADATA not in sizes:
+    def _resolve(self) -> StepChunks:
+        """The step's manifests, read once (on the coordinator only, in a group)."""
+        if self._step_chunks is None:
+            manifests = self._loop.run(resolve_manifests(self.store, self.job, self.step))
+            self._step_chunks = StepChunks(manifests)
+            self.step = self._step_chunks.step
+        return self._step_chunks
+
+    def _read_metadata_file(self) -> bytes:
+        """The step's ``.metadata`` (a load reads it on every rank, and a caller often once
+        more to build its state_dict: it is kept)."""
+        step = self._resolve()
+        what = f"{self.job} step {step.step}"
+        if METADATA not in step.files:
             raise FerryError(f"{what} has no {METADATA}: not a DCP save")
-        if sizes[METADATA] > MAX_METADATA_BYTES:
+        size = step.files[METADATA].size
+        if size > MAX_METADATA_BYTES:
             raise FormatError(f"{what}: {METADATA} is over the limit")
-        raw = bytearray(sizes[METADATA])
+        raw = bytearray(size)
 
         def landed(path: str, offset: int, data: Buffer) -> None:
             raw[offset : offset + len(data)] = data
 
-        wanted = whole_files(manifests, [METADATA])
-        got = self._loop.run(
-            restore_ranges(self.store, manifests, wanted, landed, self.base_dir, self.options)
-        )
+        plan = plan_ranges(step, {METADATA: [(0, size)]})
+        got = self._loop.run(restore_plan(self.store, plan, landed, None, self.options))
         self.bytes_fetched += got.bytes_fetched
-        self._metadata = bytes(raw)
-        return self._metadata
+        return bytes(raw)
 
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
@@ -158,15 +196,35 @@ class FerryReader(StorageReader):
         self.storage_data = metadata.storage_data
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return plan
+        """The rank tells the coordinator which step its base_dir holds: the coordinator
+        then says which chunks are worth looking for there."""
+        base = None if self.base_dir is None else step_from_dirname(self.base_dir.name)
+        return dataclasses.replace(plan, storage_data=_RankAsk(base))
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
+        """(The coordinator, or a rank alone.) Every rank's chunks, planned from the
+        manifests read once here, go to the rank inside its load plan."""
+        step = self._resolve()
+        out = []
+        for plan in plans:
+            ask = plan.storage_data
+            base = ask.base_step if isinstance(ask, _RankAsk) else None
+            wanted = merge_ranges(self._slices(plan))
+            ranges = plan_ranges(step, wanted, self._held_at(base))
+            out.append(dataclasses.replace(plan, storage_data=ranges))
+        return out
 
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future[None]:
-        """Fetch the plan's items and load each into the planner as soon as it is whole
-        (in this thread: the planner is not thread-safe); the fetch runs meanwhile."""
-        self._check_open()
+    def _held_at(self, base_step: int | None) -> dict[tuple[str, int], tuple[str, int]] | None:
+        """What step ``base_step``'s manifests place where (read once per base step)."""
+        if base_step is None:
+            return None
+        if base_step not in self._held:
+            base = self._loop.run(committed_manifests(self.store, self.job, base_step))
+            self._held[base_step] = None if base is None else held_at(base)
+        return self._held[base_step]
+
+    def _slices(self, plan: LoadPlan) -> dict[Slice, list[ReadItem]]:
+        """The plan's reads by the stored item (file, offset, length) each narrows."""
         by_slice: dict[Slice, list[ReadItem]] = defaultdict(list)
         for req in plan.items:
             info = self.storage_data[req.storage_index]
@@ -176,13 +234,24 @@ class FerryReader(StorageReader):
                     f"({list(info.transform_descriptors)}) are not supported by FerryReader"
                 )
             by_slice[(info.relative_path, int(info.offset), int(info.length))].append(req)
+        return by_slice
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future[None]:
+        """Fetch the plan's items and load each into the planner as soon as it is whole
+        (in this thread: the planner is not thread-safe); the fetch runs meanwhile."""
+        self._check_open()
+        by_slice = self._slices(plan)
+        wanted = merge_ranges(by_slice)
+        ranges = plan.storage_data
+        if not isinstance(ranges, RangePlan) or (ranges.step, ranges.wanted) != (self.step, wanted):
+            # a planner that rewrote the plan after the coordinator planned it: plan here
+            log.info("%s step %s: planning this rank's chunks here", self.job, self.step)
+            base = None if self.base_dir is None else step_from_dirname(self.base_dir.name)
+            ranges = plan_ranges(self._resolve(), wanted, self._held_at(base))
         assembly = ItemAssembly(list(by_slice), self.memory_budget)
-        wanted: Wanted = merge_ranges(by_slice)
-        manifests = self.manifests()
         fetch = self._loop.submit(
-            restore_ranges(self.store, manifests, wanted, assembly.landed, self.base_dir,
-                           self.options)
-        )  # fmt: skip
+            restore_plan(self.store, ranges, assembly.landed, self.base_dir, self.options)
+        )
         fetch.add_done_callback(lambda f: assembly.ended(None if f.cancelled() else f.exception()))
         try:
             for key, data in assembly.whole_items():
@@ -198,9 +267,56 @@ class FerryReader(StorageReader):
         done.set_result(None)
         return done
 
-    def manifests(self) -> list[Manifest]:
-        """The step's parts, as resolved when the reader was made."""
-        return self._manifests
+
+@dataclasses.dataclass(frozen=True)
+class _RankAsk:
+    """What a rank's local plan carries to the coordinator."""
+
+    base_step: int | None  # the step its base_dir holds (by its name), if any
+
+
+class _Group:
+    """The process group a load runs in, for the one exchange DCP has no hook for: every
+    rank needs ``.metadata`` before DCP's first collective, and only one should read it."""
+
+    def __init__(self, group: Any, coordinator: int) -> None:
+        self.group, self.coordinator = group, coordinator
+        self.error: str | None = None
+
+    @classmethod
+    def of(cls, group: Any, coordinator: int) -> _Group | None:
+        """None when this process loads alone (no group, or a group of one)."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return None
+        if dist.get_world_size(group) <= 1:
+            return None
+        return cls(group, coordinator)
+
+    def from_coordinator(self, read: Any) -> Any:
+        """(Collective.) ``read()`` on the coordinator; its value, or its error as a
+        FerryError, on every rank (so no rank waits for a broadcast that never comes)."""
+        if self.error is not None:
+            raise FerryError(self.error)
+        box: list[Any] = [None]
+        mine: BaseException | None = None
+        if dist.get_rank(self.group) == self.coordinator:
+            try:
+                box[0] = (True, read())
+            except Exception as exc:
+                mine = exc
+                what = str(exc) if isinstance(exc, FerryError) else f"{type(exc).__name__}: {exc}"
+                box[0] = (False, f"the coordinator (rank {self.coordinator}): {what}")
+        src = self.coordinator
+        if self.group is not None:
+            src = dist.get_global_rank(self.group, self.coordinator)
+        dist.broadcast_object_list(box, src=src, group=self.group)
+        ok, value = box[0]
+        if ok:
+            return value
+        self.error = value
+        if mine is not None:
+            raise mine
+        raise FerryError(value)
 
 
 def _close(loop: LoopThread, store: Store | None) -> None:

@@ -16,6 +16,7 @@ on as zeros like the rest, so a caller may count bytes to know when a range is c
 from __future__ import annotations
 
 import asyncio
+import bisect
 import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
@@ -23,9 +24,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from transfer.codec import check_encoding
 from transfer.codec.transforms import Buffer
-from transfer.engine.chunkindex import StoredChunk
-from transfer.engine.dcpshare import overlaps
+from transfer.engine.chunkindex import ChunkIndex, StoredChunk
 from transfer.engine.fetch import fetch_chunks
 from transfer.engine.pull import (
     checked_index,
@@ -40,7 +41,7 @@ from transfer.engine.resolver import ChunkResolver
 from transfer.engine.scan import check_base_dir
 from transfer.engine.taskgroup_errors import first_error
 from transfer.errors import FerryError
-from transfer.format.manifest import Manifest
+from transfer.format.manifest import ChunkRef, Manifest
 from transfer.options import TransferOptions
 from transfer.store.base import Store
 
@@ -60,36 +61,102 @@ class MemRestoreResult:
 
 
 @dataclass
-class _Plan:
+class RangePlan:
+    """Everything a restore of some byte ranges of one step needs, and nothing else: made
+    where the step's manifests are, restored where the bytes are wanted. In a DCP load one
+    rank reads the manifests and makes every rank's plan (dcpreader_torch.py), so the
+    others read no manifest at all: a load's control requests stay O(N), not O(N x ranks).
+    Plain data: it travels to its rank pickled inside DCP's load plan."""
+
+    job: str
+    step: int
+    wanted: dict[str, tuple[tuple[int, int], ...]]  # what it was made for
     targets: dict[str, list[tuple[str, int]]]  # chunk id -> [(path, offset)] to hand it to
     zeros: list[tuple[str, int, int]]  # (path, offset, size) of all-zero chunks
+    chunks: list[StoredChunk]  # the targets and every base they decode against
+    #: the targets worth looking for in base_dir (what the base step's manifests place at
+    #: their position); None: not known, look for every one
+    candidates: list[str] | None
     bytes_raw: int
 
+    def index(self) -> ChunkIndex:
+        index = ChunkIndex()
+        for c in self.chunks:
+            check_encoding(c.enc)  # (the maker checked; a plan may come from another rank)
+            index.add(c)
+        return index
 
-def _plan(manifests: list[Manifest], wanted: Wanted) -> _Plan:
-    """The chunks that cover ``wanted``, where each goes; a path the step lacks is an error
-    (the caller asked for a file the save does not have)."""
-    files = {f.path: f for f in merged_files(manifests)}
-    missing = sorted(set(wanted) - set(files))
+    def hints(self) -> dict[str, tuple[str, int]]:
+        """Each target's first position: where base_dir is looked at for it, or its base."""
+        return {cid: positions[0] for cid, positions in self.targets.items()}
+
+
+class StepChunks:
+    """A step's files and chunk index, made once from its manifests for as many plans as
+    ask (a DCP load's coordinator plans every rank's share from one)."""
+
+    def __init__(self, manifests: list[Manifest]) -> None:
+        self.job, self.step = manifests[0].job, manifests[0].step
+        self.files = {f.path: f for f in merged_files(manifests)}
+        self.index = checked_index(manifests)
+        self._starts: dict[str, tuple[list[int], list[ChunkRef]]] = {}
+
+    def covering(self, path: str, spans: Sequence[tuple[int, int]]) -> list[tuple[int, ChunkRef]]:
+        """(offset, chunk) of each chunk of ``path`` that overlaps a span, in file order: a
+        bisection per span, so a plan costs its own chunks, not the step's."""
+        if path not in self._starts:
+            pairs = list(self.files[path].chunk_offsets())
+            self._starts[path] = ([o for o, _ in pairs], [c for _, c in pairs])
+        starts, chunks = self._starts[path]
+        found: dict[int, ChunkRef] = {}
+        for lo, hi in spans:
+            i = max(bisect.bisect_right(starts, lo) - 1, 0)
+            while i < len(starts) and starts[i] < hi:
+                if starts[i] + chunks[i].size > lo:
+                    found.setdefault(i, chunks[i])
+                i += 1
+        return [(starts[i], found[i]) for i in sorted(found)]
+
+
+def plan_ranges(
+    step: StepChunks,
+    wanted: Wanted,
+    held: dict[tuple[str, int], tuple[str, int]] | None = None,
+) -> RangePlan:
+    """The plan restoring ``wanted`` of ``step``. ``held``: what the restoring node's
+    base_dir holds where (pull.held_at of its step's manifests), if they are committed;
+    None: every target is looked for there. A path the step lacks, or a range past a
+    file's end, is an error (the caller asked for bytes the save does not have)."""
+    missing = sorted(set(wanted) - set(step.files))
     if missing:
-        m = manifests[0]
-        raise FerryError(f"{m.job} step {m.step} has no file {missing[0]!r}")
+        raise FerryError(f"{step.job} step {step.step} has no file {missing[0]!r}")
     targets: dict[str, list[tuple[str, int]]] = defaultdict(list)
     zeros: list[tuple[str, int, int]] = []
     bytes_raw = 0
     for path, spans in wanted.items():
-        f, spans = files[path], tuple(spans)
-        if spans and spans[-1][1] > f.size:
-            raise FerryError(f"{path!r} is {f.size} bytes: a range ends at {spans[-1][1]}")
-        for offset, c in f.chunk_offsets():
-            if not overlaps(spans, offset, offset + c.size):
-                continue
+        size = step.files[path].size
+        if spans and spans[-1][1] > size:
+            raise FerryError(f"{path!r} is {size} bytes: a range ends at {spans[-1][1]}")
+        for offset, c in step.covering(path, spans):
             bytes_raw += c.size
             if c.id == zero_chunk_id(c.size):
                 zeros.append((path, offset, c.size))
             else:
                 targets[c.id].append((path, offset))
-    return _Plan(dict(targets), zeros, bytes_raw)
+    candidates = None
+    if held is not None:
+        hints = {cid: positions[0] for cid, positions in targets.items()}
+        candidates = same_position(targets, hints, held)
+    return RangePlan(
+        job=step.job,
+        step=step.step,
+        wanted={p: tuple(spans) for p, spans in wanted.items()},
+        targets=dict(targets),
+        zeros=zeros,
+        chunks=[step.index[cid] for cid in targets] + step.index.closure(targets),
+        candidates=candidates,
+        bytes_raw=bytes_raw,
+    )
 
 
 async def restore_ranges(
@@ -100,20 +167,37 @@ async def restore_ranges(
     base_dir: Path | None = None,
     options: TransferOptions | None = None,
 ) -> MemRestoreResult:
-    """Hand every chunk covering ``wanted`` of the step ``manifests`` make (every part of
-    it: catalog.resolve_manifests) to ``landed``, verified; ``base_dir``: the node's copy
-    of an earlier step of the job (``step_000040``), read for unchanged chunks and bases."""
+    """``plan_ranges`` and ``restore_plan`` in one, where the caller holds the manifests;
+    ``base_dir``'s own manifests are read from the store when its name gives a step."""
+    check_base_dir(base_dir)
+    held = None
+    if base_dir is not None:
+        base_manifests = await manifests_named_by(store, manifests[0].job, base_dir)
+        held = None if base_manifests is None else held_at(base_manifests)
+    plan = plan_ranges(StepChunks(manifests), wanted, held)
+    return await restore_plan(store, plan, landed, base_dir, options)
+
+
+async def restore_plan(
+    store: Store,
+    plan: RangePlan,
+    landed: Landed,
+    base_dir: Path | None = None,
+    options: TransferOptions | None = None,
+) -> MemRestoreResult:
+    """Hand every chunk of ``plan`` to ``landed``, verified; ``base_dir``: the node's copy
+    of an earlier step of the job (``step_000040``), read for unchanged chunks and bases.
+    Reads no manifest: only the chunks' packs (and base_dir)."""
     options = options or TransferOptions()
     started = time.monotonic()
     check_base_dir(base_dir)
-    plan = _plan(manifests, wanted)
-    index = checked_index(manifests)
-    hints = {cid: positions[0] for cid, positions in plan.targets.items()}
-    base_manifests = None
-    if base_dir is not None:
-        base_manifests = await manifests_named_by(store, manifests[0].job, base_dir)
-    held = held_at(base_manifests) if base_dir is not None else {}
-    candidates = same_position(plan.targets, hints, held if base_manifests is not None else None)
+    index = plan.index()
+    hints = plan.hints()
+    # base_dir is looked at for these first; the store is asked at once for the rest
+    if base_dir is None:
+        candidates: list[str] = []
+    else:
+        candidates = list(plan.targets) if plan.candidates is None else plan.candidates
     fetched: list[StoredChunk] = []
     moved = [0]
 
@@ -155,11 +239,3 @@ async def restore_ranges(
         chunks_local=len(local),
         seconds=time.monotonic() - started,
     )
-
-
-def whole_files(
-    manifests: list[Manifest], paths: Sequence[str]
-) -> dict[str, list[tuple[int, int]]]:
-    """``wanted`` for whole files of the step (a path it lacks is left for _plan to name)."""
-    sizes = {f.path: f.size for f in merged_files(manifests)}
-    return {p: [(0, sizes[p])] if p in sizes else [(0, 0)] for p in paths}

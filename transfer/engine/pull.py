@@ -476,8 +476,11 @@ async def manifests_named_by(store: Store, job: str, base_dir: Path) -> list[Man
     read from base_dir (without them every position is read and hashed: a whole cold read
     of the old checkpoint before the first download, for nothing on a full fine-tune)."""
     step = step_from_dirname(base_dir.name)
-    if step is None:
-        return None
+    return None if step is None else await committed_manifests(store, job, step)
+
+
+async def committed_manifests(store: Store, job: str, step: int) -> list[Manifest] | None:
+    """Every part of ``step``, or None when the store has no committed part of it."""
     try:
         return await resolve_manifests(store, job, step)
     except FerryError:
