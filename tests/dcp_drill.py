@@ -335,6 +335,12 @@ def _worker_load(args: dict[str, Any]) -> None:
         os.environ.update(src["env"])
         planned = None
         with FerryReader(src["store"], src["job"], src["step"]) as reader:
+            if src.get("interrupt_coordinator") and rank == 0:  # a fault no store can cause
+
+                def interrupted() -> bytes:
+                    raise KeyboardInterrupt("injected")
+
+                reader._read_metadata_file = interrupted  # type: ignore[method-assign]
             load(state, storage_reader=reader)
         assert reader.last_restore is not None
         restored = (reader.last_restore.bytes_raw, reader.bytes_fetched)

@@ -449,3 +449,21 @@ def test_a_step_the_store_lacks_fails_every_rank_in_one_line(
     for rank in range(2):
         assert f"rank {rank}:" in text, text
     assert text.count(f"no committed checkpoint for job 'drill' step {STEP + 1}") >= 2, text
+
+
+def test_an_interrupt_on_the_coordinator_reaches_every_rank(
+    drill: tuple[Path, list[Path]], s3_env: Any, s3_url: str
+) -> None:
+    """Whatever stops the coordinator's read (a KeyboardInterrupt here: DCP carries on to
+    its gather after any BaseException), the other ranks hear of it and fail too: a first
+    version broadcast only after an Exception, and rank 1 waited out the group's timeout."""
+    _, nodes = drill
+    asyncio.run(push_parts_small_chunks(s3_url, nodes[:1]))
+    env = {k: v for k, v in os.environ.items() if k.startswith("AWS_")}
+    source = {"store": s3_url, "job": "drill", "step": STEP, "env": env}
+    source["interrupt_coordinator"] = True
+    with pytest.raises(DrillError) as failed:
+        load_drill(dict.fromkeys(range(2), source), 2, width=WIDTH)
+    text = str(failed.value)
+    assert "rank 1:" in text and "the coordinator (rank 0): KeyboardInterrupt: injected" in text
+    assert "still running" not in text and "killed" not in text, text

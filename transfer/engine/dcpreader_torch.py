@@ -67,10 +67,11 @@ class FerryReader(StorageReader):
     coordinator, reads the step's manifests and ``.metadata`` and plans every rank's
     chunks; the others get ``.metadata`` by broadcast and their plan inside DCP's load
     plan, and ask the store for their chunks only. So a load of N nodes' parts costs the
-    store O(N) control requests, not O(N) per rank. ``process_group`` and
-    ``coordinator_rank`` must be the ones given to ``dcp.load`` (both default as it does);
-    ``collective=False`` makes every rank read for itself (``dcp.load(no_dist=True)``).
-    ``read_metadata`` is then collective: call it on every rank or on none.
+    store O(N) control requests, not O(N) per rank. ``process_group`` must be the one
+    given to ``dcp.load`` (None: the default group, as there); the coordinator is its rank
+    0, as DCP's. ``collective=False`` makes every rank read for itself (``dcp.load(
+    no_dist=True)``). ``read_metadata`` is then collective: call it on every rank or on
+    none (a call on rank 0 alone waits for the others until the group's timeout).
 
     Alone (no group), the step is resolved here, so a wrong store, job, step or
     ``base_dir`` fails in one line before ``dcp.load`` (inside it, DCP wraps every error
@@ -87,7 +88,6 @@ class FerryReader(StorageReader):
         options: TransferOptions | None = None,
         memory_budget: int = DEFAULT_BUDGET,
         process_group: Any = None,
-        coordinator_rank: int = 0,
         collective: bool = True,
     ) -> None:
         super().__init__()
@@ -108,7 +108,7 @@ class FerryReader(StorageReader):
         self.last_restore: MemRestoreResult | None = None
         self.bytes_fetched = 0  # stored bytes this reader read from the store, all calls
         self.step: int | None = step  # (the newest, once resolved)
-        self._group = _Group.of(process_group, coordinator_rank) if collective else None
+        self._group = _Group.of(process_group) if collective else None
         self._metadata: bytes | None = None
         self._step_chunks: StepChunks | None = None  # where the manifests were read
         self._held: dict[int, dict[tuple[str, int], tuple[str, int]] | None] = {}
@@ -147,6 +147,10 @@ class FerryReader(StorageReader):
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         self._check_open()
+        if self._metadata is None and self._group is not None and "rank" in kwargs:
+            # DCP's rank-local fallback, right after the read failed on every rank alike:
+            # no second broadcast, the same reason
+            raise FerryError(self._group.error or f"{self.job}: no .metadata was read")
         if self._metadata is None:
             if self._group is None:
                 self._metadata = self._read_metadata_file()
@@ -205,13 +209,16 @@ class FerryReader(StorageReader):
         """(The coordinator, or a rank alone.) Every rank's chunks, planned from the
         manifests read once here, go to the rank inside its load plan."""
         step = self._resolve()
+        made: dict[Any, RangePlan] = {}  # ranks that read the same (a replicated load)
         out = []
         for plan in plans:
             ask = plan.storage_data
             base = ask.base_step if isinstance(ask, _RankAsk) else None
             wanted = merge_ranges(self._slices(plan))
-            ranges = plan_ranges(step, wanted, self._held_at(base))
-            out.append(dataclasses.replace(plan, storage_data=ranges))
+            key = (tuple(wanted.items()), base)
+            if key not in made:
+                made[key] = plan_ranges(step, wanted, self._held_at(base))
+            out.append(dataclasses.replace(plan, storage_data=made[key]))
         return out
 
     def _held_at(self, base_step: int | None) -> dict[tuple[str, int], tuple[str, int]] | None:
@@ -277,41 +284,45 @@ class _RankAsk:
 
 class _Group:
     """The process group a load runs in, for the one exchange DCP has no hook for: every
-    rank needs ``.metadata`` before DCP's first collective, and only one should read it."""
+    rank needs ``.metadata`` before DCP's first collective, and only one should read it.
+    The coordinator is the group's rank 0, as DCP's own."""
 
-    def __init__(self, group: Any, coordinator: int) -> None:
-        self.group, self.coordinator = group, coordinator
-        self.error: str | None = None
+    COORDINATOR = 0
+
+    def __init__(self, group: Any) -> None:
+        self.group = group
+        self.error: str | None = None  # the last failed read's reason, as every rank got it
 
     @classmethod
-    def of(cls, group: Any, coordinator: int) -> _Group | None:
+    def of(cls, group: Any) -> _Group | None:
         """None when this process loads alone (no group, or a group of one)."""
         if not (dist.is_available() and dist.is_initialized()):
             return None
         if dist.get_world_size(group) <= 1:
             return None
-        return cls(group, coordinator)
+        return cls(group)
 
     def from_coordinator(self, read: Any) -> Any:
-        """(Collective.) ``read()`` on the coordinator; its value, or its error as a
-        FerryError, on every rank (so no rank waits for a broadcast that never comes)."""
-        if self.error is not None:
-            raise FerryError(self.error)
+        """(Collective.) ``read()`` on the coordinator; its value on every rank, or its
+        error: the coordinator's own exception there, a FerryError with its reason on the
+        others. Whatever ``read`` raises, the broadcast happens, so no rank waits for one
+        that never comes."""
         box: list[Any] = [None]
         mine: BaseException | None = None
-        if dist.get_rank(self.group) == self.coordinator:
+        if dist.get_rank(self.group) == self.COORDINATOR:
             try:
                 box[0] = (True, read())
-            except Exception as exc:
-                mine = exc
+            except BaseException as exc:  # (a KeyboardInterrupt too: DCP carries on to its
+                mine = exc  # gather, where every rank must meet it)
                 what = str(exc) if isinstance(exc, FerryError) else f"{type(exc).__name__}: {exc}"
-                box[0] = (False, f"the coordinator (rank {self.coordinator}): {what}")
-        src = self.coordinator
+                box[0] = (False, f"the coordinator (rank {self.COORDINATOR}): {what}")
+        src = self.COORDINATOR
         if self.group is not None:
-            src = dist.get_global_rank(self.group, self.coordinator)
+            src = dist.get_global_rank(self.group, self.COORDINATOR)
         dist.broadcast_object_list(box, src=src, group=self.group)
         ok, value = box[0]
         if ok:
+            self.error = None
             return value
         self.error = value
         if mine is not None:

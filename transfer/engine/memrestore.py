@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import pickle
 import time
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from transfer.codec import check_encoding
 from transfer.codec.transforms import Buffer
@@ -30,8 +32,6 @@ from transfer.engine.chunkindex import ChunkIndex, StoredChunk
 from transfer.engine.fetch import fetch_chunks
 from transfer.engine.pull import (
     checked_index,
-    held_at,
-    manifests_named_by,
     reuse_local,
     same_position,
     zero_chunk_id,
@@ -78,6 +78,19 @@ class RangePlan:
     #: their position); None: not known, look for every one
     candidates: list[str] | None
     bytes_raw: int
+    _blob: bytes | None = field(default=None, repr=False, compare=False)
+
+    def __reduce__(self) -> tuple[Any, tuple[bytes]]:
+        """Pickled as one blob of plain tuples, made once: DCP's scatter pickles each rank's
+        plan, a replicated load sends one plan to every rank, and a dataclass per chunk
+        pickles 10x slower (20,000 chunks: 0.07 s against 0.006 s)."""
+        if self._blob is None:
+            chunks = [(c.id, c.size, c.enc, c.pack_id, c.offset, c.stored, c.base)
+                      for c in self.chunks]  # fmt: skip
+            fields = (self.job, self.step, self.wanted, self.targets, self.zeros, chunks,
+                      self.candidates, self.bytes_raw)  # fmt: skip
+            self._blob = pickle.dumps(fields, protocol=pickle.HIGHEST_PROTOCOL)
+        return _plan_from_blob, (self._blob,)
 
     def index(self) -> ChunkIndex:
         index = ChunkIndex()
@@ -89,6 +102,12 @@ class RangePlan:
     def hints(self) -> dict[str, tuple[str, int]]:
         """Each target's first position: where base_dir is looked at for it, or its base."""
         return {cid: positions[0] for cid, positions in self.targets.items()}
+
+
+def _plan_from_blob(blob: bytes) -> RangePlan:
+    job, step, wanted, targets, zeros, chunks, candidates, bytes_raw = pickle.loads(blob)
+    return RangePlan(job, step, wanted, targets, zeros, [StoredChunk(*c) for c in chunks],
+                     candidates, bytes_raw, blob)  # fmt: skip
 
 
 class StepChunks:
@@ -157,25 +176,6 @@ def plan_ranges(
         candidates=candidates,
         bytes_raw=bytes_raw,
     )
-
-
-async def restore_ranges(
-    store: Store,
-    manifests: list[Manifest],
-    wanted: Wanted,
-    landed: Landed,
-    base_dir: Path | None = None,
-    options: TransferOptions | None = None,
-) -> MemRestoreResult:
-    """``plan_ranges`` and ``restore_plan`` in one, where the caller holds the manifests;
-    ``base_dir``'s own manifests are read from the store when its name gives a step."""
-    check_base_dir(base_dir)
-    held = None
-    if base_dir is not None:
-        base_manifests = await manifests_named_by(store, manifests[0].job, base_dir)
-        held = None if base_manifests is None else held_at(base_manifests)
-    plan = plan_ranges(StepChunks(manifests), wanted, held)
-    return await restore_plan(store, plan, landed, base_dir, options)
 
 
 async def restore_plan(
