@@ -353,7 +353,11 @@ def test_usage_errors_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     with pytest.raises(SystemExit) as exc:
         ferry(["pull", str(tmp_path), str(tmp_path / "x"), "--job", "j", "--step", "soon"])
     assert exc.value.code == 2
-    capsys.readouterr()
+    # each in one line, saying where the usage is (not a screenful of every option first)
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 3 and all(line.endswith("--help)") for line in lines), lines
+    assert lines[0].startswith("ferry push: error: cannot tell the step"), lines
+    assert "required: --job" in lines[1], lines
     assert ferry(["push", str(d), str(tmp_path), "--job", "bad/name", "--step", "1"]) == 1
     assert "invalid job name" in capsys.readouterr().err
 
@@ -672,3 +676,35 @@ def test_an_in_process_store_is_refused_by_the_cli(
     assert exited.value.code == 2
     err = capsys.readouterr().err
     assert "an in-process (memory://) store lives only as long as one command" in err
+
+
+def test_a_store_path_that_is_a_file_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A file where the store directory should be was told "does not exist" (ls, push)
+    or "File exists" (init)."""
+    ckpt = make_checkpoint(tmp_path / "step_000001", shard_bytes=1000)
+    afile = tmp_path / "afile"
+    afile.write_bytes(b"not a store")
+    for args in (["ls", str(afile)], ["init", str(afile)],
+                 ["push", str(ckpt), str(afile), "--job", "j"]):  # fmt: skip
+        capsys.readouterr()
+        assert ferry(args) == 1, args
+        assert f"store path {afile} is a file, not a directory" in capsys.readouterr().err
+    assert afile.read_bytes() == b"not a store"
+
+
+def test_a_mistyped_job_or_step_names_what_the_store_holds(
+    local_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """verify said "nothing matches" where ls named the jobs there: every listing command
+    now names them (and verify, the steps of the job)."""
+    ckpt = make_checkpoint(tmp_path / "step_000010", shard_bytes=1000)
+    assert ferry(["push", str(ckpt), local_url, "--job", "llama"]) == 0
+    for command in ("ls", "du", "verify"):
+        capsys.readouterr()
+        assert ferry([command, local_url, "--job", "lama"]) == 1
+        err = capsys.readouterr().err
+        assert f"no checkpoint of job 'lama' in {local_url} (jobs there: llama)" in err, err
+    assert ferry(["verify", local_url, "--job", "llama", "--step", "11"]) == 1
+    assert "no step 11 of job 'llama'" in capsys.readouterr().err

@@ -17,7 +17,7 @@ import json
 import os
 import sys
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar, cast
 
 from agent.cli import agent_tools, push_pull, retention_pins, store_view
 from agent.cli.args import UsageError
@@ -26,6 +26,7 @@ from agent.cli.shared import VerifyFailed
 from transfer.errors import FerryError
 
 if TYPE_CHECKING:  # the commands import what they need when they run: `ferry --help` is fast
+    from agent.cli.args import Commands
     from transfer.engine.progress import Progress
     from transfer.store.base import Store
 
@@ -33,9 +34,17 @@ if TYPE_CHECKING:  # the commands import what they need when they run: `ferry --
 S = TypeVar("S")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a usage error said in one line (and where the usage is), not after
+    a screenful of every option; subcommands' parsers are of this class too."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ferry", description=__doc__.split("\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="ferry", description=__doc__.split("\n")[0])
+    sub = cast("Commands", parser.add_subparsers(dest="command", required=True))
     for add in (push_pull.add_init, push_pull.add_push, push_pull.add_pull,
                 store_view.add_listings, agent_tools.add_agent, agent_tools.add_estimate,
                 agent_tools.add_plan, agent_tools.add_demo, retention_pins.add_retention,
@@ -161,7 +170,9 @@ def _main(argv: list[str] | None) -> int:
     try:
         doc, line = _run_terminable(_run(args))
     except UsageError as exc:
-        parser.error(str(exc))  # exits 2
+        print(f"ferry {args.command}: error: {exc} (see ferry {args.command} --help)",
+              file=sys.stderr)  # fmt: skip
+        raise SystemExit(2) from None  # (as argparse's own usage errors)
     except VerifyFailed as exc:
         if args.json:
             print(json.dumps(exc.doc))

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 from agent.cli.args import add_store_args, add_transfer_args, transfer_options
 from agent.cli.shared import VerifyFailed, human, require_store
-from transfer.errors import CheckpointNotFoundError, FormatError
+from transfer.errors import FormatError
 from transfer.format.names import check_name
 
 if TYPE_CHECKING:
@@ -40,7 +40,7 @@ def add_verify(sub: Commands) -> None:
 
 
 async def cmd_ls(store: Store, args: argparse.Namespace) -> tuple[dict[str, Any], str]:
-    from transfer.engine.catalog import list_checkpoints, load_manifest
+    from transfer.engine.catalog import list_checkpoints, load_manifest, nothing_matches
     from transfer.format.manifest import chain_depths
 
     if args.job:
@@ -49,11 +49,7 @@ async def cmd_ls(store: Store, args: argparse.Namespace) -> tuple[dict[str, Any]
     await require_store(store)
     found = await list_checkpoints(store, args.job)
     if args.job and not found:
-        jobs = sorted({c.job for c in await list_checkpoints(store)})
-        raise CheckpointNotFoundError(
-            f"no checkpoint of job {args.job!r} in {store.url} (jobs there: "
-            f"{', '.join(jobs) or 'none'})"
-        )
+        raise await nothing_matches(store, args.job, None)
     for c in found:
         try:
             m = await load_manifest(store, c.job, c.step, c.node)
@@ -102,7 +98,7 @@ def _coded(row: dict[str, Any]) -> str:
 async def cmd_du(store: Store, args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     import time
 
-    from transfer.engine.catalog import list_checkpoints
+    from transfer.engine.catalog import list_checkpoints, nothing_matches
     from transfer.retention import take_inventory
     from transfer.retention.policy import format_size as size
     from transfer.retention.usage import store_usage
@@ -111,7 +107,7 @@ async def cmd_du(store: Store, args: argparse.Namespace) -> tuple[dict[str, Any]
         check_name("job", args.job)
     await require_store(store)
     if args.job and not await list_checkpoints(store, args.job):
-        raise CheckpointNotFoundError(f"no checkpoint of job {args.job!r} in {store.url}")
+        raise await nothing_matches(store, args.job, None)
     now = time.time()
     u = store_usage(await take_inventory(store, now=now), now=now, job=args.job)
     lines = [

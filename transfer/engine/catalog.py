@@ -289,6 +289,24 @@ async def resolve_manifests(
     return await catalog.manifests(job, chosen)
 
 
+async def nothing_matches(store: Store, job: str | None, step: int | None) -> FerryError:
+    """The error for a job or step a store lacks, naming what it has instead (a typo'd
+    job is seen at once): one listing of the store's manifests."""
+    found = await list_checkpoints(store)
+    jobs = sorted({c.job for c in found})
+    if job is not None and job not in jobs:
+        return CheckpointNotFoundError(
+            f"no checkpoint of job {job!r} in {store.url} (jobs there: {', '.join(jobs) or 'none'})"
+        )
+    steps = sorted({c.step for c in found if job is None or c.job == job})
+    shown = ", ".join(map(str, steps[-8:]))
+    more = f"{len(steps) - 8} more, then " if len(steps) > 8 else ""
+    what = f"job {job!r}" if job is not None else "any job"
+    return CheckpointNotFoundError(
+        f"no step {step} of {what} in {store.url} (steps there: {more}{shown or 'none'})"
+    )
+
+
 def step_is_complete(
     parts: Collection[str],
     has_marker: bool,

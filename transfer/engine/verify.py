@@ -7,7 +7,7 @@ from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from transfer.engine.catalog import list_checkpoints, load_manifest, open_catalog
+from transfer.engine.catalog import list_checkpoints, load_manifest, nothing_matches, open_catalog
 from transfer.engine.chunkindex import ChunkIndex
 from transfer.engine.fetch import fetch_chunks
 from transfer.engine.resolver import ChunkResolver
@@ -65,7 +65,7 @@ async def verify(
         raise CheckpointNotFoundError(f"{store.url} holds no checkpoints")
     entries = [c for c in await list_checkpoints(store, job) if step is None or c.step == step]
     if not entries:
-        raise CheckpointNotFoundError(f"nothing matches in {store.url}")
+        raise await nothing_matches(store, job, step)
     result = VerifyResult(checkpoints=len(entries))
     index = ChunkIndex()
     used_by: dict[str, list[str]] = defaultdict(list)

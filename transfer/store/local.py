@@ -226,6 +226,7 @@ class LocalStore(Store):
         return self.root / check_key(key)
 
     async def check(self) -> None:
+        self._refuse_a_file()
         if not self.root.is_dir():
             raise NotFoundError(
                 f"store directory {self.root} does not exist (create it, or check the mount)"
@@ -233,7 +234,12 @@ class LocalStore(Store):
         if not os.access(self.root, os.R_OK | os.X_OK):
             raise AccessDeniedError(f"store directory {self.root}: permission denied")
 
+    def _refuse_a_file(self) -> None:
+        if self.root.exists() and not self.root.is_dir():
+            raise StoreError(f"store path {self.root} is a file, not a directory")
+
     async def create_root(self) -> None:
+        self._refuse_a_file()
         await self.run(f"create {self.root}", lambda: self.root.mkdir(parents=True, exist_ok=True))
         await self.check()
 
