@@ -393,3 +393,37 @@ def test_salvage_with_journaled_receipts_works_whatever_listparts_says(s3_url: s
         await store.close()
 
     asyncio.run(go())
+
+
+def test_cli_push_to_a_directory_sigkilled_then_rerun_leaves_no_temp_file(
+    local_url: str, tmp_path: Path
+) -> None:
+    """A local store cannot tell which parts of a dead writer's pack landed whole (pwrite in
+    any order, no per-part checksum): the rerun sends that pack again, reuses the packs
+    the kill left complete, and removes the dead writer's temp file (it was left for
+    retention, 252 MB of it in a newcomer's trial)."""
+    store = Path(local_url)
+    src = write_checkpoint(tmp_path / "step_000010", SEED)
+    cmd = [sys.executable, "-m", "agent", "push", str(src), local_url, "--job", JOB,
+           "--node", "n", *CLI_SIZES]  # fmt: skip
+    env = {**os.environ, "XDG_STATE_HOME": str(tmp_path / "xdg-state")}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stderr=subprocess.PIPE)
+    try:  # killed once a pack is complete and the next is being written
+        wait_for(
+            lambda: (
+                proc.poll() is not None
+                or (any(store.rglob("*.pack")) and any(store.rglob(".*.tmp-*")))
+            ),
+            60,
+            "a complete pack and a pack being written",
+        )
+        proc.kill()
+    finally:
+        proc.wait(30)
+    if proc.returncode == -signal.SIGKILL:
+        assert any(store.rglob(".*.tmp-*")), "the kill left a pack half written"
+        assert 10 not in committed(local_url)
+    rerun = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr
+    assert not list(store.rglob(".*.tmp-*")), "the rerun removed the dead writer's temp files"
+    assert_all_verify(local_url, {10})

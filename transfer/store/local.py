@@ -21,7 +21,7 @@ import errno
 import os
 import secrets
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
@@ -376,6 +376,15 @@ class LocalStore(Store):
             return found
 
         return await self.run(f"list uploads {prefix!r}", walk) if start.is_dir() else []
+
+    async def salvage_upload(self, key: str, receipts: Sequence[PartReceipt] = ()) -> int | None:
+        """Nothing of a dead writer's temp file is kept: its parts land by ``pwrite`` in any
+        order with no per-part checksum, so which landed whole cannot be told (the push sends
+        that pack again). Its temp files are removed now, not left for retention's sweep."""
+        for pending in await self.list_uploads(key):
+            if pending.key == key:
+                await self.abort_upload(pending)
+        return None
 
     async def abort_upload(self, pending: PendingUpload) -> None:
         tmp = self.path_of(pending.key).with_name(pending.upload_id)
