@@ -708,3 +708,17 @@ def test_a_mistyped_job_or_step_names_what_the_store_holds(
         assert f"no checkpoint of job 'lama' in {local_url} (jobs there: llama)" in err, err
     assert ferry(["verify", local_url, "--job", "llama", "--step", "11"]) == 1
     assert "no step 11 of job 'llama'" in capsys.readouterr().err
+
+
+def test_a_save_without_metadata_is_pushed_with_a_warning(
+    local_url: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """DCP writes .metadata last: shards without it are an unfinished save, or one node's
+    part (--part). Pushed as they are (plain files may be named so), with a warning."""
+    ckpt = tmp_path / "step_000200"
+    ckpt.mkdir()
+    (ckpt / "__0_0.distcp").write_bytes(b"abc")
+    assert ferry(["push", str(ckpt), local_url, "--job", "j", "--node", "a", "--part"]) == 0
+    assert "holds DCP shards but no .metadata" not in caplog.text
+    assert ferry(["push", str(ckpt), local_url, "--job", "k"]) == 0
+    assert "holds DCP shards but no .metadata: a DCP load of this step will fail" in caplog.text
