@@ -123,6 +123,7 @@ async def cmd_push(
     from agent.node.journal import cli_push_journal, default_state_dir
     from transfer.engine import PushPlan, push
     from transfer.engine.catalog import init_store
+    from transfer.engine.dcp import shards_without_metadata
     from transfer.engine.scan import check_checkpoint_dir
 
     check_checkpoint_dir(args.ckpt_dir)
@@ -158,6 +159,13 @@ async def cmd_push(
         journal.remove()  # committed: its manifest references every pack
     finally:
         journal.close()
+    if not args.part and shards_without_metadata(args.ckpt_dir):
+        print(
+            f"ferry push: note: {args.ckpt_dir} holds DCP shards but no .metadata: a DCP "
+            "load of this step will fail (an unfinished save? one node's part of a "
+            "multi-node save: push it with --part)",
+            file=sys.stderr,
+        )
     rate = r.bytes_raw / r.seconds / 1e6 if r.seconds else 0.0
     note = " (already committed, identical)" if r.already_committed else ""
     line = (

@@ -15,15 +15,12 @@ yields None (the caller then relies on the stability check alone).
 from __future__ import annotations
 
 import io
-import logging
 import pickle
 import re
 from pathlib import Path
 from typing import Any
 
 from transfer.errors import SourceChangedError
-
-log = logging.getLogger(__name__)
 
 METADATA = ".metadata"
 _SHARD = re.compile(r"__\d+_\d+\.distcp\Z")  # a DCP storage file, as its writer names it
@@ -84,6 +81,13 @@ def required_lengths(metadata: bytes) -> dict[str, int] | None:
     return need
 
 
+def shards_without_metadata(root: Path) -> bool:
+    """``root`` holds DCP storage files but no ``.metadata``, which DCP writes last: an
+    unfinished save, or one node's part of a multi-node save (a DCP load of it fails)."""
+    names = [p.name for p in root.iterdir()] if root.is_dir() else []
+    return METADATA not in names and any(_SHARD.match(n) for n in names)
+
+
 def check_complete(root: Path, sizes: dict[str, int], *, part: bool = False) -> None:
     """Raise SourceChangedError when ``root``'s ``.metadata`` names storage files that
     ``sizes`` (relative path -> bytes) lacks or holds too short. Non-DCP directories pass.
@@ -91,13 +95,6 @@ def check_complete(root: Path, sizes: dict[str, int], *, part: bool = False) -> 
     ``.metadata`` and its own ranks' files): a named file may be absent, but one that is
     there must be whole; the step is whole when its parts together hold every file."""
     meta = root / METADATA
-    if METADATA not in sizes and not part and any(_SHARD.match(p) for p in sizes):
-        # (a warning, not a refusal: plain files named so are pushed as they are)
-        log.warning(
-            "warning: %s holds DCP shards but no %s: a DCP load of this step will fail "
-            "(an unfinished save? one node's part of a multi-node save: push it with --part)",
-            root, METADATA,
-        )  # fmt: skip
     if METADATA not in sizes or sizes[METADATA] > MAX_METADATA_BYTES:
         return
     need = required_lengths(meta.read_bytes())

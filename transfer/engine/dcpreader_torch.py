@@ -69,9 +69,10 @@ class FerryReader(StorageReader):
     plan, and ask the store for their chunks only. So a load of N nodes' parts costs the
     store O(N) control requests, not O(N) per rank. ``process_group`` must be the one
     given to ``dcp.load`` (None: the default group, as there); the coordinator is its rank
-    0, as DCP's. ``collective=False`` makes every rank read for itself (``dcp.load(
-    no_dist=True)``). ``read_metadata`` is then collective: call it on every rank or on
-    none (a call on rank 0 alone waits for the others until the group's timeout).
+    0, as DCP's. ``process_group=ALONE`` makes this rank read for itself (``dcp.load(
+    no_dist=True)``, or some ranks only). In a group ``read_metadata`` is collective: call
+    it on every rank or on none (on rank 0 alone it waits for the others until the
+    group's timeout).
 
     Alone (no group), the step is resolved here, so a wrong store, job, step or
     ``base_dir`` fails in one line before ``dcp.load`` (inside it, DCP wraps every error
@@ -88,7 +89,6 @@ class FerryReader(StorageReader):
         options: TransferOptions | None = None,
         memory_budget: int = DEFAULT_BUDGET,
         process_group: Any = None,
-        collective: bool = True,
     ) -> None:
         super().__init__()
         if step is not None and (not isinstance(step, int) or isinstance(step, bool)):
@@ -108,7 +108,7 @@ class FerryReader(StorageReader):
         self.last_restore: MemRestoreResult | None = None
         self.bytes_fetched = 0  # stored bytes this reader read from the store, all calls
         self.step: int | None = step  # (the newest, once resolved)
-        self._group = _Group.of(process_group) if collective else None
+        self._group = None if process_group is ALONE else _Group.of(process_group)
         self._metadata: bytes | None = None
         self._step_chunks: StepChunks | None = None  # where the manifests were read
         self._held: dict[int, dict[tuple[str, int], tuple[str, int]] | None] = {}
@@ -273,6 +273,15 @@ class FerryReader(StorageReader):
         done: torch.futures.Future[None] = torch.futures.Future()
         done.set_result(None)
         return done
+
+
+class _Alone:
+    def __repr__(self) -> str:
+        return "ALONE"
+
+
+#: ``FerryReader(..., process_group=ALONE)``: this rank reads the step for itself
+ALONE: Any = _Alone()
 
 
 @dataclasses.dataclass(frozen=True)
