@@ -145,12 +145,10 @@ class FerryReader(StorageReader):
         self.storage_data = {}
         self.load_id = uuid.uuid4().hex
 
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+    def read_metadata(self) -> Metadata:
+        # (no **kwargs: DCP retries a reader that takes them with rank-local metadata, which
+        # a step has none of: a second traceback per rank, and in a group a second broadcast)
         self._check_open()
-        if self._metadata is None and self._group is not None and "rank" in kwargs:
-            # DCP's rank-local fallback, right after the read failed on every rank alike:
-            # no second broadcast, the same reason
-            raise FerryError(self._group.error or f"{self.job}: no .metadata was read")
         if self._metadata is None:
             if self._group is None:
                 self._metadata = self._read_metadata_file()
@@ -300,7 +298,6 @@ class _Group:
 
     def __init__(self, group: Any) -> None:
         self.group = group
-        self.error: str | None = None  # the last failed read's reason, as every rank got it
 
     @classmethod
     def of(cls, group: Any) -> _Group | None:
@@ -331,9 +328,7 @@ class _Group:
         dist.broadcast_object_list(box, src=src, group=self.group)
         ok, value = box[0]
         if ok:
-            self.error = None
             return value
-        self.error = value
         if mine is not None:
             raise mine
         raise FerryError(value)
