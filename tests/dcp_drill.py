@@ -334,14 +334,18 @@ def _worker_load(args: dict[str, Any]) -> None:
 
         os.environ.update(src["env"])
         planned = None
-        with FerryReader(src["store"], src["job"], src["step"]) as reader:
+        from transfer.engine.dcpreader_torch import ALONE
+
+        alone = bool(src.get("alone"))  # each rank reads for itself, DCP without collectives
+        group = ALONE if alone else None
+        with FerryReader(src["store"], src["job"], src["step"], process_group=group) as reader:
             if src.get("interrupt_coordinator") and rank == 0:  # a fault no store can cause
 
                 def interrupted() -> bytes:
                     raise KeyboardInterrupt("injected")
 
                 reader._read_metadata_file = interrupted  # type: ignore[method-assign]
-            load(state, storage_reader=reader)
+            load(state, storage_reader=reader, no_dist=alone)
         assert reader.last_restore is not None
         restored = (reader.last_restore.bytes_raw, reader.bytes_fetched)
     else:

@@ -421,6 +421,14 @@ def test_survivors_load_their_shares_straight_from_the_store(
     asked = s3_proxy.stats.by_area
     assert asked["GET manifests"] == len(nodes), asked  # 4 x 4 when each rank read them
     assert asked["LIST"] + asked["GET ferry-store.json"] <= 3, asked  # the coordinator's alone
+    # process_group=ALONE with dcp.load(no_dist=True): each rank reads for itself, the same
+    asked.clear()
+    alone = load_drill(dict.fromkeys(range(4), source | {"alone": True}), 4, width=WIDTH)
+    for kind in ("model", "optim"):
+        for key, want in streamed[kind].items():
+            have = alone[kind][key]
+            assert want.equal(have) if hasattr(want, "shape") else have == want, key
+    assert asked["GET manifests"] == 4 * len(nodes), asked
     for kind in ("model", "optim"):
         assert streamed[kind].keys() == reference[kind].keys()
         for key, want in reference[kind].items():
