@@ -708,6 +708,11 @@ def test_a_mistyped_job_or_step_names_what_the_store_holds(
         assert f"no checkpoint of job 'lama' in {local_url} (jobs there: llama)" in err, err
     assert ferry(["verify", local_url, "--job", "llama", "--step", "11"]) == 1
     assert "no step 11 of job 'llama'" in capsys.readouterr().err
+    empty = tmp_path / "empty-store"
+    assert ferry(["init", str(empty)]) == 0
+    capsys.readouterr()
+    assert ferry(["verify", str(empty)]) == 1
+    assert f"{empty} holds no checkpoints" in capsys.readouterr().err
 
 
 def test_a_save_without_metadata_is_pushed_with_a_note(

@@ -23,6 +23,7 @@ from transfer.format.layout import pack_key
 torch = pytest.importorskip("torch")
 dcp = pytest.importorskip("torch.distributed.checkpoint")
 FerryReader = pytest.importorskip("transfer.engine.dcpreader_torch").FerryReader
+ALONE = pytest.importorskip("transfer.engine.dcpreader_torch").ALONE
 
 SMALL_CHUNKS = ["--chunk-size-mib", "1", "--part-size-mib", "1", "--pack-size-mib", "1"]
 
@@ -241,3 +242,8 @@ def test_a_step_without_metadata_says_so(store_url: str, tmp_path: Path) -> None
     with FerryReader(store_url, "p", 10) as reader, pytest.raises(BaseException) as failed:
         dcp.load({"w": torch.zeros(4)}, storage_reader=reader, no_dist=True)
     assert "p step 10 has no .metadata: not a DCP save" in str(failed.value)
+
+
+def test_alone_survives_a_trip_to_a_spawned_worker() -> None:
+    """ALONE is told by identity: reader arguments pickled to a worker keep meaning it."""
+    assert pickle.loads(pickle.dumps(ALONE)) is ALONE

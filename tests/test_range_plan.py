@@ -4,6 +4,7 @@ its chunks' delta bases and survives the trip to another rank (pickled in DCP's 
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 import random
 
@@ -80,6 +81,10 @@ def test_a_plan_carries_its_bases_and_travels_pickled() -> None:
     assert {c.id for c in plan.chunks} == {target, plan.index()[target].base}  # and no more
     again = pickle.loads(pickle.dumps(plan))
     assert again == plan and again.index()[target] == plan.index()[target]
+    # the pickled form is cached: a plan is frozen, and a changed copy pickles as changed
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.step = 8  # type: ignore[misc]
+    assert pickle.loads(pickle.dumps(dataclasses.replace(plan, step=8))).step == 8
 
 
 def test_a_range_the_step_lacks_is_refused() -> None:

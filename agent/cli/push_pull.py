@@ -162,8 +162,8 @@ async def cmd_push(
     if not args.part and shards_without_metadata(args.ckpt_dir):
         print(
             f"ferry push: note: {args.ckpt_dir} holds DCP shards but no .metadata: a DCP "
-            "load of this step will fail (an unfinished save? one node's part of a "
-            "multi-node save: push it with --part)",
+            "load of this step will fail unless another node's part brings it (an "
+            "unfinished save? one node's part of a multi-node save: push it with --part)",
             file=sys.stderr,
         )
     rate = r.bytes_raw / r.seconds / 1e6 if r.seconds else 0.0

@@ -294,16 +294,18 @@ async def nothing_matches(store: Store, job: str | None, step: int | None) -> Fe
     job is seen at once): one listing of the store's manifests."""
     found = await list_checkpoints(store)
     jobs = sorted({c.job for c in found})
-    if job is not None and job not in jobs:
+    if not found:
+        return CheckpointNotFoundError(f"{store.url} holds no checkpoints")
+    if (job is not None and job not in jobs) or step is None:
         return CheckpointNotFoundError(
-            f"no checkpoint of job {job!r} in {store.url} (jobs there: {', '.join(jobs) or 'none'})"
+            f"no checkpoint of job {job!r} in {store.url} (jobs there: {', '.join(jobs)})"
         )
     steps = sorted({c.step for c in found if job is None or c.job == job})
     shown = ", ".join(map(str, steps[-8:]))
-    more = f"{len(steps) - 8} more, then " if len(steps) > 8 else ""
+    earlier = f", and {len(steps) - 8} earlier" if len(steps) > 8 else ""
     what = f"job {job!r}" if job is not None else "any job"
     return CheckpointNotFoundError(
-        f"no step {step} of {what} in {store.url} (steps there: {more}{shown or 'none'})"
+        f"no step {step} of {what} in {store.url} (steps there: {shown}{earlier})"
     )
 
 

@@ -70,7 +70,9 @@ class FerryReader(StorageReader):
     store O(N) control requests, not O(N) per rank. ``process_group`` must be the one
     given to ``dcp.load`` (None: the default group, as there); the coordinator is its rank
     0, as DCP's. ``process_group=ALONE`` makes this rank read for itself (``dcp.load(
-    no_dist=True)``, or some ranks only). In a group ``read_metadata`` is collective: call
+    no_dist=True)``, or a load only some ranks make; every rank of one ``dcp.load`` passes
+    the same, and several ALONE ranks name the step: "the newest" is each one's own look).
+    In a group ``read_metadata`` is collective: call
     it on every rank or on none (on rank 0 alone it waits for the others until the
     group's timeout).
 
@@ -276,6 +278,9 @@ class FerryReader(StorageReader):
 class _Alone:
     def __repr__(self) -> str:
         return "ALONE"
+
+    def __reduce__(self) -> str:
+        return "ALONE"  # (unpickled as this module's ALONE: it is told by identity)
 
 
 #: ``FerryReader(..., process_group=ALONE)``: this rank reads the step for itself

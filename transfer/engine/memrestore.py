@@ -60,7 +60,7 @@ class MemRestoreResult:
     seconds: float
 
 
-@dataclass
+@dataclass(frozen=True)
 class RangePlan:
     """Everything a restore of some byte ranges of one step needs, and nothing else: made
     where the step's manifests are, restored where the bytes are wanted. In a DCP load one
@@ -78,19 +78,21 @@ class RangePlan:
     #: their position); None: not known, look for every one
     candidates: list[str] | None
     bytes_raw: int
-    _blob: bytes | None = field(default=None, repr=False, compare=False)
+    _blob: bytes | None = field(default=None, init=False, repr=False, compare=False)
 
     def __reduce__(self) -> tuple[Any, tuple[bytes]]:
         """Pickled as one blob of plain tuples, made once: DCP's scatter pickles each rank's
         plan, a replicated load sends one plan to every rank, and a dataclass per chunk
         pickles 10x slower (20,000 chunks: 0.07 s against 0.006 s)."""
-        if self._blob is None:
+        blob = self._blob
+        if blob is None:
             chunks = [(c.id, c.size, c.enc, c.pack_id, c.offset, c.stored, c.base)
                       for c in self.chunks]  # fmt: skip
             fields = (self.job, self.step, self.wanted, self.targets, self.zeros, chunks,
                       self.candidates, self.bytes_raw)  # fmt: skip
-            self._blob = pickle.dumps(fields, protocol=pickle.HIGHEST_PROTOCOL)
-        return _plan_from_blob, (self._blob,)
+            blob = pickle.dumps(fields, protocol=pickle.HIGHEST_PROTOCOL)
+            object.__setattr__(self, "_blob", blob)  # (frozen: the blob never goes stale)
+        return _plan_from_blob, (blob,)
 
     def index(self) -> ChunkIndex:
         index = ChunkIndex()
@@ -106,8 +108,10 @@ class RangePlan:
 
 def _plan_from_blob(blob: bytes) -> RangePlan:
     job, step, wanted, targets, zeros, chunks, candidates, bytes_raw = pickle.loads(blob)
-    return RangePlan(job, step, wanted, targets, zeros, [StoredChunk(*c) for c in chunks],
-                     candidates, bytes_raw, blob)  # fmt: skip
+    plan = RangePlan(job, step, wanted, targets, zeros, [StoredChunk(*c) for c in chunks],
+                     candidates, bytes_raw)  # fmt: skip
+    object.__setattr__(plan, "_blob", blob)
+    return plan
 
 
 class StepChunks:
