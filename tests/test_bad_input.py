@@ -358,6 +358,12 @@ def test_usage_errors_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert len(lines) == 3 and all(line.endswith("--help)") for line in lines), lines
     assert lines[0].startswith("ferry push: error: cannot tell the step"), lines
     assert "required: --job" in lines[1], lines
+    with pytest.raises(SystemExit) as exc:
+        ferry(["push", str(d), str(tmp_path), "--job", "j", "--bogus"])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err == (
+        "ferry push: error: unrecognized arguments: --bogus (see ferry push --help)\n"
+    )
     assert ferry(["push", str(d), str(tmp_path), "--job", "bad/name", "--step", "1"]) == 1
     assert "invalid job name" in capsys.readouterr().err
 

@@ -144,7 +144,11 @@ def _run_terminable(command: Coroutine[Any, Any, S]) -> S:
 
 def _main(argv: list[str] | None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # (said by the subcommand: argparse's own message names the top level)
+        print(f"ferry {args.command}: error: unrecognized arguments: {' '.join(unknown)} "
+              f"(see ferry {args.command} --help)", file=sys.stderr)  # fmt: skip
+        raise SystemExit(2)
     import asyncio  # only now: `ferry --help` never needs it (~0.1 s of start-up)
 
     if args.command == "agent":
