@@ -202,8 +202,11 @@ class FerryReader(StorageReader):
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         """The rank tells the coordinator which step its base_dir holds: the coordinator
         then says which chunks are worth looking for there."""
-        base = None if self.base_dir is None else step_from_dirname(self.base_dir.name)
-        return dataclasses.replace(plan, storage_data=_RankAsk(base))
+        return dataclasses.replace(plan, storage_data=_RankAsk(self._base_step()))
+
+    def _base_step(self) -> int | None:
+        """The step this node's base_dir holds, by its name (None: none, or unnamed)."""
+        return None if self.base_dir is None else step_from_dirname(self.base_dir.name)
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
         """(The coordinator, or a rank alone.) Every rank's chunks, planned from the
@@ -253,8 +256,7 @@ class FerryReader(StorageReader):
         if not isinstance(ranges, RangePlan) or (ranges.step, ranges.wanted) != (self.step, wanted):
             # a planner that rewrote the plan after the coordinator planned it: plan here
             log.info("%s step %s: planning this rank's chunks here", self.job, self.step)
-            base = None if self.base_dir is None else step_from_dirname(self.base_dir.name)
-            ranges = plan_ranges(self._resolve(), wanted, self._held_at(base))
+            ranges = plan_ranges(self._resolve(), wanted, self._held_at(self._base_step()))
         assembly = ItemAssembly(list(by_slice), self.memory_budget)
         fetch = self._loop.submit(
             restore_plan(self.store, ranges, assembly.landed, self.base_dir, self.options)

@@ -102,8 +102,12 @@ class RangePlan:
         return index
 
     def hints(self) -> dict[str, tuple[str, int]]:
-        """Each target's first position: where base_dir is looked at for it, or its base."""
-        return {cid: positions[0] for cid, positions in self.targets.items()}
+        return first_positions(self.targets)
+
+
+def first_positions(targets: Mapping[str, list[tuple[str, int]]]) -> dict[str, tuple[str, int]]:
+    """Each target's first position: where base_dir is looked at for it, or its base."""
+    return {cid: positions[0] for cid, positions in targets.items()}
 
 
 def _plan_from_blob(blob: bytes) -> RangePlan:
@@ -168,8 +172,7 @@ def plan_ranges(
                 targets[c.id].append((path, offset))
     candidates = None
     if held is not None:
-        hints = {cid: positions[0] for cid, positions in targets.items()}
-        candidates = same_position(targets, hints, held)
+        candidates = same_position(targets, first_positions(targets), held)
     return RangePlan(
         job=step.job,
         step=step.step,
