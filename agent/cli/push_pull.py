@@ -246,9 +246,8 @@ async def _share_of(store: Store, args: argparse.Namespace, step: int | None) ->
         raise UsageError("a share is read from every node's part: leave out --node")
     import json
 
-    from transfer.engine.catalog import Catalog, resolve_manifests
     from transfer.engine.dcpshare import Layout, parse_ranks
-    from transfer.engine.share import plan_share
+    from transfer.engine.share import resolve_share
 
     items = layout = None
     if args.items is not None:
@@ -258,5 +257,4 @@ async def _share_of(store: Store, args: argparse.Namespace, step: int | None) ->
             raise UsageError(f"--items {args.items}: {exc}") from None
     else:
         layout = Layout(args.world_size, parse_ranks(args.ranks))
-    manifests = await resolve_manifests(store, args.job, step)
-    return manifests, await plan_share(Catalog(store), manifests, layout, items)
+    return await resolve_share(store, args.job, step, (), (layout, items))

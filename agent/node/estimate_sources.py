@@ -21,7 +21,7 @@ from transfer.engine.chunkindex import ChunkIndex
 from transfer.engine.dcpshare import Layout, parse_ranks
 from transfer.engine.pull import local_bases, share_chunk_ids
 from transfer.engine.pullplan import merged_files
-from transfer.engine.share import Share, covers, plan_share, read_record
+from transfer.engine.share import Share, base_parts, covers, read_record, resolve_share
 from transfer.errors import CheckpointNotFoundError, FerryError, StoreError
 from transfer.format.manifest import FileEntry, Manifest
 from transfer.store.base import Store
@@ -65,10 +65,12 @@ class PrefetchEstimator:
         ranks = None if layout is None else _layout(layout)  # checked once, not per tier
         for name, store in self.tiers:
             try:
-                manifests = await resolve_checkpoint(store, job, step, self.config.expected_nodes)
-                share = None
-                if ranks is not None:
-                    share = await plan_share(Catalog(store), manifests, ranks)
+                expected = self.config.expected_nodes
+                if ranks is None:
+                    manifests, share = await resolve_checkpoint(store, job, step, expected), None
+                else:  # only the parts the share touches, as its prefetch reads them
+                    ask = (ranks, None)
+                    manifests, share = await resolve_share(store, job, step, expected, ask)
                 total = share.nbytes if share else sum(f.size for m in manifests for f in m.files)
                 sourcing = await self._sourcing(name, store, job, manifests, total, share)
             except CheckpointNotFoundError:
@@ -126,7 +128,8 @@ class PrefetchEstimator:
                 return Sourcing("local", {"local": 0}, 0, "default")  # held: nothing to do
             files = merged_files(manifests)  # (once: the bases' positions reuse it)
             wanted = share_chunk_ids(files, share)
-        held = await self._held_manifests(store, job, step)
+        paths = None if share is None else {f.path for m in manifests for f in m.files}
+        held = await self._held_manifests(store, job, step, paths)
         return await self._source_of(tier, store, manifests, files, held, wanted)
 
     async def _source_of(
@@ -204,16 +207,25 @@ class PrefetchEstimator:
         return None
 
     async def _held_manifests(
-        self, store: Store, job: str, step: int
+        self, store: Store, job: str, step: int, paths: set[str] | None
     ) -> dict[LocalCheckpoint, list[Manifest]]:
         """The steps of ``job`` up to ``step`` this node holds, newest first, with their
         committed manifests (a local copy was verified when it was pulled, or is the source
-        a push was made from); an unreadable manifest is left out: its chunks count as
-        missing."""
+        a push was made from): for a share, only the parts holding its ``paths`` where the
+        step's file map says which (share.base_parts); an unreadable manifest is left
+        out: its chunks count as missing."""
         here = [c for c in self.config.hot.checkpoints(job) if c.step <= step]
         found: dict[LocalCheckpoint, list[Manifest]] = {c: [] for c in here}
         catalog = Catalog(store)
         for held in here:  # one listing per held step, not one of the whole job
+            if paths is not None:
+                try:
+                    narrowed = await base_parts(catalog, job, held.step, paths)
+                except FerryError:
+                    continue
+                if narrowed is not None:
+                    found[held] = narrowed
+                    continue
             for part in await catalog.parts(job, held.step):
                 try:
                     found[held].append(await catalog.manifest(job, held.step, part.node))

@@ -35,7 +35,7 @@ from agent.peers.fanout import FanoutSource, Landing
 from agent.rpc.services import Spawn, own_task
 from transfer.durable import fsync_dir
 from transfer.engine import PullEvents, PullPlan, Sources, TransferOptions, pull, warmcache
-from transfer.engine.catalog import Catalog, resolve_checkpoint
+from transfer.engine.catalog import Catalog, resolve_checkpoint, resolve_manifests
 from transfer.engine.dcpshare import Layout
 from transfer.engine.localcheck import local_copy_differences
 from transfer.engine.pull import share_chunk_ids
@@ -44,7 +44,7 @@ from transfer.engine.ratelimit import RateLimit
 from transfer.engine.restorenames import staging_path
 from transfer.engine.scan import SourceFile, check_unchanged, scan_checkpoint
 from transfer.engine.settle import settle
-from transfer.engine.share import plan_fill, plan_shares
+from transfer.engine.share import Share, base_parts, plan_fill, plan_shares, resolve_share
 from transfer.engine.sources import ChunkSource
 from transfer.engine.staging import discard_leftovers, sweep_stale_staging
 from transfer.engine.writepath import fits_in_spare_memory, page_cache_first
@@ -58,6 +58,7 @@ from transfer.errors import (
     StoreError,
 )
 from transfer.format.manifest import FileEntry, Manifest
+from transfer.format.names import step_from_dirname
 from transfer.retention import pin, unpin
 from transfer.store.base import Store
 
@@ -119,6 +120,9 @@ class PrefetchJob:
     #: request gave it: transfer/engine/share.py), or an explicit item list; None: all
     layout: dict[str, Any] | None = None
     items: list[Any] | None = None
+    #: the share, planned while its step was resolved from only the parts it touches
+    #: (share.resolve_share); None: resolved from every part
+    planned: Share | None = field(default=None, repr=False)
     #: set once the state is final: what ``GET /v1/prefetch/{id}?wait=`` waits for
     ended: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
 
@@ -435,9 +439,7 @@ class Prefetcher:
         requested = record.step
         for name, store in self.tiers:
             try:
-                manifests = await resolve_checkpoint(
-                    store, record.job, requested, self.expected_nodes
-                )
+                manifests = await self._resolve(record, store, requested)
                 record.step = manifests[0].step
                 lock = self._dest_locks.setdefault((record.job, record.step), asyncio.Lock())
                 async with lock, self._store_pin(store, record):
@@ -451,6 +453,30 @@ class Prefetcher:
         if all(missing):  # (errors decide, never their text)
             raise CheckpointNotFoundError("; ".join(errors) or "no tiers configured")
         raise FerryError("; ".join(errors))
+
+    async def _resolve(
+        self, record: PrefetchJob, store: Store, requested: int | None
+    ) -> list[Manifest]:
+        """The step's manifests; for a share asked of a step with nothing of it here (a
+        survivor after a scale-down), only the parts the share touches, the share planned
+        with them (record.planned): a few manifests of an N-node step, not N."""
+        record.planned = None
+        if (record.layout is None and record.items is None) or record.fanout is not None:
+            # (a fan-out member plans every member's share: it reads every part)
+            return await resolve_checkpoint(store, record.job, requested, self.expected_nodes)
+        layout = None if record.layout is None else _layout_of(record.layout)
+        ask = (layout, record.items)
+        manifests, share = await resolve_share(
+            store, record.job, requested, self.expected_nodes, ask
+        )
+        if not self._anything_here(record.job, manifests[0].step):
+            record.planned = share
+        else:  # a copy here is judged against every part
+            manifests = await resolve_manifests(store, record.job, manifests[0].step)
+        return manifests
+
+    def _anything_here(self, job: str, step: int) -> bool:
+        return os.path.lexists(self.hot_dir.step_path(job, step))
 
     @contextlib.asynccontextmanager
     async def _store_pin(self, store: Store, record: PrefetchJob) -> AsyncIterator[None]:
@@ -499,6 +525,10 @@ class Prefetcher:
         assert record.step is not None
         dest = self.hot_dir.step_path(record.job, record.step)
         record.dest = str(dest)
+        if record.planned is not None and self._anything_here(record.job, record.step):
+            # another prefetch put a copy there since this one resolved the step
+            manifests = await resolve_manifests(store, record.job, record.step)
+            record.planned = None
         held = self.hot_dir.checkpoints(record.job)
         to_share = record.layout is not None or record.items is not None
         to_share = to_share or self.hot_dir.is_share(dest)
@@ -584,7 +614,9 @@ class Prefetcher:
         assert record.step is not None and record.dest is not None
         dest = Path(record.dest)
         layout = None if record.layout is None else _layout_of(record.layout)
-        todo = await plan_fill(Catalog(store), manifests, dest, layout, record.items)
+        todo = await plan_fill(
+            Catalog(store), manifests, dest, layout, record.items, record.planned
+        )
         if todo.held:
             record.satisfied_by = "held"
             return
@@ -623,6 +655,17 @@ class Prefetcher:
         if _disk_sample(rate, busy, took, self.meter.rate("disk")):
             self.meter.record("disk", written, busy)
 
+    async def _base_parts(
+        self, record: PrefetchJob, store: Store, plan: PullPlan, base: Path | None
+    ) -> list[Manifest] | None:
+        """For a share resolved from only the parts it touches, the base step's parts
+        holding the same files (share.base_parts); else None: the pull reads them all."""
+        base_step = None if base is None else step_from_dirname(base.name)
+        if record.planned is None or plan.manifests is None or base_step is None:
+            return None
+        paths = {f.path for m in plan.manifests for f in m.files}
+        return await base_parts(Catalog(store), record.job, base_step, paths)
+
     def is_replica(self, job: str, step: int) -> bool:
         """Whether a standby's replication put ``step`` here (this agent's run)."""
         return self._restored.get((job, step), ([], False))[1]
@@ -647,7 +690,7 @@ class Prefetcher:
         record.bytes_by_source.setdefault(source, 0)  # named even when it sends nothing
         record.eta_rate = self.meter.rate(source)
         peers = (self.chunk_source,) if self.chunk_source is not None else ()
-        sources = Sources(base, chain=peers)
+        sources = Sources(base, await self._base_parts(record, store, plan, base), peers)
         # what this restore will land here: members asking for it are held until it does
         wanted: list[str] = []
         if record.fanout is not None and self.fanout_client is not None:

@@ -26,7 +26,6 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +36,7 @@ from agent.rpc.metrics import Metrics
 from agent.rpc.services import Spawn, own_task
 from transfer.engine import PushPlan, PushResult, TransferOptions, push
 from transfer.engine.catalog import Catalog, step_is_complete
-from transfer.engine.parts import check_step_whole
+from transfer.engine.parts import check_step_whole, completion_doc
 from transfer.engine.scan import scan_checkpoint
 from transfer.errors import (
     AlreadyExistsError,
@@ -365,18 +364,13 @@ class PushQueue:
         if not step_is_complete(nodes, False, self.expected_nodes, job_writes_markers=True):
             return False  # (the marker is what this writes: it cannot be there yet)
         try:
-            await check_step_whole(catalog, job, step)
+            manifests = await check_step_whole(catalog, job, step)
         except (IncompleteStepError, FormatError) as exc:
             self.stats.steps_torn += 1
             event(log, "step_torn", level=logging.ERROR, job=job, step=step, tier=store.url,
                   error=str(exc))  # fmt: skip
             return False
-        doc = {
-            "job": job,
-            "step": step,
-            "nodes": sorted(nodes),
-            "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
-        }
+        doc = completion_doc(job, step, manifests)
         try:
             await store.put(completion_key(job, step), json.dumps(doc).encode(), create_only=True)
         except AlreadyExistsError:

@@ -20,6 +20,7 @@ from transfer.errors import (
 from transfer.format import layout
 from transfer.format.manifest import Manifest, parse_manifest
 from transfer.format.names import check_name
+from transfer.format.stepfiles import StepFiles, parse_file_map
 from transfer.store.base import Store
 
 log = logging.getLogger(__name__)
@@ -188,14 +189,30 @@ class Catalog:
 
     async def manifests(self, job: str, step: int) -> list[Manifest]:
         """Every part of one step, in node order (a few fetched at a time)."""
+        return await self.manifests_of(job, step, [c.node for c in await self.parts(job, step)])
+
+    async def manifests_of(self, job: str, step: int, nodes: Sequence[str]) -> list[Manifest]:
+        """The parts of ``nodes`` (in that order), a few fetched at a time."""
         limit = asyncio.Semaphore(_MANIFEST_FETCHES)
 
         async def one(node: str) -> Manifest:
             async with limit:
                 return await self.manifest(job, step, node)
 
-        parts = await self.parts(job, step)
-        return list(await asyncio.gather(*(one(c.node) for c in parts)))
+        return list(await asyncio.gather(*(one(n) for n in nodes)))
+
+    async def step_files(self, job: str, step: int) -> StepFiles | None:
+        """Which part holds each file of the step, from its completion marker's map
+        (format/stepfiles.py); None: no marker, or one without a usable map (then a reader
+        reads every part: a map is a shortcut, never needed to read a step)."""
+        key = layout.completion_key(job, step)
+        try:
+            return parse_file_map(json.loads(await self.store.get(key)))
+        except NotFoundError:
+            return None
+        except (ValueError, FormatError) as exc:
+            log.warning("%s: %s; reading every part of the step instead", key, exc)
+            return None
 
     async def node_steps(self, job: str, node: str) -> list[int]:
         """The steps ``node`` committed parts of, ascending, from its head (one GET) when

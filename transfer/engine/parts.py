@@ -11,6 +11,7 @@ pull, which merges the parts it restores.
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
 
 from transfer.engine.catalog import Catalog
 from transfer.engine.chunkindex import ChunkIndex
@@ -18,6 +19,7 @@ from transfer.engine.dcp import MAX_METADATA_BYTES, METADATA, required_lengths
 from transfer.engine.resolver import ChunkResolver
 from transfer.errors import FormatError, IncompleteStepError
 from transfer.format.manifest import FileEntry, Manifest
+from transfer.format.stepfiles import file_map
 
 
 def may_share(a: FileEntry, b: FileEntry) -> bool:
@@ -75,6 +77,21 @@ async def check_step_whole(catalog: Catalog, job: str, step: int) -> list[Manife
     sizes = {path: f.size for path, (f, _) in merged.items()}
     check_files_whole(metadata, sizes, f"{job} step {step}", len(manifests))
     return manifests
+
+
+def completion_doc(job: str, step: int, manifests: list[Manifest]) -> dict[str, object]:
+    """The completion marker of a step whose parts ``check_step_whole`` returned
+    (docs/FORMAT.md): its nodes, when, and which part holds each file
+    (format/stepfiles.py: a share's reader then reads only the parts it touches)."""
+    doc: dict[str, object] = {
+        "job": job,
+        "step": step,
+        "nodes": sorted(m.node for m in manifests),
+        "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
+    }
+    if (files := file_map((f.path, f.size, m.node) for f, m in merge_parts(manifests))) is not None:
+        doc["files"] = files
+    return doc
 
 
 def check_files_whole(metadata: bytes, sizes: dict[str, int], what: str, parts: int) -> None:

@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
-from collections.abc import Hashable, Mapping
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
-from transfer.engine.catalog import Catalog
+from transfer.engine.catalog import Catalog, latest_complete_step, resolve_manifests
 from transfer.engine.dcp import MAX_METADATA_BYTES, METADATA, required_lengths
 from transfer.engine.dcpshare import (
     Layout,
@@ -36,11 +37,15 @@ from transfer.engine.dcpshare import (
     share_ranges,
 )
 from transfer.engine.parts import merge_parts, read_file
-from transfer.errors import FerryError, FormatError
-from transfer.format.manifest import Manifest
+from transfer.errors import FerryError, FormatError, NotFoundError
+from transfer.format.manifest import FileEntry, Manifest
 from transfer.format.share import SHARE_FORMAT, SHARE_MARKER, SHARE_VERSION
+from transfer.format.stepfiles import StepFiles
+from transfer.store.base import Store
 
 K = TypeVar("K", bound=Hashable | None)
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -104,17 +109,88 @@ async def plan_shares(
             f"{job} step {step} has no {METADATA} in its {len(manifests)} part(s): rank 0's "
             "node has not pushed its part yet (or it is not a DCP save); a share needs it"
         )
-    entry, owner = merged[METADATA]
+    metadata = await _read_metadata(catalog, *merged[METADATA])
+    sizes = {path: f.size for path, (f, _) in merged.items()}
+    return await asyncio.to_thread(_plan, metadata, sizes, asks)
+
+
+async def resolve_share(
+    store: Store,
+    job: str,
+    step: int | None,
+    expected_nodes: Sequence[str],
+    ask: tuple[Layout | None, object],
+) -> tuple[list[Manifest], Share]:
+    """The share ``ask`` (layout, items) of the step a prefetch means by ``step``
+    (catalog.resolve_checkpoint's rule), and the manifests of the parts that share
+    touches: with the step's file map (its completion marker's), only the parts holding
+    ``.metadata``, the storage files the share reads and any file outside DCP's storage
+    (a survivor of an N-node job reads a few manifests, not N); without one, every part."""
+    catalog = Catalog(store)
+    if step is None and expected_nodes:
+        step = await latest_complete_step(store, job, expected_nodes)
+    if step is not None and (files := await catalog.step_files(job, step)) is not None:
+        try:
+            return await _share_by_map(catalog, job, step, files, ask)
+        except (FormatError, NotFoundError) as exc:  # the parts say; they are the record
+            log.warning("%s step %s: %s; reading every part instead", job, step, exc)
+    manifests = await resolve_manifests(store, job, step)
+    return manifests, (await plan_shares(catalog, manifests, {None: ask}))[None]
+
+
+async def _share_by_map(
+    catalog: Catalog, job: str, step: int, files: StepFiles, ask: tuple[Layout | None, object]
+) -> tuple[list[Manifest], Share]:
+    """resolve_share by the step's file map: ``.metadata``'s part, then the parts the
+    share touches, each checked to hold its files at the sizes the map gave."""
+    if METADATA not in files.files:
+        raise FormatError(f"the file map names no {METADATA}")
+    owner = (await catalog.manifests_of(job, step, [files.files[METADATA][0]]))[0]
+    entry = next((f for f in owner.files if f.path == METADATA), None)
+    if entry is None:
+        raise FormatError(f"the file map places {METADATA} in {owner.node}'s part, which lacks it")
+    metadata = await _read_metadata(catalog, entry, owner)
+    sizes = {path: size for path, (_, size) in files.files.items()}
+    share = (await asyncio.to_thread(_plan, metadata, sizes, {None: ask}))[None]
+    touched = [p for p in files.files if p not in share.storage or share.ranges.get(p)]
+    manifests = await catalog.manifests_of(job, step, sorted(files.nodes_holding(touched)))
+    held = {f.path: f.size for f, _ in merge_parts(manifests)}
+    for path in touched:
+        if held.get(path) != files.files[path][1]:
+            raise FormatError(f"the file map places {path} where the parts do not hold it")
+    return manifests, share
+
+
+async def base_parts(
+    catalog: Catalog, job: str, base_step: int, paths: Iterable[str]
+) -> list[Manifest] | None:
+    """The parts of an earlier step ``base_step`` (the base a share's restore starts from)
+    that hold ``paths``, by that step's file map; None without one (the pull then reads
+    every part of it, by the base's directory name)."""
+    files = await catalog.step_files(job, base_step)
+    if files is None:
+        return None
+    try:
+        return await catalog.manifests_of(job, base_step, sorted(files.nodes_holding(paths)))
+    except NotFoundError:  # the base step is gone from the store: positions unknown, as
+        return None  # without a map; the pull then finds none either and reads every position
+
+
+async def _read_metadata(catalog: Catalog, entry: FileEntry, owner: Manifest) -> bytes:
     if entry.size > MAX_METADATA_BYTES:
-        raise FormatError(f"{job} step {step}: {METADATA} is {entry.size} bytes, over the limit")
-    metadata = await read_file(catalog, owner, entry)
+        raise FormatError(
+            f"{owner.job} step {owner.step}: {METADATA} is {entry.size} bytes, over the limit"
+        )
+    return await read_file(catalog, owner, entry)
 
-    def plan() -> dict[K, Share]:  # pure Python over the whole .metadata: off the loop
-        storage = frozenset(required_lengths(metadata) or ())
-        sizes = {path: f.size for path, (f, _) in merged.items() if path in storage}
-        return {key: _share(metadata, storage, sizes, *ask) for key, ask in asks.items()}
 
-    return await asyncio.to_thread(plan)
+def _plan(
+    metadata: bytes, sizes: dict[str, int], asks: Mapping[K, tuple[Layout | None, object]]
+) -> dict[K, Share]:
+    """Pure Python over the whole ``.metadata``: callers run it off the loop."""
+    storage = frozenset(required_lengths(metadata) or ())
+    sizes = {path: size for path, size in sizes.items() if path in storage}
+    return {key: _share(metadata, storage, sizes, *ask) for key, ask in asks.items()}
 
 
 def _share(
@@ -205,12 +281,14 @@ async def plan_fill(
     copy: Path,
     layout: Layout | None = None,
     items: object = None,
+    planned: Share | None = None,
 ) -> ShareFill:
     """What to pull into ``copy`` (a step directory, a partial copy or not there yet) for
-    the share of ``layout`` or ``items`` (neither: the whole step). One answer, so a
-    caller plans a share, reads the copy's record and widens in one place."""
-    share = None
-    if layout is not None or items is not None:
+    the share of ``layout`` or ``items`` (neither: the whole step; ``planned``: that
+    share, planned already by resolve_share). One answer, so a caller plans a share, reads
+    the copy's record and widens in one place."""
+    share = planned
+    if share is None and (layout is not None or items is not None):
         share = await plan_share(catalog, manifests, layout, items)
     had = read_record(copy)
     if had is None:

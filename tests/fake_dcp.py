@@ -1,0 +1,58 @@
+"""A DCP ``.metadata`` for steps that have no tensors to save: fleets of hundreds of tiny
+parts (bench/fleet.py) and tests that count what a share's reader asks of the store.
+
+It pickles what ferry reads of DCP's ``Metadata`` (``storage_data``: which bytes of which
+storage file hold each item; transfer/engine/dcp.py reads it with an inert unpickler) under
+DCP's own class names, written opcode by opcode: no torch in the process. A real DCP load
+of it would fail; nothing here loads it.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Mapping
+
+_DCP = "torch.distributed.checkpoint.metadata"
+
+
+def dcp_metadata(lengths: Mapping[str, int]) -> bytes:
+    """A ``.metadata`` whose storage files are ``lengths``' keys, each one item
+    ``w.<n>`` covering the whole file."""
+    info = "torch.distributed.checkpoint.filesystem", "_StorageInfo"
+    rows = b"".join(
+        _new(_DCP, "MetadataIndex", {"fqn": f"w.{n}", "offset": (0,), "index": None})
+        + _new(*info, {"relative_path": path, "offset": 0, "length": length})
+        for n, (path, length) in enumerate(sorted(lengths.items()))
+    )
+    storage = b"}(" + rows + b"u"
+    root = _new(_DCP, "Metadata", {"state_dict_metadata": {}, "planner_data": None})
+    # (the root's state dict gets storage_data added before BUILD closes it)
+    root = root[: -len(b"ub")] + _str("storage_data") + storage + b"ub"
+    return b"\x80\x02" + root + b"."
+
+
+def _new(module: str, name: str, state: dict[str, object]) -> bytes:
+    """``cls.__new__(cls)`` then ``__setstate__(state)``: GLOBAL, EMPTY_TUPLE, NEWOBJ,
+    a dict, BUILD."""
+    items = b"".join(_str(k) + _value(v) for k, v in state.items())
+    return b"c" + f"{module}\n{name}\n".encode() + b")\x81}(" + items + b"ub"
+
+
+def _value(v: object) -> bytes:
+    if v is None:
+        return b"N"
+    if isinstance(v, str):
+        return _str(v)
+    if isinstance(v, int):
+        raw = v.to_bytes((v.bit_length() + 8) // 8 or 1, "little", signed=True)
+        return b"\x8a" + bytes([len(raw)]) + raw  # LONG1
+    if isinstance(v, tuple):
+        return b"(" + b"".join(_value(x) for x in v) + b"t"
+    if isinstance(v, dict) and not v:
+        return b"}"
+    raise TypeError(f"fake_dcp cannot write {v!r}")
+
+
+def _str(s: str) -> bytes:
+    raw = s.encode()
+    return b"X" + struct.pack("<I", len(raw)) + raw

@@ -1,0 +1,212 @@
+"""A survivor's share of an N-node step reads the manifests of the parts it touches, not N:
+the completion marker maps each file to its part (format/stepfiles.py), and a prefetch,
+an estimate and ``ferry pull --items`` of a share read only ``.metadata``'s part and the
+parts holding the share's files (and its base step's parts holding the same files).
+Without a map, or with one the parts contradict, every part is read, as before."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from agent.node.estimate import BandwidthMeter
+from agent.node.hotdir import HotDir
+from agent.node.prefetch import Prefetcher, PrefetchPolicy, State
+from tests.conftest import open_test_store
+from tests.fake_dcp import dcp_metadata
+from transfer.engine import PushPlan, push
+from transfer.engine.catalog import Catalog
+from transfer.engine.parts import check_step_whole, completion_doc
+from transfer.format import layout
+from transfer.options import TransferOptions
+from transfer.store.base import Store
+
+JOB, N = "llm", 6
+NODES = tuple(f"n{r}" for r in range(N))
+SIZES = {f"__{r}_0.distcp": 40_000 + 1_000 * r for r in range(N)}
+#: the survivor's share: part of rank 2's file and all of rank 4's
+ITEMS = [
+    {"path": "__2_0.distcp", "offset": 1_000, "length": 9_000},
+    {"path": "__4_0.distcp", "offset": 0, "length": SIZES["__4_0.distcp"]},
+]
+OPTIONS = TransferOptions(chunk_size=8 << 10)
+
+
+def write_parts(root: Path, step: int) -> list[Path]:
+    """Node r's part: rank r's file; n0's also .metadata; n3's also a file outside DCP's
+    storage (kept whole by every share)."""
+    parts = []
+    for r, node in enumerate(NODES):
+        d = root / node / f"step_{step:06d}"
+        d.mkdir(parents=True)
+        rng = random.Random(r * 1000 + step // 10)  # a few bytes change per step
+        data = bytearray(random.Random(r).randbytes(SIZES[f"__{r}_0.distcp"]))
+        for _ in range(4):
+            data[rng.randrange(len(data))] ^= 0xFF
+        (d / f"__{r}_0.distcp").write_bytes(data)
+        if r == 0:
+            (d / ".metadata").write_bytes(dcp_metadata(SIZES))
+        if r == 3:
+            (d / "config.json").write_text(json.dumps({"step": step}))
+        parts.append(d)
+    return parts
+
+
+async def push_step(store: Store, root: Path, step: int, *, marker: bool = True) -> None:
+    for node, d in zip(NODES, write_parts(root, step), strict=True):
+        plan = PushPlan(part=True)
+        await push(store, d, job=JOB, step=step, node=node, options=OPTIONS, plan=plan)
+    if marker:  # what the agent of the node that completes the step writes
+        manifests = await check_step_whole(Catalog(store), JOB, step)
+        doc = completion_doc(JOB, step, manifests)
+        await store.put(layout.completion_key(JOB, step), json.dumps(doc).encode())
+
+
+def count_manifest_reads(store: Store) -> Counter[tuple[int, str]]:
+    """(step, node) of every manifest the store is asked for from now on."""
+    reads: Counter[tuple[int, str]] = Counter()
+    get = store.get
+
+    async def counting_get(key: str, start: int | None = None, end: int | None = None) -> bytes:
+        if (parsed := layout.parse_manifest_key(key)) is not None:
+            reads[(parsed[1], parsed[2])] += 1
+        return await get(key, start, end)
+
+    store.get = counting_get  # type: ignore[method-assign]
+    return reads
+
+
+def prefetch_shares(
+    tmp_path: Path, store: Store, steps: list[int]
+) -> tuple[list[Counter[tuple[int, str]]], HotDir]:
+    """The survivor's agent prefetches its share of each step in turn."""
+    hot = HotDir(tmp_path / "hot", ".metadata")
+    policy = PrefetchPolicy(expected_nodes=NODES)
+    prefetcher = Prefetcher(hot, [("t", store)], OPTIONS, BandwidthMeter(), policy)
+    reads = count_manifest_reads(store)
+    seen = []
+
+    async def go() -> None:
+        for step in steps:
+            record = prefetcher.submit(JOB, step, None, items=ITEMS)
+            assert record.task is not None
+            await record.task
+            assert record.state is State.READY, record.error
+            seen.append(Counter(reads))
+            reads.clear()
+
+    asyncio.run(go())
+    return seen, hot
+
+
+def assert_the_share(copy: Path, root: Path, step: int) -> None:
+    """The copy holds .metadata and config.json whole, the share's ranges, nothing else."""
+    src = {r: root / node / f"step_{step:06d}" for r, node in enumerate(NODES)}
+    assert sorted(p.name for p in copy.iterdir() if not p.name.startswith(".ferry")) == sorted(
+        [".metadata", "config.json", "__2_0.distcp", "__4_0.distcp"]
+    )
+    assert (copy / ".metadata").read_bytes() == (src[0] / ".metadata").read_bytes()
+    assert (copy / "config.json").read_bytes() == (src[3] / "config.json").read_bytes()
+    for item in ITEMS:
+        path, lo, n = item["path"], item["offset"], item["length"]
+        rank = int(path[2])
+        want = (src[rank] / path).read_bytes()[lo : lo + n]
+        with open(copy / path, "rb") as f:
+            f.seek(lo)
+            assert f.read(n) == want
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Any:
+    (tmp_path / "store").mkdir()
+    s = open_test_store(str(tmp_path / "store"))
+    yield s
+    asyncio.run(s.close())
+
+
+def test_a_share_reads_only_the_parts_it_touches_and_its_bases(
+    tmp_path: Path, store: Store
+) -> None:
+    for step in (10, 20):
+        asyncio.run(push_step(store, tmp_path / "src", step))
+    (first, second), hot = prefetch_shares(tmp_path, store, [10, 20])
+    touched = {"n0", "n2", "n3", "n4"}  # .metadata; the share's files; config.json
+    assert first == Counter({(10, n): 1 for n in touched})
+    # step 20 from its share of step 10: the same parts of each, once
+    assert second == Counter({(s, n): 1 for s in (10, 20) for n in touched})
+    assert_the_share(hot.step_path(JOB, 20), tmp_path / "src", 20)
+
+
+def test_without_a_map_every_part_is_read_and_the_share_is_the_same(
+    tmp_path: Path, store: Store
+) -> None:
+    asyncio.run(push_step(store, tmp_path / "src", 10, marker=False))
+    (first,), hot = prefetch_shares(tmp_path, store, [10])
+    assert first == Counter({(10, n): 1 for n in NODES})
+    assert_the_share(hot.step_path(JOB, 10), tmp_path / "src", 10)
+
+
+def test_a_map_the_parts_contradict_is_not_trusted(
+    tmp_path: Path, store: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A marker that places rank 4's file in n1's part: the parts are the record, so the
+    share is read from every part, and the warning names what disagreed."""
+    asyncio.run(push_step(store, tmp_path / "src", 10))
+    key = layout.completion_key(JOB, 10)
+    doc = json.loads(asyncio.run(store.get(key)))
+    doc["files"] = [[p, s, "n1" if p == "__4_0.distcp" else n] for p, s, n in doc["files"]]
+    asyncio.run(store.put(key, json.dumps(doc).encode()))
+    with caplog.at_level(logging.WARNING, logger="transfer.engine.share"):
+        (first,), hot = prefetch_shares(tmp_path, store, [10])
+    assert "the file map places __4_0.distcp where the parts do not hold it" in caplog.text
+    assert {node for _, node in first} == set(NODES)
+    assert_the_share(hot.step_path(JOB, 10), tmp_path / "src", 10)
+
+
+@pytest.mark.parametrize(
+    "files",
+    [
+        [["../escape", 1, "n0"]],  # a path out of the step
+        [["a", 1, "n9"]],  # a node the marker does not name
+        [["a", -1, "n0"]],
+        "not a list",
+    ],
+)
+def test_a_malformed_map_is_ignored_with_a_warning(
+    tmp_path: Path, store: Store, caplog: pytest.LogCaptureFixture, files: object
+) -> None:
+    asyncio.run(push_step(store, tmp_path / "src", 10))
+    key = layout.completion_key(JOB, 10)
+    doc = json.loads(asyncio.run(store.get(key))) | {"files": files}
+    asyncio.run(store.put(key, json.dumps(doc).encode()))
+    with caplog.at_level(logging.WARNING, logger="transfer.engine.catalog"):
+        (first,), hot = prefetch_shares(tmp_path, store, [10])
+    assert "reading every part of the step instead" in caplog.text
+    assert {node for _, node in first} == set(NODES)
+    assert_the_share(hot.step_path(JOB, 10), tmp_path / "src", 10)
+
+
+def test_ferry_pull_of_a_share_never_reads_the_parts_it_does_not_touch(
+    tmp_path: Path, store: Store
+) -> None:
+    """n1's and n5's manifests garbled: a pull of the share does not read them, so it
+    succeeds; a pull of the whole step reads them and says which is unreadable."""
+    from agent.cli.run import main as ferry
+
+    asyncio.run(push_step(store, tmp_path / "src", 10))
+    for node in ("n1", "n5"):
+        (tmp_path / "store" / layout.manifest_key(JOB, 10, node)).write_text("{garbled")
+    items = tmp_path / "items.json"
+    items.write_text(json.dumps(ITEMS))
+    url, dest = str(tmp_path / "store"), tmp_path / "share"
+    args = ["pull", url, str(dest), "--job", JOB, "--step", "10"]
+    assert ferry([*args, "--items", str(items)]) == 0
+    assert_the_share(dest, tmp_path / "src", 10)
+    assert ferry(["pull", url, str(tmp_path / "whole"), "--job", JOB, "--step", "10"]) != 0
