@@ -8,13 +8,20 @@ A job on N nodes saves a checkpoint every few minutes and each node pushes its o
 (``manifests/<job>/<step>/<node>.json``, docs/FORMAT.md). For each N this fills a fresh
 prefix of a real S3 server (SeaweedFS on loopback, ``tests/s3server.py``) with S steps of
 all N nodes, each part one small ``__<rank>_0.distcp`` (0.5-4 KB of random bytes, a few bytes
-changed per step, so later steps are pushed as deltas), then measures, through a counting
-proxy in front of the server (``CountingProxy``: ``tests/faultproxy.py`` with no faults,
-tallying each request by method and key), in this order:
+changed per step, so later steps are pushed as deltas; node 0's also the step's
+``.metadata``, ``tests/fake_dcp.py``) and each step's completion marker, then measures,
+through a counting proxy in front of the server (``CountingProxy``: ``tests/faultproxy.py``
+with no faults, tallying each request by method and key), in this order:
 
 - ``pull step``: ``transfer.engine.pull`` of step S (all N parts merged) into an empty dir;
 - ``pull latest``: the same with ``step=None``;
 - ``pull node``: node n0005's part of step S alone (``node=``);
+- ``share, every part``: the share a survivor's rank reads after the job shrinks to N/2
+  ranks (the files of two old ranks), read as every reader of a share did before the
+  completion marker's file map: every part's manifest, then the share's bytes;
+- ``share, by the map``: the same share prefetched by a survivor's agent onto a node that
+  holds nothing of the step (``agent/node/prefetch.py``): only the parts it touches,
+  found by the step's file map (docs/FORMAT.md, "The marker's file map");
 - ``load, coordinator``: what the coordinator rank of a ``dcp.load`` through FerryReader
   asks of the store: the step's parts resolved once, every node's rank planned from them
   (``transfer.engine.memrestore.plan_ranges``: here each rank reads one node's file), then
@@ -65,13 +72,20 @@ from typing import Any
 
 from aiohttp import web
 
+from agent.node.estimate import BandwidthMeter
+from agent.node.hotdir import HotDir
+from agent.node.prefetch import Prefetcher, PrefetchPolicy, State
 from bench._env import machine_info, source_info
 from bench._loopback import run_main
+from tests.fake_dcp import dcp_metadata
 from tests.faultproxy import FaultProxy
 from tests.s3server import S3Endpoint
 from transfer.engine import PullPlan, PushPlan, pull, push
-from transfer.engine.catalog import open_catalog, resolve_manifests
+from transfer.engine.catalog import Catalog, open_catalog, resolve_manifests
 from transfer.engine.memrestore import RangePlan, StepChunks, plan_ranges, restore_plan
+from transfer.engine.parts import check_step_whole, completion_doc
+from transfer.engine.share import plan_share
+from transfer.format.layout import completion_key
 from transfer.options import TransferOptions
 from transfer.retention import (
     Tier,
@@ -89,8 +103,8 @@ from transfer.store.base import Store
 JOB = "fleet"
 STEP_EVERY = 100
 OPS = (
-    "push", "pull step", "pull latest", "pull node", "load, coordinator", "load, another rank",
-    "retention", "gc",
+    "push", "pull step", "pull latest", "pull node", "share, every part", "share, by the map",
+    "load, coordinator", "load, another rank", "retention", "gc",
 )  # fmt: skip
 METHODS = ("LIST", "GET", "PUT", "HEAD", "DELETE", "POST")
 DEFAULT_NODES = (8, 32, 128, 512)
@@ -212,12 +226,35 @@ def part_dir(root: Path, rank: int, step: int) -> Path:
 
 
 def write_parts(root: Path, n: int, saves: int) -> None:
-    """Every node's saves 0..saves-1 on disk (plus the measured node's next one)."""
+    """Every node's saves 0..saves-1 on disk (plus the measured node's next one); node 0's
+    part also holds the step's ``.metadata`` (naming every node's file)."""
+    lengths = {f"__{rank}_0.distcp": len(part_bytes(rank, 0)) for rank in range(n)}
     for rank in range(n):
         for k in range(saves + (rank == measured_rank(n))):
             d = part_dir(root, rank, step_of(k))
             d.mkdir(parents=True, exist_ok=True)
             (d / f"__{rank}_0.distcp").write_bytes(part_bytes(rank, step_of(k)))
+            if rank == 0:
+                (d / ".metadata").write_bytes(dcp_metadata(lengths))
+
+
+def share_items(n: int) -> list[dict[str, Any]]:
+    """The share a survivor's rank reads after the job shrinks to n/2 ranks (one per
+    node): the files of old ranks 2m and 2m+1, m the measured node's new rank."""
+    first = 2 * (measured_rank(n) // 2)
+    ranks = sorted({first, min(first + 1, n - 1)})
+    return [
+        {"path": f"__{r}_0.distcp", "offset": 0, "length": len(part_bytes(r, 0))} for r in ranks
+    ]
+
+
+async def mark_complete(store: Store, saves: int) -> None:
+    """Each step's completion marker, as the agent of the node that completes it writes it
+    (with its file map)."""
+    for k in range(saves):
+        manifests = await check_step_whole(Catalog(store), JOB, step_of(k))
+        doc = completion_doc(JOB, step_of(k), manifests)
+        await store.put(completion_key(JOB, step_of(k)), json.dumps(doc).encode())
 
 
 def push_options() -> TransferOptions:
@@ -237,7 +274,10 @@ async def bounded(jobs: Iterable[Awaitable[None]], limit: int = CONCURRENCY) -> 
 
 async def push_part(store: Store, root: Path, rank: int, step: int) -> None:
     d = part_dir(root, rank, step)
-    await push(store, d, job=JOB, step=step, node=node_name(rank), options=push_options())
+    plan = PushPlan(part=True)  # one node's part of the step, as its agent pushes it
+    await push(
+        store, d, job=JOB, step=step, node=node_name(rank), options=push_options(), plan=plan
+    )
 
 
 async def populate_direct(store: Store, root: Path, n: int, saves: int) -> None:
@@ -311,10 +351,38 @@ async def op_pull(store: Store, fleet: Fleet, step: int | None, node: str | None
     dest = fleet.work / f"pull-{secrets.token_hex(4)}"
     try:
         result = await pull(store, dest, PullPlan(JOB, step, node))
-        if result.files != (1 if node else fleet.n):
+        if result.files != (1 if node else fleet.n + 1):  # (+ .metadata)
             raise SystemExit(f"pull of step {step} node {node} restored {result.files} files")
     finally:
         shutil.rmtree(dest, ignore_errors=True)
+
+
+async def op_share_every_part(store: Store, fleet: Fleet) -> None:
+    """A survivor's share of step S as every reader of a share read it before the marker's
+    file map (and still does without one): every part, then the share's bytes."""
+    manifests = await resolve_manifests(store, JOB, fleet.last)
+    share = await plan_share(Catalog(store), manifests, items=share_items(fleet.n))
+    dest = fleet.work / f"share-{secrets.token_hex(4)}"
+    try:
+        await pull(store, dest, PullPlan(JOB, fleet.last, manifests=manifests, share=share))
+    finally:
+        shutil.rmtree(dest, ignore_errors=True)
+
+
+async def op_share_by_map(store: Store, fleet: Fleet) -> None:
+    """The same share prefetched by a survivor's agent onto a node holding nothing of the
+    step (agent/node/prefetch.py): the parts it touches, by the step's file map."""
+    hot = HotDir(fleet.work / f"hot-{secrets.token_hex(4)}", ".metadata")
+    policy = PrefetchPolicy(expected_nodes=tuple(fleet.nodes))
+    prefetcher = Prefetcher(hot, [("s3", store)], push_options(), BandwidthMeter(), policy)
+    try:
+        record = prefetcher.submit(JOB, fleet.last, None, items=share_items(fleet.n))
+        assert record.task is not None
+        await record.task
+        if record.state is not State.READY:
+            raise SystemExit(f"share prefetch: {record.state} {record.error}")
+    finally:
+        shutil.rmtree(hot.root, ignore_errors=True)
 
 
 async def op_load_coordinator(store: Store, fleet: Fleet) -> None:
@@ -385,6 +453,8 @@ def operations(fleet: Fleet) -> list[tuple[str, Op]]:
         ("pull step", lambda s, f: op_pull(s, f, f.last, None)),
         ("pull latest", lambda s, f: op_pull(s, f, None, None)),
         ("pull node", lambda s, f: op_pull(s, f, f.last, f.me)),
+        ("share, every part", op_share_every_part),
+        ("share, by the map", op_share_by_map),
         ("load, coordinator", op_load_coordinator),
         ("load, another rank", op_load_another_rank),
         ("push", op_push),
@@ -428,6 +498,7 @@ async def run_fleet(
                 await populate_staged(store, fleet.root, n, saves, stage)
             finally:
                 shutil.rmtree(stage, ignore_errors=True)
+        await mark_complete(store, saves)
         populate_s = time.monotonic() - began
         objects = len(await store.list(""))
     finally:

@@ -36,6 +36,10 @@ def test_quick_fleet_counts_requests(s3_env: S3Endpoint, tmp_path: Path) -> None
         assert pull_step.get("GET manifests", 0) >= n, pull_step
         assert r["ops"]["pull step"]["data_requests"] >= n  # every part's pack at least
         assert r["ops"]["pull latest"]["areas"].get("GET manifests", 0) >= n
+        # a survivor's share: every part without the marker's file map, three with it
+        # (.metadata's, and the two old ranks' files it reads), whatever N
+        assert r["ops"]["share, every part"]["areas"].get("GET manifests", 0) == n
+        assert r["ops"]["share, by the map"]["areas"].get("GET manifests", 0) == 3
     push = runs[8]["ops"]["push"]
     assert push["areas"].get("PUT manifests", 0) >= 1, push
     assert push["data"].get("PUT", 0) + push["data"].get("POST", 0) >= 1, push  # its pack
