@@ -475,3 +475,99 @@ def test_an_interrupt_on_the_coordinator_reaches_every_rank(
     text = str(failed.value)
     assert "rank 1:" in text and "the coordinator (rank 0): KeyboardInterrupt: injected" in text
     assert "still running" not in text and "killed" not in text, text
+
+
+def test_survivors_holding_their_parts_receive_only_their_shares_and_load_resharded(
+    drill: tuple[Path, list[Path]],
+    local_url: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The scale-down as it happens: 4 nodes' agents push their parts (the last one in
+    writes the completion marker, with its file map), then the scheduler asks the two
+    survivors, each still holding its own part, for the shares their new ranks read (world
+    size 4): each receives what its share lacks, not the step (every other byte a hole,
+    fewer bytes than the share pulled onto an empty node); its own files are untouched;
+    the 4 new ranks load tensor-equal to a load of the whole save."""
+    import contextlib
+    import time
+
+    from agent.rpc.client import FerryClient
+    from tests.harness import TOKEN, agent
+
+    save, nodes = drill
+    expected = ("n0", "n1", "n2", "n3")
+    survivors = {"n0": [0, 1], "n2": [2, 3]}
+
+    async def go() -> dict[str, dict[str, Any]]:
+        async with contextlib.AsyncExitStack() as stack:
+            urls = {}
+            for k in range(len(nodes)):
+                env = {"FERRY_EXPECTED_NODES": ",".join(expected)}
+                marker = 'commit_marker = ""\n' if k else None
+                urls[f"n{k}"] = await stack.enter_async_context(
+                    agent(hot(k), [local_url], f"n{k}", extra_env=env, config_text=marker)
+                )
+            store = open_test_store(local_url)
+            try:
+                deadline = time.monotonic() + 60
+                while not await store.exists(f"complete/drill/{STEP:018d}.json"):
+                    assert time.monotonic() < deadline, "the step was never completed"
+                    await asyncio.sleep(0.2)
+            finally:
+                await store.close()
+            done = {}
+            for node, ranks in survivors.items():
+                async with FerryClient(urls[node], TOKEN) as c:
+                    job_id = await c.prefetch("drill", STEP, layout=(4, ranks))
+                    done[node] = await c.wait_prefetch(job_id)
+            return done
+
+    def hot(k: int) -> Path:
+        return tmp_path / f"n{k}" / "hot"
+
+    copies = {}
+    for k, node_dir in enumerate(nodes):  # each node's training wrote its part there
+        copies[f"n{k}"] = hot(k) / "drill" / f"step_{STEP:06d}"
+        shutil.copytree(node_dir, copies[f"n{k}"])
+    written = {n: {p.name: p.stat().st_ino for p in copies[n].iterdir()} for n in survivors}
+    done = asyncio.run(go())
+    moved_by: dict[str, int] = {}
+    for node, status in done.items():
+        assert status["state"] == "ready" and status["satisfied_by"] == "filled_in", status
+        after = {p.name: p.stat().st_ino for p in copies[node].iterdir()}
+        assert all(after[name] == ino for name, ino in written[node].items()), node
+        moved = sum(status["bytes_by_source"].values())
+        moved_by[node] = moved
+        assert_only_the_share(copies[node], save, set(written[node]))
+    reference = load_drill(dict.fromkeys(range(4), save), 4, width=WIDTH)
+    a, b = copies["n0"], copies["n2"]
+    resharded = load_drill({0: a, 1: a, 2: b, 3: b}, 4, width=WIDTH)
+    for kind in ("model", "optim"):
+        for key, want in reference[kind].items():
+            have = resharded[kind][key]
+            assert want.equal(have) if hasattr(want, "shape") else have == want, key
+    assert resharded["loss_after"] == reference["loss_after"]
+    # less than the same share pulled onto an empty node: its own part is reused
+    for node, ranks in survivors.items():
+        got = pull_share(local_url, tmp_path / f"cli-{node}", ",".join(map(str, ranks)), capsys)
+        assert moved_by[node] < got["bytes_transferred"], (node, moved_by[node], got)
+
+
+def assert_only_the_share(copy: Path, save: Path, own: set[str]) -> None:
+    """A partial copy (its record there) holding its own files whole and, of every other
+    storage file, the bytes of the ranges its record names: everything else is a hole."""
+    from transfer.engine.share import read_record
+
+    record = read_record(copy)
+    assert record is not None and isinstance(record["ranges"], dict), record
+    for path in sorted(p.name for p in copy.iterdir() if p.name.endswith(".distcp")):
+        have, want = (copy / path).read_bytes(), (save / path).read_bytes()
+        if path in own:
+            assert have == want and record["ranges"][path] == [[0, len(want)]], path
+            continue
+        pos = 0
+        for lo, hi in record["ranges"].get(path, []):
+            assert have[lo:hi] == want[lo:hi] and not any(have[pos:lo]), path
+            pos = hi
+        assert not any(have[pos:]), path

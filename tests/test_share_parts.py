@@ -210,3 +210,47 @@ def test_ferry_pull_of_a_share_never_reads_the_parts_it_does_not_touch(
     assert ferry([*args, "--items", str(items)]) == 0
     assert_the_share(dest, tmp_path / "src", 10)
     assert ferry(["pull", url, str(tmp_path / "whole"), "--job", JOB, "--step", "10"]) != 0
+
+
+def test_a_survivor_holding_its_own_part_gets_only_what_its_share_lacks(
+    tmp_path: Path, store: Store
+) -> None:
+    """After a scale-down the survivor n4 holds its own part of the step (rank 4's file)
+    and its new rank reads part of rank 2's file and all of its own: the prefetch brings
+    .metadata, config.json and rank 2's range (not the other parts), leaves its own file
+    untouched, reads 4 manifests of 6, and the copy is from then on a partial copy (never
+    taken for the whole step) whose record names its own file and the share."""
+    from transfer.engine.share import read_record
+
+    asyncio.run(push_step(store, tmp_path / "src", 10))
+    own = tmp_path / "src" / "n4" / "step_000010"
+    hot = HotDir(tmp_path / "hot", "")  # a node without .metadata: its files are its part
+    here = hot.step_path(JOB, 10)
+    here.mkdir(parents=True)
+    (here / "__4_0.distcp").write_bytes((own / "__4_0.distcp").read_bytes())
+    inode = (here / "__4_0.distcp").stat().st_ino
+    prefetcher = Prefetcher(
+        hot, [("t", store)], OPTIONS, BandwidthMeter(), PrefetchPolicy(expected_nodes=NODES)
+    )
+    reads = count_manifest_reads(store)
+
+    async def go() -> Any:
+        record = prefetcher.submit(JOB, 10, None, items=ITEMS)
+        assert record.task is not None
+        await record.task
+        return record
+
+    record = asyncio.run(go())
+    assert record.state is State.READY, record.error
+    assert record.satisfied_by == "filled_in"
+    assert_the_share(here, tmp_path / "src", 10)
+    assert (here / "__4_0.distcp").stat().st_ino == inode  # its own file, untouched
+    moved = sum(record.bytes_by_source.values())
+    assert moved < SIZES["__2_0.distcp"], record.bytes_by_source  # rank 2's range, not more
+    assert {n for _, n in reads} == {"n0", "n2", "n3", "n4"}
+    assert hot.is_share(here) and not hot.checkpoints(JOB)
+    held = read_record(here)
+    assert held is not None and held["ranges"] == {
+        "__2_0.distcp": [[1_000, 10_000]],
+        "__4_0.distcp": [[0, SIZES["__4_0.distcp"]]],
+    }

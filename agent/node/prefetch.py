@@ -36,7 +36,7 @@ from agent.rpc.services import Spawn, own_task
 from transfer.durable import fsync_dir
 from transfer.engine import PullEvents, PullPlan, Sources, TransferOptions, pull, warmcache
 from transfer.engine.catalog import Catalog, resolve_checkpoint, resolve_manifests
-from transfer.engine.dcpshare import Layout
+from transfer.engine.dcpshare import Layout, Ranges, merge_ranges
 from transfer.engine.localcheck import local_copy_differences
 from transfer.engine.pull import share_chunk_ids
 from transfer.engine.pullplan import merged_files
@@ -44,7 +44,15 @@ from transfer.engine.ratelimit import RateLimit
 from transfer.engine.restorenames import staging_path
 from transfer.engine.scan import SourceFile, check_unchanged, scan_checkpoint
 from transfer.engine.settle import settle
-from transfer.engine.share import Share, base_parts, plan_fill, plan_shares, resolve_share
+from transfer.engine.share import (
+    Share,
+    base_parts,
+    plan_fill,
+    plan_share,
+    plan_shares,
+    replace_record,
+    resolve_share,
+)
 from transfer.engine.sources import ChunkSource
 from transfer.engine.staging import discard_leftovers, sweep_stale_staging
 from transfer.engine.writepath import fits_in_spare_memory, page_cache_first
@@ -469,14 +477,14 @@ class Prefetcher:
         manifests, share = await resolve_share(
             store, record.job, requested, self.expected_nodes, ask
         )
-        if not self._anything_here(record.job, manifests[0].step):
+        if not self._share_copy_here(record.job, manifests[0].step):
             record.planned = share
-        else:  # a copy here is judged against every part
+        else:  # what a partial copy here holds may reach into any part
             manifests = await resolve_manifests(store, record.job, manifests[0].step)
         return manifests
 
-    def _anything_here(self, job: str, step: int) -> bool:
-        return os.path.lexists(self.hot_dir.step_path(job, step))
+    def _share_copy_here(self, job: str, step: int) -> bool:
+        return self.hot_dir.is_share(self.hot_dir.step_path(job, step))
 
     @contextlib.asynccontextmanager
     async def _store_pin(self, store: Store, record: PrefetchJob) -> AsyncIterator[None]:
@@ -525,7 +533,7 @@ class Prefetcher:
         assert record.step is not None
         dest = self.hot_dir.step_path(record.job, record.step)
         record.dest = str(dest)
-        if record.planned is not None and self._anything_here(record.job, record.step):
+        if record.planned is not None and self._share_copy_here(record.job, record.step):
             # another prefetch put a copy there since this one resolved the step
             manifests = await resolve_manifests(store, record.job, record.step)
             record.planned = None
@@ -584,6 +592,11 @@ class Prefetcher:
                     f"{here.path} exists and is not the committed checkpoint "
                     f"({'; '.join(problems[:3])}); it is never overwritten"
                 )
+            if problems and to_share:  # this node's own part: add what the share lacks
+                base_dir = base.path if base is not None else None
+                how = await self._add_share(record, name, store, manifests, here.path, base_dir)
+                record.satisfied_by = how
+                return
             if problems:  # this node's own part of a multi-node step: add the other parts
                 await self._fill_in(record, name, store, here.path, manifests)
             record.satisfied_by = "filled_in" if problems else "held"
@@ -598,6 +611,56 @@ class Prefetcher:
         record.satisfied_by = "restored"
         files = await asyncio.to_thread(scan_checkpoint, dest)
         self._restored[(record.job, record.step)] = (files, record.background)
+
+    async def _add_share(
+        self,
+        record: PrefetchJob,
+        name: str,
+        store: Store,
+        manifests: list[Manifest],
+        here: Path,
+        base: Path | None,
+    ) -> str:
+        """Into this node's own part of the step (``here``, its files just verified), only
+        what the share asks that the part lacks, moved in beside its files, which are never
+        touched: a survivor of a scale-down receives its share, not the step. From its
+        first write the copy is a partial copy (its record names its own files, then the
+        share too): never pushed, served to a peer as the step, or taken for it. "held":
+        the part holds all the share asks already."""
+        assert record.step is not None
+        job, step, share = record.job, record.step, record.planned
+        if share is None:  # (resolved from every part: no file map)
+            layout = None if record.layout is None else _layout_of(record.layout)
+            share = await plan_share(Catalog(store), manifests, layout, record.items)
+        files = merged_files(manifests)
+        have = await asyncio.to_thread(_present, here, files)
+        lacking = [f for f in files if f.path not in have and share.spans_of(f.path) != ()]
+        if not lacking:
+            return "held"
+        own: Ranges = {
+            f.path: ((0, f.size),) for f in files if f.path in have and f.path in share.storage
+        }
+        await asyncio.to_thread(replace_record, here, job, step, Share(own, share.storage, None))
+        wanted = {f.path for f in lacking}
+        asked = {path: spans for path, spans in share.ranges.items() if path in wanted}
+        scratch = staging_path(here, "fill-")
+        try:
+            narrowed = Share(asked, share.storage, share.layout)
+            plan = PullPlan(job, step, manifests=manifests, files=lacking, share=narrowed)
+            await self._restore(record, name, store, plan, scratch, base)
+            await asyncio.to_thread(_move_missing, scratch, here, lacking)
+        finally:
+            await asyncio.to_thread(shutil.rmtree, scratch, True)
+        both = merge_ranges(
+            (path, lo, hi - lo)
+            for ranges in (own, share.ranges)
+            for path, spans in ranges.items()
+            for lo, hi in spans
+        )
+        await asyncio.to_thread(
+            replace_record, here, job, step, Share(both, share.storage, share.layout)
+        )
+        return "filled_in"
 
     async def _pull_share(
         self,
@@ -822,6 +885,11 @@ def _exchange(a: Path, b: Path) -> bool:
     return bool(
         renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0
     )
+
+
+def _present(root: Path, files: list[FileEntry]) -> set[str]:
+    """The paths of ``files`` that ``root`` holds (their bytes checked by the caller)."""
+    return {f.path for f in files if os.path.lexists(path_in_step_dir(root, f.path))}
 
 
 def _move_missing(source: Path, target: Path, files: list[FileEntry]) -> None:

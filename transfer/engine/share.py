@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
 
+from transfer.durable import fsync_dir
 from transfer.engine.catalog import Catalog, latest_complete_step, resolve_manifests
 from transfer.engine.dcp import MAX_METADATA_BYTES, METADATA, required_lengths
 from transfer.engine.dcpshare import (
@@ -217,10 +218,25 @@ def _share(
 
 def write_record(root: Path, job: str, step: int, share: Share) -> None:
     """The copy's record of what it holds (durable with the copy: seal fsyncs or marks it)."""
+    _write_record_at(root / SHARE_MARKER, job, step, share, durable=False)
+
+
+def replace_record(root: Path, job: str, step: int, share: Share) -> None:
+    """Write or rewrite the record of a copy in place, durably and atomically: a crash
+    leaves the old record or the new one, never half of either."""
+    tmp = root / f"{SHARE_MARKER}.tmp"
+    _write_record_at(tmp, job, step, share, durable=True)
+    os.replace(tmp, root / SHARE_MARKER)
+    fsync_dir(root)
+
+
+def _write_record_at(path: Path, job: str, step: int, share: Share, *, durable: bool) -> None:
     data = json.dumps(share.to_record(job, step)).encode()
-    fd = os.open(root / SHARE_MARKER, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o644)
     try:
         os.write(fd, data)
+        if durable:
+            os.fsync(fd)
     finally:
         os.close(fd)
 
