@@ -7,8 +7,10 @@ Without a map, or with one the parts contradict, every part is read, as before."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import os
 import random
 from collections import Counter
 from pathlib import Path
@@ -18,7 +20,7 @@ import pytest
 
 from agent.node.estimate import BandwidthMeter
 from agent.node.hotdir import HotDir
-from agent.node.prefetch import Prefetcher, PrefetchPolicy, State
+from agent.node.prefetch import Prefetcher, PrefetchLinks, PrefetchPolicy, State
 from tests.conftest import open_test_store
 from tests.fake_dcp import dcp_metadata
 from transfer.engine import PushPlan, push
@@ -106,11 +108,12 @@ def prefetch_shares(
     return seen, hot
 
 
-def assert_the_share(copy: Path, root: Path, step: int) -> None:
-    """The copy holds .metadata and config.json whole, the share's ranges, nothing else."""
+def assert_the_share(copy: Path, root: Path, step: int, extra: set[str] = frozenset()) -> None:
+    """The copy holds .metadata and config.json whole, the share's ranges, nothing else
+    (but ``extra`` files)."""
     src = {r: root / node / f"step_{step:06d}" for r, node in enumerate(NODES)}
     assert sorted(p.name for p in copy.iterdir() if not p.name.startswith(".ferry")) == sorted(
-        [".metadata", "config.json", "__2_0.distcp", "__4_0.distcp"]
+        {".metadata", "config.json", "__2_0.distcp", "__4_0.distcp"} | extra
     )
     assert (copy / ".metadata").read_bytes() == (src[0] / ".metadata").read_bytes()
     assert (copy / "config.json").read_bytes() == (src[3] / "config.json").read_bytes()
@@ -171,20 +174,21 @@ def test_a_map_the_parts_contradict_is_not_trusted(
 
 
 @pytest.mark.parametrize(
-    "files",
+    "change",
     [
-        [["../escape", 1, "n0"]],  # a path out of the step
-        [["a", 1, "n9"]],  # a node the marker does not name
-        [["a", -1, "n0"]],
-        "not a list",
+        {"files": [["../escape", 1, "n0"]]},  # a path out of the step
+        {"files": [["a", 1, "n9"]]},  # a node the marker does not name
+        {"files": [["a", -1, "n0"]]},
+        {"files": "not a list"},
+        {"nodes": [["n0"], {}]},  # nodes that are no names
     ],
 )
 def test_a_malformed_map_is_ignored_with_a_warning(
-    tmp_path: Path, store: Store, caplog: pytest.LogCaptureFixture, files: object
+    tmp_path: Path, store: Store, caplog: pytest.LogCaptureFixture, change: dict[str, object]
 ) -> None:
     asyncio.run(push_step(store, tmp_path / "src", 10))
     key = layout.completion_key(JOB, 10)
-    doc = json.loads(asyncio.run(store.get(key))) | {"files": files}
+    doc = json.loads(asyncio.run(store.get(key))) | change
     asyncio.run(store.put(key, json.dumps(doc).encode()))
     with caplog.at_level(logging.WARNING, logger="transfer.engine.catalog"):
         (first,), hot = prefetch_shares(tmp_path, store, [10])
@@ -212,45 +216,103 @@ def test_ferry_pull_of_a_share_never_reads_the_parts_it_does_not_touch(
     assert ferry(["pull", url, str(tmp_path / "whole"), "--job", JOB, "--step", "10"]) != 0
 
 
-def test_a_survivor_holding_its_own_part_gets_only_what_its_share_lacks(
-    tmp_path: Path, store: Store
-) -> None:
-    """After a scale-down the survivor n4 holds its own part of the step (rank 4's file)
-    and its new rank reads part of rank 2's file and all of its own: the prefetch brings
-    .metadata, config.json and rank 2's range (not the other parts), leaves its own file
-    untouched, reads 4 manifests of 6, and the copy is from then on a partial copy (never
-    taken for the whole step) whose record names its own file and the share."""
-    from transfer.engine.share import read_record
-
-    asyncio.run(push_step(store, tmp_path / "src", 10))
-    own = tmp_path / "src" / "n4" / "step_000010"
-    hot = HotDir(tmp_path / "hot", "")  # a node without .metadata: its files are its part
+def survivor(
+    tmp_path: Path, store: Store, rank: int, *, pushed: bool = True
+) -> tuple[HotDir, Path, Prefetcher]:
+    """Node n<rank> after the scale-down: its own part of step 10 in its hot dir (a node
+    without .metadata: its files are its part), pushed to every tier or not yet."""
+    own = tmp_path / "src" / NODES[rank] / "step_000010"
+    hot = HotDir(tmp_path / "hot", "")
     here = hot.step_path(JOB, 10)
     here.mkdir(parents=True)
-    (here / "__4_0.distcp").write_bytes((own / "__4_0.distcp").read_bytes())
-    inode = (here / "__4_0.distcp").stat().st_ino
-    prefetcher = Prefetcher(
-        hot, [("t", store)], OPTIONS, BandwidthMeter(), PrefetchPolicy(expected_nodes=NODES)
-    )
-    reads = count_manifest_reads(store)
+    name = f"__{rank}_0.distcp"
+    (here / name).write_bytes((own / name).read_bytes())
+    links = PrefetchLinks(part_pushed=lambda job, step: pushed)
+    policy = PrefetchPolicy(expected_nodes=NODES)
+    return hot, here, Prefetcher(hot, [("t", store)], OPTIONS, BandwidthMeter(), policy, links)
 
+
+def run_prefetch(prefetcher: Prefetcher, items: list[dict[str, Any]] | None = ITEMS) -> Any:
     async def go() -> Any:
-        record = prefetcher.submit(JOB, 10, None, items=ITEMS)
+        record = prefetcher.submit(JOB, 10, None, items=items)
         assert record.task is not None
         await record.task
         return record
 
     record = asyncio.run(go())
     assert record.state is State.READY, record.error
+    return record
+
+
+def test_a_survivor_holding_its_own_part_gets_only_what_its_share_lacks(
+    tmp_path: Path, store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a scale-down the survivor n4 holds its own part of the step (rank 4's file)
+    and its new rank reads part of rank 2's file and all of its own: the prefetch brings
+    .metadata, config.json and rank 2's range (not the other parts), durably, leaves its
+    own file untouched, reads 4 manifests of 6, and the copy is from then on a partial
+    copy (never taken for the whole step) whose record names its own file and the share."""
+    from transfer.engine.share import read_record
+
+    asyncio.run(push_step(store, tmp_path / "src", 10))
+    hot, here, prefetcher = survivor(tmp_path, store, 4)
+    inode = (here / "__4_0.distcp").stat().st_ino
+    reads = count_manifest_reads(store)
+    synced = spy_on_fsync(monkeypatch)
+    record = run_prefetch(prefetcher)
     assert record.satisfied_by == "filled_in"
     assert_the_share(here, tmp_path / "src", 10)
     assert (here / "__4_0.distcp").stat().st_ino == inode  # its own file, untouched
     moved = sum(record.bytes_by_source.values())
     assert moved < SIZES["__2_0.distcp"], record.bytes_by_source  # rank 2's range, not more
     assert {n for _, n in reads} == {"n0", "n2", "n3", "n4"}
+    # on the disk before the record that names them (a crash never leaves it naming holes)
+    assert {".metadata", "config.json", "__2_0.distcp"} <= synced
     assert hot.is_share(here) and not hot.checkpoints(JOB)
     held = read_record(here)
     assert held is not None and held["ranges"] == {
         "__2_0.distcp": [[1_000, 10_000]],
         "__4_0.distcp": [[0, SIZES["__4_0.distcp"]]],
     }
+    assert [p.name for p in here.parent.iterdir()] == ["step_000010"]  # no scratch left
+
+
+def spy_on_fsync(monkeypatch: pytest.MonkeyPatch) -> set[str]:
+    """The names of the files fsynced from now on."""
+    synced: set[str] = set()
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        with contextlib.suppress(OSError):
+            synced.add(Path(os.readlink(f"/proc/self/fd/{fd}")).name)
+        real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    return synced
+
+
+def test_a_part_not_yet_in_every_tier_stays_a_part_and_gets_the_whole_step(
+    tmp_path: Path, store: Store
+) -> None:
+    """A partial copy is never pushed: while this node's part may still have a tier to
+    reach, the share is not added in place; the other parts come in whole beside it, as
+    before, and the directory stays the (whole) step."""
+    asyncio.run(push_step(store, tmp_path / "src", 10))
+    hot, here, prefetcher = survivor(tmp_path, store, 4, pushed=False)
+    record = run_prefetch(prefetcher)
+    assert record.satisfied_by == "filled_in"
+    assert not hot.is_share(here) and [c.step for c in hot.checkpoints(JOB)] == [10]
+    assert sorted(p.name for p in here.iterdir()) == sorted([*SIZES, ".metadata", "config.json"])
+
+
+def test_a_wider_ask_later_keeps_every_file_of_the_nodes_part(tmp_path: Path, store: Store) -> None:
+    """n5's share does not read its own file; a later ask for more rebuilds the copy from
+    its record, which names every file of the part, so rank 5's file is still there."""
+    asyncio.run(push_step(store, tmp_path / "src", 10))
+    _, here, prefetcher = survivor(tmp_path, store, 5)
+    assert run_prefetch(prefetcher).satisfied_by == "filled_in"
+    more = [*ITEMS, {"path": "__1_0.distcp", "offset": 0, "length": 100}]
+    assert run_prefetch(prefetcher, more).satisfied_by == "filled_in"
+    assert_the_share(here, tmp_path / "src", 10, extra={"__1_0.distcp", "__5_0.distcp"})
+    own = tmp_path / "src" / "n5" / "step_000010" / "__5_0.distcp"
+    assert (here / "__5_0.distcp").read_bytes() == own.read_bytes()

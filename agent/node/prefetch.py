@@ -19,6 +19,7 @@ import logging
 import os
 import secrets
 import shutil
+import stat
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -67,6 +68,7 @@ from transfer.errors import (
 )
 from transfer.format.manifest import FileEntry, Manifest
 from transfer.format.names import step_from_dirname
+from transfer.format.paths import check_relative_path
 from transfer.retention import pin, unpin
 from transfer.store.base import Store
 
@@ -197,13 +199,17 @@ class PrefetchLinks:
     members for their shares; ``on_restore``, told before a step is restored here (the push
     queue must never push it back as this node's part); ``holds``, the steps in use that hot
     retention leaves alone; ``spawn``, what starts each job's task (in the agent, its
-    services' group)."""
+    services' group); ``part_pushed``, whether this node's own part of a step is durable in
+    every tier (the push queue's journal): only then may a share be added to it in place,
+    which makes it a partial copy, never pushed again (without it, a share asked of a node
+    holding its own part brings the whole step in beside it)."""
 
     chunk_source: ChunkSource | None = None
     fanout_client: PeerSource | None = None
     on_restore: Callable[[str, int], None] | None = None
     holds: StepHolds | None = None
     spawn: Spawn = own_task
+    part_pushed: Callable[[str, int], bool] | None = None
 
 
 class Prefetcher:
@@ -230,6 +236,7 @@ class Prefetcher:
             links.on_restore,
         )
         holds, spawn = links.holds, links.spawn
+        self._part_pushed = links.part_pushed or _never
         self.expected_nodes = expected_nodes
         #: starts each job's task (in the agent: its services' group, which awaits them all)
         self.spawn = spawn
@@ -592,12 +599,16 @@ class Prefetcher:
                     f"{here.path} exists and is not the committed checkpoint "
                     f"({'; '.join(problems[:3])}); it is never overwritten"
                 )
-            if problems and to_share:  # this node's own part: add what the share lacks
+            if problems and to_share and self._part_pushed(record.job, record.step):
+                # this node's own part, in every tier already: add only what the share lacks
                 base_dir = base.path if base is not None else None
                 how = await self._add_share(record, name, store, manifests, here.path, base_dir)
                 record.satisfied_by = how
                 return
             if problems:  # this node's own part of a multi-node step: add the other parts
+                if record.planned is not None:  # (resolved for a share: only some parts)
+                    manifests = await resolve_manifests(store, record.job, record.step)
+                    record.planned = None
                 await self._fill_in(record, name, store, here.path, manifests)
             record.satisfied_by = "filled_in" if problems else "held"
             return
@@ -633,13 +644,14 @@ class Prefetcher:
             layout = None if record.layout is None else _layout_of(record.layout)
             share = await plan_share(Catalog(store), manifests, layout, record.items)
         files = merged_files(manifests)
-        have = await asyncio.to_thread(_present, here, files)
-        lacking = [f for f in files if f.path not in have and share.spans_of(f.path) != ()]
+        paths = {f.path for f in files} | share.storage
+        sizes = await asyncio.to_thread(_sizes_here, here, paths)
+        lacking = [f for f in files if f.path not in sizes and share.spans_of(f.path) != ()]
         if not lacking:
             return "held"
-        own: Ranges = {
-            f.path: ((0, f.size),) for f in files if f.path in have and f.path in share.storage
-        }
+        # every storage file the part holds, read by the share or not: a later, wider ask
+        # rebuilds the copy from its record (plan_fill, widen) and must keep them all
+        own: Ranges = {p: ((0, n),) for p, n in sizes.items() if p in share.storage and n}
         await asyncio.to_thread(replace_record, here, job, step, Share(own, share.storage, None))
         wanted = {f.path for f in lacking}
         asked = {path: spans for path, spans in share.ranges.items() if path in wanted}
@@ -647,6 +659,9 @@ class Prefetcher:
         try:
             narrowed = Share(asked, share.storage, share.layout)
             plan = PullPlan(job, step, manifests=manifests, files=lacking, share=narrowed)
+            # durable before it is moved in: the record about to name it is (settle.py
+            # flushes only restores renamed into place, not files moved from scratch)
+            plan = dataclasses.replace(plan, fsync=True)
             await self._restore(record, name, store, plan, scratch, base)
             await asyncio.to_thread(_move_missing, scratch, here, lacking)
         finally:
@@ -887,9 +902,22 @@ def _exchange(a: Path, b: Path) -> bool:
     )
 
 
-def _present(root: Path, files: list[FileEntry]) -> set[str]:
-    """The paths of ``files`` that ``root`` holds (their bytes checked by the caller)."""
-    return {f.path for f in files if os.path.lexists(path_in_step_dir(root, f.path))}
+def _never(job: str, step: int) -> bool:
+    return False
+
+
+def _sizes_here(root: Path, paths: set[str]) -> dict[str, int]:
+    """The size of each of ``paths`` that ``root`` holds as a regular file (a path that
+    would lead out of it is not held)."""
+    sizes = {}
+    for path in paths:
+        try:
+            st = os.stat(path_in_step_dir(root, check_relative_path(path)), follow_symlinks=False)
+        except (OSError, FerryError):
+            continue
+        if stat.S_ISREG(st.st_mode):
+            sizes[path] = st.st_size
+    return sizes
 
 
 def _move_missing(source: Path, target: Path, files: list[FileEntry]) -> None:

@@ -159,9 +159,9 @@ class PushQueue:
         # forgotten that it was a restore); checked here, on the loop, where evictions happen
         if not path.is_dir():
             return False
-        names = [name for name, _ in self.tiers]
-        if set(names) <= self.journal.durable_tiers(job, step):
+        if self.pushed_everywhere(job, step):
             return False
+        names = [name for name, _ in self.tiers]
         self.journal.record_staged(job, step, path, names)
         self._queued.add(key)
         self._queue.put_nowait(_Item(job, step, path))
@@ -174,6 +174,11 @@ class PushQueue:
     def busy_steps(self) -> set[tuple[str, int]]:
         """Steps queued, being pushed or waiting to retry: none may leave the hot dir."""
         return set(self._queued)
+
+    def pushed_everywhere(self, job: str, step: int) -> bool:
+        """Whether this node's part of (job, step) is durable in every tier: nothing of it is
+        left to push (a prefetch may then add a share to it in place)."""
+        return {name for name, _ in self.tiers} <= self.journal.durable_tiers(job, step)
 
     def exclude(self, job: str, step: int) -> None:
         """Never push (job, step) from this node: it is being restored here from a store (a

@@ -20,7 +20,7 @@ from transfer.errors import (
 from transfer.format import layout
 from transfer.format.manifest import Manifest, parse_manifest
 from transfer.format.names import check_name
-from transfer.format.stepfiles import StepFiles, parse_file_map
+from transfer.format.stepfiles import MAX_MARKER_BYTES, StepFiles, parse_file_map
 from transfer.store.base import Store
 
 log = logging.getLogger(__name__)
@@ -207,9 +207,13 @@ class Catalog:
         reads every part: a map is a shortcut, never needed to read a step)."""
         key = layout.completion_key(job, step)
         try:
-            return parse_file_map(json.loads(await self.store.get(key)))
+            raw = await self.store.get(key)
         except NotFoundError:
             return None
+        try:
+            if len(raw) > MAX_MARKER_BYTES:
+                raise FormatError(f"{len(raw):,} bytes, over the {MAX_MARKER_BYTES:,} read")
+            return await asyncio.to_thread(_parse_file_map, raw)  # (a big map: off the loop)
         except (ValueError, FormatError) as exc:
             log.warning("%s: %s; reading every part of the step instead", key, exc)
             return None
@@ -248,6 +252,10 @@ class Catalog:
             if any(node is None or c.node == node for c in await self.parts(job, step)):
                 return step
         return None
+
+
+def _parse_file_map(raw: bytes) -> StepFiles | None:
+    return parse_file_map(json.loads(raw))
 
 
 async def read_node_head(store: Store, job: str, node: str) -> list[int] | None:

@@ -20,6 +20,7 @@ import asyncio
 import json
 import logging
 import os
+import shutil
 from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,6 +39,7 @@ from transfer.engine.dcpshare import (
     share_ranges,
 )
 from transfer.engine.parts import merge_parts, read_file
+from transfer.engine.restorenames import staging_path
 from transfer.errors import FerryError, FormatError, NotFoundError
 from transfer.format.manifest import FileEntry, Manifest
 from transfer.format.share import SHARE_FORMAT, SHARE_MARKER, SHARE_VERSION
@@ -223,11 +225,16 @@ def write_record(root: Path, job: str, step: int, share: Share) -> None:
 
 def replace_record(root: Path, job: str, step: int, share: Share) -> None:
     """Write or rewrite the record of a copy in place, durably and atomically: a crash
-    leaves the old record or the new one, never half of either."""
-    tmp = root / f"{SHARE_MARKER}.tmp"
-    _write_record_at(tmp, job, step, share, durable=True)
-    os.replace(tmp, root / SHARE_MARKER)
-    fsync_dir(root)
+    leaves the old record or the new one, never half of either, and nothing inside
+    ``root`` but them (the new one is written in a swept scratch directory beside it)."""
+    scratch = staging_path(root, "fill-")
+    scratch.mkdir()
+    try:
+        _write_record_at(scratch / SHARE_MARKER, job, step, share, durable=True)
+        os.replace(scratch / SHARE_MARKER, root / SHARE_MARKER)
+        fsync_dir(root)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
 
 
 def _write_record_at(path: Path, job: str, step: int, share: Share, *, durable: bool) -> None:

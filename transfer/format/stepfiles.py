@@ -25,6 +25,8 @@ from transfer.format.paths import check_relative_path
 
 #: beyond this many files a step's marker carries no map (a reader reads every part)
 MAX_MAPPED_FILES = 1_000_000
+#: a marker larger than this is not read for its map (a million files' map is ~60 MB)
+MAX_MARKER_BYTES = 128 << 20
 
 
 @dataclass(frozen=True)
@@ -57,7 +59,7 @@ def parse_file_map(doc: object) -> StepFiles | None:
                           f"{MAX_MAPPED_FILES:,} entries")  # fmt: skip
     if not isinstance(nodes, list):
         raise FormatError("the completion marker names files but no nodes")
-    known = set(nodes)
+    known = {check_name("node", n) for n in nodes}
     files: dict[str, tuple[str, int]] = {}
     for row in rows:
         if not (isinstance(row, list) and len(row) == 3):
