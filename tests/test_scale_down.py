@@ -519,6 +519,7 @@ def test_survivors_holding_their_parts_receive_only_their_shares_and_load_reshar
             done = {}
             for node, ranks in survivors.items():
                 async with FerryClient(urls[node], TOKEN) as c:
+                    estimates[node] = await c.estimate("drill", STEP, layout=(4, ranks))
                     job_id = await c.prefetch("drill", STEP, layout=(4, ranks))
                     done[node] = await c.wait_prefetch(job_id)
             return done
@@ -531,6 +532,7 @@ def test_survivors_holding_their_parts_receive_only_their_shares_and_load_reshar
         copies[f"n{k}"] = hot(k) / "drill" / f"step_{STEP:06d}"
         shutil.copytree(node_dir, copies[f"n{k}"])
     written = {n: {p.name: p.stat().st_ino for p in copies[n].iterdir()} for n in survivors}
+    estimates: dict[str, dict[str, Any]] = {}
     done = asyncio.run(go())
     moved_by: dict[str, int] = {}
     for node, status in done.items():
@@ -539,6 +541,9 @@ def test_survivors_holding_their_parts_receive_only_their_shares_and_load_reshar
         assert all(after[name] == ino for name, ino in written[node].items()), node
         moved = sum(status["bytes_by_source"].values())
         moved_by[node] = moved
+        # the estimate the scheduler asked first knew the node holds only its own part
+        assert estimates[node]["source"].startswith("tier:"), estimates[node]
+        assert abs(estimates[node]["bytes_missing"] - moved) <= 0.25 * moved, (estimates, moved)
         assert_only_the_share(copies[node], save, set(written[node]))
     reference = load_drill(dict.fromkeys(range(4), save), 4, width=WIDTH)
     a, b = copies["n0"], copies["n2"]

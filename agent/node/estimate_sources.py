@@ -6,8 +6,10 @@ fed to agent/node/estimate.py's arithmetic."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from agent.daemon.config import AgentConfig
@@ -16,7 +18,7 @@ from agent.node.hotdir import LocalCheckpoint
 from agent.node.prefetch import Prefetcher
 from agent.peers import probe
 from agent.rpc.middleware import MAX_LAYOUT_RANKS
-from transfer.engine.catalog import Catalog, resolve_checkpoint
+from transfer.engine.catalog import Catalog, resolve_checkpoint, resolve_manifests
 from transfer.engine.chunkindex import ChunkIndex
 from transfer.engine.dcpshare import Layout, parse_ranks
 from transfer.engine.pull import local_bases, share_chunk_ids
@@ -119,15 +121,23 @@ class PrefetchEstimator:
     ) -> Sourcing:
         step = manifests[0].step
         here = self._held_here(job, step)
-        if here is not None:  # nothing moves: a replica is checked by stat, a copy re-hashed
-            return await self._held_sourcing(job, step, here, total)
-        wanted, files = None, None
-        if share is not None:
+        files = None if share is None else merged_files(manifests)  # (once: bases reuse it)
+        own_part = False  # this node's own part of the step, lacking what the share reads
+        if here == "local" and share is not None and files is not None:
+            copy = self.config.hot.step_path(job, step)
+            own_part = await asyncio.to_thread(_lacks, copy, files, share)
+        if here is not None and not own_part:  # nothing moves: a replica is checked by
+            return await self._held_sourcing(job, step, here, total)  # stat, a copy re-hashed
+        wanted = None
+        if share is not None and files is not None:
             copy = self.config.hot.step_path(job, step)
             if self.config.hot.is_share(copy) and covers(read_record(copy) or {}, share):
                 return Sourcing("local", {"local": 0}, 0, "default")  # held: nothing to do
-            files = merged_files(manifests)  # (once: the bases' positions reuse it)
             wanted = share_chunk_ids(files, share)
+            if own_part and not self.prefetcher.part_pushed(job, step):
+                # the prefetch brings the other parts whole beside it (Prefetcher._pull_here)
+                manifests = await resolve_manifests(store, job, step)
+                files, wanted, share = None, None, None
         paths = None if share is None else {f.path for m in manifests for f in m.files}
         held = await self._held_manifests(store, job, step, paths)
         return await self._source_of(tier, store, manifests, files, held, wanted)
@@ -218,6 +228,10 @@ class PrefetchEstimator:
         found: dict[LocalCheckpoint, list[Manifest]] = {c: [] for c in here}
         catalog = Catalog(store)
         for held in here:  # one listing per held step, not one of the whole job
+            if held.step == step:  # this step here, not whole: this node's own part
+                with contextlib.suppress(FerryError):
+                    found[held] = [await catalog.manifest(job, step, self.config.node)]
+                continue
             if paths is not None:
                 try:
                     narrowed = await base_parts(catalog, job, held.step, paths)
@@ -236,6 +250,11 @@ class PrefetchEstimator:
 
 #: the spec's pattern for ``layout`` (docs/openapi.yaml)
 _LAYOUT = re.compile(r"[0-9]{1,7}:[0-9]{1,7}(-[0-9]{1,7})?(,[0-9]{1,7}(-[0-9]{1,7})?)*")
+
+
+def _lacks(copy: Path, files: list[FileEntry], share: Share) -> bool:
+    """Whether ``copy`` lacks a file ``share`` reads (a node's own part of the step)."""
+    return any(share.spans_of(f.path) != () and not (copy / f.path).exists() for f in files)
 
 
 def _layout(text: str) -> Layout:

@@ -236,7 +236,7 @@ class Prefetcher:
             links.on_restore,
         )
         holds, spawn = links.holds, links.spawn
-        self._part_pushed = links.part_pushed or _never
+        self.part_pushed = links.part_pushed or _never
         self.expected_nodes = expected_nodes
         #: starts each job's task (in the agent: its services' group, which awaits them all)
         self.spawn = spawn
@@ -599,7 +599,7 @@ class Prefetcher:
                     f"{here.path} exists and is not the committed checkpoint "
                     f"({'; '.join(problems[:3])}); it is never overwritten"
                 )
-            if problems and to_share and self._part_pushed(record.job, record.step):
+            if problems and to_share and self.part_pushed(record.job, record.step):
                 # this node's own part, in every tier already: add only what the share lacks
                 base_dir = base.path if base is not None else None
                 how = await self._add_share(record, name, store, manifests, here.path, base_dir)
