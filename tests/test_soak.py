@@ -316,7 +316,11 @@ def test_an_agent_serving_2000_prefetches_and_replications_stays_flat(
         assert s.metrics_series == m1000.metrics_series
         assert abs(s.metrics_bytes - m1000.metrics_bytes) <= 32, (m1000, s)
         assert abs(s.standby_bytes - m1000.standby_bytes) <= 16, (m1000, s)
-        assert s.fds <= m1000.fds + 2 and s.threads <= m1000.threads + 2, (m1000, s)
+        # threads: the event loop's default executor grows lazily up to its cap (asyncio's
+        # min(32, cpus + 4)) as load peaks, so a busy machine adds a few late (CI: 23 -> 26
+        # between two samples); a leak adds one or more per prefetch, hundreds here
+        pool = min(32, (os.cpu_count() or 1) + 4)
+        assert s.fds <= m1000.fds + 2 and s.threads <= m1000.threads + pool, (m1000, s)
     assert m2000.rss_kib - m1000.rss_kib <= RSS_GROWTH_KIB, (m1000, m2000)
     # once retention has run, the hot dir holds the newest two steps and nothing else
     assert report["hot"]["errors"] == [] and report["errors"] == []
