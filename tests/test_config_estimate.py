@@ -740,6 +740,11 @@ def test_a_prefetch_s_fixed_part_is_timed_not_assumed() -> None:
     meter.record_start("restore", float("nan"))  # not a time: ignored
     assert meter.start_seconds("restore") == pytest.approx(0.3 * 0.12 + 0.7 * 0.02)
     assert meter.start_seconds("check") == PREFETCH_START_SECONDS  # a check: its own
+    # before one is timed: what resolving the step took the estimate, which the prefetch
+    # repeats (a replica's check on the corpus, 0.05 s, was predicted 0.02 s: out of range)
+    assert meter.start_seconds("check", resolved_in=0.05) == 0.05
+    assert meter.start_seconds("check", resolved_in=0.001) == PREFETCH_START_SECONDS
+    assert meter.start_seconds("restore", resolved_in=5.0) == pytest.approx(0.3 * 0.12 + 0.7 * 0.02)
 
 
 def test_a_restore_the_disk_kept_up_with_never_slows_the_disk_s_rate() -> None:

@@ -78,10 +78,11 @@ class BandwidthMeter:
             new = seconds if old is None else EWMA_ALPHA * seconds + (1 - EWMA_ALPHA) * old
             self._start[kind] = new
 
-    def start_seconds(self, kind: str) -> float:
-        """The fixed part of a prefetch of ``kind`` as timed here, or
-        PREFETCH_START_SECONDS before one was."""
-        return self._start.get(kind, PREFETCH_START_SECONDS)
+    def start_seconds(self, kind: str, resolved_in: float = 0.0) -> float:
+        """The fixed part of a prefetch of ``kind`` as timed here; before one was, what
+        resolving its step took (``resolved_in``: the estimate's own resolution, which the
+        prefetch repeats request for request), at least PREFETCH_START_SECONDS."""
+        return self._start.get(kind, max(PREFETCH_START_SECONDS, resolved_in))
 
     def record(self, source: str, nbytes: int, seconds: float, provisional: bool = False) -> bool:
         """Add a measurement; returns False if it was too small to count. ``provisional``:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -68,11 +69,13 @@ class PrefetchEstimator:
         for name, store in self.tiers:
             try:
                 expected = self.config.expected_nodes
+                began = time.monotonic()
                 if ranks is None:
                     manifests, share = await resolve_checkpoint(store, job, step, expected), None
                 else:  # only the parts the share touches, as its prefetch reads them
                     ask = (ranks, None)
                     manifests, share = await resolve_share(store, job, step, expected, ask)
+                resolved_in = time.monotonic() - began
                 total = share.nbytes if share else sum(f.size for m in manifests for f in m.files)
                 sourcing = await self._sourcing(name, store, job, manifests, total, share)
             except CheckpointNotFoundError:
@@ -82,7 +85,8 @@ class PrefetchEstimator:
                 continue
             # a restore writes the whole step (or share), reused chunks too; a held one none
             written = 0 if sourcing.source in HELD else total
-            start = self.meter.start_seconds("check" if sourcing.source in HELD else "restore")
+            kind = "check" if sourcing.source in HELD else "restore"
+            start = self.meter.start_seconds(kind, resolved_in)
             if written:
                 await self.prefetcher.measure_disk()
             est = estimate_migration(

@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from agent.peers.chunks import PeerSource
+from agent.peers.chunks import PEER_THREADS, PeerSource
 from transfer.engine.chunkindex import ChunkIndex, StoredChunk
 from transfer.engine.ranges import coalesce
 from transfer.engine.resolver import decode_verified, read_file_hashed
@@ -168,10 +168,19 @@ async def probe_peer(
     bases: dict[str, LocalBase],
 ) -> Probe | None:
     """Ask ``peer`` for ``chunks`` (as deltas against what this node holds at their
-    positions, as a prefetch would); None unless it serves every one of them."""
+    positions, as a prefetch would); None unless it serves every one of them.
+
+    First up to PEER_THREADS of them (a quarter of the sample at most), at once, untimed:
+    each of the peer source's threads opens its keep-alive connection on its first ask, as
+    a restore finds them open (timed, the opening made the peer's first-contact estimate
+    +14..+38% slow on the 289 MB save, measured 0.66-0.72 s against 0.82-0.97 predicted)."""
+    n_warm = min(PEER_THREADS, max(1, len(chunks) // 4))
+    warm, timed = chunks[:n_warm], chunks[n_warm:] or chunks
     if not chunks or await peers.ask(peer, chunks[0], bases.get(chunks[0].id)) is None:
-        return None  # (untimed: it also opens the connection a restore would find open)
-    timed = chunks[1:] or chunks
+        return None  # (one first: a peer that is down costs one request, not n_warm)
+    opened = await asyncio.gather(*(peers.ask(peer, c, bases.get(c.id)) for c in warm[1:]))
+    if any(g is None for g in opened):
+        return None
     began = time.monotonic()
     got = await asyncio.gather(*(peers.ask(peer, c, bases.get(c.id)) for c in timed))
     took = time.monotonic() - began
