@@ -264,7 +264,10 @@ def test_a_survivor_holding_its_own_part_gets_only_what_its_share_lacks(
     assert_the_share(here, tmp_path / "src", 10)
     assert (here / "__4_0.distcp").stat().st_ino == inode  # its own file, untouched
     moved = sum(record.bytes_by_source.values())
-    assert moved < SIZES["__2_0.distcp"], record.bytes_by_source  # rank 2's range, not more
+    # at most rank 2's file (a restore reads through small gaps between the chunks it
+    # needs: 16.7-42.3 KB here) with .metadata and config.json; the other parts' 210 KB never
+    others = sum(size for path, size in SIZES.items() if path != "__4_0.distcp")
+    assert moved <= SIZES["__2_0.distcp"] + 2_000 < others, record.bytes_by_source
     assert {n for _, n in reads} == {"n0", "n2", "n3", "n4"}
     # on the disk before the record that names them (a crash never leaves it naming holes)
     assert {".metadata", "config.json", "__2_0.distcp"} <= synced
