@@ -319,3 +319,36 @@ def test_a_wider_ask_later_keeps_every_file_of_the_nodes_part(tmp_path: Path, st
     assert_the_share(here, tmp_path / "src", 10, extra={"__1_0.distcp", "__5_0.distcp"})
     own = tmp_path / "src" / "n5" / "step_000010" / "__5_0.distcp"
     assert (here / "__5_0.distcp").read_bytes() == own.read_bytes()
+
+
+def test_ferry_pull_of_a_share_onto_its_earlier_share_reads_the_same_parts_of_both(
+    tmp_path: Path, store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``ferry pull --items ... --base-dir`` the share of step 10: of step 10, too, only the
+    parts holding the share's files are read (4 of 6), and its chunks are reused."""
+    from agent.cli.run import main as ferry
+    from transfer.store.local import LocalStore
+
+    for step in (10, 20):
+        asyncio.run(push_step(store, tmp_path / "src", step))
+    items = tmp_path / "items.json"
+    items.write_text(json.dumps(ITEMS))
+    url = str(tmp_path / "store")
+    base = tmp_path / "step_000010"
+    share = ["--items", str(items)]
+    assert ferry(["pull", url, str(base), "--job", JOB, "--step", "10", *share]) == 0
+    reads: Counter[tuple[int, str]] = Counter()
+    get = LocalStore.get
+
+    async def counting_get(self: LocalStore, key: str, *args: Any) -> bytes:
+        if (parsed := layout.parse_manifest_key(key)) is not None:
+            reads[(parsed[1], parsed[2])] += 1
+        return await get(self, key, *args)
+
+    monkeypatch.setattr(LocalStore, "get", counting_get)
+    dest = tmp_path / "step_000020"
+    args = ["pull", url, str(dest), "--job", JOB, "--step", "20", "--base-dir", str(base)]
+    assert ferry([*args, *share]) == 0
+    touched = {"n0", "n2", "n3", "n4"}
+    assert reads == Counter({(s, n): 1 for s in (10, 20) for n in touched})
+    assert_the_share(dest, tmp_path / "src", 20)

@@ -206,11 +206,16 @@ async def cmd_pull(
 
     await asyncio.to_thread(settle, args.dest_dir.absolute().parent)
     manifests, share = await _share_of(store, args, step)
+    base_manifests = None
+    if share is not None:  # of the base step too, only the parts holding the share's files
+        from transfer.engine.share import base_dir_parts
+
+        base_manifests = await base_dir_parts(store, args.job, manifests, args.base_dir)
     r = await pull(
         store,
         args.dest_dir,
         PullPlan(args.job, step, args.node, manifests, share=share, fsync=args.fsync),
-        Sources(base_dir=args.base_dir),
+        Sources(base_dir=args.base_dir, base_manifests=base_manifests),
         PullEvents(progress=progress),
         transfer_options(args),
     )

@@ -47,7 +47,7 @@ from transfer.engine.scan import SourceFile, check_unchanged, scan_checkpoint
 from transfer.engine.settle import settle
 from transfer.engine.share import (
     Share,
-    base_parts,
+    base_dir_parts,
     plan_fill,
     plan_share,
     plan_shares,
@@ -67,7 +67,6 @@ from transfer.errors import (
     StoreError,
 )
 from transfer.format.manifest import FileEntry, Manifest
-from transfer.format.names import step_from_dirname
 from transfer.format.paths import check_relative_path
 from transfer.retention import pin, unpin
 from transfer.store.base import Store
@@ -741,12 +740,10 @@ class Prefetcher:
         self, record: PrefetchJob, store: Store, plan: PullPlan, base: Path | None
     ) -> list[Manifest] | None:
         """For a share resolved from only the parts it touches, the base step's parts
-        holding the same files (share.base_parts); else None: the pull reads them all."""
-        base_step = None if base is None else step_from_dirname(base.name)
-        if record.planned is None or plan.manifests is None or base_step is None:
+        holding the same files (share.base_dir_parts); else None: the pull reads them all."""
+        if record.planned is None or plan.manifests is None:
             return None
-        paths = {f.path for m in plan.manifests for f in m.files}
-        return await base_parts(Catalog(store), record.job, base_step, paths)
+        return await base_dir_parts(store, record.job, plan.manifests, base)
 
     def is_replica(self, job: str, step: int) -> bool:
         """Whether a standby's replication put ``step`` here (this agent's run)."""

@@ -42,6 +42,7 @@ from transfer.engine.parts import merge_parts, read_file
 from transfer.engine.restorenames import staging_path
 from transfer.errors import FerryError, FormatError, NotFoundError
 from transfer.format.manifest import FileEntry, Manifest
+from transfer.format.names import step_from_dirname
 from transfer.format.share import SHARE_FORMAT, SHARE_MARKER, SHARE_VERSION
 from transfer.format.stepfiles import StepFiles
 from transfer.store.base import Store
@@ -177,6 +178,20 @@ async def base_parts(
         return await catalog.manifests_of(job, base_step, sorted(files.nodes_holding(paths)))
     except NotFoundError:  # the base step is gone from the store: positions unknown, as
         return None  # without a map; the pull then finds none either and reads every position
+
+
+async def base_dir_parts(
+    store: Store, job: str, manifests: list[Manifest], base_dir: Path | None
+) -> list[Manifest] | None:
+    """For a share resolved from only the parts it touches (``manifests``): the parts of
+    the step ``base_dir``'s name gives (``step_000120``) holding the same files
+    (base_parts); None without a base dir, a step in its name or that step's file map (the
+    pull then reads every part of it by that name)."""
+    base_step = None if base_dir is None else step_from_dirname(base_dir.name)
+    if base_step is None:
+        return None
+    paths = {f.path for m in manifests for f in m.files}
+    return await base_parts(Catalog(store), job, base_step, paths)
 
 
 async def _read_metadata(catalog: Catalog, entry: FileEntry, owner: Manifest) -> bytes:
