@@ -352,3 +352,22 @@ def test_ferry_pull_of_a_share_onto_its_earlier_share_reads_the_same_parts_of_bo
     touched = {"n0", "n2", "n3", "n4"}
     assert reads == Counter({(s, n): 1 for s in (10, 20) for n in touched})
     assert_the_share(dest, tmp_path / "src", 20)
+
+
+def test_a_node_serving_its_own_part_to_peers_reads_its_own_manifest_only(
+    tmp_path: Path, store: Store
+) -> None:
+    """The index of what this node can serve its peers (agent/peers/chunks.py HotIndex)
+    learns where its own part's chunks are from its own part's manifest, found by the
+    step's file map: 1 read of 6 (it read every part)."""
+    from agent.peers.chunks import HotIndex
+
+    asyncio.run(push_step(store, tmp_path / "src", 10))
+    hot, here, _ = survivor(tmp_path, store, 4)
+    manifest = asyncio.run(Catalog(store).manifest(JOB, 10, "n4"))
+    reads = count_manifest_reads(store)
+    index = HotIndex(hot, [("t", store)])
+    ((offset, chunk), *_) = manifest.files[0].chunk_offsets()
+    where = asyncio.run(index.locate(chunk.id))
+    assert where == (here / "__4_0.distcp", offset, chunk.size)
+    assert reads == Counter({(10, "n4"): 1})

@@ -35,6 +35,7 @@ from transfer.engine.chunkindex import StoredChunk
 from transfer.engine.resolver import read_file_into, read_file_verified
 from transfer.engine.sources import Land, LocalBase, Location, Supplied
 from transfer.errors import FerryError
+from transfer.format.manifest import Manifest
 from transfer.store.base import Store
 
 
@@ -90,7 +91,7 @@ class HotIndex:
     async def _add(self, job: str, step: int, path: Path) -> bool:
         for _, store in self.tiers:
             try:
-                manifests = await Catalog(store).manifests(job, step)
+                manifests = await _parts_held(Catalog(store), job, step, path)
             except FerryError:
                 continue
             if not manifests:
@@ -104,6 +105,16 @@ class HotIndex:
             self._unpublished.pop((job, step), None)
             return True
         return False
+
+
+async def _parts_held(catalog: Catalog, job: str, step: int, path: Path) -> list[Manifest]:
+    """The parts of (job, step) holding files ``path`` holds: by the step's file map, only
+    those (a node's own part of an N-node step: 1 manifest, not N); else every part."""
+    files = await catalog.step_files(job, step)
+    if files is None:
+        return await catalog.manifests(job, step)
+    here = await asyncio.to_thread(lambda: [p for p in files.files if (path / p).is_file()])
+    return await catalog.manifests_of(job, step, sorted(files.nodes_holding(here)))
 
 
 def read_verified(where: Location, cid: str) -> bytearray | None:
