@@ -104,13 +104,15 @@ def test_the_estimate_knows_the_disk_a_restore_writes_to(
             assert after["seconds"] >= after["bytes_written"] / after["disk_rate"]
             held = await d.estimate("llm", 20)
             assert (held["bytes_written"], held["disk_rate_basis"]) == (0, None)
-            # the fixed part: the constant until a prefetch is timed, then what it took
-            # besides its restore
-            assert first["seconds_start"] == PREFETCH_START_SECONDS
-            assert after["seconds_start"] != PREFETCH_START_SECONDS  # the restore of 20's
-            assert held["seconds_start"] == PREFETCH_START_SECONDS  # no check timed yet
+            # the fixed part: until a prefetch is timed, what resolving the step took the
+            # estimate (at least the constant; a busy machine took 0.026 s), then what a
+            # prefetch took besides its restore
+            assert first["seconds_start"] >= PREFETCH_START_SECONDS
+            assert after["seconds_start"] != first["seconds_start"]  # the restore of 20's
+            assert held["seconds_start"] >= PREFETCH_START_SECONDS  # no check timed yet
             await prefetched(d, 20)  # a check: held, and timed
-            assert (await d.estimate("llm", 20))["seconds_start"] != PREFETCH_START_SECONDS
+            checked = await d.estimate("llm", 20)
+            assert checked["seconds_start"] != held["seconds_start"]
 
     asyncio.run(go())
 
