@@ -598,12 +598,10 @@ class Prefetcher:
                     f"{here.path} exists and is not the committed checkpoint "
                     f"({'; '.join(problems[:3])}); it is never overwritten"
                 )
-            in_place = record.fanout is None and self.part_pushed(record.job, record.step)
-            if problems and to_share and in_place:
+            if problems and to_share and self.part_pushed(record.job, record.step):
                 # this node's own part, in every tier already: add only what the share lacks
-                # (not in a fan-out group: its members split the chunks by the shares they
-                # compute for each other, whole, and would wait on this one for chunks of
-                # its part that it never fetches)
+                # (in a fan-out group the others may count on this one for chunks of its
+                # part, which it then serves from the part: agent/peers/chunks.py HotIndex)
                 base_dir = base.path if base is not None else None
                 how = await self._add_share(record, name, store, manifests, here.path, base_dir)
                 record.satisfied_by = how

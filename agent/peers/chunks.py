@@ -81,7 +81,9 @@ class HotIndex:
 
     async def _refresh_locked(self) -> None:
         now = self._refreshed_at = time.monotonic()
-        for held in self.hot_dir.all_checkpoints():
+        # partial copies too: a fan-out member holding a share serves the chunks of its part
+        # and its share to the others (read_verified: a chunk in a hole is never served)
+        for held in [*self.hot_dir.all_checkpoints(), *self.hot_dir.shares()]:
             key = (held.job, held.step)
             if key in self._known or now - self._unpublished.get(key, -1e9) < self.min_refresh:
                 continue
