@@ -18,6 +18,11 @@ from. The scheduler:
     python examples/scale_down.py --job llama --survivors http://10.0.0.7:7070 \\
         http://10.0.0.8:7070 --token-file /etc/ferry/token --gpus 8 --gpu-hour-price 2.5
 
+``--new-world-size W``: the shrunk job runs W ranks, survivor i (in the order given) ranks
+i*W/S .. (i+1)*W/S - 1 of them; each survivor then estimates and fetches only the share its
+ranks read (``layout``), and a survivor holding its own part of the step (training wrote it
+there) receives only what that share lacks, beside its own files.
+
 Agents serving TLS: https:// URLs, ``--ca-file`` (the CA their certificates chain to), and
 ``--cert-file``/``--key-file`` when they require a client certificate (``tls_client_auth``).
 
@@ -71,6 +76,8 @@ class Survivor:
     client: FerryClient
     node: str = ""
     estimate: dict[str, Any] = field(default_factory=dict)
+    #: (world size, ranks) this node runs after the scale-down; None: the whole step
+    layout: tuple[int, list[int]] | None = None
     pinned: bool = False
     prefetch_id: str | None = None
     status: dict[str, Any] = field(default_factory=dict)
@@ -157,6 +164,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--poll", type=_positive, default=0.5, help="status poll interval, seconds")
     p.add_argument(
+        "--new-world-size",
+        type=int,
+        metavar="W",
+        help="the shrunk job's world size: each survivor fetches only the share its ranks "
+        "read (survivor i of S, in the order given, runs ranks i*W/S .. (i+1)*W/S - 1)",
+    )
+    p.add_argument(
         "--register-standby",
         action="store_true",
         help="only make the survivors standbys for the job (run it ahead of the decision)",
@@ -164,7 +178,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if len(set(args.survivors)) != len(args.survivors):
         p.error("--survivors lists the same URL twice")
+    if args.new_world_size is not None and args.new_world_size < len(args.survivors):
+        p.error(f"--new-world-size {args.new_world_size} leaves a survivor without a rank "
+                f"({len(args.survivors)} survivors)")  # fmt: skip
     return args
+
+
+def layouts(world_size: int, survivors: int) -> list[tuple[int, list[int]]]:
+    """Survivor i's ranks of a world of ``world_size``: a contiguous block, as even as can be."""
+    return [
+        (world_size, list(range(i * world_size // survivors, (i + 1) * world_size // survivors)))
+        for i in range(survivors)
+    ]
 
 
 def _table(rows: list[list[str]], right: set[int]) -> None:
@@ -185,7 +210,9 @@ async def estimate_all(survivors: list[Survivor], args: argparse.Namespace) -> i
         step = int(first["step"])
     answers = await asyncio.gather(
         *(
-            s.client.estimate(args.job, step, gpus=args.gpus, gpu_hour_price=args.gpu_hour_price)
+            s.client.estimate(
+                args.job, step, gpus=args.gpus, gpu_hour_price=args.gpu_hour_price, layout=s.layout
+            )
             for s in survivors
         ),
         return_exceptions=True,
@@ -207,9 +234,10 @@ def print_estimates(survivors: list[Survivor], job: str, step: int) -> None:
     rows = [["node", "bytes missing", "predicted s", "cost", "cooldown s"]]
     for s in survivors:
         e = s.estimate
+        ranks = "" if s.layout is None else f" (ranks {s.layout[1][0]}-{s.layout[1][-1]})"
         rows.append(
             [
-                s.name,
+                s.name + ranks,
                 f"{_human(e['bytes_missing'])} of {_human(e['bytes_total'])}",
                 f"{e['seconds']:.2f}",
                 f"{e['cost']:.4f}",
@@ -240,12 +268,19 @@ async def pin_all(survivors: list[Survivor], job: str, step: int, ttl: float) ->
 async def start_all(survivors: list[Survivor], job: str, step: int, deadline_s: float) -> None:
     # one fan-out group: the survivors split the checkpoint's chunks, each reads its share
     # from the object store and serves it to the others (it is read about once in all)
+    # (members prefetching shares: each member is told every member's, to split by them)
     members = [s.url for s in survivors]
     group = len(members) > 1
+    shares = {s.url: s.layout for s in survivors if s.layout is not None} or None
     answers = await asyncio.gather(
         *(
             s.client.prefetch(
-                job, step, deadline_s=deadline_s, fanout=(members, s.url) if group else None
+                job,
+                step,
+                deadline_s=deadline_s,
+                fanout=(members, s.url) if group else None,
+                layout=s.layout,
+                fanout_layouts=shares if group else None,
             )
             for s in survivors
         ),
@@ -379,6 +414,9 @@ async def run(args: argparse.Namespace, token: str) -> int:
         Survivor(url, FerryClient(url, token, timeout=per_call, **tls_files(args)))
         for url in args.survivors
     ]
+    if args.new_world_size is not None:
+        for s, layout in zip(survivors, layouts(args.new_world_size, len(survivors)), strict=True):
+            s.layout = layout
     step: int | None = None
     try:
         try:

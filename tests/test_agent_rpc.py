@@ -596,8 +596,13 @@ def test_a_node_holding_its_own_part_gets_the_other_parts_added(
         shutil.copytree(part_b, here)  # node b survived with its own part
         own = (here / "__1_0.distcp").stat().st_ino
         async with agent(hot, [local_url], "b") as url, FerryClient(url, TOKEN) as client:
+            est = await client.estimate("llm", 20)
             done = await client.wait_prefetch(await client.prefetch("llm", 20), within_s=60)
         assert done["state"] == "ready", done
+        # the estimate knew node b holds only its own part (it said 0 bytes missing)
+        moved = sum(done["bytes_by_source"].values())
+        assert est["source"].startswith("tier:") and moved > 0, est
+        assert abs(est["bytes_missing"] - moved) <= 0.25 * moved, (est, moved)
         assert tree_bytes(here) == tree_bytes(full)
         assert (here / "__1_0.distcp").stat().st_ino == own  # its own file was not touched
         assert sorted(p.name for p in (hot / "llm").iterdir()) == ["step_000020"]

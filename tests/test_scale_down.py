@@ -477,23 +477,24 @@ def test_an_interrupt_on_the_coordinator_reaches_every_rank(
     assert "still running" not in text and "killed" not in text, text
 
 
-@pytest.mark.parametrize("grouped", [False, True], ids=["alone", "fan-out group"])
+@pytest.mark.parametrize("how", ["alone", "fan-out group", "examples/scale_down.py"])
 def test_survivors_holding_their_parts_receive_only_their_shares_and_load_resharded(
     drill: tuple[Path, list[Path]],
     local_url: str,
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
-    grouped: bool,
+    how: str,
 ) -> None:
     """The scale-down as it happens: 4 nodes' agents push their parts (the last one in
     writes the completion marker, with its file map), then the scheduler asks the two
     survivors, each still holding its own part, for the shares their new ranks read (world
     size 4): each receives what its share lacks, not the step (every other byte a hole,
     fewer bytes than the share pulled onto an empty node); its own files are untouched;
-    the 4 new ranks load tensor-equal to a load of the whole save. Alone, and as one
-    fan-out group (the others may count on a member for chunks of its own part, which it
-    serves from there)."""
+    the 4 new ranks load tensor-equal to a load of the whole save. Alone, as one fan-out
+    group (the others may count on a member for chunks of its own part, which it serves
+    from there), and as the scheduler example runs it (``--new-world-size 4``: estimates,
+    pins, one fan-out group with every survivor's layout, COMMIT)."""
     import contextlib
     import time
 
@@ -501,6 +502,7 @@ def test_survivors_holding_their_parts_receive_only_their_shares_and_load_reshar
     from tests.harness import TOKEN, agent
 
     monkeypatch.setattr("agent.peers.fanout.WAIT_SECONDS", 120.0)
+    grouped = how != "alone"
 
     save, nodes = drill
     expected = ("n0", "n1", "n2", "n3")
@@ -530,7 +532,10 @@ def test_survivors_holding_their_parts_receive_only_their_shares_and_load_reshar
             layouts = {urls[node]: (4, ranks) for node, ranks in survivors.items()}
             members = list(layouts)
             ids = {}
-            for node, ranks in survivors.items():
+            if how == "examples/scale_down.py":
+                ids = await scheduler_example([urls[n] for n in survivors], token)
+                ids = dict(zip(survivors, ids.values(), strict=True))
+            for node, ranks in survivors.items() if not ids else ():
                 c = clients[node]
                 estimates[node] = await c.estimate("drill", STEP, layout=(4, ranks))
                 group: dict[str, Any] = {}
@@ -551,6 +556,8 @@ def test_survivors_holding_their_parts_receive_only_their_shares_and_load_reshar
         shutil.copytree(node_dir, copies[f"n{k}"])
     written = {n: {p.name: p.stat().st_ino for p in copies[n].iterdir()} for n in survivors}
     estimates: dict[str, dict[str, Any]] = {}
+    token = tmp_path / "token"
+    token.write_text(TOKEN)
     done = asyncio.run(go())
     moved_by: dict[str, int] = {}
     for node, status in done.items():
@@ -561,7 +568,8 @@ def test_survivors_holding_their_parts_receive_only_their_shares_and_load_reshar
         moved_by[node] = moved
         # the estimate the scheduler asked first knew the node holds only its own part (in
         # a group a member also reads, and serves, chunks of the others' shares)
-        assert estimates[node]["source"].startswith("tier:"), estimates[node]
+        if how != "examples/scale_down.py":
+            assert estimates[node]["source"].startswith("tier:"), estimates[node]
         if not grouped:
             assert abs(estimates[node]["bytes_missing"] - moved) <= 0.25 * moved, estimates
         assert_only_the_share(copies[node], save, set(written[node]))
@@ -577,6 +585,27 @@ def test_survivors_holding_their_parts_receive_only_their_shares_and_load_reshar
     for node, ranks in survivors.items() if not grouped else ():
         got = pull_share(local_url, tmp_path / f"cli-{node}", ",".join(map(str, ranks)), capsys)
         assert moved_by[node] < got["bytes_transferred"], (node, moved_by[node], got)
+
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "scale_down.py"
+
+
+async def scheduler_example(urls: list[str], token: Path) -> dict[str, str]:
+    """``examples/scale_down.py --new-world-size 4`` against the survivors' agents (a
+    subprocess, while this loop serves them); {agent URL: its prefetch's id}."""
+    import sys
+
+    args = ["--job", "drill", "--step", str(STEP), "--survivors", *urls]
+    args += ["--token-file", str(token), "--new-world-size", "4", "--timeout", "60"]
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, str(EXAMPLE), *args, stdout=asyncio.subprocess.PIPE
+    )
+    out = (await proc.communicate())[0].decode()
+    assert proc.returncode == 0 and "COMMIT scale-down" in out, out
+    assert "(ranks 0-1)" in out and "(ranks 2-3)" in out, out  # its estimates, per share
+    line = next(x for x in out.splitlines() if x.startswith("prefetching: "))
+    ids = dict(pair.rsplit("=", 1) for pair in line.removeprefix("prefetching: ").split(", "))
+    return {url: ids[name] for url, name in zip(urls, ids, strict=True)}
 
 
 def assert_only_the_share(copy: Path, save: Path, own: set[str]) -> None:

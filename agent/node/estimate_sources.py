@@ -125,15 +125,15 @@ class PrefetchEstimator:
     ) -> Sourcing:
         step = manifests[0].step
         here = self._held_here(job, step)
-        files = None if share is None else merged_files(manifests)  # (once: bases reuse it)
-        own_part = False  # this node's own part of the step, lacking what the share reads
-        if here == "local" and share is not None and files is not None:
+        files = merged_files(manifests)  # (once: the bases' positions reuse it)
+        own_part = False  # this node's own part of the step, lacking what is asked
+        if here == "local":
             copy = self.config.hot.step_path(job, step)
             own_part = await asyncio.to_thread(_lacks, copy, files, share)
         if here is not None and not own_part:  # nothing moves: a replica is checked by
             return await self._held_sourcing(job, step, here, total)  # stat, a copy re-hashed
         wanted = None
-        if share is not None and files is not None:
+        if share is not None:
             copy = self.config.hot.step_path(job, step)
             if self.config.hot.is_share(copy) and covers(read_record(copy) or {}, share):
                 return Sourcing("local", {"local": 0}, 0, "default")  # held: nothing to do
@@ -141,7 +141,7 @@ class PrefetchEstimator:
             if own_part and not self.prefetcher.part_pushed(job, step):
                 # the prefetch brings the other parts whole beside it (Prefetcher._pull_here)
                 manifests = await resolve_manifests(store, job, step)
-                files, wanted, share = None, None, None
+                files, wanted, share = merged_files(manifests), None, None
         paths = None if share is None else {f.path for m in manifests for f in m.files}
         held = await self._held_manifests(store, job, step, paths)
         return await self._source_of(tier, store, manifests, files, held, wanted)
@@ -256,9 +256,11 @@ class PrefetchEstimator:
 _LAYOUT = re.compile(r"[0-9]{1,7}:[0-9]{1,7}(-[0-9]{1,7})?(,[0-9]{1,7}(-[0-9]{1,7})?)*")
 
 
-def _lacks(copy: Path, files: list[FileEntry], share: Share) -> bool:
-    """Whether ``copy`` lacks a file ``share`` reads (a node's own part of the step)."""
-    return any(share.spans_of(f.path) != () and not (copy / f.path).exists() for f in files)
+def _lacks(copy: Path, files: list[FileEntry], share: Share | None) -> bool:
+    """Whether ``copy`` lacks a file of the step (of ``share``, given one) that a prefetch
+    would then bring: it is this node's own part of a multi-node step."""
+    wanted = (f for f in files if share is None or share.spans_of(f.path) != ())
+    return any(not (copy / f.path).exists() for f in wanted)
 
 
 def _layout(text: str) -> Layout:
