@@ -128,21 +128,29 @@ def test_a_corrupt_chunk_fails_the_load_naming_it(
     series: tuple[str, Path, dict[str, Any]], held: bool
 ) -> None:
     """One error, the chunk's (holding k, the local reuse and the fetch run side by side
-    in a TaskGroup: its ExceptionGroup came out whole)."""
+    in a TaskGroup: its ExceptionGroup came out whole). The chunk is a changed one of the
+    largest storage file (fetched holding k too): a byte flipped mid-pack landed, as packs
+    are laid out, in ``.metadata``'s chunk now and then, and DCP then fails in
+    read_metadata, with its own wording around the same message."""
     store_url, k, _ = series
 
-    async def flip_every_pack_of_step_40() -> None:
+    async def flip_a_changed_chunk_of_step_40() -> None:
         store = open_test_store(store_url)
         try:
             m = await load_manifest(store, "t", 40, "n")
-            for pack in m.packs:
-                data = bytearray(await store.get(pack_key(pack)))
-                data[len(data) // 2] ^= 0x01
-                await store.put(pack_key(pack), bytes(data))
+            m20 = await load_manifest(store, "t", 20, "n")
+            was = {(f.path, i): c.id for f in m20.files for i, c in enumerate(f.chunks)}
+            entry = max(m.files, key=lambda f: f.size)
+            # changed since step 20: fetched, holding k too
+            chunk = next(c for i, c in enumerate(entry.chunks) if was.get((entry.path, i)) != c.id)
+            key = pack_key(m.packs[chunk.pack])
+            data = bytearray(await store.get(key))
+            data[chunk.offset + chunk.stored // 2] ^= 0x01
+            await store.put(key, bytes(data))
         finally:
             await store.close()
 
-    asyncio.run(flip_every_pack_of_step_40())
+    asyncio.run(flip_a_changed_chunk_of_step_40())
     base = k if held else None
     reader = FerryReader(store_url, "t", 40, base_dir=base)
     with reader, pytest.raises(BaseException) as failed:
