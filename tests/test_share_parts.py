@@ -156,16 +156,23 @@ def test_without_a_map_every_part_is_read_and_the_share_is_the_same(
     assert_the_share(hot.step_path(JOB, 10), tmp_path / "src", 10)
 
 
+def rewrite_marker(store: Store, change: dict[str, object]) -> dict[str, Any]:
+    """Step 10's completion marker with ``change`` applied, written back; the new one."""
+    key = layout.completion_key(JOB, 10)
+    doc = json.loads(asyncio.run(store.get(key))) | change
+    asyncio.run(store.put(key, json.dumps(doc).encode()))
+    return dict(doc)
+
+
 def test_a_map_the_parts_contradict_is_not_trusted(
     tmp_path: Path, store: Store, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A marker that places rank 4's file in n1's part: the parts are the record, so the
     share is read from every part, and the warning names what disagreed."""
     asyncio.run(push_step(store, tmp_path / "src", 10))
-    key = layout.completion_key(JOB, 10)
-    doc = json.loads(asyncio.run(store.get(key)))
-    doc["files"] = [[p, s, "n1" if p == "__4_0.distcp" else n] for p, s, n in doc["files"]]
-    asyncio.run(store.put(key, json.dumps(doc).encode()))
+    doc = rewrite_marker(store, {})
+    files = [[p, s, "n1" if p == "__4_0.distcp" else n] for p, s, n in doc["files"]]
+    rewrite_marker(store, {"files": files})
     with caplog.at_level(logging.WARNING, logger="transfer.engine.share"):
         (first,), hot = prefetch_shares(tmp_path, store, [10])
     assert "the file map places __4_0.distcp where the parts do not hold it" in caplog.text
@@ -187,9 +194,7 @@ def test_a_malformed_map_is_ignored_with_a_warning(
     tmp_path: Path, store: Store, caplog: pytest.LogCaptureFixture, change: dict[str, object]
 ) -> None:
     asyncio.run(push_step(store, tmp_path / "src", 10))
-    key = layout.completion_key(JOB, 10)
-    doc = json.loads(asyncio.run(store.get(key))) | change
-    asyncio.run(store.put(key, json.dumps(doc).encode()))
+    rewrite_marker(store, change)
     with caplog.at_level(logging.WARNING, logger="transfer.engine.catalog"):
         (first,), hot = prefetch_shares(tmp_path, store, [10])
     assert "reading every part of the step instead" in caplog.text

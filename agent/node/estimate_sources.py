@@ -125,13 +125,13 @@ class PrefetchEstimator:
     ) -> Sourcing:
         step = manifests[0].step
         here = self._held_here(job, step)
-        files = merged_files(manifests)  # (once: the bases' positions reuse it)
         own_part = False  # this node's own part of the step, lacking what is asked
         if here == "local":
             copy = self.config.hot.step_path(job, step)
-            own_part = await asyncio.to_thread(_lacks, copy, files, share)
+            own_part = await asyncio.to_thread(_lacks, copy, manifests, share)
         if here is not None and not own_part:  # nothing moves: a replica is checked by
             return await self._held_sourcing(job, step, here, total)  # stat, a copy re-hashed
+        files = merged_files(manifests)  # (once: the bases' positions reuse it)
         wanted = None
         if share is not None:
             copy = self.config.hot.step_path(job, step)
@@ -256,9 +256,10 @@ class PrefetchEstimator:
 _LAYOUT = re.compile(r"[0-9]{1,7}:[0-9]{1,7}(-[0-9]{1,7})?(,[0-9]{1,7}(-[0-9]{1,7})?)*")
 
 
-def _lacks(copy: Path, files: list[FileEntry], share: Share | None) -> bool:
+def _lacks(copy: Path, manifests: list[Manifest], share: Share | None) -> bool:
     """Whether ``copy`` lacks a file of the step (of ``share``, given one) that a prefetch
     would then bring: it is this node's own part of a multi-node step."""
+    files = (f for m in manifests for f in m.files)
     wanted = (f for f in files if share is None or share.spans_of(f.path) != ())
     return any(not (copy / f.path).exists() for f in wanted)
 

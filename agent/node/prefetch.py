@@ -483,11 +483,18 @@ class Prefetcher:
         manifests, share = await resolve_share(
             store, record.job, requested, self.expected_nodes, ask
         )
-        if not self._share_copy_here(record.job, manifests[0].step):
-            record.planned = share
-        else:  # what a partial copy here holds may reach into any part
-            manifests = await resolve_manifests(store, record.job, manifests[0].step)
+        record.step, record.planned = manifests[0].step, share
+        if self._share_copy_here(record.job, manifests[0].step):
+            # what a partial copy here holds may reach into any part
+            return await self._every_part(record, store)
         return manifests
+
+    async def _every_part(self, record: PrefetchJob, store: Store) -> list[Manifest]:
+        """Every part of the step, for a prefetch resolved from only its share's parts
+        that turns out to need them all (the share is planned again from them)."""
+        assert record.step is not None
+        record.planned = None
+        return await resolve_manifests(store, record.job, record.step)
 
     def _share_copy_here(self, job: str, step: int) -> bool:
         return self.hot_dir.is_share(self.hot_dir.step_path(job, step))
@@ -541,8 +548,7 @@ class Prefetcher:
         record.dest = str(dest)
         if record.planned is not None and self._share_copy_here(record.job, record.step):
             # another prefetch put a copy there since this one resolved the step
-            manifests = await resolve_manifests(store, record.job, record.step)
-            record.planned = None
+            manifests = await self._every_part(record, store)
         held = self.hot_dir.checkpoints(record.job)
         to_share = record.layout is not None or record.items is not None
         to_share = to_share or self.hot_dir.is_share(dest)
@@ -608,8 +614,7 @@ class Prefetcher:
                 return
             if problems:  # this node's own part of a multi-node step: add the other parts
                 if record.planned is not None:  # (resolved for a share: only some parts)
-                    manifests = await resolve_manifests(store, record.job, record.step)
-                    record.planned = None
+                    manifests = await self._every_part(record, store)
                 await self._fill_in(record, name, store, here.path, manifests)
             record.satisfied_by = "filled_in" if problems else "held"
             return
