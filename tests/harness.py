@@ -431,9 +431,7 @@ def make_queue(
         list(zip(tiers, stores, strict=True)),
         Journal(state / "journal.sqlite3", node),
         node=node,
-        options=QUEUE_OPTS,
-        retry_seconds=POLL,
-        **{"quiet_seconds": 0.0, **kw},  # type: ignore[arg-type]
+        **{"options": QUEUE_OPTS, "retry_seconds": POLL, "quiet_seconds": 0.0, **kw},  # type: ignore[arg-type]
     )
     return queue, stores
 

@@ -222,6 +222,29 @@ def test_a_checkpoint_restored_here_is_never_pushed_as_this_nodes_part(tmp_path:
     assert not (Path(tier) / "manifests").exists()
 
 
+def test_a_retry_waiting_when_the_step_is_restored_here_is_dropped(tmp_path: Path) -> None:
+    """A push that failed waits for its retry; meanwhile a prefetch restores the step here
+    (without naming this node's own files): the retry must not push what the directory
+    now holds, other nodes' data, as this node's part."""
+    later = tmp_path / "tier-not-mounted-yet"
+    ckpt = save(tmp_path / "hot" / "job1" / "step_000010", {"a": b"own data"})
+
+    async def go() -> None:
+        queue, _ = make_queue([str(later)], tmp_path / "state", retry_seconds=0.3)
+        await queue.start()
+        assert queue.enqueue("job1", 10, ckpt)
+        await until(lambda: tier_states(queue, "job1", 10)[str(later)]["state"] == "failed")
+        queue.exclude("job1", 10)  # a prefetch restores it here
+        (ckpt / "b").write_bytes(b"another node's data")
+        await asyncio.to_thread(init_test_store, str(later))  # a retry would succeed now
+        await until(lambda: queue.idle, within=10)
+        await queue.drain(0)
+        queue.close()
+
+    asyncio.run(go())
+    assert not (later / "manifests").exists()
+
+
 def test_a_restore_evicted_after_the_watcher_saw_it_is_not_pushed(tmp_path: Path) -> None:
     """The watcher scans the hot dir in a thread; hot retention, on the loop, may evict a
     restored step it found meanwhile, and forgets with it that the step was restored here.

@@ -222,17 +222,23 @@ def test_ferry_pull_of_a_share_never_reads_the_parts_it_does_not_touch(
 
 
 def survivor(
-    tmp_path: Path, store: Store, rank: int, *, pushed: bool = True
+    tmp_path: Path, store: Store, rank: int, told: list[Any] | None = None
 ) -> tuple[HotDir, Path, Prefetcher]:
     """Node n<rank> after the scale-down: its own part of step 10 in its hot dir (a node
-    without .metadata: its files are its part), pushed to every tier or not yet."""
+    without .metadata: its files are its part). ``told``: what the push queue is told of
+    its own part (Prefetcher.own_part), with what the directory held then."""
     own = tmp_path / "src" / NODES[rank] / "step_000010"
     hot = HotDir(tmp_path / "hot", "")
     here = hot.step_path(JOB, 10)
     here.mkdir(parents=True)
     name = f"__{rank}_0.distcp"
     (here / name).write_bytes((own / name).read_bytes())
-    links = PrefetchLinks(part_pushed=lambda job, step: pushed)
+
+    def own_part(job: str, step: int, path: Path, files: frozenset[str]) -> None:
+        if told is not None:
+            told.append((job, step, path, files, sorted(p.name for p in path.iterdir())))
+
+    links = PrefetchLinks(own_part=own_part)
     policy = PrefetchPolicy(expected_nodes=NODES)
     return hot, here, Prefetcher(hot, [("t", store)], OPTIONS, BandwidthMeter(), policy, links)
 
@@ -299,17 +305,26 @@ def spy_on_fsync(monkeypatch: pytest.MonkeyPatch) -> set[str]:
     return synced
 
 
-def test_a_part_not_yet_in_every_tier_stays_a_part_and_gets_the_whole_step(
+def test_the_push_queue_is_told_the_nodes_own_files_before_anything_is_added(
     tmp_path: Path, store: Store
 ) -> None:
-    """A partial copy is never pushed: while this node's part may still have a tier to
-    reach, the share is not added in place; the other parts come in whole beside it, as
-    before, and the directory stays the (whole) step."""
+    """Its part may not be in every tier yet: before the share is added beside it, the
+    prefetch tells the push queue which files are the node's own (then, only rank 4's
+    file is there), so that they alone go on being pushed (tests/test_own_part_push.py);
+    asked for the whole step, the same, before the other parts come in."""
     asyncio.run(push_step(store, tmp_path / "src", 10))
-    hot, here, prefetcher = survivor(tmp_path, store, 4, pushed=False)
-    record = run_prefetch(prefetcher)
-    assert record.satisfied_by == "filled_in"
-    assert not hot.is_share(here) and [c.step for c in hot.checkpoints(JOB)] == [10]
+    told: list[Any] = []
+    hot, here, prefetcher = survivor(tmp_path, store, 4, told)
+    assert run_prefetch(prefetcher).satisfied_by == "filled_in"
+    assert told == [(JOB, 10, here, {"__4_0.distcp"}, ["__4_0.distcp"])]
+    assert hot.is_share(here)
+    told.clear()
+    whole = tmp_path / "whole"
+    whole.mkdir()
+    (whole / "src").symlink_to(tmp_path / "src")
+    hot, here, prefetcher = survivor(whole, store, 4, told)
+    assert run_prefetch(prefetcher, None).satisfied_by == "filled_in"
+    assert told == [(JOB, 10, here, {"__4_0.distcp"}, ["__4_0.distcp"])]
     assert sorted(p.name for p in here.iterdir()) == sorted([*SIZES, ".metadata", "config.json"])
 
 

@@ -19,7 +19,7 @@ from agent.node.hotdir import LocalCheckpoint
 from agent.node.prefetch import Prefetcher
 from agent.peers import probe
 from agent.rpc.middleware import MAX_LAYOUT_RANKS
-from transfer.engine.catalog import Catalog, resolve_checkpoint, resolve_manifests
+from transfer.engine.catalog import Catalog, resolve_checkpoint
 from transfer.engine.chunkindex import ChunkIndex
 from transfer.engine.dcpshare import Layout, parse_ranks
 from transfer.engine.pull import local_bases, share_chunk_ids
@@ -138,10 +138,6 @@ class PrefetchEstimator:
             if self.config.hot.is_share(copy) and covers(read_record(copy) or {}, share):
                 return Sourcing("local", {"local": 0}, 0, "default")  # held: nothing to do
             wanted = share_chunk_ids(files, share)
-            if own_part and not self.prefetcher.part_pushed(job, step):
-                # the prefetch brings the other parts whole beside it (Prefetcher._pull_here)
-                manifests = await resolve_manifests(store, job, step)
-                files, wanted, share = merged_files(manifests), None, None
         paths = None if share is None else {f.path for m in manifests for f in m.files}
         held = await self._held_manifests(store, job, step, paths)
         return await self._source_of(tier, store, manifests, files, held, wanted)

@@ -110,7 +110,7 @@ async def plan_hot(
         HotStep(c.job, c.step, str(c.path), sizes[(c.job, c.step)], *decisions[(c.job, c.step)])
         for c in held
     ]
-    plan.steps += await _partial_copies(hot, held, protected)
+    plan.steps += await _partial_copies(hot, held, {*protected, *durable.pending})
     return plan
 
 
@@ -118,8 +118,10 @@ async def _partial_copies(
     hot: HotDir, held: list[LocalCheckpoint], protected: Collection[Key]
 ) -> list[HotStep]:
     """Partial copies (shares a prefetch made for some ranks): each came from a tier, so
-    none is ever the only copy; the newest of a job is kept (a survivor's ranks restart
-    from it), an older one goes once a newer step of its job is here, whole or a share."""
+    none is ever the only copy, but for this node's own part added to before it was pushed
+    everywhere (kept while that push is pending, with what ``protected`` names); the newest
+    of a job is kept (a survivor's ranks restart from it), an older one goes once a newer
+    step of its job is here, whole or a share."""
     out = []
     shares = hot.shares()
     for c in shares:
@@ -231,7 +233,7 @@ class _DurabilityCheck:
 
     async def why_not_evictable(self, c: LocalCheckpoint) -> str | None:
         restored = self.journal.is_restored(c.job, c.step)
-        if not restored and (c.job, c.step) in self.pending:
+        if (c.job, c.step) in self.pending:  # (a restore into this node's own part too)
             return "push pending"
         unreachable = False
         for name, store in self.tiers:

@@ -68,8 +68,6 @@ CREATE TABLE IF NOT EXISTS pushes (
     updated_at REAL NOT NULL,
     PRIMARY KEY (job, step, node, tier)
 );
--- Checkpoints this agent restored into the hot dir (prefetch): another node's data, never
--- to be pushed as this node's part.
 -- A push's resume log (PushResume): the chunks of each pack that became durable ...
 CREATE TABLE IF NOT EXISTS durable_packs (
     job TEXT NOT NULL,
@@ -89,10 +87,21 @@ CREATE TABLE IF NOT EXISTS landed_parts (
     pack TEXT NOT NULL,
     receipt TEXT NOT NULL
 );
+-- Checkpoints this agent restored into the hot dir (prefetch): another node's data, never
+-- to be pushed as this node's part.
 CREATE TABLE IF NOT EXISTS restored (
     job TEXT NOT NULL,
     step INTEGER NOT NULL,
     at REAL NOT NULL,
+    PRIMARY KEY (job, step)
+);
+-- ... unless the restore added to this node's own part before the part was durable in every
+-- tier: its files (a JSON list of paths), recorded before anything was added, are pushed
+-- alone until it is.
+CREATE TABLE IF NOT EXISTS own_files (
+    job TEXT NOT NULL,
+    step INTEGER NOT NULL,
+    files TEXT NOT NULL,
     PRIMARY KEY (job, step)
 );
 """
@@ -214,7 +223,10 @@ class Journal:
         )
         return {r["tier"] for r in rows}
 
-    def record_restored(self, job: str, step: int) -> None:
+    def record_restored(self, job: str, step: int, own_files: Sequence[str] | None = None) -> None:
+        """(job, step) is being restored here: it holds other nodes' data. ``own_files``:
+        it held this node's own part (those files), which is still to be pushed, alone; the
+        first record of them stands (taken before anything was added beside them)."""
         check_name("job", job)
         check_step(step)
         with self._db:
@@ -222,6 +234,29 @@ class Journal:
                 "INSERT OR IGNORE INTO restored (job, step, at) VALUES (?, ?, ?)",
                 (job, step, time.time()),
             )
+            if own_files is not None:
+                self._db.execute(
+                    "INSERT OR IGNORE INTO own_files (job, step, files) VALUES (?, ?, ?)",
+                    (job, step, json.dumps(sorted(own_files))),
+                )
+
+    def own_files(self, job: str, step: int) -> tuple[str, ...] | None:
+        """The files of this node's own part of a step a restore added to (record_restored),
+        or None: the step's directory is all its own, or (restored) none of it is."""
+        row = self._db.execute(
+            "SELECT files FROM own_files WHERE job = ? AND step = ?", (job, step)
+        ).fetchone()
+        return None if row is None else tuple(json.loads(row["files"]))
+
+    def pushable(self, job: str, step: int) -> bool:
+        """Whether this node has a part of (job, step) to push: not restored here, or
+        restored into its own part (own_files)."""
+        row = self._db.execute(
+            "SELECT 1 FROM restored r WHERE job = ? AND step = ? AND NOT EXISTS "
+            "(SELECT 1 FROM own_files o WHERE o.job = r.job AND o.step = r.step)",
+            (job, step),
+        ).fetchone()
+        return row is None
 
     def is_restored(self, job: str, step: int) -> bool:
         row = self._db.execute(
@@ -235,7 +270,8 @@ class Journal:
         rows = self._db.execute(
             "SELECT job, step, tier, path, state FROM pushes WHERE node = ? "
             "AND NOT EXISTS (SELECT 1 FROM restored r WHERE r.job = pushes.job "
-            "AND r.step = pushes.step) ORDER BY step, job",
+            "AND r.step = pushes.step AND NOT EXISTS (SELECT 1 FROM own_files o "
+            "WHERE o.job = r.job AND o.step = r.step)) ORDER BY step, job",
             (self.node,),
         )
         staged_for: dict[tuple[str, int], set[str]] = {}
@@ -258,7 +294,7 @@ class Journal:
         """Drop every row of (job, step): its directory left the hot dir (retention evicted
         it), so there is nothing left to push, resume or exclude. Keeps the file small."""
         with self._db:
-            for table in ("pushes", *_RESUME_TABLES, "restored"):
+            for table in ("pushes", *_RESUME_TABLES, "restored", "own_files"):
                 self._db.execute(f"DELETE FROM {table} WHERE job = ? AND step = ?", (job, step))
 
     def was_durable(self, job: str, step: int) -> bool:
@@ -273,7 +309,7 @@ class Journal:
     def row_count(self) -> int:
         (n,) = self._db.execute(
             "SELECT (SELECT COUNT(*) FROM pushes) + (SELECT COUNT(*) FROM durable_packs)"
-            " + (SELECT COUNT(*) FROM restored)"
+            " + (SELECT COUNT(*) FROM restored) + (SELECT COUNT(*) FROM own_files)"
         ).fetchone()
         return int(n)
 

@@ -198,17 +198,17 @@ class PrefetchLinks:
     members for their shares; ``on_restore``, told before a step is restored here (the push
     queue must never push it back as this node's part); ``holds``, the steps in use that hot
     retention leaves alone; ``spawn``, what starts each job's task (in the agent, its
-    services' group); ``part_pushed``, whether this node's own part of a step is durable in
-    every tier (the push queue's journal): only then may a share be added to it in place,
-    which makes it a partial copy, never pushed again (without it, a share asked of a node
-    holding its own part brings the whole step in beside it)."""
+    services' group); ``own_part``, told (job, step, its directory, its files) before a
+    prefetch adds to this node's own part of a step, the step or a share of it: the push
+    queue goes on pushing those files alone to every tier that lacks them (the directory
+    is no longer all this node's own, nor, with a share, a save)."""
 
     chunk_source: ChunkSource | None = None
     fanout_client: PeerSource | None = None
     on_restore: Callable[[str, int], None] | None = None
     holds: StepHolds | None = None
     spawn: Spawn = own_task
-    part_pushed: Callable[[str, int], bool] | None = None
+    own_part: Callable[[str, int, Path, frozenset[str]], None] | None = None
 
 
 class Prefetcher:
@@ -235,7 +235,7 @@ class Prefetcher:
             links.on_restore,
         )
         holds, spawn = links.holds, links.spawn
-        self.part_pushed = links.part_pushed or _never
+        self.own_part = links.own_part
         self.expected_nodes = expected_nodes
         #: starts each job's task (in the agent: its services' group, which awaits them all)
         self.spawn = spawn
@@ -532,6 +532,7 @@ class Prefetcher:
         files = merged_files(manifests)  # once: checked here, restored, then moved in
         for entry in files:  # fail before downloading anything
             path_in_step_dir(here, entry.path)
+        await self._keep_own_part(record, here)
         scratch = staging_path(here, "fill-")
         try:
             plan = PullPlan(record.job, record.step, manifests=manifests, files=files)
@@ -604,8 +605,7 @@ class Prefetcher:
                     f"{here.path} exists and is not the committed checkpoint "
                     f"({'; '.join(problems[:3])}); it is never overwritten"
                 )
-            if problems and to_share and self.part_pushed(record.job, record.step):
-                # this node's own part, in every tier already: add only what the share lacks
+            if problems and to_share:  # this node's own part: add only what the share lacks
                 # (in a fan-out group the others may count on this one for chunks of its
                 # part, which it then serves from the part: agent/peers/chunks.py HotIndex)
                 base_dir = base.path if base is not None else None
@@ -629,6 +629,16 @@ class Prefetcher:
         files = await asyncio.to_thread(scan_checkpoint, dest)
         self._restored[(record.job, record.step)] = (files, record.background)
 
+    async def _keep_own_part(self, record: PrefetchJob, here: Path) -> None:
+        """Tell the push queue which files of ``here`` are this node's own part (all it
+        holds, checked against the step: nothing was added yet), before anything is: its
+        push goes on with them alone."""
+        assert record.step is not None
+        if self.own_part is None:
+            return
+        files = await asyncio.to_thread(scan_checkpoint, here)
+        self.own_part(record.job, record.step, here, frozenset(f.path for f in files))
+
     async def _add_share(
         self,
         record: PrefetchJob,
@@ -642,8 +652,9 @@ class Prefetcher:
         what the share asks that the part lacks, moved in beside its files, which are never
         touched: a survivor of a scale-down receives its share, not the step. From its
         first write the copy is a partial copy (its record names its own files, then the
-        share too): never pushed, served to a peer as the step, or taken for it. "held":
-        the part holds all the share asks already."""
+        share too): never pushed as a save (its own files go on alone: _keep_own_part),
+        served to a peer as the step, or taken for it. "held": the part holds all the
+        share asks already."""
         assert record.step is not None
         job, step, share = record.job, record.step, record.planned
         if share is None:  # (resolved from every part: no file map)
@@ -655,6 +666,7 @@ class Prefetcher:
         lacking = [f for f in files if f.path not in sizes and share.spans_of(f.path) != ()]
         if not lacking:
             return "held"
+        await self._keep_own_part(record, here)
         # every storage file the part holds, read by the share or not: a later, wider ask
         # rebuilds the copy from its record (plan_fill, widen) and must keep them all
         own: Ranges = {p: ((0, n),) for p, n in sizes.items() if p in share.storage and n}
@@ -904,10 +916,6 @@ def _exchange(a: Path, b: Path) -> bool:
     return bool(
         renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0
     )
-
-
-def _never(job: str, step: int) -> bool:
-    return False
 
 
 def _sizes_here(root: Path, paths: set[str]) -> dict[str, int]:

@@ -37,7 +37,7 @@ from agent.rpc.services import Spawn, own_task
 from transfer.engine import PushPlan, PushResult, TransferOptions, push
 from transfer.engine.catalog import Catalog, step_is_complete
 from transfer.engine.parts import check_step_whole, completion_doc
-from transfer.engine.scan import scan_checkpoint
+from transfer.engine.scan import scan_checkpoint, scan_files
 from transfer.errors import (
     AlreadyExistsError,
     FerryError,
@@ -153,7 +153,7 @@ class PushQueue:
         """Queue a committed checkpoint unless it is queued already, durable in every tier,
         or was restored here from a store. Never blocks; returns whether it was queued."""
         key = (job, step)
-        if self._closing or key in self._queued or self.journal.is_restored(job, step):
+        if self._closing or key in self._queued or not self.journal.pushable(job, step):
             return False
         # the watcher scans in a thread: hot retention may have evicted the step since (and
         # forgotten that it was a restore); checked here, on the loop, where evictions happen
@@ -184,6 +184,15 @@ class PushQueue:
         """Never push (job, step) from this node: it is being restored here from a store (a
         prefetch), so it holds other nodes' data. Call before the restore starts."""
         self.journal.record_restored(job, step)
+
+    def keep_own_part(self, job: str, step: int, path: Path, files: frozenset[str]) -> None:
+        """A prefetch is about to add other nodes' data (the step, or a share of it) to this
+        node's own part of (job, step) at ``path``, its ``files``: those files alone go on
+        being pushed, to every tier they are not durable in yet (queued now, in case the
+        watcher has not seen the step, or never will: a partial copy is no save). Call
+        before anything is added."""
+        self.journal.record_restored(job, step, sorted(files))
+        self.enqueue(job, step, path)
 
     def states(self) -> list[dict[str, Any]]:
         """The journal's rows, with ``pushing`` set on the tier being pushed right now and
@@ -241,6 +250,9 @@ class PushQueue:
 
     async def _process(self, item: _Item) -> None:
         key = (item.job, item.step)
+        if not self.journal.pushable(item.job, item.step):  # restored since it was queued:
+            self._queued.discard(key)  # its directory is other nodes' data now
+            return
         durable = self.journal.durable_tiers(item.job, item.step)
         failed = False
         try:
@@ -299,6 +311,7 @@ class PushQueue:
                 resume=self.journal.resume(job, step, name),
                 part=bool(self.expected_nodes),  # a multi-node job: this node's part of each save
                 create_store=False,  # the agent never makes a store (`ferry init` does)
+                files=self._own_files(job, step),
             ),
         )
         await self._complete_if_all_pushed(store, job, step)
@@ -320,7 +333,11 @@ class PushQueue:
         alone would not do (``cp -p`` and ``rsync -a`` set old ones while they copy)."""
         if self.quiet_seconds <= 0:
             return
-        sources = await asyncio.to_thread(scan_checkpoint, item.path)
+        own = self._own_files(item.job, item.step)
+        if own is None:
+            sources = await asyncio.to_thread(scan_checkpoint, item.path)
+        else:  # (what a prefetch moves in beside them is not this node's to wait for)
+            sources = await asyncio.to_thread(scan_files, item.path, own)
         seen = tuple((f.path, f.size, f.mtime_ns, f.inode) for f in sources)
         now = time.monotonic()
         if seen != item.seen:
@@ -337,6 +354,11 @@ class PushQueue:
             raise _NotQuiet(
                 "waiting for its files to be quiet", self.quiet_seconds - (now - item.seen_at)
             )
+
+    def _own_files(self, job: str, step: int) -> frozenset[str] | None:
+        """This node's own files of a step a prefetch added to; None: the directory's."""
+        own = self.journal.own_files(job, step)
+        return None if own is None else frozenset(own)
 
     def _wait_for_quiet(self, item: _Item, durable: set[str], exc: BaseException) -> None:
         """The checkpoint is still being written: note why, try again later. Not a failed

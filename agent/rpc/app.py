@@ -213,7 +213,7 @@ def _prefetcher(app: web.Application, queue: PushQueue, services: Services) -> P
             on_restore=queue.exclude,
             holds=app[HOLDS],
             spawn=services.spawn,
-            part_pushed=queue.pushed_everywhere,
+            own_part=queue.keep_own_part,
         ),
     )
 

@@ -13,6 +13,7 @@ from a local copy when one matches the base manifest's hashes, else from the sto
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import threading
 import time
@@ -52,6 +53,7 @@ from transfer.engine.scan import (
     check_unchanged,
     read_range,
     scan_checkpoint,
+    scan_files,
 )
 from transfer.engine.share import describe, read_record
 from transfer.engine.taskgroup_errors import first_error
@@ -123,7 +125,7 @@ async def push(
     check_step(step)
     started = time.monotonic()
     check_base_dir(base_dir)
-    sources = await asyncio.to_thread(_complete_sources, ckpt_dir, part)
+    sources = await asyncio.to_thread(_complete_sources, ckpt_dir, part, plan.files)
     if not await open_catalog(store, create=plan.create_store):
         raise not_a_store(store.url)
     catalog = Catalog(store)
@@ -144,7 +146,7 @@ async def push(
             run.pool = pool
             run.resolver = ChunkResolver(store, index, pool, base.local_dir if base else None)
             placed = await run.encode_all(sources)
-        await run.check_unchanged(ckpt_dir, sources)
+        await run.check_unchanged(ckpt_dir, sources, only=plan.files is not None)
         manifest = _manifest(job, step, node, options, sources, placed, index)
         if (why := _clash(manifest, others)) is not None:
             await run.writer_abort()  # nobody will reference what we wrote
@@ -155,9 +157,14 @@ async def push(
         return run.result(manifest, already, time.monotonic() - started)
 
 
-def _complete_sources(ckpt_dir: Path, part: bool) -> list[SourceFile]:
+def _complete_sources(
+    ckpt_dir: Path, part: bool, own: frozenset[str] | None = None
+) -> list[SourceFile]:
     """The save's files; a save whose commit marker names files not (fully) there yet is
-    never pushed (a part: files it holds that are not fully there)."""
+    never pushed (a part: files it holds that are not fully there). ``own``: only these,
+    this node's part, which other files (even a partial copy's) were added beside."""
+    if own is not None:
+        return _own_sources(ckpt_dir, own)
     record = read_record(ckpt_dir)
     if record is not None:
         raise FerryError(
@@ -173,6 +180,19 @@ def _complete_sources(ckpt_dir: Path, part: bool) -> list[SourceFile]:
             f"{ckpt_dir} holds no files: nothing to push (is the save still being written?)"
         )
     dcp.check_complete(ckpt_dir, {f.path: f.size for f in sources}, part=part)
+    return sources
+
+
+def _own_sources(ckpt_dir: Path, own: frozenset[str]) -> list[SourceFile]:
+    """The files ``own`` names, every one of them; what else the directory holds is not
+    this node's to push."""
+    sources = scan_files(ckpt_dir, own)
+    if missing := sorted(own - {f.path for f in sources}):
+        raise FerryError(
+            f"{ckpt_dir} lacks {len(missing)} file(s) of this node's part "
+            f"(e.g. {missing[0]!r}): it was changed after a prefetch added to it"
+        )
+    dcp.check_complete(ckpt_dir, {f.path: f.size for f in sources}, part=True)
     return sources
 
 
@@ -303,11 +323,15 @@ class _PushRun:
         if self._writer is not None:
             await self._writer.abort(keep_reported=False)
 
-    async def check_unchanged(self, ckpt_dir: Path, sources: list[SourceFile]) -> None:
+    async def check_unchanged(
+        self, ckpt_dir: Path, sources: list[SourceFile], *, only: bool
+    ) -> None:
         """What was read must be what is on disk now, or the manifest would commit a torn
-        copy: if not, abandon what this push wrote and raise SourceChangedError."""
+        copy: if not, abandon what this push wrote and raise SourceChangedError. ``only``:
+        the push is of some of the directory's files (PushPlan.files)."""
         try:
-            await asyncio.to_thread(check_unchanged, ckpt_dir, sources)
+            check = functools.partial(check_unchanged, only=only)
+            await asyncio.to_thread(check, ckpt_dir, sources)
         except SourceChangedError:
             await self.abandon()
             raise

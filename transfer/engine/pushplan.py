@@ -27,7 +27,10 @@ class PushPlan:
     is not a ckpt-ferry store yet is made one (its descriptor written), as this Python API
     always has (tests and benchmarks rely on it); False refuses it with NotAStoreError
     before anything is written there (what the CLI, unless ``--init``, and the agent
-    pass: a store is made on purpose, ``ferry init``)."""
+    pass: a store is made on purpose, ``ferry init``). ``files``: push only these files
+    of the directory, a part: this node's own part of a step a prefetch has since added
+    other nodes' files (or a share of them) to, beside them (the agent's journal recorded
+    them before anything was added); each must be there."""
 
     base_step: int | None = None
     base_dir: Path | None = None
@@ -35,3 +38,4 @@ class PushPlan:
     resume: ResumeLog | None = None
     part: bool = False
     create_store: bool = True
+    files: frozenset[str] | None = None

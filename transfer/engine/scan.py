@@ -49,27 +49,45 @@ def scan_checkpoint(root: Path) -> list[SourceFile]:
                 raise FerryError(f"{full}: symbolic links are not supported in a checkpoint")
             if stat.S_ISDIR(st.st_mode):
                 continue
-            if not stat.S_ISREG(st.st_mode):
-                raise FerryError(f"{full}: not a regular file")
-            found.append(
-                SourceFile(
-                    check_relative_path(rel),
-                    full,
-                    st.st_size,
-                    st.st_mode & 0o777,
-                    st.st_mtime_ns,
-                    st.st_ino,
-                )
-            )
+            found.append(_source_file(full, rel, st))
     found.sort(key=lambda f: f.path)
     return found
 
 
-def check_unchanged(root: Path, sources: list[SourceFile]) -> None:
+def scan_files(root: Path, paths: frozenset[str]) -> list[SourceFile]:
+    """The files ``paths`` names under ``root``, sorted by path, each a regular file (one
+    node's own files in a directory that holds others' too); a path not there is left out."""
+    check_checkpoint_dir(root)
+    found = []
+    for rel in sorted(paths):
+        full = root / check_relative_path(rel)
+        try:
+            st = full.lstat()
+        except FileNotFoundError:
+            continue
+        if stat.S_ISLNK(st.st_mode):
+            raise FerryError(f"{full}: symbolic links are not supported in a checkpoint")
+        found.append(_source_file(full, rel, st))
+    return found
+
+
+def _source_file(full: Path, rel: str, st: os.stat_result) -> SourceFile:
+    if not stat.S_ISREG(st.st_mode):
+        raise FerryError(f"{full}: not a regular file")
+    return SourceFile(
+        check_relative_path(rel), full, st.st_size, st.st_mode & 0o777, st.st_mtime_ns, st.st_ino
+    )
+
+
+def check_unchanged(root: Path, sources: list[SourceFile], *, only: bool = False) -> None:
     """Raise SourceChangedError unless ``root`` still holds exactly ``sources``, each with
     the size, mtime and inode it had when scanned. Call it after the last read: what was
-    read is then what is on disk."""
-    now = {f.path: f for f in scan_checkpoint(root)}
+    read is then what is on disk. ``only``: files beside ``sources`` are not theirs to
+    judge (one node's own files, which others' were added beside)."""
+    if only:
+        now = {f.path: f for f in scan_files(root, frozenset(f.path for f in sources))}
+    else:
+        now = {f.path: f for f in scan_checkpoint(root)}
     for f in sources:
         cur = now.pop(f.path, None)
         if cur is None:
