@@ -22,6 +22,11 @@ with no faults, tallying each request by method and key), in this order:
 - ``share, by the map``: the same share prefetched by a survivor's agent onto a node that
   holds nothing of the step (``agent/node/prefetch.py``): only the parts it touches,
   found by the step's file map (docs/FORMAT.md, "The marker's file map");
+- ``share, fan-out member``: the share of the same survivor's rank by its layout (the job
+  shrunk to N/2 ranks: ``.metadata`` here holds one tensor saved ``Shard(0)``, a row per
+  old rank's file, so the new rank reads the files of two old ranks), prefetched as one
+  member of the survivors' fan-out group, every member's layout named: what one member
+  asks of the store (the others do not run here; their address refuses connections);
 - ``load, coordinator``: what the coordinator rank of a ``dcp.load`` through FerryReader
   asks of the store: the step's parts resolved once, every node's rank planned from them
   (``transfer.engine.memrestore.plan_ranges``: here each rank reads one node's file), then
@@ -74,11 +79,13 @@ from aiohttp import web
 
 from agent.node.estimate import BandwidthMeter
 from agent.node.hotdir import HotDir
-from agent.node.prefetch import Prefetcher, PrefetchPolicy, State
+from agent.node.prefetch import Prefetcher, PrefetchLinks, PrefetchPolicy, State
+from agent.peers.chunks import PeerSource
 from bench._env import machine_info, source_info
 from bench._loopback import run_main
 from tests.fake_dcp import dcp_metadata
 from tests.faultproxy import FaultProxy
+from tests.harness import reserve_port
 from tests.s3server import S3Endpoint
 from transfer.engine import PullPlan, PushPlan, pull, push
 from transfer.engine.catalog import Catalog, open_catalog, resolve_manifests
@@ -104,6 +111,7 @@ JOB = "fleet"
 STEP_EVERY = 100
 OPS = (
     "push", "pull step", "pull latest", "pull node", "share, every part", "share, by the map",
+    "share, fan-out member",
     "load, coordinator", "load, another rank", "retention", "gc",
 )  # fmt: skip
 METHODS = ("LIST", "GET", "PUT", "HEAD", "DELETE", "POST")
@@ -235,7 +243,7 @@ def write_parts(root: Path, n: int, saves: int) -> None:
             d.mkdir(parents=True, exist_ok=True)
             (d / f"__{rank}_0.distcp").write_bytes(part_bytes(rank, step_of(k)))
             if rank == 0:
-                (d / ".metadata").write_bytes(dcp_metadata(lengths))
+                (d / ".metadata").write_bytes(dcp_metadata(lengths, sharded=True))
 
 
 def share_items(n: int) -> list[dict[str, Any]]:
@@ -249,12 +257,17 @@ def share_items(n: int) -> list[dict[str, Any]]:
 
 
 async def mark_complete(store: Store, saves: int) -> None:
-    """Each step's completion marker, as the agent of the node that completes it writes it
-    (with its file map)."""
+    """Each step's completion marker."""
     for k in range(saves):
-        manifests = await check_step_whole(Catalog(store), JOB, step_of(k))
-        doc = completion_doc(JOB, step_of(k), manifests)
-        await store.put(completion_key(JOB, step_of(k)), json.dumps(doc).encode())
+        await mark_step_complete(store, JOB, step_of(k))
+
+
+async def mark_step_complete(store: Store, job: str, step: int) -> None:
+    """The step's completion marker, as the agent of the node that completes it writes it
+    (with its file map: docs/FORMAT.md)."""
+    manifests = await check_step_whole(Catalog(store), job, step)
+    doc = completion_doc(job, step, manifests)
+    await store.put(completion_key(job, step), json.dumps(doc).encode())
 
 
 def push_options() -> TransferOptions:
@@ -385,6 +398,36 @@ async def op_share_by_map(store: Store, fleet: Fleet) -> None:
         shutil.rmtree(hot.root, ignore_errors=True)
 
 
+async def op_share_fanout_member(store: Store, fleet: Fleet) -> None:
+    """The share of the same survivor's rank in the job shrunk to N/2 ranks (by its layout:
+    the rows of old ranks 2m and 2m+1, their files), prefetched as one member of the
+    survivors' fan-out group (N/2 members, every member's layout named, as a scheduler
+    sends them): what one member asks of the store. The other members are not running here
+    (their address refuses connections), so this one fetches its whole share itself."""
+    world = max(1, fleet.n // 2)
+    mine = measured_rank(fleet.n) // 2
+    refused = reserve_port()  # (bound, never listening: a connection is refused at once)
+    members = tuple(f"http://127.0.0.1:{refused}/member-{i}" for i in range(world))
+    layouts = {url: {"world_size": world, "ranks": [i]} for i, url in enumerate(members)}
+    hot = HotDir(fleet.work / f"hot-{secrets.token_hex(4)}", ".metadata")
+    policy = PrefetchPolicy(expected_nodes=tuple(fleet.nodes))
+    peers = PeerSource((), "bench-token")
+    links = PrefetchLinks(fanout_client=peers)
+    prefetcher = Prefetcher(hot, [("s3", store)], push_options(), BandwidthMeter(), policy, links)
+    try:
+        record = prefetcher.submit(
+            JOB, fleet.last, None, fanout=(members, members[mine]), layout=layouts[members[mine]],
+            fanout_layouts=layouts,
+        )  # fmt: skip
+        assert record.task is not None
+        await record.task
+        if record.state is not State.READY:
+            raise SystemExit(f"fan-out share prefetch: {record.state} {record.error}")
+    finally:
+        await peers.close()
+        shutil.rmtree(hot.root, ignore_errors=True)
+
+
 async def op_load_coordinator(store: Store, fleet: Fleet) -> None:
     """The coordinator of a FerryReader load (transfer/engine/dcpreader_torch.py),
     ``.metadata`` aside: the step resolved once, every rank's share planned, its own read."""
@@ -455,6 +498,7 @@ def operations(fleet: Fleet) -> list[tuple[str, Op]]:
         ("pull node", lambda s, f: op_pull(s, f, f.last, f.me)),
         ("share, every part", op_share_every_part),
         ("share, by the map", op_share_by_map),
+        ("share, fan-out member", op_share_fanout_member),
         ("load, coordinator", op_load_coordinator),
         ("load, another rank", op_load_another_rank),
         ("push", op_push),

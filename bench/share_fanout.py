@@ -23,7 +23,9 @@ rounds, each with fresh agents and empty hot dirs, every prefetch posted at once
 Per round it prints the S3 pack bytes in all (the proxy's ``data_down``) against the union
 of the agents' shares (the stored bytes of the chunks any share needs) and against one
 stored copy of the step, pack bytes read more than once (overlapping ranges of one pack),
-control requests, and the wall time; per agent (min / median / max over the A agents): the
+control requests and the manifest GETs among them (a member finds the parts its share touches
+by the completion marker's file map; a whole-step member reads every part), and the wall
+time; per agent (min / median / max over the A agents): the
 bytes it moved (``bytes_by_source``: S3 and peers), its share's stored bytes (``plan_shares``
 on the step's manifests; the whole step in the last round), moved / share, the raw bytes of
 those chunks (a peer sends a chunk uncoded to a node that holds no base for it, so peer bytes
@@ -54,7 +56,7 @@ from aiohttp import web
 
 from bench._env import machine_info, source_info
 from bench._loopback import agent, run_main
-from bench.fleet import CountingProxy, Tally
+from bench.fleet import CountingProxy, Tally, mark_step_complete
 from tests.s3server import S3Endpoint
 from transfer.engine import PushPlan, push, resolve_manifests
 from transfer.engine.catalog import Catalog
@@ -151,7 +153,8 @@ def save_on_nodes(root: Path, ranks: int, width: int) -> list[Path]:
 
 
 async def push_nodes(url: str, endpoint: str, nodes: list[Path], chunk: int) -> None:
-    """Every node pushes its part straight to the server (not through the proxy)."""
+    """Every node pushes its part straight to the server (not through the proxy), then the
+    step's completion marker with its file map (what finds a share's parts) is written."""
     options = TransferOptions(chunk_size=chunk, part_size=max(chunk, 1 << 20), window=8)
     store = open_store(url, StoreOptions(endpoint_url=endpoint))
     try:
@@ -160,6 +163,7 @@ async def push_nodes(url: str, endpoint: str, nodes: list[Path], chunk: int) -> 
                 store, node_dir, job=JOB, step=STEP, node=f"n{k}", options=options,
                 plan=PushPlan(part=True),
             )  # fmt: skip
+        await mark_step_complete(store, JOB, STEP)
     finally:
         await store.close()
 
@@ -384,8 +388,8 @@ def round_table(doc: dict[str, Any]) -> list[str]:
     step = doc["step"]
     lines = [
         "| round | ready | S3 pack MB | / union of shares | / one copy | re-read MB | pack GETs "
-        "| control req | wall s |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| control req | manifest GETs | wall s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in doc["rounds"]:
         data = r["tally"]["bytes"]["data_down"]
@@ -394,7 +398,7 @@ def round_table(doc: dict[str, Any]) -> list[str]:
             f"| {r['name']} | {ready}/{len(r['agents'])} | {mb(data)} "
             f"| {data / step['union']:.2f}x | {data / step['stored']:.2f}x | {mb(r['reread'])} "
             f"| {r['tally']['data'].get('GET', 0):,} | {r['tally']['control_requests']:,} "
-            f"| {r['seconds']:.1f} |"
+            f"| {r['tally']['areas'].get('GET manifests', 0):,} | {r['seconds']:.1f} |"
         )
     return lines
 

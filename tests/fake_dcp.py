@@ -15,17 +15,34 @@ from collections.abc import Mapping
 _DCP = "torch.distributed.checkpoint.metadata"
 
 
-def dcp_metadata(lengths: Mapping[str, int]) -> bytes:
+def dcp_metadata(lengths: Mapping[str, int], *, sharded: bool = False) -> bytes:
     """A ``.metadata`` whose storage files are ``lengths``' keys, each one item
-    ``w.<n>`` covering the whole file."""
+    ``w.<n>`` covering the whole file. ``sharded``: instead, the files hold the rows of one
+    tensor ``w`` saved ``Shard(0)``, a row each (the n-th file in path order, row n), so
+    that a layout of a new world size reads the files of the old ranks whose rows its
+    ranks hold (dcpshare.share_ranges), as a resharded load does."""
     info = "torch.distributed.checkpoint.filesystem", "_StorageInfo"
+    files = sorted(lengths.items())
     rows = b"".join(
-        _new(_DCP, "MetadataIndex", {"fqn": f"w.{n}", "offset": (0,), "index": None})
+        _new(
+            _DCP,
+            "MetadataIndex",
+            {"fqn": "w" if sharded else f"w.{n}", "offset": (n if sharded else 0,), "index": None},
+        )
         + _new(*info, {"relative_path": path, "offset": 0, "length": length})
-        for n, (path, length) in enumerate(sorted(lengths.items()))
+        for n, (path, length) in enumerate(files)
     )
     storage = b"}(" + rows + b"u"
-    root = _new(_DCP, "Metadata", {"state_dict_metadata": {}, "planner_data": None})
+    tensors = b"}"
+    if sharded:  # (bytes: pickled already, written as they are)
+        chunks = [
+            _new(_DCP, "ChunkStorageMetadata", {"offsets": (n,), "sizes": (1,)})
+            for n in range(len(files))
+        ]
+        listed = b"](" + b"".join(chunks) + b"e"
+        w: dict[str, object] = {"properties": None, "size": (len(files),), "chunks": listed}
+        tensors = b"}(" + _str("w") + _new(_DCP, "TensorStorageMetadata", w) + b"u"
+    root = _new(_DCP, "Metadata", {"state_dict_metadata": tensors, "planner_data": None})
     # (the root's state dict gets storage_data added before BUILD closes it)
     root = root[: -len(b"ub")] + _str("storage_data") + storage + b"ub"
     return b"\x80\x02" + root + b"."
@@ -39,6 +56,8 @@ def _new(module: str, name: str, state: dict[str, object]) -> bytes:
 
 
 def _value(v: object) -> bytes:
+    if isinstance(v, bytes):
+        return v
     if v is None:
         return b"N"
     if isinstance(v, str):

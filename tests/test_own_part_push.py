@@ -21,7 +21,7 @@ from tests.conftest import init_test_store, open_test_store
 from tests.harness import make_queue, tier_states, until
 from tests.test_share_parts import ITEMS, JOB, NODES, OPTIONS, SIZES, push_step
 from transfer.engine import PullPlan, PushPlan, pull, push
-from transfer.engine.catalog import init_store, load_manifest
+from transfer.engine.catalog import load_manifest
 from transfer.format import layout
 
 SURVIVOR = "n4"
@@ -67,14 +67,18 @@ def test_a_part_added_to_before_it_reached_every_tier_still_reaches_them_alone(
             assert record.state is State.READY, record.error
             assert record.satisfied_by == "filled_in"
             assert (JOB, 10) in {(j, s) for j, s, _ in queue.journal.pending()}  # kept
-            # the tier is mounted, the other nodes push there: n4's retry pushes its part
-            cold.mkdir()
-            await init_store(cold_store)
+            # the tier is mounted, holding the other nodes' parts: n4's retry pushes its
+            # part there, the last one, and so writes the step's marker
+            mounting = tmp_path / "cold-being-mounted"
+            mounting.mkdir()
+            others = open_test_store(str(mounting))
             for node in NODES:
                 if node != SURVIVOR:
                     d = src / node / "step_000010"
-                    await push(cold_store, d, job=JOB, step=10, node=node, options=OPTIONS,
+                    await push(others, d, job=JOB, step=10, node=node, options=OPTIONS,
                                plan=PushPlan(part=True))  # fmt: skip
+            await others.close()
+            mounting.rename(cold)
             await until(lambda: _state(queue, str(cold)) == "durable", within=60)
         finally:
             await queue.drain(0)

@@ -39,7 +39,7 @@ from transfer.engine import PullEvents, PullPlan, Sources, TransferOptions, pull
 from transfer.engine.catalog import Catalog, resolve_checkpoint, resolve_manifests
 from transfer.engine.dcpshare import Layout, Ranges, merge_ranges
 from transfer.engine.localcheck import local_copy_differences
-from transfer.engine.pull import share_chunk_ids
+from transfer.engine.pull import chunk_positions
 from transfer.engine.pullplan import merged_files
 from transfer.engine.ratelimit import RateLimit
 from transfer.engine.restorenames import staging_path
@@ -52,7 +52,7 @@ from transfer.engine.share import (
     plan_share,
     plan_shares,
     replace_record,
-    resolve_share,
+    resolve_shares,
 )
 from transfer.engine.sources import ChunkSource
 from transfer.engine.staging import discard_leftovers, sweep_stale_staging
@@ -132,6 +132,8 @@ class PrefetchJob:
     #: the share, planned while its step was resolved from only the parts it touches
     #: (share.resolve_share); None: resolved from every part
     planned: Share | None = field(default=None, repr=False)
+    #: a fan-out member's: every member's share (by URL; None: the whole step), once planned
+    group_shares: dict[str, Share | None] | None = field(default=None, repr=False)
     #: set once the state is final: what ``GET /v1/prefetch/{id}?wait=`` waits for
     ended: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
 
@@ -474,16 +476,23 @@ class Prefetcher:
         """The step's manifests; for a share asked of a step with nothing of it here (a
         survivor after a scale-down), only the parts the share touches, the share planned
         with them (record.planned): a few manifests of an N-node step, not N."""
-        record.planned = None
-        if (record.layout is None and record.items is None) or record.fanout is not None:
-            # (a fan-out member plans every member's share: it reads every part)
+        record.planned = record.group_shares = None
+        if record.layout is None and record.items is None:
             return await resolve_checkpoint(store, record.job, requested, self.expected_nodes)
         layout = None if record.layout is None else _layout_of(record.layout)
-        ask = (layout, record.items)
-        manifests, share = await resolve_share(
-            store, record.job, requested, self.expected_nodes, ask
+        # a fan-out member plans every member's share too, from .metadata, with its own
+        me = None if record.fanout is None else record.fanout[1]
+        asks: dict[str | None, tuple[Layout | None, object]] = {
+            url: (_layout_of(v), None) for url, v in record.fanout_layouts.items()
+        }
+        asks[me] = (layout, record.items)  # (its own request's, whatever the map said)
+        manifests, shares = await resolve_shares(
+            store, record.job, requested, self.expected_nodes, asks, me
         )
-        record.step, record.planned = manifests[0].step, share
+        record.step, record.planned = manifests[0].step, shares.pop(me)
+        if me is not None:
+            record.group_shares = {url: v for url, v in shares.items() if url is not None}
+            record.group_shares[me] = record.planned
         if self._share_copy_here(record.job, manifests[0].step):
             # what a partial copy here holds may reach into any part
             return await self._every_part(record, store)
@@ -777,7 +786,6 @@ class Prefetcher:
         once, by _fetch: not read again; ``base``, then peers, then this tier) and record
         what moved from where; the tier's measured bandwidth feeds later estimates."""
         assert record.step is not None and plan.manifests is not None
-        manifests, share = plan.manifests, plan.share
         if self.on_restore is not None:
             self.on_restore(record.job, record.step)
         source = f"tier:{name}"
@@ -788,18 +796,7 @@ class Prefetcher:
         # what this restore will land here: members asking for it are held until it does
         wanted: list[str] = []
         if record.fanout is not None and self.fanout_client is not None:
-            files = plan.files
-            if files is None:  # merged once, for every member's needs and for the pull
-                files = await asyncio.to_thread(merged_files, manifests)
-                plan = dataclasses.replace(plan, files=files)
-            needs = await _members_needs(store, manifests, files, record.fanout_layouts)
-            me = record.fanout[1]  # its needs: its own request's, whatever the map said
-            needs.pop(me, None)
-            wanted = [c.id for m in manifests for f in m.files for c in f.chunks]
-            if share is not None:
-                needs[me] = await asyncio.to_thread(share_chunk_ids, files, share)
-                wanted = list(needs[me])
-            fan = FanoutSource(self.fanout_client, *record.fanout, needs)
+            fan, wanted, plan = await self._fanout_source(record, store, plan)
             await fan.probe()
             sources = Sources(base, chain=(fan,), store_first=fan.mine)
         began = time.monotonic()
@@ -829,6 +826,34 @@ class Prefetcher:
         record.chunks_local = result.chunks_local
         record.chunks_resumed = result.chunks_resumed
 
+    async def _fanout_source(
+        self, record: PrefetchJob, store: Store, plan: PullPlan
+    ) -> tuple[FanoutSource, list[str], PullPlan]:
+        """A fan-out member's chunk source, the chunks it will land (members asking for one
+        are held until it does: all-zero chunks are never fetched) and the plan, its files
+        merged once. With members' layouts: every member's share (planned when the step
+        was resolved, else from ``.metadata`` now) and where this member writes each
+        chunk, for owners by position (fanout.position_owners)."""
+        assert record.fanout is not None and self.fanout_client is not None
+        assert plan.manifests is not None
+        manifests = plan.manifests
+        files = plan.files
+        if files is None:  # merged once, for the positions and for the pull
+            files = await asyncio.to_thread(merged_files, manifests)
+            plan = dataclasses.replace(plan, files=files)
+        positions = await asyncio.to_thread(chunk_positions, files, plan.share)
+        if not record.fanout_layouts:  # every member wants the step: owners by chunk id
+            return FanoutSource(self.fanout_client, *record.fanout), list(positions), plan
+        me = record.fanout[1]
+        shares = record.group_shares
+        if shares is None:  # resolved from every part: a whole-step member
+            asks = {url: (_layout_of(v), None) for url, v in record.fanout_layouts.items()}
+            asks.pop(me, None)
+            shares = {**await plan_shares(Catalog(store), manifests, asks), me: None}
+        shares = {**shares, me: plan.share}  # (a fill's share: what this pull writes)
+        fan = FanoutSource(self.fanout_client, *record.fanout, shares, positions)
+        return fan, list(positions), plan
+
 
 #: a restore whose writes were in progress this much of its time was held back by its disk
 DISK_BOUND = 0.8
@@ -850,26 +875,6 @@ def _layout_of(doc: dict[str, Any]) -> Layout:
     """A request's layout (``{"world_size", "ranks"}``, shaped by middleware.parse_layout)
     as the share planner's Layout, which says whether the ranks fit the world."""
     return Layout(doc["world_size"], tuple(doc["ranks"]))
-
-
-async def _members_needs(
-    store: Store,
-    manifests: list[Manifest],
-    files: list[FileEntry],
-    layouts: dict[str, dict[str, Any]],
-) -> dict[str, set[str]]:
-    """For each fan-out member prefetching a share: the chunks its share needs (from the
-    step's .metadata, read once; ``files``: the manifests' merged); a member not named
-    prefetches the whole step."""
-    if not layouts:
-        return {}
-    asks = {url: (_layout_of(v), None) for url, v in layouts.items()}
-    shares = await plan_shares(Catalog(store), manifests, asks)
-    # off the loop: every member plans every member's share at the same moment, and a loop
-    # busy for seconds fails the others' health probes of it (32 agents on one box did)
-    return await asyncio.to_thread(
-        lambda: {url: share_chunk_ids(files, s) for url, s in shares.items()}
-    )
 
 
 def _count_moved(record: PrefetchJob, tier: str, origin: str, n: int) -> None:

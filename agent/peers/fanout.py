@@ -12,19 +12,28 @@ that drops out costs time, never correctness; every chunk is hash-checked on arr
 
 Members may prefetch different shares of the step (``fanout.layouts``: each member's layout,
 the same map sent to every member): each computes every member's share from the step's
-``.metadata``, and a chunk's owner is chosen among the members whose share needs it.
+``.metadata`` (byte ranges of its files: no part's manifest needed), and owners are chosen
+by position instead: each chunk position (file, offset) a member writes has one owner among
+the members whose share covers it, by rendezvous hashing of the position. A member fetches
+a chunk itself when it owns one of the chunk's positions in its share, else asks the owner
+of its first one, who owns that position and so fetches the chunk itself: no member waits
+on one that waits in turn. Each member thus plans from its own share's parts (the step's
+file map finds them), not from every part of the step.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import heapq
 import threading
 import time
-from collections.abc import Collection, Iterable, Mapping
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
 
 from agent.peers.chunks import PeerSource
 from transfer.engine.chunkindex import StoredChunk
+from transfer.engine.share import Share
 from transfer.engine.sources import Land, LocalBase, Location, Supplied
 
 #: how long an owner holds a peer's request for a chunk it is still fetching
@@ -108,6 +117,10 @@ class Landing:
             await asyncio.sleep(_POLL_SECONDS)
 
 
+#: where a member writes each of its chunks: chunk id -> (path, offset, size) of each position
+Positions = Mapping[str, list[tuple[str, int, int]]]
+
+
 class FanoutSource:
     """The chunk source of one fan-out prefetch: a chunk another member owns is asked of
     that member, who waits for it to land; one this member owns is left to the tiers.
@@ -120,26 +133,33 @@ class FanoutSource:
         peers: PeerSource,
         members: tuple[str, ...],
         me: str,
-        needs: Mapping[str, Collection[str]] | None = None,
+        shares: Mapping[str, Share | None] | None = None,
+        positions: Positions | None = None,
     ) -> None:
         self.peers = peers
         self.members = members
         self.me = me
         self.live = members
-        #: members prefetching a share (layouts): the chunks each one's share needs; a
-        #: chunk's owner is chosen among the live members that need it, so members with
-        #: different layouts still read each chunk once from the tiers in all
-        self.needs = needs or {}
+        #: members prefetching a share (layouts): each one's share (None or absent: the
+        #: whole step), and where this member writes its chunks: owners are then chosen by
+        #: position (position_owners), so members with different layouts still read each
+        #: chunk about once from the tiers in all
+        self.shares = shares or {}
+        self.positions = positions or {}
+        self._owners: dict[str, str] = {}
 
     async def probe(self) -> None:
         others = [m for m in self.members if m != self.me]
         up = await asyncio.gather(*(self.peers.alive(m) for m in others))
         down = {m for m, ok in zip(others, up, strict=True) if not ok}
         self.live = tuple(m for m in self.members if m not in down)
+        if self.shares:  # (off the loop: a large share has many positions)
+            self._owners = await asyncio.to_thread(
+                position_owners, self.positions, self.shares, self.live, self.me
+            )
 
     def owner(self, cid: str) -> str:
-        wanting = tuple(m for m in self.live if m not in self.needs or cid in self.needs[m])
-        return owner_of(cid, wanting or self.live)
+        return self._owners.get(cid) or owner_of(cid, self.live)
 
     def mine(self, cid: str) -> bool:
         return self.owner(cid) == self.me
@@ -151,3 +171,57 @@ class FanoutSource:
         if owner == self.me:
             return None
         return await self.peers.ask(owner, chunk, base, wait=WAIT_SECONDS, land=land)
+
+
+def position_owners(
+    positions: Positions, shares: Mapping[str, Share | None], live: tuple[str, ...], me: str
+) -> dict[str, str]:
+    """The owner of each of this member's chunks (``positions``): this member, where it
+    owns one of the chunk's positions, else the owner of the first. A position's owner is
+    chosen among the live members whose share covers it (a member whose share is None,
+    or that ``shares`` does not name, wants the whole step; a file outside DCP's storage
+    is whole in every share), by rendezvous hashing of the position; every member computes
+    the same for the positions it shares with another."""
+    whole = [m for m in live if shares.get(m) is None]
+    storage = next((s.storage for s in shares.values() if s is not None), frozenset())
+    spans: dict[str, list[tuple[int, int, str]]] = defaultdict(list)
+    for member in live:
+        share = shares.get(member)
+        for path, ranges in ({} if share is None else share.ranges).items():
+            spans[path] += [(lo, hi, member) for lo, hi in ranges]
+    mine: dict[str, list[tuple[int, int, str]]] = defaultdict(list)  # path -> (at, end, cid)
+    for cid, where in positions.items():
+        for path, at, size in where:
+            mine[path].append((at, at + size, cid))
+    owner_at: dict[tuple[str, int], str] = {}
+    for path, here in mine.items():
+        if path not in storage:
+            for at, _, _ in here:
+                owner_at[(path, at)] = owner_of(f"{path}@{at}", live)
+            continue
+        for at, wanting in _covering(sorted(here), spans[path]):
+            group = (*whole, *wanting) or (me,)  # (me: a position of a wider ask, mine alone)
+            owner_at[(path, at)] = owner_of(f"{path}@{at}", group)
+    owners = {}
+    for cid, where in positions.items():
+        owned = [owner_at[(path, at)] for path, at, _ in where]
+        owners[cid] = me if me in owned else owned[0]
+    return owners
+
+
+def _covering(
+    here: list[tuple[int, int, str]], spans: list[tuple[int, int, str]]
+) -> Iterable[tuple[int, tuple[str, ...]]]:
+    """For each of the sorted positions ``here`` (at, end, _): its offset, and the members
+    one of whose ``spans`` (lo, hi, member) overlaps it (a sweep: each span is pushed and
+    popped once)."""
+    spans = sorted(spans)
+    active: list[tuple[int, str]] = []  # (hi, member), the smallest hi first
+    i = 0
+    for at, end, _ in here:
+        while i < len(spans) and spans[i][0] < end:
+            heapq.heappush(active, (spans[i][1], spans[i][2]))
+            i += 1
+        while active and active[0][0] <= at:
+            heapq.heappop(active)
+        yield at, tuple(sorted({member for _, member in active}))

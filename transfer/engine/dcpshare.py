@@ -30,7 +30,7 @@ import io
 import re
 from bisect import bisect_left, bisect_right
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from transfer.engine.dcp import _fields, _InertUnpickler
@@ -48,6 +48,7 @@ _NOT_OURS = "not DCP metadata this ferry understands"
 _RANK_PART = re.compile(r"\s*([0-9]{1,7})\s*(?:-\s*([0-9]{1,7})\s*)?")
 
 _Box = tuple[tuple[int, ...], tuple[int, ...]]  # a chunk's (offsets, sizes)
+_Key = tuple[str, tuple[int, ...] | None]  # a storage item: (fqn, chunk offsets or None)
 
 
 @dataclass(frozen=True)
@@ -138,10 +139,27 @@ class _Tensor:
 
 
 @dataclass(frozen=True)
-class _Parsed:
+class Parsed:
     tensors: tuple[_Tensor, ...]
     byte_items: tuple[str, ...]
     storage: dict[tuple[str, tuple[int, ...] | None], tuple[str, int, int]]
+    #: per world size: each saved chunk and the ranks that read it (None: every rank)
+    _readers: dict[int, list[tuple[_Key, range | None]]] = field(
+        default_factory=dict, compare=False, repr=False
+    )
+
+    def readers(self, world: int) -> list[tuple[_Key, range | None]]:
+        """Each item and the ranks of a ``world``-rank job that read it (None: every rank;
+        byte items first): computed once per world size, so the shares of a group's G
+        layouts each cost a lookup per chunk, not DCP's rule again."""
+        if world not in self._readers:
+            found: list[tuple[_Key, range | None]] = [
+                ((fqn, None), None) for fqn in self.byte_items
+            ]
+            for t in self.tensors:
+                found += [((t.fqn, box[0]), _readers(t, box, world)) for box in t.chunks]
+            self._readers[world] = found
+        return self._readers[world]
 
 
 def _bad(why: str) -> FormatError:
@@ -221,7 +239,7 @@ def _storage(
     return out
 
 
-def _parse(metadata: bytes) -> _Parsed:
+def _parse(metadata: bytes) -> Parsed:
     try:
         root = _InertUnpickler(io.BytesIO(metadata)).load()
     except Exception:  # any malformed or foreign pickle
@@ -241,7 +259,7 @@ def _parse(metadata: bytes) -> _Parsed:
             tensors.append(_tensor(fqn, md, budget))
         else:
             raise _bad(f"{_q(fqn)} is a {_q(type(md).__name__)}")
-    return _Parsed(tuple(tensors), tuple(byte_items), _storage(data))
+    return Parsed(tuple(tensors), tuple(byte_items), _storage(data))
 
 
 # ---------------------------------------------------------------- the rule
@@ -267,21 +285,21 @@ def _sharded(t: _Tensor) -> bool:
     return len(t.size) > 0 and not (len(t.chunks) == 1 and t.chunks[0] == whole)
 
 
-def _read_by_any(t: _Tensor, box: _Box, world: int, ranks: list[int]) -> bool:
-    """Whether any of ``ranks`` (sorted) reads saved chunk ``box`` of tensor ``t``."""
+def _readers(t: _Tensor, box: _Box, world: int) -> range | None:
+    """The ranks of a ``world``-rank job that read saved chunk ``box`` of tensor ``t``;
+    None: every rank (a replicated or plain tensor)."""
     offsets, sizes = box
     sharded = _sharded(t)
     for d in range(1 if sharded else 0, len(t.size)):
         if not _passes(offsets[d], sizes[d], 0, t.size[d]):
-            return False
+            return range(0)
     if not sharded:
-        return True
+        return None
     n, a, b = t.size[0], offsets[0], sizes[0]
     # both row bounds grow with the rank, so the ranks passing the dim-0 test are [lo, hi)
     lo = bisect_left(range(world), True, key=lambda r: _rows(n, world, r)[1] > a)
     hi = bisect_left(range(world), True, key=lambda r: _rows(n, world, r)[0] >= a + b)
-    i = bisect_left(ranks, lo)
-    return i < len(ranks) and ranks[i] < hi
+    return range(lo, hi)
 
 
 def share_ranges(metadata: bytes, layout: Layout) -> Ranges:
@@ -289,15 +307,24 @@ def share_ranges(metadata: bytes, layout: Layout) -> Ranges:
     ``layout.world_size`` ranks loads this checkpoint with DCP's default planner (see the
     module docstring for the rule). Raises FormatError on metadata this parse cannot vouch
     for: a share computed from a misread would silently miss bytes."""
-    parsed = _parse(metadata)
+    return layout_ranges(parse_metadata(metadata), layout)
+
+
+def parse_metadata(metadata: bytes) -> Parsed:
+    """``.metadata`` parsed once, for the shares of several layouts (layout_ranges): a
+    fan-out group's member plans every member's (FormatError as share_ranges)."""
+    return _parse(metadata)
+
+
+def layout_ranges(parsed: Parsed, layout: Layout) -> Ranges:
+    """share_ranges of a ``.metadata`` parsed already."""
     ranks = sorted(layout.ranks)
     items: list[tuple[str, int, int]] = []
-    wanted: list[tuple[str, tuple[int, ...] | None]] = [(fqn, None) for fqn in parsed.byte_items]
-    for t in parsed.tensors:
-        wanted += [
-            (t.fqn, box[0]) for box in t.chunks if _read_by_any(t, box, layout.world_size, ranks)
-        ]
-    for key in wanted:
+    for key, readers in parsed.readers(layout.world_size):
+        if readers is not None:  # read by ranks [start, stop): is one of ours among them?
+            i = bisect_left(ranks, readers.start)
+            if i == len(ranks) or ranks[i] >= readers.stop:
+                continue
         info = parsed.storage.get(key)
         if info is None:
             raise _bad(f"{_q(key[0])} at {key[1]} has no storage_data entry")

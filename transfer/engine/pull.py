@@ -250,6 +250,19 @@ def share_chunk_ids(files: list[FileEntry], share: Share) -> set[str]:
     return set(_plan_writes(files, share)[1])
 
 
+def chunk_positions(
+    files: list[FileEntry], share: Share | None
+) -> dict[str, list[tuple[str, int, int]]]:
+    """Each chunk a pull of ``share`` (None: the whole step) fetches, and where it goes:
+    (path, offset, size) of every position, in file and offset order."""
+    kept, targets = _plan_writes(files, share)[:2]
+    sizes = {(fi, at): c.size for fi, f in enumerate(kept) for at, c in f.chunk_offsets()}
+    return {
+        cid: [(kept[fi].path, at, sizes[(fi, at)]) for fi, at in where]
+        for cid, where in targets.items()
+    }
+
+
 def _clear_unwritten(
     out: StagingFiles, files: list[FileEntry], targets: Targets, clips: Clips, adopted: bool
 ) -> None:

@@ -31,12 +31,14 @@ from transfer.engine.catalog import Catalog, latest_complete_step, resolve_manif
 from transfer.engine.dcp import MAX_METADATA_BYTES, METADATA, required_lengths
 from transfer.engine.dcpshare import (
     Layout,
+    Parsed,
     Ranges,
+    layout_ranges,
     merge_ranges,
     overlaps,
+    parse_metadata,
     ranges_from_items,
     share_bytes,
-    share_ranges,
 )
 from transfer.engine.parts import merge_parts, read_file
 from transfer.engine.restorenames import staging_path
@@ -130,23 +132,43 @@ async def resolve_share(
     touches: with the step's file map (its completion marker's), only the parts holding
     ``.metadata``, the storage files the share reads and any file outside DCP's storage
     (a survivor of an N-node job reads a few manifests, not N); without one, every part."""
+    manifests, shares = await resolve_shares(store, job, step, expected_nodes, {None: ask}, None)
+    return manifests, shares[None]
+
+
+async def resolve_shares(
+    store: Store,
+    job: str,
+    step: int | None,
+    expected_nodes: Sequence[str],
+    asks: Mapping[K, tuple[Layout | None, object]],
+    mine: K,
+) -> tuple[list[Manifest], dict[K, Share]]:
+    """resolve_share for a fan-out group's members (``asks``), ``.metadata`` read once:
+    every member's share, and the manifests of the parts the share of ``mine`` touches
+    (each member reads its own few, not every part of the step)."""
     catalog = Catalog(store)
     if step is None and expected_nodes:
         step = await latest_complete_step(store, job, expected_nodes)
     if step is not None and (files := await catalog.step_files(job, step)) is not None:
         try:
-            return await _share_by_map(catalog, job, step, files, ask)
+            return await _shares_by_map(catalog, job, step, files, asks, mine)
         except (FormatError, NotFoundError) as exc:  # the parts say; they are the record
             log.warning("%s step %s: %s; reading every part instead", job, step, exc)
     manifests = await resolve_manifests(store, job, step)
-    return manifests, (await plan_shares(catalog, manifests, {None: ask}))[None]
+    return manifests, await plan_shares(catalog, manifests, asks)
 
 
-async def _share_by_map(
-    catalog: Catalog, job: str, step: int, files: StepFiles, ask: tuple[Layout | None, object]
-) -> tuple[list[Manifest], Share]:
-    """resolve_share by the step's file map: ``.metadata``'s part, then the parts the
-    share touches, each checked to hold its files at the sizes the map gave."""
+async def _shares_by_map(
+    catalog: Catalog,
+    job: str,
+    step: int,
+    files: StepFiles,
+    asks: Mapping[K, tuple[Layout | None, object]],
+    mine: K,
+) -> tuple[list[Manifest], dict[K, Share]]:
+    """resolve_shares by the step's file map: ``.metadata``'s part, then the parts the
+    share of ``mine`` touches, each checked to hold its files at the sizes the map gave."""
     if METADATA not in files.files:
         raise FormatError(f"the file map names no {METADATA}")
     owner = (await catalog.manifests_of(job, step, [files.files[METADATA][0]]))[0]
@@ -155,14 +177,15 @@ async def _share_by_map(
         raise FormatError(f"the file map places {METADATA} in {owner.node}'s part, which lacks it")
     metadata = await _read_metadata(catalog, entry, owner)
     sizes = {path: size for path, (_, size) in files.files.items()}
-    share = (await asyncio.to_thread(_plan, metadata, sizes, {None: ask}))[None]
+    shares = await asyncio.to_thread(_plan, metadata, sizes, asks)
+    share = shares[mine]
     touched = [p for p in files.files if p not in share.storage or share.ranges.get(p)]
     manifests = await catalog.manifests_of(job, step, sorted(files.nodes_holding(touched)))
     held = {f.path: f.size for f, _ in merge_parts(manifests)}
     for path in touched:
         if held.get(path) != files.files[path][1]:
             raise FormatError(f"the file map places {path} where the parts do not hold it")
-    return manifests, share
+    return manifests, shares
 
 
 async def base_parts(
@@ -205,14 +228,18 @@ async def _read_metadata(catalog: Catalog, entry: FileEntry, owner: Manifest) ->
 def _plan(
     metadata: bytes, sizes: dict[str, int], asks: Mapping[K, tuple[Layout | None, object]]
 ) -> dict[K, Share]:
-    """Pure Python over the whole ``.metadata``: callers run it off the loop."""
+    """Pure Python over the whole ``.metadata``, parsed once however many asks (a group of
+    G members each plans G shares): callers run it off the loop."""
     storage = frozenset(required_lengths(metadata) or ())
     sizes = {path: size for path, size in sizes.items() if path in storage}
-    return {key: _share(metadata, storage, sizes, *ask) for key, ask in asks.items()}
+    parsed = None
+    if any(layout is not None and items is None for layout, items in asks.values()):
+        parsed = parse_metadata(metadata)
+    return {key: _share(parsed, storage, sizes, *ask) for key, ask in asks.items()}
 
 
 def _share(
-    metadata: bytes,
+    parsed: Parsed | None,
     storage: frozenset[str],
     sizes: dict[str, int],
     layout: Layout | None,
@@ -220,8 +247,8 @@ def _share(
 ) -> Share:
     if items is not None:
         ranges = ranges_from_items(items)
-    elif layout is not None:
-        ranges = share_ranges(metadata, layout)
+    elif layout is not None and parsed is not None:
+        ranges = layout_ranges(parsed, layout)
     else:
         raise ValueError("a share needs a layout or an item list")
     for path, spans in ranges.items():
