@@ -551,8 +551,19 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     server = S3Server(args.workdir, bucket=args.bucket)
     try:
-        endpoint = server.start(timeout=args.timeout)
+        try:
+            endpoint = server.start(timeout=args.timeout)
+        except RuntimeError as exc:  # (no server to start, or it did not come up)
+            print(f"python -m tests.s3server: error: {exc}", file=sys.stderr)
+            return 1
         print(json.dumps(dataclasses.asdict(endpoint)), flush=True)
+        print(
+            f"export AWS_ENDPOINT_URL={endpoint.url} AWS_ACCESS_KEY_ID={endpoint.access_key} "
+            f"AWS_SECRET_ACCESS_KEY={endpoint.secret_key}  # then use s3://{endpoint.bucket}/"
+            "<prefix>; Ctrl-C stops the server",
+            file=sys.stderr,
+            flush=True,
+        )
         while not stop_requested.wait(0.5):
             if not server.is_running():
                 print(f"S3 server died; see {server.log_path}", file=sys.stderr)

@@ -66,6 +66,29 @@ def test_a_checkpoint_path_that_does_not_exist_is_named_first(
     ), err
 
 
+def test_a_jobs_directory_of_steps_is_refused_not_pushed_as_one_step(
+    tmp_path: Path, local_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``ferry push ckpt/llama`` (the job's directory): told "pass --step", a newcomer did,
+    and every step was pushed nested inside one step. It is refused, naming the steps."""
+    job = tmp_path / "llama"
+    for step in (10, 20):
+        make_checkpoint(job / f"step_{step:06d}")
+    with pytest.raises(SystemExit) as exc:
+        ferry(["push", str(job), local_url, "--job", "j", "--step", "5"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"{job} holds step directories (step_000010, step_000020): push one of them" in err
+    assert not (Path(local_url) / "manifests" / "j").exists()  # nothing pushed
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        ferry(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out.startswith("ferry 0.")
+
+
 def test_store_path_that_does_not_exist(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     src = make_checkpoint(tmp_path / "step_000001")
     missing = tmp_path / "no" / "such" / "store"

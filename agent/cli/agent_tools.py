@@ -20,7 +20,11 @@ if TYPE_CHECKING:
 def add_agent(sub: Commands) -> None:
     p = sub.add_parser("agent", help="run the node agent (RPC; prefetch, estimates, pins)")
     p.add_argument("--config", type=Path, help="TOML file; every key also FERRY_<KEY>")
-    p.add_argument("--print-example-config", action="store_true")
+    p.add_argument(
+        "--print-example-config",
+        action="store_true",
+        help="print a commented config file to start from, and exit",
+    )
 
 
 def add_estimate(sub: Commands) -> None:

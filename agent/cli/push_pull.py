@@ -127,9 +127,22 @@ async def cmd_push(
     from transfer.engine.scan import check_checkpoint_dir
 
     check_checkpoint_dir(args.ckpt_dir)
+    steps = sorted(
+        d.name
+        for d in args.ckpt_dir.iterdir()
+        if d.is_dir() and step_from_dirname(d.name) is not None
+    )
+    if steps:  # (a job's directory: pushed as one step, its steps would nest inside it)
+        raise UsageError(
+            f"{args.ckpt_dir} holds step directories ({', '.join(steps[:3])}"
+            f"{', ...' if len(steps) > 3 else ''}): push one of them"
+        )
     step = args.step if args.step is not None else step_from_dirname(args.ckpt_dir.name)
     if step is None:
-        raise UsageError(f"cannot tell the step from {args.ckpt_dir.name!r}: pass --step")
+        raise UsageError(
+            f"cannot tell the step from {args.ckpt_dir.name!r}: name the directory after its "
+            "step (step_000120) or pass --step"
+        )
     node = args.node or default_node()
     check_name("job", args.job)
     check_name("node", node)

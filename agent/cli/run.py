@@ -44,6 +44,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="ferry", description=__doc__.split("\n")[0])
+    parser.add_argument("--version", action="version", version=f"ferry {_version()}")
     sub = cast("Commands", parser.add_subparsers(dest="command", required=True))
     for add in (push_pull.add_init, push_pull.add_push, push_pull.add_pull,
                 store_view.add_listings, agent_tools.add_agent, agent_tools.add_estimate,
@@ -51,6 +52,15 @@ def build_parser() -> argparse.ArgumentParser:
                 retention_pins.add_pins, store_view.add_verify):  # fmt: skip
         add(sub)
     return parser
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("ckpt-ferry")
+    except PackageNotFoundError:  # (run from a source tree that was never installed)
+        return "(not installed)"
 
 
 def _progress(args: argparse.Namespace) -> Progress:

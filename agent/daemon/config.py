@@ -602,7 +602,11 @@ def load_config(
     moved = {k: given.pop(k) for k in _MOVED_TO_STORE if k in given}
     store = _store_settings(store_raw, moved, env, sources)
     if "hot_dir" not in given:
-        raise ConfigError("hot_dir is required (in the config file or FERRY_HOT_DIR)")
+        raise ConfigError(
+            "hot_dir is required (in the config file or FERRY_HOT_DIR; to start from an "
+            "example: ferry agent --print-example-config > ferry.toml, edit it, then "
+            "ferry agent --config ferry.toml)"
+        )
     # the declared defaults, overlaid with what the operator set, each value checked
     top: dict[str, Any] = {k.name: k.default for k in agent_keys() if k.default is not MISSING}
     for key, value in given.items():
