@@ -161,7 +161,8 @@ async def run_demo(workdir: Path) -> bool:
                 moved = ", ".join(f"{k.split(':')[0]} {v / 1e6:.1f} MB" for k, v in sources if v)
                 print(
                     f"  step {step}: {est['bytes_missing'] / 1e6:.1f} MB missing, predicted "
-                    f"{est['seconds']:.2f}s (cost ${est['cost']:.4f}, cooldown "
+                    f"{est['seconds']:.2f}s ({est['seconds_low']:.2f}-{est['seconds_high']:.2f}; "
+                    f"cost ${est['cost']:.4f}, cooldown "
                     f"{est['cooldown_seconds']:.0f}s); measured {seconds:.2f}s; moved: {moved}; "
                     f"{done['chunks_local']} chunks reused locally; identical: "
                     f"{'yes' if same else 'NO'}"
