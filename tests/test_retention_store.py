@@ -515,3 +515,14 @@ def test_ferry_pin_keeps_a_step_from_retention_until_unpinned(
     capsys.readouterr()
     assert ferry(["pin", *where, "--step", "2"]) == 1  # expired: nothing to pin
     assert "no committed checkpoint" in capsys.readouterr().err
+    # "latest", as ferry pull takes it (a newcomer was told "invalid int value"), in pin,
+    # unpin and verify alike
+    assert ferry(["pin", *where, "--step", "latest", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["step"] == 3
+    assert ferry(["verify", *where, "--step", "latest", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["checkpoints"] == 1
+    assert ferry(["unpin", *where, "--step", "latest", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["removed"] is True
+    with pytest.raises(SystemExit) as usage:
+        ferry(["pin", *where, "--step", "soon"])
+    assert usage.value.code == 2

@@ -16,7 +16,7 @@ from agent.cli.args import (
     add_store_args,
     store_options,
 )
-from agent.cli.shared import VerifyFailed, default_node, require_store
+from agent.cli.shared import VerifyFailed, default_node, require_store, step_named
 from transfer.format.names import check_name
 
 if TYPE_CHECKING:
@@ -70,7 +70,7 @@ def add_pins(sub: Commands) -> None:
         p = sub.add_parser(name, help=text)
         p.add_argument("store_url")
         p.add_argument("--job", required=True)
-        p.add_argument("--step", type=int, required=True)
+        p.add_argument("--step", required=True, help="a step number, or 'latest'")
         p.add_argument(
             "--holder",
             default=None,
@@ -133,10 +133,13 @@ async def cmd_pin(store: Store, args: argparse.Namespace) -> tuple[dict[str, Any
 
     check_name("job", args.job)
     holder = check_name("holder", args.holder or f"cli-{default_node()}")
-    what = f"{args.job} step {args.step}"
+    if args.step == "latest":
+        await require_store(store)
+    step = await step_named(store, args.job, args.step)
+    what = f"{args.job} step {step}"
     if args.command == "unpin":
-        removed = await unpin(store, args.job, args.step, holder)
-        doc = {"job": args.job, "step": args.step, "holder": holder, "pinned": False}
+        removed = await unpin(store, args.job, step, holder)
+        doc = {"job": args.job, "step": step, "holder": holder, "pinned": False}
         line = (
             f"unpinned {what} in {store.url} (holder {holder})"
             if removed
@@ -144,9 +147,9 @@ async def cmd_pin(store: Store, args: argparse.Namespace) -> tuple[dict[str, Any
         )
         return doc | {"removed": removed}, line
     await require_store(store)
-    if not await list_parts(store, args.job, args.step):
+    if not await list_parts(store, args.job, step):
         raise CheckpointNotFoundError(f"no committed checkpoint {what} in {store.url}")
-    expires = await pin(store, args.job, args.step, holder, args.ttl)
+    expires = await pin(store, args.job, step, holder, args.ttl)
     until = datetime.fromtimestamp(expires, UTC).isoformat(timespec="seconds")
-    doc = {"job": args.job, "step": args.step, "holder": holder, "pinned": True}
+    doc = {"job": args.job, "step": step, "holder": holder, "pinned": True}
     return doc | {"expires_at": expires}, f"pinned {what} in {store.url} until {until} ({holder})"

@@ -39,3 +39,14 @@ async def require_store(store: Store, *, hint: str = "") -> None:
 
 #: every size the CLI prints: decimal MB/GB (transfer/units.py; retention's tables too)
 human = format_size
+
+
+async def step_named(store: Store, job: str, text: str) -> int:
+    """``--step``'s value as a step number: ``latest`` is the newest step with a committed
+    part (as ``ferry pull --step latest`` takes it); CheckpointNotFoundError where none."""
+    from agent.cli.args import parse_step
+    from transfer.engine.catalog import resolve_manifests
+
+    if text != "latest":
+        return parse_step(text)
+    return (await resolve_manifests(store, job, None))[0].step

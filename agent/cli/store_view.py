@@ -6,8 +6,8 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING, Any
 
-from agent.cli.args import add_store_args, add_transfer_args, transfer_options
-from agent.cli.shared import VerifyFailed, human, require_store
+from agent.cli.args import UsageError, add_store_args, add_transfer_args, transfer_options
+from agent.cli.shared import VerifyFailed, human, require_store, step_named
 from transfer.errors import FormatError
 from transfer.format.names import check_name
 
@@ -33,8 +33,8 @@ def add_listings(sub: Commands) -> None:
 def add_verify(sub: Commands) -> None:
     p = sub.add_parser("verify", help="re-hash every stored chunk; exit 1 naming bad ones")
     p.add_argument("store_url")
-    p.add_argument("--job")
-    p.add_argument("--step", type=int)
+    p.add_argument("--job", help="only this job's steps (default: every job)")
+    p.add_argument("--step", help="only this step of --job: a step number, or 'latest'")
     add_store_args(p, writes=False)
     add_transfer_args(p, writes=False)
 
@@ -144,7 +144,14 @@ async def cmd_verify(store: Store, args: argparse.Namespace) -> tuple[dict[str, 
 
     if args.job:
         check_name("job", args.job)
-    r = await verify(store, job=args.job, step=args.step, options=transfer_options(args))
+    step = None
+    if args.step is not None:
+        if not args.job:
+            raise UsageError("--step needs --job")
+        if args.step == "latest":
+            await require_store(store)
+        step = await step_named(store, args.job, args.step)
+    r = await verify(store, job=args.job, step=step, options=transfer_options(args))
     lines = [f"BAD manifest {why}" for why in r.bad_manifests]
     lines += [f"BAD chunk {b.chunk}: {b.reason}; needed by {', '.join(b.used_by)}" for b in r.bad]
     verdict = f"{len(r.bad)} BAD chunk(s)"
