@@ -245,6 +245,26 @@ def test_a_retry_waiting_when_the_step_is_restored_here_is_dropped(tmp_path: Pat
     assert not (later / "manifests").exists()
 
 
+def test_own_files_are_not_taken_from_a_step_restored_here_before(tmp_path: Path) -> None:
+    """A step an earlier restore added to without naming this node's files (an older
+    agent, or a restore of the whole step) holds others' data: what it holds now is not
+    recorded as this node's own, and it is not pushed."""
+    (tier,) = tiers_in(tmp_path, "tier")
+    ckpt = save(tmp_path / "hot" / "job1" / "step_000010", {"a": b"own", "b": b"another's"})
+
+    async def go() -> None:
+        queue, _ = make_queue([tier], tmp_path / "state")
+        queue.exclude("job1", 10)
+        queue.keep_own_part("job1", 10, ckpt, frozenset({"a", "b"}))
+        assert queue.journal.own_files("job1", 10) is None
+        assert queue.busy_steps() == set() and queue.journal.pending() == []
+        await queue.drain(0)
+        queue.close()
+
+    asyncio.run(go())
+    assert not (Path(tier) / "manifests").exists()
+
+
 def test_a_restore_evicted_after_the_watcher_saw_it_is_not_pushed(tmp_path: Path) -> None:
     """The watcher scans the hot dir in a thread; hot retention, on the loop, may evict a
     restored step it found meanwhile, and forgets with it that the step was restored here.

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -127,17 +128,14 @@ async def cmd_push(
     from transfer.engine.scan import check_checkpoint_dir
 
     check_checkpoint_dir(args.ckpt_dir)
-    steps = sorted(
-        d.name
-        for d in args.ckpt_dir.iterdir()
-        if d.is_dir() and step_from_dirname(d.name) is not None
-    )
+    own = step_from_dirname(args.ckpt_dir.name)
+    steps = [] if own is not None else _step_dirs(args.ckpt_dir)
     if steps:  # (a job's directory: pushed as one step, its steps would nest inside it)
         raise UsageError(
             f"{args.ckpt_dir} holds step directories ({', '.join(steps[:3])}"
             f"{', ...' if len(steps) > 3 else ''}): push one of them"
         )
-    step = args.step if args.step is not None else step_from_dirname(args.ckpt_dir.name)
+    step = args.step if args.step is not None else own
     if step is None:
         raise UsageError(
             f"cannot tell the step from {args.ckpt_dir.name!r}: name the directory after its "
@@ -204,6 +202,14 @@ async def _warn_if_new_part(store: Store, job: str, step: int, node: str) -> Non
             "when neither --node nor FERRY_NODE is set)",
             file=sys.stderr,
         )
+
+
+def _step_dirs(root: Path) -> list[str]:
+    """The subdirectories of ``root`` named like a checkpoint of a step (``step_000120``)."""
+    return sorted(d.name for d in root.iterdir() if d.is_dir() and _STEP_DIR.fullmatch(d.name))
+
+
+_STEP_DIR = re.compile(r"(global_)?step[_-]?[0-9]+|checkpoint[_-][0-9]+")
 
 
 async def cmd_pull(

@@ -22,10 +22,12 @@ pack and per part while a push runs), and with WAL + ``synchronous=NORMAL`` a co
 fsync (only WAL checkpoints do). A killed process keeps every record it committed (the page
 cache survives it); an fsync per pack record ran on the event loop and, on ext4, waited for
 the packs' own dirty data (0.5 s of a 1.69 GB local push's 8 s). Losing the last commits to a
-power cut is harmless: a checkpoint whose ``durable`` row was lost is re-pushed and found
-already committed, a lost pack record only costs re-sending that pack, and a record torn by a
-kill is rolled back whole (the push also checks that each pack still exists). Staying on one
-thread also keeps the sqlite3 connection single-threaded (``check_same_thread`` enforces it).
+power cut is harmless (but for a step's own files, ``own_files``: written with
+``synchronous=FULL``, before a prefetch adds anything beside them): a checkpoint whose
+``durable`` row was lost is re-pushed and found already committed, a lost pack record only
+costs re-sending that pack, and a record torn by a kill is rolled back whole (the push also
+checks that each pack still exists). Staying on one thread also keeps the sqlite3
+connection single-threaded (``check_same_thread`` enforces it).
 SQLite's WAL needs every user of a file on one host (shared memory): the agent's state dir
 must be local, and a ``ferry push`` file is only ever used by the node it is named for.
 """
@@ -229,16 +231,22 @@ class Journal:
         first record of them stands (taken before anything was added beside them)."""
         check_name("job", job)
         check_step(step)
-        with self._db:
-            self._db.execute(
-                "INSERT OR IGNORE INTO restored (job, step, at) VALUES (?, ?, ?)",
-                (job, step, time.time()),
-            )
-            if own_files is not None:
+        if own_files is not None:  # on the disk before anything is added beside the files
+            self._db.execute("PRAGMA synchronous=FULL")  # (lost, a partial copy is not pushed)
+        try:
+            with self._db:
                 self._db.execute(
-                    "INSERT OR IGNORE INTO own_files (job, step, files) VALUES (?, ?, ?)",
-                    (job, step, json.dumps(sorted(own_files))),
+                    "INSERT OR IGNORE INTO restored (job, step, at) VALUES (?, ?, ?)",
+                    (job, step, time.time()),
                 )
+                if own_files is not None:
+                    self._db.execute(
+                        "INSERT OR IGNORE INTO own_files (job, step, files) VALUES (?, ?, ?)",
+                        (job, step, json.dumps(sorted(own_files))),
+                    )
+        finally:
+            if own_files is not None:
+                self._db.execute("PRAGMA synchronous=NORMAL")
 
     def own_files(self, job: str, step: int) -> tuple[str, ...] | None:
         """The files of this node's own part of a step a restore added to (record_restored),

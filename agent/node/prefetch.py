@@ -648,6 +648,22 @@ class Prefetcher:
         files = await asyncio.to_thread(scan_checkpoint, here)
         self.own_part(record.job, record.step, here, frozenset(f.path for f in files))
 
+    def _land_own(self, record: PrefetchJob, here: Path, files: list[FileEntry]) -> list[str]:
+        """For a fan-out member adding its share to its own part: the chunks of its own
+        ``files`` (verified just now), landed where they are for the members asking for
+        them; the ids to release once the restore ends (none outside a group)."""
+        if record.fanout is None:
+            return []
+        where = {
+            c.id: (path_in_step_dir(here, f.path), at, c.size)
+            for f in files
+            for at, c in f.chunk_offsets()
+        }
+        self.landing.expect(where)
+        for cid, location in where.items():
+            self.landing.land(cid, location)
+        return list(where)
+
     async def _add_share(
         self,
         record: PrefetchJob,
@@ -683,6 +699,9 @@ class Prefetcher:
         wanted = {f.path for f in lacking}
         asked = {path: spans for path, spans in share.ranges.items() if path in wanted}
         scratch = staging_path(here, "fill-")
+        # in a fan-out group the others may count on this member for its own part's chunks
+        # (they plan its share from its layout): served from the part while this runs
+        own_chunks = self._land_own(record, here, [f for f in files if f.path in sizes])
         try:
             narrowed = Share(asked, share.storage, share.layout)
             plan = PullPlan(job, step, manifests=manifests, files=lacking, share=narrowed)
@@ -692,6 +711,7 @@ class Prefetcher:
             await self._restore(record, name, store, plan, scratch, base)
             await asyncio.to_thread(_move_missing, scratch, here, lacking)
         finally:
+            self.landing.release(own_chunks)
             await asyncio.to_thread(shutil.rmtree, scratch, True)
         both = merge_ranges(
             (path, lo, hi - lo)
@@ -792,13 +812,14 @@ class Prefetcher:
         record.bytes_by_source.setdefault(source, 0)  # named even when it sends nothing
         record.eta_rate = self.meter.rate(source)
         peers = (self.chunk_source,) if self.chunk_source is not None else ()
-        sources = Sources(base, await self._base_parts(record, store, plan, base), peers)
+        base_parts = await self._base_parts(record, store, plan, base)
+        sources = Sources(base, base_parts, peers)
         # what this restore will land here: members asking for it are held until it does
         wanted: list[str] = []
         if record.fanout is not None and self.fanout_client is not None:
             fan, wanted, plan = await self._fanout_source(record, store, plan)
             await fan.probe()
-            sources = Sources(base, chain=(fan,), store_first=fan.mine)
+            sources = Sources(base, base_parts, chain=(fan,), store_first=fan.mine)
         began = time.monotonic()
         self.landing.expect(wanted)
         rate_limit = self.background_limit if record.background else None

@@ -191,6 +191,11 @@ class PushQueue:
         being pushed, to every tier they are not durable in yet (queued now, in case the
         watcher has not seen the step, or never will: a partial copy is no save). Call
         before anything is added."""
+        if self.journal.is_restored(job, step) and self.journal.own_files(job, step) is None:
+            # (an earlier restore added to it without naming them: what is whose is lost)
+            log.warning("%s step %s was restored here before: its own files are not known, "
+                        "and it is not pushed again", job, step)  # fmt: skip
+            return
         self.journal.record_restored(job, step, sorted(files))
         self.enqueue(job, step, path)
 

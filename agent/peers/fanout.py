@@ -16,8 +16,9 @@ the same map sent to every member): each computes every member's share from the 
 by position instead: each chunk position (file, offset) a member writes has one owner among
 the members whose share covers it, by rendezvous hashing of the position. A member fetches
 a chunk itself when it owns one of the chunk's positions in its share, else asks the owner
-of its first one, who owns that position and so fetches the chunk itself: no member waits
-on one that waits in turn. Each member thus plans from its own share's parts (the step's
+of its first one, who owns that position and so fetches the chunk itself, or holds it already
+(its own part of the step, which it serves from there): no member waits on one that waits in
+turn. Each member thus plans from its own share's parts (the step's
 file map finds them), not from every part of the step.
 """
 
@@ -102,17 +103,15 @@ class Landing:
         """Where ``cid`` landed, waiting up to ``seconds`` while a restore here expects it
         (and, while a fan-out prefetch was submitted here, up to ``_GRACE_SECONDS`` for it
         to start expecting it: the members of a group start at about the same time, not in
-        lockstep)."""
+        lockstep; with none, a chunk not expected is answered at once: an asker held for
+        the grace for every chunk of a finished group paid 3 s a chunk)."""
         began = time.monotonic()
         while True:
             with self._lock:
                 where, expected = self._where.get(cid), cid in self._expected
+                grace = _GRACE_SECONDS if self._fanouts else 0.0
             waited = time.monotonic() - began
-            if (
-                where is not None
-                or waited >= seconds
-                or (not expected and waited >= _GRACE_SECONDS)
-            ):
+            if where is not None or waited >= seconds or (not expected and waited >= grace):
                 return where
             await asyncio.sleep(_POLL_SECONDS)
 
