@@ -101,17 +101,19 @@ class Landing:
 
     async def wait(self, cid: str, seconds: float) -> Location | None:
         """Where ``cid`` landed, waiting up to ``seconds`` while a restore here expects it
-        (and, while a fan-out prefetch was submitted here, up to ``_GRACE_SECONDS`` for it
-        to start expecting it: the members of a group start at about the same time, not in
-        lockstep; with none, a chunk not expected is answered at once: an asker held for
-        the grace for every chunk of a finished group paid 3 s a chunk)."""
+        (and, one not expected, up to ``_GRACE_SECONDS`` for a restore to start expecting
+        it: the members of a group start at about the same time, not in lockstep, and an
+        asker may come before this member's own prefetch was even submitted)."""
         began = time.monotonic()
         while True:
             with self._lock:
                 where, expected = self._where.get(cid), cid in self._expected
-                grace = _GRACE_SECONDS if self._fanouts else 0.0
             waited = time.monotonic() - began
-            if where is not None or waited >= seconds or (not expected and waited >= grace):
+            if (
+                where is not None
+                or waited >= seconds
+                or (not expected and waited >= _GRACE_SECONDS)
+            ):
                 return where
             await asyncio.sleep(_POLL_SECONDS)
 
