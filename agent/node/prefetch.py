@@ -475,7 +475,9 @@ class Prefetcher:
     ) -> list[Manifest]:
         """The step's manifests; for a share asked of a step with nothing of it here (a
         survivor after a scale-down), only the parts the share touches, the share planned
-        with them (record.planned): a few manifests of an N-node step, not N."""
+        with them (record.planned): a few manifests of an N-node step, not N. A fan-out
+        member's share too, with every member's share planned from ``.metadata`` beside
+        it (record.group_shares: the owners by position, _fanout_source)."""
         record.planned = record.group_shares = None
         if record.layout is None and record.items is None:
             return await resolve_checkpoint(store, record.job, requested, self.expected_nodes)
@@ -616,7 +618,8 @@ class Prefetcher:
                 )
             if problems and to_share:  # this node's own part: add only what the share lacks
                 # (in a fan-out group the others may count on this one for chunks of its
-                # part, which it then serves from the part: agent/peers/chunks.py HotIndex)
+                # part, which it serves from the part: _land_own while this runs, then the
+                # peers' index, agent/peers/chunks.py HotIndex)
                 base_dir = base.path if base is not None else None
                 how = await self._add_share(record, name, store, manifests, here.path, base_dir)
                 record.satisfied_by = how
