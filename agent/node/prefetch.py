@@ -132,7 +132,7 @@ class PrefetchJob:
     #: the share, planned while its step was resolved from only the parts it touches
     #: (share.resolve_share); None: resolved from every part
     planned: Share | None = field(default=None, repr=False)
-    #: a fan-out member's: every member's share (by URL; None: the whole step), once planned
+    #: a fan-out member's: every other member's share (by URL), once planned
     group_shares: dict[str, Share | None] | None = field(default=None, repr=False)
     #: set once the state is final: what ``GET /v1/prefetch/{id}?wait=`` waits for
     ended: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
@@ -492,9 +492,8 @@ class Prefetcher:
             store, record.job, requested, self.expected_nodes, asks, me
         )
         record.step, record.planned = manifests[0].step, shares.pop(me)
-        if me is not None:
+        if me is not None:  # (its own: what its pull writes, _fanout_source)
             record.group_shares = {url: v for url, v in shares.items() if url is not None}
-            record.group_shares[me] = record.planned
         if self._share_copy_here(record.job, manifests[0].step):
             # what a partial copy here holds may reach into any part
             return await self._every_part(record, store)
@@ -869,12 +868,12 @@ class Prefetcher:
         if not record.fanout_layouts:  # every member wants the step: owners by chunk id
             return FanoutSource(self.fanout_client, *record.fanout), list(positions), plan
         me = record.fanout[1]
-        shares = record.group_shares
-        if shares is None:  # resolved from every part: a whole-step member
+        others = record.group_shares
+        if others is None:  # resolved from every part: a whole-step member
             asks = {url: (_layout_of(v), None) for url, v in record.fanout_layouts.items()}
             asks.pop(me, None)
-            shares = {**await plan_shares(Catalog(store), manifests, asks), me: None}
-        shares = {**shares, me: plan.share}  # (a fill's share: what this pull writes)
+            others = dict(await plan_shares(Catalog(store), manifests, asks))
+        shares = {**others, me: plan.share}  # (its own: what this pull writes; None: all)
         fan = FanoutSource(self.fanout_client, *record.fanout, shares, positions)
         return fan, list(positions), plan
 

@@ -239,7 +239,9 @@ def _storage(
     return out
 
 
-def _parse(metadata: bytes) -> Parsed:
+def parse_metadata(metadata: bytes) -> Parsed:
+    """``.metadata`` parsed once, for the shares of several layouts (layout_ranges: a
+    fan-out group's member plans every member's); FormatError as share_ranges."""
     try:
         root = _InertUnpickler(io.BytesIO(metadata)).load()
     except Exception:  # any malformed or foreign pickle
@@ -308,12 +310,6 @@ def share_ranges(metadata: bytes, layout: Layout) -> Ranges:
     module docstring for the rule). Raises FormatError on metadata this parse cannot vouch
     for: a share computed from a misread would silently miss bytes."""
     return layout_ranges(parse_metadata(metadata), layout)
-
-
-def parse_metadata(metadata: bytes) -> Parsed:
-    """``.metadata`` parsed once, for the shares of several layouts (layout_ranges): a
-    fan-out group's member plans every member's (FormatError as share_ranges)."""
-    return _parse(metadata)
 
 
 def layout_ranges(parsed: Parsed, layout: Layout) -> Ranges:
