@@ -5,6 +5,7 @@ cleanup contexts, run by daemon.serve's runner.cleanup)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import subprocess
 import sys
@@ -133,3 +134,33 @@ def test_a_lock_file_a_killed_agent_left_does_not_block_and_is_no_checkpoint(
         # hidden: never taken for a job or a checkpoint
         assert is_hidden(AGENT_LOCK) and HotDir(first.hot, ".metadata").jobs() == []
         assert get_json(second.url + "/v1/checkpoints")["jobs"] == {}
+
+
+def test_an_agent_told_port_0_says_the_port_it_got(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``listen = "127.0.0.1:0"``: the kernel picks the port; the agent said it listened on
+    port 0 (its line, its log, the hot dir's lock naming it for a second agent), leaving
+    no way to reach it. Now each names the port it got, which answers."""
+    store = init_test_store(str(tmp_path / "store"))
+    env = {"FERRY_NODE": "a", "FERRY_HOT_DIR": str(tmp_path / "hot"), "FERRY_TIERS": store,
+           "FERRY_STATE_DIR": str(tmp_path / "state"), "FERRY_LISTEN": "127.0.0.1:0"}  # fmt: skip
+    config = load_config(None, env)
+
+    async def go() -> tuple[str, str, int]:
+        ready = asyncio.Event()
+        task = asyncio.create_task(serve(config, TOKEN, ready))
+        await asyncio.wait_for(ready.wait(), 30)
+        line = capsys.readouterr().out.strip()
+        address = line.rsplit(" ", 1)[-1]
+        health = await asyncio.to_thread(get_json, f"{address}/healthz", None)
+        lock = (config.hot_dir / AGENT_LOCK).read_text()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return address, lock, len(health)
+
+    address, lock, answered = asyncio.run(go())
+    port = int(address.rsplit(":", 1)[1])
+    assert port != 0 and answered, address
+    assert f"listening on 127.0.0.1:{port}" in lock

@@ -4,6 +4,7 @@ the push queue and prefetches) until SIGTERM/SIGINT, then drain in-flight work."
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import signal
 import socket
@@ -62,6 +63,9 @@ async def serve(config: AgentConfig, token: str, ready: asyncio.Event | None = N
         sock = socket.create_server((host, port))
     except OSError as exc:
         raise FerryError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    if port == 0:  # the kernel chose: what the agent says it listens on is that port
+        port = sock.getsockname()[1]
+        config = dataclasses.replace(config, listen=f"{config.listen.rpartition(':')[0]}:{port}")
     app = create_app(config, token)
     runner = web.AppRunner(app, handle_signals=False)
     try:

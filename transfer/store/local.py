@@ -229,7 +229,8 @@ class LocalStore(Store):
         self._refuse_a_file()
         if not self.root.is_dir():
             raise NotFoundError(
-                f"store directory {self.root} does not exist (create it, or check the mount)"
+                f"store directory {self.root} does not exist (make a store there with "
+                f"`ferry init {self.root}`, or check the mount)"
             )
         if not os.access(self.root, os.R_OK | os.X_OK):
             raise AccessDeniedError(f"store directory {self.root}: permission denied")
