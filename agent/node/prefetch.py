@@ -62,6 +62,7 @@ from transfer.errors import (
     CheckpointNotFoundError,
     DestinationError,
     FerryError,
+    IncompleteStepError,
     IntegrityError,
     SourceChangedError,
     StoreError,
@@ -462,7 +463,13 @@ class Prefetcher:
                     # (the lock: two prefetches of one checkpoint never race on its dir)
                     await self._pull_from(record, name, store, manifests)
                 return
-            except (CheckpointNotFoundError, StoreError, IntegrityError) as exc:
+            except (
+                CheckpointNotFoundError,
+                IncompleteStepError,
+                StoreError,
+                IntegrityError,
+            ) as exc:
+                # (a torn step here: a part still to come; the next tier may hold it whole)
                 errors.append(f"{name}: {' '.join(str(exc).split())}")
                 missing.append(isinstance(exc, CheckpointNotFoundError))
                 record.bytes_done = 0

@@ -406,4 +406,28 @@ async def resolve_checkpoint(
     are known, else the newest step with any part (resolve_manifests)."""
     if step is None and expected_nodes:
         step = await latest_complete_step(store, job, expected_nodes)
-    return await resolve_manifests(store, job, step)
+        return await resolve_manifests(store, job, step)
+    manifests = await resolve_manifests(store, job, step)
+    await check_parts_complete(store, manifests, expected_nodes)
+    return manifests
+
+
+async def check_parts_complete(
+    store: Store, manifests: list[Manifest], expected_nodes: Sequence[str]
+) -> None:
+    """Refuse a named step that ``store`` holds only some parts of, by step_is_complete
+    (its marker, or every expected node's part), as not there: CheckpointNotFoundError, so
+    a prefetch takes it from the next tier (this one's push may still be running) instead
+    of restoring a torn step or failing. Without expected nodes, nothing to check."""
+    job, step = manifests[0].job, manifests[0].step
+    nodes = {m.node for m in manifests}
+    if not expected_nodes or step_is_complete(nodes, False, expected_nodes, False):
+        return
+    if await store.exists(layout.completion_key(job, step)):
+        return
+    missing = sorted(set(expected_nodes) - nodes)
+    named = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
+    raise CheckpointNotFoundError(
+        f"{job} step {step} is not whole in {store.url}: {len(nodes)} of "
+        f"{len(expected_nodes)} parts, none yet from {named}"
+    )

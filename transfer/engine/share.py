@@ -27,7 +27,12 @@ from pathlib import Path
 from typing import TypeVar
 
 from transfer.durable import fsync_dir
-from transfer.engine.catalog import Catalog, latest_complete_step, resolve_manifests
+from transfer.engine.catalog import (
+    Catalog,
+    check_parts_complete,
+    latest_complete_step,
+    resolve_manifests,
+)
 from transfer.engine.dcp import MAX_METADATA_BYTES, METADATA, required_lengths
 from transfer.engine.dcpshare import (
     Layout,
@@ -156,6 +161,7 @@ async def resolve_shares(
         except (FormatError, NotFoundError) as exc:  # the parts say; they are the record
             log.warning("%s step %s: %s; reading every part instead", job, step, exc)
     manifests = await resolve_manifests(store, job, step)
+    await check_parts_complete(store, manifests, expected_nodes)
     return manifests, await plan_shares(catalog, manifests, asks)
 
 
