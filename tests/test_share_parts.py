@@ -244,15 +244,21 @@ def survivor(
 
 
 def run_prefetch(prefetcher: Prefetcher, items: list[dict[str, Any]] | None = ITEMS) -> Any:
+    record = prefetched(prefetcher, items)
+    assert record.state is State.READY, record.error
+    return record
+
+
+def prefetched(prefetcher: Prefetcher, items: list[dict[str, Any]] | None) -> Any:
+    """The record of a prefetch of step 10 (``items``: a share), once it ended."""
+
     async def go() -> Any:
         record = prefetcher.submit(JOB, 10, None, items=items)
         assert record.task is not None
         await record.task
         return record
 
-    record = asyncio.run(go())
-    assert record.state is State.READY, record.error
-    return record
+    return asyncio.run(go())
 
 
 def test_a_survivor_holding_its_own_part_gets_only_what_its_share_lacks(
