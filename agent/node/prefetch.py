@@ -1,9 +1,10 @@
 """Prefetch jobs: materialise a whole checkpoint (every node's part) in this node's hot dir
 before the scheduler needs it, reusing what the node already holds.
 
-A job pulls from the tiers in order (the first that has the checkpoint; on failure the next),
-with the newest local checkpoint of the same job as the base, into a staging directory that
-is renamed into place only when every chunk is verified. It never overwrites a checkpoint.
+A job pulls from the tiers in order (the first that has the checkpoint whole; on failure the
+next), with the newest local checkpoint of the same job as the base, into a staging
+directory that is renamed into place only when every chunk is verified. It never
+overwrites a checkpoint.
 """
 
 from __future__ import annotations
