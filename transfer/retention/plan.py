@@ -163,9 +163,13 @@ def kept_steps(
     now: float,
     pins: Collection[Key],
     extra: dict[Key, StepEntry] | None = None,
+    repacking: RepackPolicy | None = None,
 ) -> tuple[dict[Key, str], bool]:
     """Steps the policy keeps in this tier (with reasons), and whether the tier stays over
-    budget. ``extra`` adds steps that are not there yet (to ask "would it keep them?")."""
+    budget. ``extra`` adds steps that are not there yet (to ask "would it keep them?").
+    The budget is met by the tier's bytes after this run, as the plan reports them
+    (space_after: with ``repacking``, a kept delta no longer holds its expired base's
+    whole pack, so expiring the oldest step frees its share at once)."""
     steps = dict(extra or {})
     steps.update(inventory.steps)
     kept: dict[Key, str] = {}
@@ -179,8 +183,12 @@ def kept_steps(
     over = False
     if policy.budget_bytes is not None and not extra:
         created = {k: e.created for k, e in steps.items()}
-        kept = fit_budget(kept, policy.budget_bytes, inventory.bytes_of, created)
-        over = inventory.bytes_of(kept) > policy.budget_bytes
+
+        def bytes_after(keys: frozenset[Key]) -> int:
+            return space_after(inventory, keys, repacking).bytes_after
+
+        kept = fit_budget(kept, policy.budget_bytes, bytes_after, created)
+        over = bytes_after(frozenset(kept)) > policy.budget_bytes
     return kept, over
 
 
@@ -203,7 +211,7 @@ async def make_plan(
     all_pins = set(pins).union(*(inv.pins for inv in inventories))
     plans = []
     for i, (tier, inv) in enumerate(zip(tiers, inventories, strict=True)):
-        kept, over = kept_steps(inv, tier.policy, now, all_pins)
+        kept, over = kept_steps(inv, tier.policy, now, all_pins, repacking=repacking)
         wanted_next: dict[Key, str] = {}
         if i + 1 < len(tiers):
             wanted_next, _ = kept_steps(
