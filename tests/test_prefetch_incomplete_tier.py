@@ -16,6 +16,7 @@ from agent.node.hotdir import HotDir
 from agent.node.prefetch import Prefetcher, PrefetchPolicy, State
 from tests.conftest import init_test_store, open_test_store
 from tests.test_share_parts import ITEMS, JOB, NODES, OPTIONS, prefetched, push_step
+from transfer.engine import PushPlan, push
 from transfer.format import layout
 from transfer.store.base import Store
 
@@ -63,9 +64,85 @@ def test_a_step_torn_in_the_first_tier_comes_from_the_next(
                 assert (here / f.name).read_bytes() == f.read_bytes(), f.name
 
 
+def test_a_step_whose_parts_are_all_in_but_lack_a_file_comes_from_the_next_tier(
+    tmp_path: Path,
+) -> None:
+    """n2's part in the first tier holds no rank-2 file (a torn part: every part is in, and
+    .metadata names a file none holds): the step comes from the next tier, whole."""
+    warm = tier(tmp_path, "warm", torn="n2")
+    lacking = tmp_path / "n2-torn" / "step_000010"
+    lacking.mkdir(parents=True)
+    (lacking / "notes.txt").write_text("no shard here")
+    asyncio.run(push(warm, lacking, job=JOB, step=10, node="n2", options=OPTIONS,
+                     plan=PushPlan(part=True)))  # fmt: skip
+    tiers = [("warm", warm), ("cold", tier(tmp_path, "cold", torn=None))]
+    record = prefetched(prefetcher(tmp_path, tiers), None)
+    assert record.state is State.READY, record.error
+    here = tmp_path / "hot" / JOB / "step_000010"
+    assert (here / "__2_0.distcp").read_bytes() == (
+        tmp_path / "src-cold/n2/step_000010/__2_0.distcp"
+    ).read_bytes()
+    assert not (here / "notes.txt").exists()
+
+
 def test_a_step_torn_in_every_tier_is_refused_naming_the_missing_part(tmp_path: Path) -> None:
     """Nothing is restored, and the error says which node's part is not in yet."""
     record = prefetched(prefetcher(tmp_path, [("warm", tier(tmp_path, "warm", torn="n2"))]), None)
     assert record.state is State.FAILED
     assert record.error is not None and "5 of 6 parts, none yet from n2" in record.error
     assert not (tmp_path / "hot" / JOB / "step_000010").exists()
+
+
+def test_parts_that_land_with_the_marker_during_the_check_are_read(tmp_path: Path) -> None:
+    """The last part (n0's: .metadata) and the marker land between the listing of the parts
+    and the look for the marker: the parts are read again, so the prefetch restores the
+    whole step (before, it restored the five it had listed and called them ready)."""
+    store = tier(tmp_path, "warm", torn=None)
+    marker_key, n0_key = layout.completion_key(JOB, 10), layout.manifest_key(JOB, 10, "n0")
+
+    async def hold_back() -> tuple[bytes, bytes]:
+        held = await store.get(marker_key), await store.get(n0_key)
+        for key in (marker_key, n0_key):
+            await store.delete(key)
+        return held
+
+    marker, n0 = asyncio.run(hold_back())
+    exists = store.exists
+
+    async def landing_now(key: str) -> bool:
+        if key == marker_key and not await exists(key):
+            await store.put(n0_key, n0)
+            await store.put(marker_key, marker)
+        return await exists(key)
+
+    store.exists = landing_now  # type: ignore[method-assign]
+    record = prefetched(prefetcher(tmp_path, [("warm", store)]), None)
+    assert record.state is State.READY, record.error
+    here = tmp_path / "hot" / JOB / "step_000010"
+    for name in (".metadata", "__0_0.distcp"):
+        assert (here / name).read_bytes() == (
+            tmp_path / "src-warm/n0/step_000010" / name
+        ).read_bytes()
+
+
+def test_an_estimate_of_a_step_torn_everywhere_says_which_part_is_missing(tmp_path: Path) -> None:
+    """A real agent: the estimate skips a torn tier as the prefetch does, and its 404 says
+    why (before: only "no tier holds" it)."""
+    from agent.rpc.client import FerryClient, RpcError
+    from tests.harness import TOKEN, agent
+
+    tier(tmp_path, "warm", torn="n2")
+    env = {"FERRY_EXPECTED_NODES": ",".join(NODES)}
+
+    async def go() -> str:
+        async with (
+            agent(tmp_path / "hot", [str(tmp_path / "warm")], "n4", extra_env=env) as url,
+            FerryClient(url, TOKEN) as client,
+        ):
+            with pytest.raises(RpcError) as err:
+                await client.estimate(JOB, 10)
+            return str(err.value)
+
+    message = asyncio.run(go())
+    assert "no tier holds job 'llm' step 10" in message
+    assert "5 of 6 parts, none yet from n2" in message

@@ -403,13 +403,17 @@ def test_the_index_of_what_a_node_serves_learns_the_files_a_prefetch_moved_in(
     tmp_path: Path, store: Store
 ) -> None:
     """n4 indexed its own part, then its share's prefetch added .metadata and n3's
-    config.json beside it: a peer asking for those chunks finds them here (the index saw
-    the directory change and read the parts it now holds), not the tier after a wait."""
+    config.json beside it: a peer asking for those chunks finds them here (the prefetch
+    told the index the step changed, and it read the parts it now holds), not the tier
+    after a wait."""
     from agent.peers.chunks import HotIndex
 
     asyncio.run(push_step(store, tmp_path / "src", 10))
-    hot, here, prefetcher = survivor(tmp_path, store, 4)
+    hot, here, _ = survivor(tmp_path, store, 4)
     index = HotIndex(hot, [("t", store)], min_refresh=0.0)
+    links = PrefetchLinks(step_changed=index.forget_step)
+    policy = PrefetchPolicy(expected_nodes=NODES)
+    prefetcher = Prefetcher(hot, [("t", store)], OPTIONS, BandwidthMeter(), policy, links)
     own = asyncio.run(Catalog(store).manifest(JOB, 10, "n4")).files[0].chunks[0]
     assert asyncio.run(index.locate(own.id)) is not None
     config = next(f for f in asyncio.run(Catalog(store).manifest(JOB, 10, "n3")).files

@@ -65,6 +65,7 @@ class PrefetchEstimator:
         CheckpointNotFoundError when no tier holds it; StoreError when none that could be
         read did."""
         unreachable: list[str] = []
+        lacking: list[str] = []
         ranks = None if layout is None else _layout(layout)  # checked once, not per tier
         for name, store in self.tiers:
             try:
@@ -78,7 +79,8 @@ class PrefetchEstimator:
                 resolved_in = time.monotonic() - began
                 total = share.nbytes if share else sum(f.size for m in manifests for f in m.files)
                 sourcing = await self._sourcing(name, store, job, manifests, total, share)
-            except CheckpointNotFoundError:
+            except CheckpointNotFoundError as exc:  # (each tier's why: it may hold part of it)
+                lacking.append(f"{name}: {' '.join(str(exc).split())}")
                 continue
             except StoreError as exc:  # the next tier may answer (as a prefetch would use it)
                 unreachable.append(f"{name}: {' '.join(str(exc).split())}")
@@ -112,7 +114,9 @@ class PrefetchEstimator:
             raise StoreError(
                 f"no reachable tier holds job {job!r} step {which}; " + "; ".join(unreachable)
             )
-        raise CheckpointNotFoundError(f"no tier holds job {job!r} step {which}")
+        raise CheckpointNotFoundError(
+            f"no tier holds job {job!r} step {which}" + "".join(f"; {why}" for why in lacking)
+        )
 
     async def _sourcing(
         self,

@@ -205,7 +205,10 @@ class PrefetchLinks:
     services' group); ``own_part``, told (job, step, its directory, its files) before a
     prefetch adds to this node's own part of a step, the step or a share of it: the push
     queue goes on pushing those files alone to every tier that lacks them (the directory
-    is no longer all this node's own, nor, with a share, a save)."""
+    is no longer all this node's own, nor, with a share, a save); ``step_changed``, told
+    (job, step) once a prefetch of it ended, whatever the outcome: the step's directory
+    may hold files it did not (the index of what this node serves its peers reads it
+    again)."""
 
     chunk_source: ChunkSource | None = None
     fanout_client: PeerSource | None = None
@@ -213,6 +216,7 @@ class PrefetchLinks:
     holds: StepHolds | None = None
     spawn: Spawn = own_task
     own_part: Callable[[str, int, Path, frozenset[str]], None] | None = None
+    step_changed: Callable[[str, int], None] | None = None
 
 
 class Prefetcher:
@@ -239,7 +243,7 @@ class Prefetcher:
             links.on_restore,
         )
         holds, spawn = links.holds, links.spawn
-        self.own_part = links.own_part
+        self.own_part, self.step_changed = links.own_part, links.step_changed
         self.expected_nodes = expected_nodes
         #: starts each job's task (in the agent: its services' group, which awaits them all)
         self.spawn = spawn
@@ -415,6 +419,8 @@ class Prefetcher:
             self._finished.append(record.id)
             self._forget_oldest_finished()
             record.ended.set()
+            if self.step_changed is not None and record.step is not None:
+                self.step_changed(record.job, record.step)
             if record.state is State.READY and record.started is not None:
                 took = record.finished - record.started
                 kind = "check" if record.satisfied_by in ("held", "replica") else "restore"
@@ -470,7 +476,8 @@ class Prefetcher:
                 StoreError,
                 IntegrityError,
             ) as exc:
-                # (a torn step here: a part still to come; the next tier may hold it whole)
+                # (IncompleteStepError: every part here, a file still missing from them: a torn
+                # part; the next tier may hold the step whole)
                 errors.append(f"{name}: {' '.join(str(exc).split())}")
                 missing.append(isinstance(exc, CheckpointNotFoundError))
                 record.bytes_done = 0

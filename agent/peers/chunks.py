@@ -42,10 +42,10 @@ from transfer.store.base import Store
 class HotIndex:
     """chunk id -> where this node's hot data holds it, from the committed manifests of the
     checkpoints present locally. A miss rescans the hot dir (cheap) and loads the manifests
-    of checkpoints not seen before, or changed since (a prefetch moved other nodes' files
-    in beside this node's own part, or swapped in a whole copy); one without a manifest yet
-    (training just wrote it, the push is running) is retried after ``min_refresh`` s, not
-    on every miss."""
+    of checkpoints not seen before, and of a step a prefetch has just changed here (other
+    nodes' files moved in beside this node's own part, a copy swapped in: forget_step);
+    one without a manifest yet (training just wrote it, the push is running) is retried
+    after ``min_refresh`` s, not on every miss."""
 
     def __init__(
         self, hot_dir: HotDir, tiers: list[tuple[str, Store]], min_refresh: float = 2.0
@@ -53,7 +53,7 @@ class HotIndex:
         self.hot_dir = hot_dir
         self.tiers = tiers
         self.min_refresh = min_refresh
-        self._known: dict[tuple[str, int], DirStamp] = {}  # -> the directory when indexed
+        self._known: set[tuple[str, int]] = set()
         self._unpublished: dict[tuple[str, int], float] = {}  # -> when we last looked
         self._where: dict[str, Location] = {}
         self._lock = asyncio.Lock()
@@ -81,20 +81,24 @@ class HotIndex:
     def forget(self, cid: str) -> None:
         self._where.pop(cid, None)
 
+    def forget_step(self, job: str, step: int) -> None:
+        """The step's directory here may hold other files now: the next miss reads the
+        parts it holds again (where a chunk was, it still is, or read_verified says not)."""
+        self._known.discard((job, step))
+        self._unpublished.pop((job, step), None)
+
     async def _refresh_locked(self) -> None:
         now = self._refreshed_at = time.monotonic()
         # partial copies too: a fan-out member holding a share serves the chunks of its part
         # and its share to the others (read_verified: a chunk in a hole is never served)
         for held in [*self.hot_dir.all_checkpoints(), *self.hot_dir.shares()]:
-            key, stamp = (held.job, held.step), dir_stamp(held.path)
-            if self._known.get(key) == stamp:
+            key = (held.job, held.step)
+            if key in self._known or now - self._unpublished.get(key, -1e9) < self.min_refresh:
                 continue
-            if now - self._unpublished.get(key, -1e9) < self.min_refresh:
-                continue
-            if not await self._add(held.job, held.step, held.path, stamp):
+            if not await self._add(held.job, held.step, held.path):
                 self._unpublished[key] = now
 
-    async def _add(self, job: str, step: int, path: Path, stamp: DirStamp) -> bool:
+    async def _add(self, job: str, step: int, path: Path) -> bool:
         for _, store in self.tiers:
             try:
                 manifests = await _parts_held(Catalog(store), job, step, path)
@@ -107,23 +111,10 @@ class HotIndex:
                     if (path / f.path).is_file():
                         for offset, c in f.chunk_offsets():
                             self._where.setdefault(c.id, (path / f.path, offset, c.size))
-            self._known[(job, step)] = stamp
+            self._known.add((job, step))
             self._unpublished.pop((job, step), None)
             return True
         return False
-
-
-DirStamp = tuple[int, int] | None
-
-
-def dir_stamp(path: Path) -> DirStamp:
-    """What changes when files are moved into a step directory (its mtime) or the directory
-    is swapped for another copy (its inode): the index re-reads the step's parts then."""
-    try:
-        st = path.stat()
-    except OSError:
-        return None
-    return (st.st_ino, st.st_mtime_ns)
 
 
 async def _parts_held(catalog: Catalog, job: str, step: int, path: Path) -> list[Manifest]:

@@ -214,6 +214,7 @@ def _prefetcher(app: web.Application, queue: PushQueue, services: Services) -> P
             holds=app[HOLDS],
             spawn=services.spawn,
             own_part=queue.keep_own_part,
+            step_changed=app[HOT_INDEX].forget_step,
         ),
     )
 

@@ -407,24 +407,24 @@ async def resolve_checkpoint(
     if step is None and expected_nodes:
         step = await latest_complete_step(store, job, expected_nodes)
         return await resolve_manifests(store, job, step)
-    manifests = await resolve_manifests(store, job, step)
-    await check_parts_complete(store, manifests, expected_nodes)
-    return manifests
+    return await whole_parts(store, await resolve_manifests(store, job, step), expected_nodes)
 
 
-async def check_parts_complete(
+async def whole_parts(
     store: Store, manifests: list[Manifest], expected_nodes: Sequence[str]
-) -> None:
-    """Refuse a named step that ``store`` holds only some parts of, by step_is_complete
-    (its marker, or every expected node's part), as not there: CheckpointNotFoundError, so
-    a prefetch takes it from the next tier (this one's push may still be running) instead
-    of restoring a torn step or failing. Without expected nodes, nothing to check."""
+) -> list[Manifest]:
+    """The parts of a named step, refused as not there (CheckpointNotFoundError) when
+    ``store`` holds only some of them by step_is_complete's rule (its marker, or every
+    expected node's part): a prefetch then takes it from the next tier (this one's push may
+    still be running) instead of restoring a torn step or failing. Without expected nodes
+    any part counts, as for the newest step (resolve_checkpoint). A marker found after the
+    listing missed some parts means they landed between the two: the parts are read again."""
     job, step = manifests[0].job, manifests[0].step
     nodes = {m.node for m in manifests}
     if not expected_nodes or step_is_complete(nodes, False, expected_nodes, False):
-        return
+        return manifests
     if await store.exists(layout.completion_key(job, step)):
-        return
+        return await Catalog(store).manifests(job, step)
     missing = sorted(set(expected_nodes) - nodes)
     named = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
     raise CheckpointNotFoundError(

@@ -29,9 +29,9 @@ from typing import TypeVar
 from transfer.durable import fsync_dir
 from transfer.engine.catalog import (
     Catalog,
-    check_parts_complete,
     latest_complete_step,
     resolve_manifests,
+    whole_parts,
 )
 from transfer.engine.dcp import MAX_METADATA_BYTES, METADATA, required_lengths
 from transfer.engine.dcpshare import (
@@ -160,8 +160,7 @@ async def resolve_shares(
             return await _shares_by_map(catalog, job, step, files, asks, mine)
         except (FormatError, NotFoundError) as exc:  # the parts say; they are the record
             log.warning("%s step %s: %s; reading every part instead", job, step, exc)
-    manifests = await resolve_manifests(store, job, step)
-    await check_parts_complete(store, manifests, expected_nodes)
+    manifests = await whole_parts(store, await resolve_manifests(store, job, step), expected_nodes)
     return manifests, await plan_shares(catalog, manifests, asks)
 
 
