@@ -81,6 +81,38 @@ def test_bad_requests_get_json_4xx(local_url: str, tmp_path: Path) -> None:
     asyncio.run(go())
 
 
+def test_a_typo_in_a_body_field_is_a_400_naming_it_not_a_default(
+    local_url: str, tmp_path: Path
+) -> None:
+    """A newcomer's trial: {"job": "j1", "stpe": 20} prefetched the latest step (202), and
+    a pin's {"ttl": 60} took the default hour (201). Nothing starts or is pinned now."""
+
+    async def go() -> None:
+        headers = {"Authorization": f"Bearer {TOKEN}"}
+        async with (
+            agent(tmp_path / "hot", [local_url]) as url,
+            aiohttp.ClientSession(headers=headers) as s,
+        ):
+            cases = [
+                ("/v1/prefetch", {"job": "j1", "stpe": 20}, "'stpe'"),
+                ("/v1/pins", {"job": "j1", "step": 40, "ttl": 60}, "'ttl'"),
+                ("/v1/standby/j1", {"layuot": None}, "'layuot'"),
+                ("/v1/retention/run", {"dryrun": True}, "'dryrun'"),
+            ]
+            for path, body, named in cases:
+                method = s.put if "standby" in path else s.post
+                async with method(url + path, json=body) as r:
+                    doc = await r.json()
+                    assert r.status == 400, (path, doc)
+                    assert doc["error"].startswith(f"unknown body field {named}"), doc
+            async with s.post(f"{url}/v1/prefetch", json={"step": 20}) as r:
+                assert (r.status, (await r.json())["error"]) == (400, "missing body field 'job'")
+            async with s.get(f"{url}/metrics") as r:
+                assert "ferry_prefetch_started_total" not in await r.text()  # (none started)
+
+    asyncio.run(go())
+
+
 def test_prefetch_cold_and_onto_a_node_holding_the_previous_step(
     store_url: str, tmp_path: Path
 ) -> None:

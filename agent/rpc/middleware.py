@@ -8,7 +8,7 @@ import asyncio
 import json
 import logging
 import math
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from typing import Any
 
 from aiohttp import web
@@ -91,9 +91,11 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         return error_response(status, " ".join(str(exc).split()), type(exc).__name__)
 
 
-async def json_body(request: web.Request) -> dict[str, Any]:
-    """The request's JSON object body; a body that does not arrive within BODY_SECONDS
-    (a client sending it slowly, or not at all) is a 408 and the connection is closed."""
+async def json_body(request: web.Request, fields: Collection[str]) -> dict[str, Any]:
+    """The request's JSON object body, whose keys must be among ``fields`` (a typo'd key
+    is a 400 naming it, not a default taken silently: ``stpe`` prefetched the latest
+    step); a body that does not arrive within BODY_SECONDS (a client sending it slowly,
+    or not at all) is a 408 and the connection is closed."""
     try:
         async with asyncio.timeout(limits.BODY_SECONDS):
             body = await request.json()
@@ -104,6 +106,10 @@ async def json_body(request: web.Request) -> dict[str, Any]:
         raise web.HTTPRequestTimeout(reason="the request body did not arrive in time") from None
     if not isinstance(body, dict):
         raise ValueError("request body must be a JSON object")
+    if unknown := sorted(set(body) - set(fields)):
+        raise ValueError(
+            f"unknown body field {unknown[0]!r}; the fields are {', '.join(sorted(fields))}"
+        )
     return body
 
 

@@ -19,7 +19,7 @@ MAX_PIN_SECONDS = 7 * 24 * 3600
 
 
 async def post_pin(request: web.Request) -> web.Response:
-    body = await json_body(request)
+    body = await json_body(request, ("job", "step", "ttl_s"))
     job = check_name("job", required(body, "job", "body field"))
     step = parse_step(required(body, "step", "body field"))
     ttl = body.get("ttl_s", 3600)

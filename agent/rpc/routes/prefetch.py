@@ -19,6 +19,7 @@ from agent.rpc.middleware import (
     parse_layout,
     parse_step_arg,
     query_seconds,
+    required,
 )
 from transfer.format.names import check_name
 
@@ -27,13 +28,14 @@ log = logging.getLogger(__name__)
 
 #: members of one fan-out restore (each asks the others for their shares)
 MAX_FANOUT = 64
+_PREFETCH_FIELDS = ("job", "step", "deadline_s", "fanout", "layout", "items")
 
 
 async def post_prefetch(request: web.Request) -> web.Response:
     if request.app[PREFETCHER].active() >= limits.MAX_PREFETCHES:  # before reading the body
         return limits.too_many(f"{limits.MAX_PREFETCHES} prefetches queued or running already")
-    body = await json_body(request)
-    job = check_name("job", body.get("job"))
+    body = await json_body(request, _PREFETCH_FIELDS)
+    job = check_name("job", required(body, "job", "body field"))
     step = parse_step_arg(body.get("step", "latest"))
     deadline = body.get("deadline_s")
     if deadline is not None and not finite_number(deadline, 0, 7 * 24 * 3600):

@@ -22,9 +22,7 @@ async def get_standby(request: web.Request) -> web.Response:
 async def put_standby(request: web.Request) -> web.Response:
     """Make this node a standby for a job: each new durable step is copied here at once
     (with a ``layout`` body, only the share those ranks will read)."""
-    body = await json_body(request) if request.can_read_body else {}
-    if set(body) - {"layout"}:
-        raise ValueError('the body must be empty or {"layout": {"world_size": W, "ranks": [...]}}')
+    body = await json_body(request, ("layout",)) if request.can_read_body else {}
     layout = parse_layout(body.get("layout"))
     entry = request.app[STANDBY].register(request.match_info["job"], layout=layout)
     return web.json_response(entry.to_dict())
