@@ -4,6 +4,7 @@ prefetch (cold, and onto a node holding the previous checkpoint), estimates, pin
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -12,6 +13,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
@@ -30,6 +32,14 @@ from tests.harness import (
     reserve_port,
 )
 from transfer.store import open_store
+
+
+@contextlib.asynccontextmanager
+async def raw_agent(hot: Path, tier: str) -> AsyncIterator[tuple[str, aiohttp.ClientSession]]:
+    """A real agent and a plain HTTP session with its token: requests no client would send."""
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    async with agent(hot, [tier]) as url, aiohttp.ClientSession(headers=headers) as session:
+        yield url, session
 
 
 def test_auth_is_required_everywhere_but_health(local_url: str, tmp_path: Path) -> None:
@@ -51,11 +61,7 @@ def test_auth_is_required_everywhere_but_health(local_url: str, tmp_path: Path) 
 
 def test_bad_requests_get_json_4xx(local_url: str, tmp_path: Path) -> None:
     async def go() -> None:
-        headers = {"Authorization": f"Bearer {TOKEN}"}
-        async with (
-            agent(tmp_path / "hot", [local_url]) as url,
-            aiohttp.ClientSession(headers=headers) as s,
-        ):
+        async with raw_agent(tmp_path / "hot", local_url) as (url, s):
             cases = [
                 ("POST", "/v1/prefetch", {"data": b"not json"}, 400),
                 ("POST", "/v1/prefetch", {"json": {"job": "../../etc"}}, 400),
@@ -88,11 +94,7 @@ def test_a_typo_in_a_body_field_is_a_400_naming_it_not_a_default(
     a pin's {"ttl": 60} took the default hour (201). Nothing starts or is pinned now."""
 
     async def go() -> None:
-        headers = {"Authorization": f"Bearer {TOKEN}"}
-        async with (
-            agent(tmp_path / "hot", [local_url]) as url,
-            aiohttp.ClientSession(headers=headers) as s,
-        ):
+        async with raw_agent(tmp_path / "hot", local_url) as (url, s):
             cases = [
                 ("/v1/prefetch", {"job": "j1", "stpe": 20}, "'stpe'"),
                 ("/v1/pins", {"job": "j1", "step": 40, "ttl": 60}, "'ttl'"),
@@ -255,11 +257,7 @@ def test_unpin_without_its_parameters_names_the_missing_one(local_url: str, tmp_
     """Issue 29 (h): DELETE /v1/pins without parameters answered "invalid job name None"."""
 
     async def go() -> None:
-        headers = {"Authorization": f"Bearer {TOKEN}"}
-        async with (
-            agent(tmp_path / "hot", [local_url]) as url,
-            aiohttp.ClientSession(headers=headers) as s,
-        ):
+        async with raw_agent(tmp_path / "hot", local_url) as (url, s):
             for query, missing in (("", "'job'"), ("?step=3", "'job'"), ("?job=llm", "'step'")):
                 async with s.delete(f"{url}/v1/pins{query}") as r:
                     doc = await r.json()
