@@ -26,6 +26,14 @@ from transfer.format.layout import PACKS_PREFIX, manifest_key
 SMALL = ["--chunk-size-mib", "1", "--part-size-mib", "5", "--pack-size-mib", "10"]
 
 
+def ferry_misused(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    """Run ferry expecting a usage error (exit 2); return what it said on stderr."""
+    with pytest.raises(SystemExit) as exc:
+        ferry(list(argv))
+    assert exc.value.code == 2
+    return capsys.readouterr().err
+
+
 def ferry_fails(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
     """Run ferry expecting exit 1; return the one-line reason from stderr."""
     code = ferry(list(argv))
@@ -66,6 +74,33 @@ def test_a_checkpoint_path_that_does_not_exist_is_named_first(
     ), err
 
 
+@pytest.mark.parametrize("name", ["llama-7b", "run2024v3"])
+def test_a_step_is_not_taken_from_digits_inside_a_name(
+    tmp_path: Path, local_url: str, capsys: pytest.CaptureFixture[str], name: str
+) -> None:
+    """A newcomer's trial: ``llama-7b`` was pushed as step 7 and ``run2024v3`` as step 3.
+    A step is taken from digits that end the name (``checkpoint-500``, ``global_step42``)."""
+    src = make_checkpoint(tmp_path / name)
+    err = ferry_misused(capsys, "push", str(src), local_url, "--job", "j", "--node", "n")
+    assert f"cannot tell the step from {name!r}" in err and "--step" in err, err
+    assert not [k for k in store_objects(local_url) if k.startswith("manifests/")]
+    for named, step in (("checkpoint-500", 500), ("global_step42", 42), ("iter_0000500", 500)):
+        assert ferry(["push", str(make_checkpoint(tmp_path / named)), local_url,
+                      "--job", "j", "--node", "n", *SMALL]) == 0  # fmt: skip
+        assert f"pushed j step {step} node n" in capsys.readouterr().out
+
+
+def test_a_store_given_as_the_checkpoint_is_refused(
+    tmp_path: Path, local_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``ferry push STORE OTHER_STORE`` pushed the first store's files as "step 1"."""
+    other = tmp_path / "other-1"
+    assert ferry(["init", str(other)]) == 0
+    capsys.readouterr()
+    err = ferry_misused(capsys, "push", local_url, str(other), "--job", "j", "--step", "1")
+    assert "is a ckpt-ferry store, not a checkpoint" in err, err
+
+
 def test_a_jobs_directory_of_steps_is_refused_not_pushed_as_one_step(
     tmp_path: Path, local_url: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -74,10 +109,7 @@ def test_a_jobs_directory_of_steps_is_refused_not_pushed_as_one_step(
     job = tmp_path / "llama"
     for step in (10, 20):
         make_checkpoint(job / f"step_{step:06d}")
-    with pytest.raises(SystemExit) as exc:
-        ferry(["push", str(job), local_url, "--job", "j", "--step", "5"])
-    assert exc.value.code == 2
-    err = capsys.readouterr().err
+    err = ferry_misused(capsys, "push", str(job), local_url, "--job", "j", "--step", "5")
     assert f"{job} holds step directories (step_000010, step_000020): push one of them" in err
     assert not (Path(local_url) / "manifests" / "j").exists()  # nothing pushed
 

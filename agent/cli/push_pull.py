@@ -18,6 +18,7 @@ from agent.cli.args import (
     transfer_options,
 )
 from agent.cli.shared import default_node, human, require_store
+from transfer.format.layout import STORE_DESCRIPTOR_KEY
 from transfer.format.names import check_name, step_from_dirname
 
 if TYPE_CHECKING:
@@ -128,7 +129,12 @@ async def cmd_push(
     from transfer.engine.scan import check_checkpoint_dir
 
     check_checkpoint_dir(args.ckpt_dir)
-    own = step_from_dirname(args.ckpt_dir.name)
+    if (args.ckpt_dir / STORE_DESCRIPTOR_KEY).is_file():  # (the arguments swapped, most likely)
+        raise UsageError(
+            f"{args.ckpt_dir} is a ckpt-ferry store, not a checkpoint: "
+            "ferry push CHECKPOINT_DIR STORE_URL"
+        )
+    own = step_from_dirname(args.ckpt_dir.name, strict=True)
     steps = [] if own is not None else _step_dirs(args.ckpt_dir)
     if steps:  # (a job's directory: pushed as one step, its steps would nest inside it)
         raise UsageError(
@@ -139,7 +145,7 @@ async def cmd_push(
     if step is None:
         raise UsageError(
             f"cannot tell the step from {args.ckpt_dir.name!r}: name the directory after its "
-            "step (step_000120) or pass --step"
+            "step (step_000120, checkpoint-500) or pass --step"
         )
     node = args.node or default_node()
     check_name("job", args.job)

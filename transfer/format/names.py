@@ -12,6 +12,10 @@ from transfer.errors import FormatError
 
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}\Z")
 _STEP_IN_DIRNAME = re.compile(r"(\d+)(?!.*\d)")
+# the digits end the name, alone or after a separator or a word that names a step
+_STEP_ENDING_DIRNAME = re.compile(
+    r"(?:^|[-_.=]|step|iter|checkpoint|ckpt|epoch)(\d+)\Z", re.IGNORECASE
+)
 MAX_STEP = 10**18 - 1  # fits the 18-digit zero-padded key component
 
 #: a step of a job, (job, step): what retention keeps, pins and holds, agent and store alike
@@ -34,7 +38,10 @@ def check_step(value: object) -> int:
     return value
 
 
-def step_from_dirname(dirname: str) -> int | None:
-    """The last run of digits in a directory name (``step_000120`` -> 120), if any."""
-    match = _STEP_IN_DIRNAME.search(dirname)
+def step_from_dirname(dirname: str, *, strict: bool = False) -> int | None:
+    """The last run of digits in a directory name (``step_000120`` -> 120), if any.
+    ``strict`` (a push told no step): only digits that end the name, alone or after a
+    separator or a step word (``checkpoint-500``, ``global_step500``, ``iter_0000500``),
+    so that ``llama-7b`` or ``run2024v3`` is not taken for step 7 or 3."""
+    match = (_STEP_ENDING_DIRNAME if strict else _STEP_IN_DIRNAME).search(dirname)
     return int(match.group(1)) if match else None
