@@ -150,6 +150,21 @@ def test_wrong_credentials(
     assert not (tmp_path / "d").exists()
 
 
+def test_no_credentials_at_all_is_said_so_not_blamed_on_a_key(
+    s3_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A newcomer's trial: with no credentials anywhere, the error was the server's
+    "InvalidAccessKeyId: The access key ID you provided does not exist" (none was given)."""
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    for argv in (["ls", s3_url], ["pull", s3_url, str(tmp_path / "d"), "--job", "j"]):
+        err = ferry_fails(capsys, *argv)
+        assert "no AWS credentials found" in err and "InvalidAccessKeyId" not in err, err
+        assert len(err.splitlines()) == 1
+
+
 def test_access_denied_is_one_readable_line_with_the_s3_code_and_message(
     s3_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -21,10 +21,12 @@ or slow MinIO and SeaweedFS; each PUT carries an explicit CRC32 or Content-MD5 i
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+from transfer.errors import AccessDeniedError
 from transfer.store.base import RangeStream
 from transfer.store.retry import RetryPolicy, run_retried
 from transfer.store.s3config import S3Settings, region_of
@@ -47,6 +49,7 @@ class S3Client:
         self._writer: Any = None
         self._reader: Any = None
         self._ranges: Any = _UNSET
+        self._no_credentials: bool | None = None  # (_credentials_missing)
         self._lock = threading.Lock()
 
     def _botocore(self) -> Any:
@@ -81,7 +84,34 @@ class S3Client:
         """``attempt`` under the retry policy; ``key``: the bucket key (or prefix) it asks
         for, named in an access-denied error."""
         where = f"s3://{self.bucket}/{key}" if key is not None else f"s3://{self.bucket}"
-        return run_retried(self.retry, S3_ERRORS, what, attempt, where)
+        try:
+            return run_retried(self.retry, S3_ERRORS, what, attempt, where)
+        except AccessDeniedError as exc:
+            if not self._credentials_missing():
+                raise
+            raise AccessDeniedError(
+                f"{what}: access denied to {where}: no AWS credentials found, so the request "
+                "went unsigned (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or a profile "
+                "or role botocore finds)"
+            ) from exc
+
+    def _credentials_missing(self) -> bool:
+        """Whether no credentials were found anywhere (asked once, after access was denied:
+        the server's "InvalidAccessKeyId" would blame a key nobody gave)."""
+        with self._lock:
+            if self._no_credentials is None:
+                st = self.settings
+                static = (st.key and st.secret) or (
+                    os.environ.get("AWS_ACCESS_KEY_ID") and os.environ.get("AWS_SECRET_ACCESS_KEY")
+                )
+                if static:
+                    self._no_credentials = False
+                else:
+                    import botocore.session
+
+                    found = botocore.session.get_session().get_credentials()
+                    self._no_credentials = found is None
+            return self._no_credentials
 
     def _ranged(self) -> Any:
         """The ranged-read transport (s3ranges.HttpRanges), or None: obstore's."""
