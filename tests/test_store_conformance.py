@@ -167,6 +167,7 @@ def test_unfinished_uploads_are_listed_and_orphans_aborted(store_url: str) -> No
         await up.write_part(1, 0, b"x" * 1000)
         pending = await store.list_uploads("packs/")
         assert [p.key for p in pending] == ["packs/ab/abandoned.pack"]
+        assert [p.size for p in pending] == [1000]  # (on S3: 0 B in `ferry du` before)
         assert await abort_orphaned_uploads(store, older_than_s=3600) == 0  # too young
         assert await abort_orphaned_uploads(store, older_than_s=-60) == 1
         assert await store.list_uploads("packs/") == []

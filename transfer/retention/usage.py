@@ -65,7 +65,7 @@ class StoreUsage:
     unreferenced_packs: int
     unreferenced_bytes: int
     #: pack uploads begun and never finished (a killed push's: retention aborts them) and
-    #: their bytes where the store tells (a local store's ``.tmp`` files)
+    #: their bytes (a local store's ``.tmp`` files, an S3 upload's parts)
     unfinished_uploads: int = 0
     unfinished_upload_bytes: int = 0
     steps: list[StepUsage] = field(default_factory=list)

@@ -31,7 +31,7 @@ class PendingUpload:
     key: str
     upload_id: str
     initiated: float  # unix time
-    #: bytes it holds so far, where the backend tells without more requests (local files)
+    #: bytes it holds so far (None: the backend cannot tell)
     size: int | None = None
 
 

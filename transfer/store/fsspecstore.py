@@ -15,6 +15,7 @@ after a failed try has succeeded).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import secrets
 import threading
 import time
@@ -49,6 +50,10 @@ class _PartsUpload(Upload):
         self, number: int, offset: int, data: bytes, receipt: PartReceipt | None = None
     ) -> None:
         self._parts[number] = bytes(data)
+
+    def listed(self) -> PendingUpload:
+        """As list_uploads names it: with the bytes its parts hold so far."""
+        return dataclasses.replace(self.pending, size=sum(map(len, self._parts.values())))
 
     async def complete(self, *, create_only: bool = False) -> None:
         body = b"".join(self._parts[n] for n in sorted(self._parts))
@@ -180,7 +185,7 @@ class FsspecStore(Store):
         return upload
 
     async def list_uploads(self, prefix: str) -> PendingUploads:
-        found = [u.pending for u in self.uploads.values() if u.key.startswith(prefix)]
+        found = [u.listed() for u in self.uploads.values() if u.key.startswith(prefix)]
         return sorted(found, key=lambda p: (p.key, p.initiated))
 
     async def abort_upload(self, pending: PendingUpload) -> None:

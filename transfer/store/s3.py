@@ -292,7 +292,11 @@ class S3Store(Store):
             )
             for up in resp.get("Uploads", []) or []:
                 initiated = up["Initiated"].timestamp()
-                found.append(PendingUpload(up["Key"][strip:], up["UploadId"], initiated))
+                # its size: one listing of its parts (S3 says none in the upload listing;
+                # uploads are few: running pushes', and killed ones' until retention's next run)
+                parts = await self._list_parts(up["Key"], up["UploadId"])
+                size = sum(int(p["Size"]) for p in parts)
+                found.append(PendingUpload(up["Key"][strip:], up["UploadId"], initiated, size))
             if not resp.get("IsTruncated"):
                 return found
             marker = {
