@@ -543,6 +543,9 @@ def test_cli_errors_about_the_agent_are_one_line(
     err = ferry_fails(capsys, "estimate", f"127.0.0.1:{port}", "--job", "x",
                       "--token-file", str(token))  # fmt: skip
     assert f"http://127.0.0.1:{port}" in err and "Traceback" not in err
+    # a path where the agent's address goes was asked of a host named after its first part
+    err = ferry_fails(capsys, "estimate", "ckpt/store", "--job", "x", "--token-file", str(token))
+    assert "agent URL 'ckpt/store' is not an agent's address" in err and "ckpt:80" not in err
 
 
 def test_other_content_for_a_step_under_another_node_is_refused(

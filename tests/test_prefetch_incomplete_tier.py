@@ -37,9 +37,11 @@ def tier(tmp_path: Path, name: str, *, torn: str | None) -> Store:
     return store
 
 
-def prefetcher(tmp_path: Path, tiers: list[tuple[str, Store]]) -> Prefetcher:
+def prefetcher(
+    tmp_path: Path, tiers: list[tuple[str, Store]], expected: tuple[str, ...] = NODES
+) -> Prefetcher:
     hot = HotDir(tmp_path / "hot", "")
-    policy = PrefetchPolicy(expected_nodes=NODES)
+    policy = PrefetchPolicy(expected_nodes=expected)
     return Prefetcher(hot, tiers, OPTIONS, BandwidthMeter(), policy)
 
 
@@ -95,7 +97,7 @@ def test_a_step_torn_in_every_tier_is_refused_naming_the_missing_part(tmp_path: 
 
 def test_parts_that_land_with_the_marker_during_the_check_are_read(tmp_path: Path) -> None:
     """The last part (n0's: .metadata) and the marker land between the listing of the parts
-    and the look for the marker: the parts are read again, so the prefetch restores the
+    and the read of the marker: the parts are read again, so the prefetch restores the
     whole step (before, it restored the five it had listed and called them ready)."""
     store = tier(tmp_path, "warm", torn=None)
     marker_key, n0_key = layout.completion_key(JOB, 10), layout.manifest_key(JOB, 10, "n0")
@@ -107,15 +109,15 @@ def test_parts_that_land_with_the_marker_during_the_check_are_read(tmp_path: Pat
         return held
 
     marker, n0 = asyncio.run(hold_back())
-    exists = store.exists
+    get = store.get
 
-    async def landing_now(key: str) -> bool:
-        if key == marker_key and not await exists(key):
+    async def landing_now(key: str, start: int | None = None, end: int | None = None) -> bytes:
+        if key == marker_key and not await store.exists(key):
             await store.put(n0_key, n0)
             await store.put(marker_key, marker)
-        return await exists(key)
+        return await get(key, start, end)
 
-    store.exists = landing_now  # type: ignore[method-assign]
+    store.get = landing_now  # type: ignore[method-assign]
     record = prefetched(prefetcher(tmp_path, [("warm", store)]), None)
     assert record.state is State.READY, record.error
     here = tmp_path / "hot" / JOB / "step_000010"
@@ -146,3 +148,39 @@ def test_an_estimate_of_a_step_torn_everywhere_says_which_part_is_missing(tmp_pa
     message = asyncio.run(go())
     assert "no tier holds job 'llm' step 10" in message
     assert "5 of 6 parts, none yet from n2" in message
+
+
+def test_without_expected_nodes_a_step_without_its_marker_is_not_whole(tmp_path: Path) -> None:
+    """An agent that is not told the job's nodes (a spare node) knows a multi-node job by
+    its completion markers: a step of such a job without its marker is not whole there
+    (before, with n0's part missing, it was restored torn and called ready); the latest
+    complete step is the one with a marker."""
+    warm = tier(tmp_path, "warm", torn="n0")
+    cold = tier(tmp_path, "cold", torn=None)
+    asyncio.run(push_step(warm, tmp_path / "src-warm-20", 20))  # a job that writes markers
+    record = prefetched(prefetcher(tmp_path, [("warm", warm), ("cold", cold)], ()), None)
+    assert record.state is State.READY, record.error
+    assert set(record.bytes_by_source) == {"tier:cold"}, record.bytes_by_source
+
+    alone = prefetched(prefetcher(tmp_path / "b", [("warm", warm)], ()), None)
+    assert alone.state is State.FAILED
+    assert alone.error is not None and "no completion marker yet, 5 part(s) in" in alone.error
+
+
+def test_ferry_pull_of_a_step_without_its_marker_is_refused_and_latest_is_complete(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The README says a pull without --node never lands a step with a part missing: with
+    n0's part (and .metadata) missing there was nothing to find the gap by, and it did."""
+    from agent.cli.run import main as ferry
+
+    warm = tier(tmp_path, "warm", torn="n0")
+    asyncio.run(push_step(warm, tmp_path / "src-20", 20))
+    url, dest = str(tmp_path / "warm"), tmp_path / "pulled"
+    assert ferry(["pull", url, str(dest / "10"), "--job", JOB, "--step", "10"]) == 1
+    err = capsys.readouterr().err
+    assert "llm step 10 is not whole" in err and "no completion marker yet" in err, err
+    assert not (dest / "10").exists()
+    assert ferry(["pull", url, str(dest / "latest"), "--job", JOB]) == 0
+    assert "pulled llm step 20 (6 part(s))" in capsys.readouterr().out
+    assert ferry(["pull", url, str(dest / "n1"), "--job", JOB, "--step", "10", "--node", "n1"]) == 0

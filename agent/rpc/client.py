@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import ssl
 import time
 from pathlib import Path
@@ -24,6 +25,9 @@ class RpcError(Exception):
         self.status = status
 
 
+_HOST_PORT = re.compile(r"(?:[A-Za-z0-9][A-Za-z0-9.-]*|\[[0-9A-Fa-f:.]+\]):[0-9]{1,5}/?")
+
+
 class FerryClient:
     """One agent's RPC. Over https:// the agent is verified against ``ca_file`` (a PEM
     bundle: the agents' tls_ca_file; None: the system store) and ``cert_file`` (with
@@ -42,6 +46,11 @@ class FerryClient:
         key_file: Path | str | None = None,
     ) -> None:
         if "://" not in base_url:  # "node-b:7070", as people write it
+            if not _HOST_PORT.fullmatch(base_url):  # ("ckpt/store" was asked of host "ckpt")
+                raise ValueError(
+                    f"agent URL {base_url!r} is not an agent's address: http://HOST:PORT "
+                    "(or HOST:PORT)"
+                )
             base_url = f"{'https' if ca_file or cert_file else 'http'}://{base_url}"
         if not base_url.startswith(("http://", "https://")):
             raise ValueError(f"agent URL {base_url!r} is not http:// or https://")

@@ -401,11 +401,17 @@ async def latest_complete_step(store: Store, job: str, expected_nodes: Sequence[
 async def resolve_checkpoint(
     store: Store, job: str, step: int | None, expected_nodes: Sequence[str]
 ) -> list[Manifest]:
-    """The manifests of the checkpoint a prefetch (or an estimate of one) means by ``step``:
-    ``None`` is the newest step that is complete (latest_complete_step) when the job's nodes
-    are known, else the newest step with any part (resolve_manifests)."""
-    if step is None and expected_nodes:
-        step = await latest_complete_step(store, job, expected_nodes)
+    """The manifests of the checkpoint a prefetch, an estimate or a pull means by ``step``:
+    ``None`` is the newest step that is complete (latest_complete_step); a named step is
+    refused when the store holds only some of its parts (whole_parts). Complete by
+    step_is_complete's rule: its marker, or every expected node's part; without expected
+    nodes, any part, unless the job writes markers (a multi-node job: then its marker)."""
+    if step is None:
+        try:
+            step = await latest_complete_step(store, job, expected_nodes)
+        except CheckpointNotFoundError:
+            await resolve_manifests(store, job, None)  # says so: no store, or no part at all
+            raise
         return await resolve_manifests(store, job, step)
     return await whole_parts(store, await resolve_manifests(store, job, step), expected_nodes)
 
@@ -414,20 +420,47 @@ async def whole_parts(
     store: Store, manifests: list[Manifest], expected_nodes: Sequence[str]
 ) -> list[Manifest]:
     """The parts of a named step, refused as not there (CheckpointNotFoundError) when
-    ``store`` holds only some of them by step_is_complete's rule (its marker, or every
-    expected node's part): a prefetch then takes it from the next tier (this one's push may
-    still be running) instead of restoring a torn step or failing. Without expected nodes
-    any part counts, as for the newest step (resolve_checkpoint). A marker found after the
-    listing missed some parts means they landed between the two: the parts are read again."""
+    ``store`` holds only some of them by step_is_complete's rule: a prefetch then takes it
+    from the next tier (this one's push may still be running) instead of restoring a torn
+    step or failing. Asks nothing when every expected node's part is listed; else reads
+    the step's marker (with no nodes expected, after one listing of the job's markers:
+    a job with none is a single node's). Parts the marker names that the listing missed
+    landed between the two: the parts are read again."""
     job, step = manifests[0].job, manifests[0].step
     nodes = {m.node for m in manifests}
-    if not expected_nodes or step_is_complete(nodes, False, expected_nodes, False):
-        return manifests
-    if await store.exists(layout.completion_key(job, step)):
-        return await Catalog(store).manifests(job, step)
-    missing = sorted(set(expected_nodes) - nodes)
-    named = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more" if len(missing) > 4 else "")
-    raise CheckpointNotFoundError(
-        f"{job} step {step} is not whole in {store.url}: {len(nodes)} of "
-        f"{len(expected_nodes)} parts, none yet from {named}"
-    )
+    if expected_nodes:
+        if step_is_complete(nodes, False, expected_nodes, False):
+            return manifests
+        marked = await _marker_nodes(store, job, step)
+    else:
+        markers = await completion_markers(store, job)
+        if not markers:
+            return manifests  # a job that writes no markers: one node's, each part whole
+        marked = await _marker_nodes(store, job, step) if step in markers else None
+    if marked is not None:
+        return manifests if marked <= nodes else await Catalog(store).manifests(job, step)
+    if expected_nodes:
+        missing = sorted(set(expected_nodes) - nodes)
+        named = ", ".join(missing[:4]) + (
+            f" and {len(missing) - 4} more" if len(missing) > 4 else ""
+        )
+        why = f"{len(nodes)} of {len(expected_nodes)} parts, none yet from {named}"
+    else:
+        why = f"no completion marker yet, {len(nodes)} part(s) in (a node's part still to come?)"
+    raise CheckpointNotFoundError(f"{job} step {step} is not whole in {store.url}: {why}")
+
+
+async def _marker_nodes(store: Store, job: str, step: int) -> frozenset[str] | None:
+    """The nodes the step's completion marker names; None without a marker (an unreadable
+    one names none: every part is then read again)."""
+    try:
+        raw = await store.get(layout.completion_key(job, step))
+    except NotFoundError:
+        return None
+    try:
+        nodes = json.loads(raw)["nodes"] if len(raw) <= MAX_MARKER_BYTES else None
+    except (ValueError, KeyError, TypeError):
+        nodes = None
+    if not isinstance(nodes, list) or not all(isinstance(n, str) for n in nodes):
+        return frozenset({"(unreadable marker)"})
+    return frozenset(nodes)

@@ -23,7 +23,7 @@ from typing import TypeVar
 
 from transfer.codec import check_encoding
 from transfer.codec.transforms import Buffer
-from transfer.engine.catalog import resolve_manifests
+from transfer.engine.catalog import resolve_checkpoint, resolve_manifests
 from transfer.engine.chunkindex import ChunkIndex, StoredChunk
 from transfer.engine.dcp import MAX_METADATA_BYTES, METADATA
 from transfer.engine.dcpshare import overlaps
@@ -115,7 +115,7 @@ async def pull(
     sources = sources or Sources()
     events = events or PullEvents()
     started = time.monotonic()
-    manifests = plan.manifests or await resolve_manifests(store, plan.job, plan.step, plan.node)
+    manifests = plan.manifests or await _resolve(store, plan)
     base_dir, base_manifests, share = sources.base_dir, sources.base_manifests, plan.share
     check_base_dir(base_dir)
     if base_dir is not None and base_manifests is None:
@@ -230,6 +230,15 @@ def _plan_writes(
             targets[c.id].append((fi, offset))
             hints.setdefault(c.id, (f.path, offset))
     return kept, targets, hints, clips, covered
+
+
+async def _resolve(store: Store, plan: PullPlan) -> list[Manifest]:
+    """One node's part as asked; else the whole step, complete (a step of a job that writes
+    completion markers, without its marker yet, is refused: a node's part is still to
+    come, and without rank 0's there is no ``.metadata`` to find the gap by)."""
+    if plan.node is not None:
+        return await resolve_manifests(store, plan.job, plan.step, plan.node)
+    return await resolve_checkpoint(store, plan.job, plan.step, ())
 
 
 def _check_whole(root: Path, files: list[FileEntry], manifests: list[Manifest]) -> None:
