@@ -341,6 +341,48 @@ def test_a_budget_over_delta_coded_steps_expires_only_what_it_must(
     run(go())
 
 
+def test_retention_removes_the_leases_of_killed_pushes_and_keeps_live_ones(
+    store_url: str, tmp_path: Path
+) -> None:
+    """A push killed outright leaves its lease, which only the next push of its part would
+    break: a newcomer's trial found them under locks/push/ after retention had aborted the
+    killed push's uploads, and every retention run lists them all. Retention removes the
+    expired ones and those of a process of this host that is gone; a live one stays."""
+    import socket
+    import subprocess
+
+    from transfer.engine.pushlease import holder_identity
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # (a pid of this host that no process has now)
+    now = time.time()
+    leases = {
+        layout.push_lock_key(JOB, 1, "expired"): {**holder_identity(), "expires_at": now - 1},
+        layout.push_lock_key(JOB, 1, "killed"): {
+            "host": socket.gethostname(),
+            "pid": gone.pid,
+            "expires_at": now + 100,
+        },
+        layout.push_lock_key(JOB, 1, "live"): {**holder_identity(), "expires_at": now + 100},
+    }
+
+    async def go() -> None:
+        store = open_test_store(store_url)
+        try:
+            await _push_steps(store, tmp_path, {1: 1})
+            for key, doc in leases.items():
+                await store.put(key, json.dumps(doc).encode())
+            plan = await _retention([Tier(store, TierPolicy(keep_last=1))])
+            gc = plan.tiers[0].gc
+            assert gc is not None and (gc.running_pushes, gc.lapsed_leases) == (1, 2)
+            left = [o.key for o in await store.list(layout.PUSH_LOCKS_PREFIX)]
+            assert left == [layout.push_lock_key(JOB, 1, "live")]
+        finally:
+            await store.close()
+
+    run(go())
+
+
 class _GatedStore(WatchingStore):
     """The real store, with one call held until the test opens the gate: the push has read
     its dedupe index and uploaded its packs, and is about to check its reused packs

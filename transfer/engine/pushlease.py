@@ -136,16 +136,40 @@ async def _put_or_take_back(store: Store, key: str, doc: bytes) -> None:
         raise
 
 
-async def running_pushes(store: Store) -> int:
+async def push_lease_census(store: Store) -> tuple[int, list[str]]:
     """How many pushes hold an unexpired lease in ``store`` (garbled leases count: unsure
-    means running). Retention without a grace period deletes nothing while one does."""
-    count, now = 0, time.time()
+    means running; retention without a grace period deletes nothing while one does), and
+    the keys of the leases that lapsed (expired, or of a process of this host that is
+    gone): a killed push's, which only the next push of its part would break (retention
+    removes them: drop_lapsed_leases)."""
+    count, lapsed, now = 0, [], time.time()
     for obj in await store.list(PUSH_LOCKS_PREFIX):
         holder = await _read(store, obj.key)
-        expires = holder.get("expires_at", now + LEASE_SECONDS)
-        if not isinstance(expires, (int, float)) or expires > now:
-            count += holder_alive(holder)
-    return count
+        if _lapsed(holder, now):
+            lapsed.append(obj.key)
+        else:
+            count += 1
+    return count, lapsed
+
+
+async def drop_lapsed_leases(store: Store, keys: list[str]) -> int:
+    """Delete the leases ``keys`` that are still lapsed (each read again first: a push may
+    have taken one over since); returns how many went."""
+    dropped = 0
+    for key in keys:
+        if _lapsed(await _read(store, key), time.time()):
+            await store.delete(key)
+            dropped += 1
+    return dropped
+
+
+def _lapsed(holder: dict[str, object], now: float) -> bool:
+    """Known to be nobody's: its expiry passed, or its process is gone (a garbled lease is
+    counted as running: unsure means running)."""
+    expires = holder.get("expires_at", now + LEASE_SECONDS)
+    if not isinstance(expires, (int, float)):
+        return False
+    return expires <= now or not holder_alive(holder)
 
 
 async def _renew(store: Store, key: str, me: dict[str, object], released: asyncio.Event) -> None:

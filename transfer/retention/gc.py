@@ -28,7 +28,12 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field
 
-from transfer.engine.pushlease import holder_alive, holder_identity, running_pushes
+from transfer.engine.pushlease import (
+    drop_lapsed_leases,
+    holder_alive,
+    holder_identity,
+    push_lease_census,
+)
 from transfer.errors import AlreadyExistsError, FerryError, NotFoundError
 from transfer.format import layout
 from transfer.retention.inventory import Inventory, RetentionError, take_inventory
@@ -63,6 +68,8 @@ class GcResult:
     aborted_uploads: int = 0
     aborted_upload_bytes: int = 0
     pending_uploads: int = 0
+    #: push leases that lapsed (a killed push's, its part never pushed again), removed
+    lapsed_leases: int = 0
     #: packs and manifests the store holds once this sweep is done (the inventory's count;
     #: 0 in a dry run, whose repacking writes nothing: the plan's ``bytes_after`` says it)
     bytes_stored: int = 0
@@ -126,7 +133,7 @@ async def collect_garbage(
     ``released``: the packs referenced when this run began (before its expiries).
     """
     # leases first: a push that commits after the listing below held its lease by now
-    pushes = await running_pushes(store)
+    pushes, lapsed = await push_lease_census(store)
     known = {
         (job, step, node): packs
         for (job, step), entry in inventory.steps.items()
@@ -174,6 +181,8 @@ async def collect_garbage(
     for upload in stale:
         await store.abort_upload(upload)
         log.info("gc %s: aborted the unfinished upload of %s", store.url, upload.key)
+    # (after the uploads: a lease that lapsed is no push that might still finish one)
+    result.lapsed_leases = await drop_lapsed_leases(store, lapsed)
     if doomed:
         log.info("gc %s: deleted %d packs, %d bytes", store.url, len(doomed), result.freed_bytes)
     return result

@@ -153,6 +153,8 @@ class RetentionPlan:
                         f"that died ({format_size(g.aborted_upload_bytes)}); "
                         f"{g.pending_uploads} younger ones left (a push may still finish them)"
                     )
+                if g.lapsed_leases:
+                    lines.append(f"  gc: removed {g.lapsed_leases} push leases of pushes that died")
             lines.extend(f"  error: {e}" for e in t.errors)
         return "\n".join(lines)
 
