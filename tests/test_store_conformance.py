@@ -176,6 +176,31 @@ def test_unfinished_uploads_are_listed_and_orphans_aborted(store_url: str) -> No
     with_store(store_url, body)
 
 
+def test_an_upload_that_completes_while_it_is_listed_is_gone_not_an_error(s3_url: str) -> None:
+    """S3 lists an upload's size by listing its parts, a request after the upload listing:
+    another node's push completing its pack in between (retention runs after each push)
+    answers NoSuchUpload there, which failed the whole listing, and retention with it."""
+
+    async def body(store: Store) -> None:
+        done = await store.begin_upload("packs/aa/done.pack")
+        await done.write_part(1, 0, b"x" * 1000)
+        open_ = await store.begin_upload("packs/bb/open.pack")
+        await open_.write_part(1, 0, b"y" * 500)
+        list_parts = store._list_parts  # type: ignore[attr-defined]
+
+        async def completing_first(full: str, upload_id: str) -> object:
+            if full.endswith("done.pack"):
+                await done.complete()  # (another node's push, finishing just now)
+            return await list_parts(full, upload_id)
+
+        store._list_parts = completing_first  # type: ignore[attr-defined]
+        pending = await store.list_uploads("packs/")
+        assert [(p.key, p.size) for p in pending] == [("packs/bb/open.pack", 500)]
+        await open_.abort()
+
+    with_store(s3_url, body)
+
+
 def test_range_reader_reads_into_buffers(store_url: str) -> None:
     """The bulk read path of pulls: bytes land in the caller's buffer, a read past the end
     of the object is short (not an error), a missing key is NotFoundError."""

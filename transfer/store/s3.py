@@ -10,14 +10,16 @@ those threads and checksummed there (CRC32 or Content-MD5, checked by the server
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
+import dataclasses
 import hashlib
 import zlib
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from transfer.errors import NotFoundError, StoreError
+from transfer.errors import AccessDeniedError, NotFoundError, StoreError
 from transfer.options import CHECKSUMS, StoreSettings
 from transfer.store.base import (
     ObjectInfo,
@@ -36,6 +38,7 @@ from transfer.store.s3client import S3Client
 from transfer.store.s3config import S3Settings
 
 MIN_PART_SIZE = 5 << 20
+_GONE = -1  # an upload's size when it completed or was aborted since it was listed
 T = TypeVar("T")
 Parts = list[dict[str, Any]]  # (a name: inside S3Store, ``list`` is the method)
 
@@ -282,6 +285,32 @@ class S3Store(Store):
             await self.call("delete_object", f"delete {key}", Key=self.full_key(key))
 
     async def list_uploads(self, prefix: str) -> PendingUploads:
+        """The unfinished uploads under ``prefix``, each with its size: one listing of its
+        parts each (S3's upload listing has none; uploads are few: running pushes', and
+        killed ones' until retention's next run), 16 at a time. One that completes or is
+        aborted meanwhile is gone, not an error; one whose parts cannot be listed has no
+        size."""
+        pending = await self._pending_uploads(prefix)
+        sizes: list[int | None] = []
+        for i in range(0, len(pending), 16):
+            batch = pending[i : i + 16]
+            sizes += await asyncio.gather(*(self._upload_size(p) for p in batch))
+        return [
+            dataclasses.replace(p, size=size)
+            for p, size in zip(pending, sizes, strict=True)
+            if size != _GONE
+        ]
+
+    async def _upload_size(self, pending: PendingUpload) -> int | None:
+        try:
+            parts = await self._list_parts(self.full_key(pending.key), pending.upload_id)
+        except NotFoundError:
+            return _GONE  # completed or aborted since it was listed
+        except AccessDeniedError:  # (s3:ListMultipartUploadParts not granted)
+            return None
+        return sum(int(p["Size"]) for p in parts)
+
+    async def _pending_uploads(self, prefix: str) -> PendingUploads:
         full = f"{self.prefix}/{prefix}" if self.prefix else prefix
         strip = len(self.prefix) + 1 if self.prefix else 0
         found: list[PendingUpload] = []
@@ -292,11 +321,7 @@ class S3Store(Store):
             )
             for up in resp.get("Uploads", []) or []:
                 initiated = up["Initiated"].timestamp()
-                # its size: one listing of its parts (S3 says none in the upload listing;
-                # uploads are few: running pushes', and killed ones' until retention's next run)
-                parts = await self._list_parts(up["Key"], up["UploadId"])
-                size = sum(int(p["Size"]) for p in parts)
-                found.append(PendingUpload(up["Key"][strip:], up["UploadId"], initiated, size))
+                found.append(PendingUpload(up["Key"][strip:], up["UploadId"], initiated))
             if not resp.get("IsTruncated"):
                 return found
             marker = {
@@ -310,7 +335,7 @@ class S3Store(Store):
     async def salvage_upload(self, key: str, receipts: Sequence[PartReceipt] = ()) -> int | None:
         full = self.full_key(key)
         best: tuple[int, PendingUpload, Parts] | None = None
-        for pending in await self.list_uploads(key):
+        for pending in await self._pending_uploads(key):  # (its parts: listed below)
             if pending.key != key:
                 continue
             listed = await self._list_parts(full, pending.upload_id)
