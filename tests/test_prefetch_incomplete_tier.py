@@ -184,3 +184,11 @@ def test_ferry_pull_of_a_step_without_its_marker_is_refused_and_latest_is_comple
     assert ferry(["pull", url, str(dest / "latest"), "--job", JOB]) == 0
     assert "pulled llm step 20 (6 part(s))" in capsys.readouterr().out
     assert ferry(["pull", url, str(dest / "n1"), "--job", JOB, "--step", "10", "--node", "n1"]) == 0
+    # every part in, the marker never written (its writer died): whole when told the nodes
+    asyncio.run(push_step(warm, tmp_path / "src-30", 30, marker=False))
+    assert ferry(["pull", url, str(dest / "30"), "--job", JOB, "--step", "30"]) == 1
+    assert "6 part(s) in" in capsys.readouterr().err
+    told = ["--expected-nodes", ",".join(NODES)]
+    assert ferry(["pull", url, str(dest / "30"), "--job", JOB, "--step", "30", *told]) == 0
+    assert ferry(["pin", url, "--job", JOB, "--step", "latest"]) == 0  # latest: as a pull's
+    assert "step 20" in capsys.readouterr().out

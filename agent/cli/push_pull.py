@@ -79,6 +79,13 @@ def add_pull(sub: Commands) -> None:
     p.add_argument("--step", default="latest", help="a step number or 'latest' (default)")
     p.add_argument("--node", default=None, help="only this node's part (default: all parts)")
     p.add_argument(
+        "--expected-nodes",
+        default="",
+        help="the job's nodes, A,B,...: a step is whole once each has its part in, even "
+        "without its completion marker (the node that writes it died); by default a step "
+        "of a job that writes markers is whole by its marker",
+    )
+    p.add_argument(
         "--base-dir",
         type=Path,
         help="a local checkpoint of the job: chunks it holds are not downloaded",
@@ -230,7 +237,12 @@ async def cmd_pull(
     import asyncio
 
     await asyncio.to_thread(settle, args.dest_dir.absolute().parent)
-    manifests, share = await _share_of(store, args, step)
+    expected = tuple(check_name("node", n) for n in args.expected_nodes.split(",") if n)
+    manifests, share = await _share_of(store, args, step, expected)
+    if manifests is None and args.node is None:  # (the engine would resolve it without them)
+        from transfer.engine.catalog import resolve_checkpoint
+
+        manifests = await resolve_checkpoint(store, args.job, step, expected)
     base_manifests = None
     if share is not None:  # of the base step too, only the parts holding the share's files
         from transfer.engine.share import base_dir_parts
@@ -264,8 +276,11 @@ async def cmd_pull(
     return r.to_dict(), line
 
 
-async def _share_of(store: Store, args: argparse.Namespace, step: int | None) -> tuple[Any, Any]:
-    """(manifests, share) of a share pull (--world-size/--ranks or --items), else (None, None)."""
+async def _share_of(
+    store: Store, args: argparse.Namespace, step: int | None, expected: tuple[str, ...]
+) -> tuple[Any, Any]:
+    """(manifests, share) of a share pull (--world-size/--ranks or --items), else (None, None);
+    ``expected``: the job's nodes (--expected-nodes), whose parts make a step whole."""
     if args.world_size is None and args.ranks is None and args.items is None:
         return None, None
     if args.items is not None and (args.world_size is not None or args.ranks is not None):
@@ -287,4 +302,4 @@ async def _share_of(store: Store, args: argparse.Namespace, step: int | None) ->
             raise UsageError(f"--items {args.items}: {exc}") from None
     else:
         layout = Layout(args.world_size, parse_ranks(args.ranks))
-    return await resolve_share(store, args.job, step, (), (layout, items))
+    return await resolve_share(store, args.job, step, expected, (layout, items))

@@ -42,11 +42,12 @@ human = format_size
 
 
 async def step_named(store: Store, job: str, text: str) -> int:
-    """``--step``'s value as a step number: ``latest`` is the newest step with a committed
-    part (as ``ferry pull --step latest`` takes it); CheckpointNotFoundError where none."""
+    """``--step``'s value as a step number: ``latest`` is the newest complete step, as for
+    ``ferry pull --step latest`` (catalog.latest_step: pinning latest protects the step a
+    pull of latest restores); CheckpointNotFoundError where none."""
     from agent.cli.args import parse_step
-    from transfer.engine.catalog import resolve_manifests
+    from transfer.engine.catalog import latest_step
 
     if text != "latest":
         return parse_step(text)
-    return (await resolve_manifests(store, job, None))[0].step
+    return await latest_step(store, job, ())

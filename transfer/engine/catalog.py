@@ -398,6 +398,17 @@ async def latest_complete_step(store: Store, job: str, expected_nodes: Sequence[
     raise CheckpointNotFoundError(f"no complete checkpoint of job {job!r} in {store.url}")
 
 
+async def latest_step(store: Store, job: str, expected_nodes: Sequence[str]) -> int:
+    """What ``latest`` means everywhere (a prefetch, a pull, a pin, a verify, a load): the
+    newest complete step (latest_complete_step); where there is none, the error says why
+    (no store, no part of the job at all, or no step whole yet)."""
+    try:
+        return await latest_complete_step(store, job, expected_nodes)
+    except CheckpointNotFoundError:
+        await resolve_manifests(store, job, None)  # (raises: no store, or no part at all)
+        raise
+
+
 async def resolve_checkpoint(
     store: Store, job: str, step: int | None, expected_nodes: Sequence[str]
 ) -> list[Manifest]:
@@ -407,12 +418,7 @@ async def resolve_checkpoint(
     step_is_complete's rule: its marker, or every expected node's part; without expected
     nodes, any part, unless the job writes markers (a multi-node job: then its marker)."""
     if step is None:
-        try:
-            step = await latest_complete_step(store, job, expected_nodes)
-        except CheckpointNotFoundError:
-            await resolve_manifests(store, job, None)  # says so: no store, or no part at all
-            raise
-        return await resolve_manifests(store, job, step)
+        return await resolve_manifests(store, job, await latest_step(store, job, expected_nodes))
     return await whole_parts(store, await resolve_manifests(store, job, step), expected_nodes)
 
 
@@ -446,7 +452,10 @@ async def whole_parts(
         )
         why = f"{len(nodes)} of {len(expected_nodes)} parts, none yet from {named}"
     else:
-        why = f"no completion marker yet, {len(nodes)} part(s) in (a node's part still to come?)"
+        why = (
+            f"no completion marker yet, {len(nodes)} part(s) in (a node's part still to come? "
+            "if every node's is in, name the job's nodes: expected nodes)"
+        )
     raise CheckpointNotFoundError(f"{job} step {step} is not whole in {store.url}: {why}")
 
 
