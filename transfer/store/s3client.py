@@ -49,7 +49,6 @@ class S3Client:
         self._writer: Any = None
         self._reader: Any = None
         self._ranges: Any = _UNSET
-        self._no_credentials: bool | None = None  # (_credentials_missing)
         self._lock = threading.Lock()
 
     def _botocore(self) -> Any:
@@ -96,22 +95,23 @@ class S3Client:
             ) from exc
 
     def _credentials_missing(self) -> bool:
-        """Whether no credentials were found anywhere (asked once, after access was denied:
-        the server's "InvalidAccessKeyId" would blame a key nobody gave)."""
-        with self._lock:
-            if self._no_credentials is None:
-                st = self.settings
-                static = (st.key and st.secret) or (
-                    os.environ.get("AWS_ACCESS_KEY_ID") and os.environ.get("AWS_SECRET_ACCESS_KEY")
-                )
-                if static:
-                    self._no_credentials = False
-                else:
-                    import botocore.session
+        """Whether no credentials were found anywhere, asked after access was denied (the
+        server's "InvalidAccessKeyId" would blame a key nobody gave): static ones (the
+        settings, the environment) settle it at once; else botocore's chain is asked each
+        time, outside the lock (it may wait on an instance's metadata), and a chain that
+        fails says nothing (the server's own error stands)."""
+        st = self.settings
+        if (st.key and st.secret) or (
+            os.environ.get("AWS_ACCESS_KEY_ID") and os.environ.get("AWS_SECRET_ACCESS_KEY")
+        ):
+            return False
+        import botocore.exceptions
+        import botocore.session
 
-                    found = botocore.session.get_session().get_credentials()
-                    self._no_credentials = found is None
-            return self._no_credentials
+        try:
+            return botocore.session.get_session().get_credentials() is None
+        except botocore.exceptions.BotoCoreError:
+            return False
 
     def _ranged(self) -> Any:
         """The ranged-read transport (s3ranges.HttpRanges), or None: obstore's."""
