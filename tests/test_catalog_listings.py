@@ -56,6 +56,8 @@ class CountingStore(LocalStore):
 def _part(tmp_path: Path, node: str, step: int) -> Path:
     d = tmp_path / "hot" / node / f"step_{step}"
     write_file(d / f"__{NODES.index(node)}_0.distcp", random_bytes(300_000, step + len(node)))
+    if node == NODES[0]:  # (rank 0's node's part holds .metadata, as in a real save)
+        write_file(d / ".metadata", b"not parsed here")
     return d
 
 

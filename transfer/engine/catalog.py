@@ -8,6 +8,7 @@ import logging
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
+from transfer.engine.dcp import METADATA, lacks_metadata
 from transfer.errors import (
     AlreadyExistsError,
     CheckpointNotFoundError,
@@ -285,17 +286,22 @@ async def read_node_head(store: Store, job: str, node: str) -> list[int] | None:
 
 
 async def resolve_manifests(
-    store: Store, job: str, step: int | None, node: str | None = None
+    store: Store,
+    job: str,
+    step: int | None,
+    node: str | None = None,
+    catalog: Catalog | None = None,
 ) -> list[Manifest]:
     """The manifests of one checkpoint: every node's part, or only ``node``'s.
 
     ``step=None`` means the newest step that has a part (of ``node``, when given). Reads
     one listing of the step (more only while walking back over emptied steps) and the
-    manifests it returns: nothing that grows with the job's history."""
+    manifests it returns: nothing that grows with the job's history (``catalog``: what
+    the caller's catalog has read already is not read again)."""
     check_name("job", job)
     if not await open_catalog(store, create=False):
         raise CheckpointNotFoundError(f"{store.url} holds no checkpoints (no store descriptor)")
-    catalog = Catalog(store)
+    catalog = catalog or Catalog(store)
     if step is not None and node is not None:  # one part named: its manifest, no listing
         try:
             return [await catalog.manifest(job, step, node)]
@@ -339,14 +345,20 @@ def step_is_complete(
     has_marker: bool,
     expected_nodes: Sequence[str],
     job_writes_markers: bool,
+    *,
+    without_metadata: bool = False,
 ) -> bool:
     """The one rule for "is this step whole" (the prefetcher, the listing and retention all
     ask it): its completion marker, or every expected node's part (the node that would have
     written the marker may have died just after its own part); without expected nodes (a
     single-node view), any part, unless the job writes markers: then it is a multi-node job
-    and one part is not the step."""
+    and one part is not the step. Without its marker, never a step whose parts hold DCP
+    storage files and no ``.metadata`` (``without_metadata``, parts_lack_metadata: rank 0's
+    node's part is not in; a multi-node job pushed by hand writes no markers)."""
     if has_marker:
         return True
+    if without_metadata:
+        return False
     if expected_nodes:
         return set(expected_nodes) <= set(parts)
     return not job_writes_markers
@@ -383,27 +395,45 @@ async def is_complete(store: Store, job: str, step: int, expected_nodes: Sequenc
     return bool(nodes) and step_is_complete(nodes, step in markers, expected_nodes, bool(markers))
 
 
-async def latest_complete_step(store: Store, job: str, expected_nodes: Sequence[str]) -> int:
+async def latest_complete_step(
+    store: Store, job: str, expected_nodes: Sequence[str], catalog: Catalog | None = None
+) -> int:
     """The newest step of ``job`` that is complete in ``store``: an incomplete multi-node
     checkpoint (a node still uploading, or dead) is never "latest". Walks back from the
-    newest step, one listing of parts per step walked (usually one or two)."""
+    newest step, one listing of parts per step walked (usually one or two); with no nodes
+    named and no markers, a step of several parts is read for ``.metadata``
+    (parts_lack_metadata)."""
     markers = await completion_markers(store, job)
-    catalog = Catalog(store)
+    catalog = catalog or Catalog(store)
     for step in reversed(await catalog.steps(job)):
         if step in markers:  # whole by its marker: no older step is asked about
             return step
         nodes = {c.node for c in await catalog.parts(job, step)}
         if nodes and step_is_complete(nodes, False, expected_nodes, bool(markers)):
-            return step
+            if expected_nodes or len(nodes) == 1:  # (rank 0's .metadata among every part)
+                return step
+            if not parts_lack_metadata(await catalog.manifests(job, step)):
+                return step
     raise CheckpointNotFoundError(f"no complete checkpoint of job {job!r} in {store.url}")
 
 
-async def latest_step(store: Store, job: str, expected_nodes: Sequence[str]) -> int:
+def parts_lack_metadata(manifests: Sequence[Manifest]) -> bool:
+    """Several nodes' parts of a step that hold DCP storage files and no ``.metadata``:
+    never the whole step (rank 0's node's part, which holds it, is not in). One node's part
+    without it is what that node pushed as its checkpoint (a single-node job's, taken as
+    it is); a multi-node job pushed by hand writes no markers, so this is what tells."""
+    nodes = {m.node for m in manifests}
+    return len(nodes) > 1 and lacks_metadata(f.path for m in manifests for f in m.files)
+
+
+async def latest_step(
+    store: Store, job: str, expected_nodes: Sequence[str], catalog: Catalog | None = None
+) -> int:
     """What ``latest`` means everywhere (a prefetch, a pull, a pin, a verify, a load): the
     newest complete step (latest_complete_step); where there is none, the error says why
     (no store, no part of the job at all, or no step whole yet)."""
     try:
-        return await latest_complete_step(store, job, expected_nodes)
+        return await latest_complete_step(store, job, expected_nodes, catalog)
     except CheckpointNotFoundError:
         await resolve_manifests(store, job, None)  # (raises: no store, or no part at all)
         raise
@@ -417,8 +447,10 @@ async def resolve_checkpoint(
     refused when the store holds only some of its parts (whole_parts). Complete by
     step_is_complete's rule: its marker, or every expected node's part; without expected
     nodes, any part, unless the job writes markers (a multi-node job: then its marker)."""
-    if step is None:
-        return await resolve_manifests(store, job, await latest_step(store, job, expected_nodes))
+    if step is None:  # (one catalog: the parts the walk read are not read again)
+        catalog = Catalog(store)
+        step = await latest_step(store, job, expected_nodes, catalog)
+        return await resolve_manifests(store, job, step, catalog=catalog)
     return await whole_parts(store, await resolve_manifests(store, job, step), expected_nodes)
 
 
@@ -429,9 +461,10 @@ async def whole_parts(
     ``store`` holds only some of them by step_is_complete's rule: a prefetch then takes it
     from the next tier (this one's push may still be running) instead of restoring a torn
     step or failing. Asks nothing when every expected node's part is listed; else reads
-    the step's marker (with no nodes expected, after one listing of the job's markers:
-    a job with none is a single node's). Parts the marker names that the listing missed
-    landed between the two: the parts are read again."""
+    the step's marker (with no nodes expected, after one listing of the job's markers: a
+    job with none is a single node's, or one pushed by hand: parts_lack_metadata). Parts
+    the marker names that the listing missed landed between the two: the parts are read
+    again."""
     job, step = manifests[0].job, manifests[0].step
     nodes = {m.node for m in manifests}
     if expected_nodes:
@@ -440,8 +473,8 @@ async def whole_parts(
         marked = await _marker_nodes(store, job, step)
     else:
         markers = await completion_markers(store, job)
-        if not markers:
-            return manifests  # a job that writes no markers: one node's, each part whole
+        if not markers and not parts_lack_metadata(manifests):
+            return manifests  # a job that writes no markers: its parts say
         marked = await _marker_nodes(store, job, step) if step in markers else None
     if marked is not None:
         return manifests if marked <= nodes else await Catalog(store).manifests(job, step)
@@ -451,10 +484,17 @@ async def whole_parts(
             f" and {len(missing) - 4} more" if len(missing) > 4 else ""
         )
         why = f"{len(nodes)} of {len(expected_nodes)} parts, none yet from {named}"
+    elif not markers:
+        why = (
+            f"no part of the {len(nodes)} in holds {METADATA} (rank 0's node's part still to "
+            "come? name the job's nodes to be sure: --expected-nodes, or expected_nodes in an "
+            "agent's config)"
+        )
     else:
         why = (
             f"no completion marker yet, {len(nodes)} part(s) in (a node's part still to come? "
-            "if every node's is in, name the job's nodes: expected nodes)"
+            "if every node's is in, name the job's nodes: --expected-nodes, or "
+            "expected_nodes in an agent's config)"
         )
     raise CheckpointNotFoundError(f"{job} step {step} is not whole in {store.url}: {why}")
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import io
 import pickle
 import re
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -84,7 +85,13 @@ def required_lengths(metadata: bytes) -> dict[str, int] | None:
 def shards_without_metadata(root: Path) -> bool:
     """``root`` holds DCP storage files but no ``.metadata``, which DCP writes last: an
     unfinished save, or one node's part of a multi-node save (a DCP load of it fails)."""
-    names = [p.name for p in root.iterdir()] if root.is_dir() else []
+    return lacks_metadata(p.name for p in root.iterdir()) if root.is_dir() else False
+
+
+def lacks_metadata(paths: Iterable[str]) -> bool:
+    """Files of a save (relative paths) that hold DCP storage files but no ``.metadata``:
+    never a whole step (rank 0's node's part, which holds it, is not there)."""
+    names = set(paths)
     return METADATA not in names and any(_SHARD.match(n) for n in names)
 
 

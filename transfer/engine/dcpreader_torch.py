@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 
 from transfer.codec.transforms import Buffer
-from transfer.engine.catalog import resolve_checkpoint
+from transfer.engine.catalog import resolve_checkpoint, resolve_manifests
 from transfer.engine.dcp import MAX_METADATA_BYTES, METADATA
 from transfer.engine.dcpshare import merge_ranges
 from transfer.engine.itemassembly import DEFAULT_BUDGET, ItemAssembly, Slice
@@ -167,8 +167,14 @@ class FerryReader(StorageReader):
     def _resolve(self) -> StepChunks:
         """The step's manifests, read once (on the coordinator only, in a group)."""
         if self._step_chunks is None:
-            # (a step whole by the catalog's rule: latest is the newest complete one)
-            manifests = self._loop.run(resolve_checkpoint(self.store, self.job, self.step, ()))
+            # latest: the newest complete step, as everywhere; a step named is its parts (the
+            # load itself finds a file missing: no request more on every load's coordinator)
+            resolving = (
+                resolve_checkpoint(self.store, self.job, None, ())
+                if self.step is None
+                else resolve_manifests(self.store, self.job, self.step)
+            )
+            manifests = self._loop.run(resolving)
             self._step_chunks = StepChunks(manifests)
             self.step = self._step_chunks.step
         return self._step_chunks

@@ -29,7 +29,7 @@ from typing import TypeVar
 from transfer.durable import fsync_dir
 from transfer.engine.catalog import (
     Catalog,
-    latest_complete_step,
+    latest_step,
     resolve_manifests,
     whole_parts,
 )
@@ -153,8 +153,8 @@ async def resolve_shares(
     every member's share, and the manifests of the parts the share of ``mine`` touches
     (each member reads its own few, not every part of the step)."""
     catalog = Catalog(store)
-    if step is None and expected_nodes:
-        step = await latest_complete_step(store, job, expected_nodes)
+    if step is None:  # (latest: the newest complete step, as everywhere)
+        step = await latest_step(store, job, expected_nodes)
     if step is not None and (files := await catalog.step_files(job, step)) is not None:
         try:
             return await _shares_by_map(catalog, job, step, files, asks, mine)

@@ -8,7 +8,12 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
-from transfer.engine.catalog import list_checkpoints, load_manifest, step_is_complete
+from transfer.engine.catalog import (
+    list_checkpoints,
+    load_manifest,
+    parts_lack_metadata,
+    step_is_complete,
+)
 from transfer.errors import FerryError, FormatError
 from transfer.format import layout
 from transfer.format.manifest import Manifest
@@ -161,19 +166,26 @@ async def take_inventory(
 async def _mark_complete(
     store: Store, steps: dict[Key, StepEntry], expected_nodes: Sequence[str]
 ) -> None:
-    """Which steps are whole: their completion marker, or every expected node's part (a job
-    that never wrote markers is single-node: any part is the whole step)."""
+    """Which steps are whole: their completion marker, or every expected node's part; with
+    no nodes named, a single-node job's part; a multi-node job's step only by its marker
+    (and never parts without ``.metadata``: catalog.parts_lack_metadata)."""
     markers = {
         parsed
         for obj in await store.list(layout.COMPLETE_PREFIX)
         if (parsed := layout.parse_completion_key(obj.key)) is not None
     }
-    jobs_with_markers = {job for job, _ in markers}
+    # a job is multi-node if it writes markers, or if a step of it has several parts: then
+    # one part, or any set of parts, is not known to be the step (pushed by hand, without
+    # markers, and no nodes named: every step is kept, never taken for the newest whole one)
+    multi_node = {job for job, _ in markers} | {e.job for e in steps.values() if len(e.parts) > 1}
     for entry in steps.values():
         entry.has_marker = entry.key in markers
+        read = list(entry.manifests.values())  # (every part's, but on a second look: known)
+        lacks = len(read) == len(entry.parts) and parts_lack_metadata(read)
         entry.complete = step_is_complete(
-            entry.parts, entry.has_marker, expected_nodes, entry.job in jobs_with_markers
-        )
+            entry.parts, entry.has_marker, expected_nodes, entry.job in multi_node,
+            without_metadata=lacks,
+        )  # fmt: skip
 
 
 async def read_pins(store: Store, *, now: float) -> dict[Key, float]:

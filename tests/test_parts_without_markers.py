@@ -1,0 +1,72 @@
+"""A multi-node job pushed by hand (``ferry push --part`` on each node) writes no completion
+markers. Told no nodes, nothing may take one of its steps for whole by its parts alone: a
+newcomer's trial had ``ferry retention --keep-last 1`` keep a step of two parts without
+``.metadata`` as "the newest complete" and delete every step that could be loaded, and
+``--step latest`` pull it. Now retention keeps every step of such a job, and several nodes'
+parts without ``.metadata`` are never the whole step (a pull of latest takes the newest step
+holding it, and its check of ``.metadata`` refuses a torn one); told the nodes, all of it
+works."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+
+from agent.cli.run import main as ferry
+from tests.conftest import init_test_store, open_test_store
+from tests.test_share_parts import JOB, NODES, push_step
+from transfer.format import layout
+from transfer.retention import EXPIRE, Tier, TierPolicy, make_plan
+from transfer.store.base import Store
+
+
+@pytest.fixture
+def hand_pushed(tmp_path: Path) -> tuple[str, Store]:
+    """Steps 10 and 20 whole (every node's part), 30 without n5's part, 40 without n0's
+    (which holds .metadata); no markers anywhere."""
+    (tmp_path / "store").mkdir()
+    url = init_test_store(str(tmp_path / "store"))
+    store = open_test_store(url)
+
+    async def go() -> None:
+        for step in (10, 20, 30, 40):
+            await push_step(store, tmp_path / f"src-{step}", step, marker=False)
+        await store.delete(layout.manifest_key(JOB, 30, "n5"))
+        await store.delete(layout.manifest_key(JOB, 40, "n0"))
+
+    asyncio.run(go())
+    return url, store
+
+
+def expired(store: Store, expected: tuple[str, ...]) -> list[int]:
+    tiers = [Tier(store, TierPolicy(keep_last=1))]
+    plan = asyncio.run(make_plan(tiers, now=time.time(), expected_nodes=expected))
+    return [a.step for a in plan.tiers[0].actions if a.action == EXPIRE]
+
+
+def test_retention_keeps_every_step_of_a_job_it_cannot_judge(
+    hand_pushed: tuple[str, Store],
+) -> None:
+    _, store = hand_pushed
+    assert expired(store, ()) == []  # it expired 10, 20 and 30, keeping 40 as "complete"
+    assert expired(store, NODES) == [10]  # 20 the newest whole; 30 and 40 still coming
+
+
+def test_a_pull_never_lands_a_torn_step_and_told_the_nodes_takes_the_newest_whole(
+    hand_pushed: tuple[str, Store], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url, _ = hand_pushed
+    dest = tmp_path / "pulled"
+    assert ferry(["pull", url, str(dest / "a"), "--job", JOB]) == 1  # latest: 30, torn
+    assert f"{JOB} step 30 is not whole" in capsys.readouterr().err  # (by its .metadata)
+    told = ["--expected-nodes", ",".join(NODES)]
+    assert ferry(["pull", url, str(dest / "b"), "--job", JOB, *told]) == 0
+    assert f"pulled {JOB} step 20 (6 part(s))" in capsys.readouterr().out
+    assert ferry(["pull", url, str(dest / "c"), "--job", JOB, "--step", "40"]) == 1
+    assert "no part of the 5 in holds .metadata" in capsys.readouterr().err
+    assert ferry(["pull", url, str(dest / "d"), "--job", JOB, "--step", "30"]) == 1
+    assert "is not whole" in capsys.readouterr().err  # (.metadata names n5's file)
+    assert not any((dest / x).exists() for x in "acd")
