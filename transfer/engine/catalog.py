@@ -446,7 +446,8 @@ async def resolve_checkpoint(
     ``None`` is the newest step that is complete (latest_complete_step); a named step is
     refused when the store holds only some of its parts (whole_parts). Complete by
     step_is_complete's rule: its marker, or every expected node's part; without expected
-    nodes, any part, unless the job writes markers (a multi-node job: then its marker)."""
+    nodes, its parts, unless the job writes markers (then its marker) or several parts
+    hold DCP shards and no ``.metadata`` (parts_lack_metadata)."""
     if step is None:  # (one catalog: the parts the walk read are not read again)
         catalog = Catalog(store)
         step = await latest_step(store, job, expected_nodes, catalog)
