@@ -239,10 +239,6 @@ async def cmd_pull(
     await asyncio.to_thread(settle, args.dest_dir.absolute().parent)
     expected = tuple(check_name("node", n) for n in args.expected_nodes.split(",") if n)
     manifests, share = await _share_of(store, args, step, expected)
-    if manifests is None and args.node is None:  # (the engine would resolve it without them)
-        from transfer.engine.catalog import resolve_checkpoint
-
-        manifests = await resolve_checkpoint(store, args.job, step, expected)
     base_manifests = None
     if share is not None:  # of the base step too, only the parts holding the share's files
         from transfer.engine.share import base_dir_parts
@@ -251,7 +247,15 @@ async def cmd_pull(
     r = await pull(
         store,
         args.dest_dir,
-        PullPlan(args.job, step, args.node, manifests, share=share, fsync=args.fsync),
+        PullPlan(
+            args.job,
+            step,
+            args.node,
+            manifests,
+            share=share,
+            fsync=args.fsync,
+            expected_nodes=expected,
+        ),
         Sources(base_dir=args.base_dir, base_manifests=base_manifests),
         PullEvents(progress=progress),
         transfer_options(args),

@@ -238,7 +238,7 @@ async def _resolve(store: Store, plan: PullPlan) -> list[Manifest]:
     come, and without rank 0's there is no ``.metadata`` to find the gap by)."""
     if plan.node is not None:
         return await resolve_manifests(store, plan.job, plan.step, plan.node)
-    return await resolve_checkpoint(store, plan.job, plan.step, ())
+    return await resolve_checkpoint(store, plan.job, plan.step, plan.expected_nodes)
 
 
 def _check_whole(root: Path, files: list[FileEntry], manifests: list[Manifest]) -> None:

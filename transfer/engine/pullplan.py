@@ -28,7 +28,9 @@ class PullPlan:
     the store and the chunk sources alike; here rather than in TransferOptions because it
     belongs to this restore (a background one is capped, a foreground one beside it is
     not) and is one object that restores share (several background restores stay under
-    one cap together), where the options are plain numbers a process sets once."""
+    one cap together), where the options are plain numbers a process sets once.
+    ``expected_nodes``: the job's nodes, whose parts make a step whole without its
+    completion marker (catalog.resolve_checkpoint, when ``manifests`` is None)."""
 
     job: str
     step: int | None
@@ -38,6 +40,7 @@ class PullPlan:
     share: Share | None = None
     fsync: bool = False
     rate_limit: RateLimit | None = None
+    expected_nodes: tuple[str, ...] = ()
 
 
 def merged_files(manifests: list[Manifest]) -> list[FileEntry]:

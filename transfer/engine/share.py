@@ -153,14 +153,17 @@ async def resolve_shares(
     every member's share, and the manifests of the parts the share of ``mine`` touches
     (each member reads its own few, not every part of the step)."""
     catalog = Catalog(store)
+    named = step is not None
     if step is None:  # (latest: the newest complete step, as everywhere)
-        step = await latest_step(store, job, expected_nodes)
-    if step is not None and (files := await catalog.step_files(job, step)) is not None:
+        step = await latest_step(store, job, expected_nodes, catalog)
+    if (files := await catalog.step_files(job, step)) is not None:
         try:
             return await _shares_by_map(catalog, job, step, files, asks, mine)
         except (FormatError, NotFoundError) as exc:  # the parts say; they are the record
             log.warning("%s step %s: %s; reading every part instead", job, step, exc)
-    manifests = await whole_parts(store, await resolve_manifests(store, job, step), expected_nodes)
+    manifests = await resolve_manifests(store, job, step)  # (afresh: the map misled)
+    if named:  # (latest is complete already: not asked again)
+        manifests = await whole_parts(store, manifests, expected_nodes)
     return manifests, await plan_shares(catalog, manifests, asks)
 
 
