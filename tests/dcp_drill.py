@@ -126,12 +126,16 @@ def save_drill(dir: Path, world_size: int = 8, seed: int = 0, width: int = 64) -
 
 
 def load_drill(
-    dirs_by_rank: Mapping[int, Path | dict[str, Any]], world_size: int, width: int = 64
+    dirs_by_rank: Mapping[int, Path | dict[str, Any]],
+    world_size: int,
+    width: int = 64,
+    reader: str = "torch",
 ) -> dict[str, Any]:
     """``world_size`` ranks each ``dcp.load`` a fresh model + AdamW (sharded over the new
     world size) from the directory given for its rank, or from a store through FerryReader
     (a dict of its arguments: store, job, step, and ``env``, set in the rank first: the
-    store's credentials). Returns rank 0's view: ``model`` and
+    store's credentials). A directory is read by torch's FileSystemReader, or (``reader=
+    "local"``) by ckpt-ferry's LocalReader. Returns rank 0's view: ``model`` and
     ``optim`` ({flattened key: full tensor or value}), ``loss`` (forward on BATCH at the
     loaded weights), ``loss_after`` (after one more AdamW step: depends on the optimizer
     state), ``planned`` ({rank: DCP's planned byte ranges for that rank's load}) and
@@ -146,7 +150,7 @@ def load_drill(
     work = parent / f".load.{os.getpid()}.{time.monotonic_ns()}.work"
     dirs = {str(r): d if isinstance(d, dict) else str(d) for r, d in dirs_by_rank.items()}
     try:
-        args = {"dirs": dirs, "out": str(work / "result.pt"), "width": width}
+        args = {"dirs": dirs, "out": str(work / "result.pt"), "width": width, "reader": reader}
         _run_ranks("load", world_size, work, args)
         result: dict[str, Any] = torch.load(work / "result.pt", weights_only=False)
     finally:
@@ -350,7 +354,12 @@ def _worker_load(args: dict[str, Any]) -> None:
         restored = (reader.last_restore.bytes_raw, reader.bytes_fetched)
     else:
         planned = planned_ranges(state, src)
-        load(state, storage_reader=FileSystemReader(src))
+        if args.get("reader") == "local":
+            from transfer.engine.dcplocal_torch import LocalReader
+
+            load(state, storage_reader=LocalReader(src))
+        else:
+            load(state, storage_reader=FileSystemReader(src))
     set_state_dict(model, optim, model_state_dict=model_sd, optim_state_dict=optim_sd)
     model_sd, optim_sd = get_state_dict(model, optim)
     flat_model, _ = flatten_state_dict(model_sd)

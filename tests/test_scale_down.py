@@ -625,3 +625,22 @@ def assert_only_the_share(copy: Path, save: Path, own: set[str]) -> None:
             assert have[lo:hi] == want[lo:hi] and not any(have[pos:lo]), path
             pos = hi
         assert not any(have[pos:]), path
+
+
+def test_ranks_load_a_resharded_step_from_local_files_with_local_reader(
+    drill: tuple[Path, list[Path]],
+) -> None:
+    """Three new ranks (the save's 8 shards split unevenly: each new rank narrows old
+    rows) load the save through LocalReader: the state, the loss and the step after it
+    equal torch's own reader's, bit for bit."""
+    save, _ = drill
+    want = load_drill(dict.fromkeys(range(3), save), 3, width=WIDTH)
+    got = load_drill(dict.fromkeys(range(3), save), 3, width=WIDTH, reader="local")
+    assert got["local_shapes"] == want["local_shapes"]
+    assert {shape[0] for shape in got["local_shapes"][0].values()} >= {171}  # 512 rows / 3
+    for kind in ("model", "optim"):
+        assert got[kind].keys() == want[kind].keys()
+        for key, value in want[kind].items():
+            have = got[kind][key]
+            assert value.equal(have) if hasattr(value, "shape") else have == value, key
+    assert (got["loss"], got["loss_after"]) == (want["loss"], want["loss_after"])

@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from transfer.codec.transforms import Buffer
 from transfer.engine.catalog import resolve_checkpoint, resolve_manifests
 from transfer.engine.dcp import MAX_METADATA_BYTES, METADATA
+from transfer.engine.dcpitem_torch import check_size, tensor_of_item
 from transfer.engine.dcpshare import merge_ranges
 from transfer.engine.itemassembly import DEFAULT_BUDGET, ItemAssembly, Slice
 from transfer.engine.loopthread import LoopThread
@@ -359,17 +360,15 @@ def _load_item(req: ReadItem, data: memoryview, planner: LoadPlanner) -> None:
     if req.type == LoadItemType.BYTE_IO:
         planner.load_bytes(req, io.BytesIO(data))  # (a copy: the planner may keep it)
         return
-    item = cast(IO[bytes], _ViewReader(data))
-    tensor = torch.load(item, map_location="cpu", weights_only=True)
+    tensor = tensor_of_item(data)  # over the item's own bytes: copied once, into the target
+    if tensor is None:  # not a plain tensor: as DCP loads it
+        item = cast(IO[bytes], _ViewReader(data))
+        tensor = torch.load(item, map_location="cpu", weights_only=True)
     for dim, (start, length) in enumerate(zip(req.storage_offsets, req.lengths, strict=True)):
         if start != 0 or length != tensor.size(dim):
             tensor = tensor.narrow(dim, start, length)
     target = planner.resolve_tensor(req).detach()
-    if target.size() != tensor.size():
-        raise FormatError(
-            f"{req.storage_index.fqn}: the checkpoint holds {tuple(tensor.size())}, "
-            f"the state_dict wants {tuple(target.size())}"
-        )
+    check_size(req, tensor.size(), target)
     target.copy_(tensor)
     planner.commit_tensor(req, target)
 
