@@ -15,13 +15,20 @@ decision", to every tensor of k+1 loaded in a fresh loader process: before t0 th
 has imported torch and loaded a tiny save once (not timed: bench/write_path.py
 ``start_loader(warm=True)``) and waits, the page cache is dropped and the machine left to
 settle (bench/_measure.py: at most ``--settle-limit`` seconds). Decision -> loaded is the
-fetch's seconds plus the load's (as the loader timed it, from its go signal). The cases:
+fetch's seconds plus the load's (as the loader timed it, from its go signal; its
+state_dict is made, every page written, before that clock starts, as a training process's
+model and optimizer state exist before it loads: ``--fresh-targets`` makes it inside the
+timed load instead, untouched). ckpt-ferry's cases load their files with ckpt-ferry's
+LocalReader (transfer/engine/dcplocal_torch.py; ``--torch-load``: torch's reader). The
+cases:
 
 - standby: the prefetch RPC of k+1 to S answers ready at once (nothing moved), then load;
 - prefetch holding k / onto an empty node: the prefetch RPC of k+1 to B / C (the
   scheduler's client polls its status until ready), then load from the agent's hot dir;
 - ``s5cmd cp`` of k+1's raw files into an empty directory, then load; ``s5cmd cp`` then
-  ``sync`` of those files (fsync: its bytes on disk, as an O_DIRECT restore's are);
+  ``sync`` of those files (fsync: its bytes on disk, as an O_DIRECT restore's are); both
+  loaded by torch's own FileSystemReader, as the plain tool's user would; and ``s5cmd cp``
+  then a load by ckpt-ferry's LocalReader, which shows what the reader alone is worth;
 - ``ferry pull`` (the CLI) holding k (``--base-dir``: B's copy) and cold, then load;
 - FerryReader holding k / onto an empty node: the loader's ``dcp.load`` reads k+1 from the
   store itself (transfer/engine/dcpreader_torch.py; ``base_dir`` B's copy of k, or none):
@@ -109,6 +116,7 @@ CASES = (
     "prefetch, empty node",
     "s5cmd cp",
     "s5cmd cp + sync",
+    "s5cmd cp + LocalReader",
     "ferry pull holding k",
     "ferry pull, cold",
     "FerryReader holding k",
@@ -116,6 +124,9 @@ CASES = (
 )
 STREAMED = ("FerryReader holding k", "FerryReader, empty node")
 PLAIN, SYNCED = "s5cmd cp", "s5cmd cp + sync"
+TORCH_LOADED = (PLAIN, SYNCED)  # the plain tool's: torch's own FileSystemReader
+#: the load of k+1's own files, without a case: by torch's reader, by LocalReader
+ALONE_TORCH, ALONE_LOCAL = "load alone", "load alone, LocalReader"
 
 #: holds argv[1] bytes, every page touched, until its stdin closes; the first process the
 #: kernel's OOM killer takes if the machine runs short after all
@@ -144,6 +155,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--link", metavar="RATE", default=None,
                     help="the node's transfers over a link shaped to RATE each way (tc: "
                          "2gbit, 10gbit; root)")  # fmt: skip
+    ap.add_argument("--torch-load", action="store_true",
+                    help="load every case's files with torch's FileSystemReader (default: "
+                         "ckpt-ferry's LocalReader for ckpt-ferry's cases)")  # fmt: skip
+    ap.add_argument("--fresh-targets", action="store_true",
+                    help="make the state_dict inside the timed load, untouched (default: in "
+                         "memory before the clock, as a training process's state is)")  # fmt: skip
     ap.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent / "results")
     ap.add_argument("--out-stem", default=None,
                     help="results file name (default decision_to_loaded[_busy])")  # fmt: skip
@@ -294,12 +311,31 @@ class Bench:
                 "endpoint_url": self.link.endpoint.url}  # fmt: skip
         return "ferry+" + json.dumps(spec)
 
-    def start_loader(self, case: str | None) -> subprocess.Popen[str]:
-        """A warm loader for ``case`` (None: k+1's own files); a FerryReader's is started as
-        the agents are (under ``--link``, behind the shaped link), with the store's keys."""
+    def local_load(self, case: str) -> bool:
+        """Whether ``case``'s files are loaded by LocalReader (ckpt-ferry's, for its own
+        cases: ``--torch-load`` gives them torch's reader), not torch's FileSystemReader."""
+        if case in STREAMED or case == ALONE_TORCH:
+            return False
+        return (
+            case == ALONE_LOCAL
+            or case == "s5cmd cp + LocalReader"
+            or (case not in TORCH_LOADED and not self.args.torch_load)
+        )
+
+    def start_loader(self, case: str) -> subprocess.Popen[str]:
+        """A warm loader for ``case`` (or k+1's own files: ALONE_*); a FerryReader's is
+        started as the agents are (under ``--link``, behind the shaped link), with the
+        store's keys. Its state_dict is in memory before the clock (``--fresh-targets``:
+        made in the load)."""
+        flags = ["local"] if self.local_load(case) else []
+        if not self.args.fresh_targets:
+            flags.append(f"shapes={self.k1}")
         if case not in STREAMED:
-            return start_loader(self.k1 if case is None else self.dest(case), warm=True)
-        return start_loader(self.loader_source(case), warm=True, env=self.env, wrap=self.link.wrap)
+            save = self.k1 if case in (ALONE_TORCH, ALONE_LOCAL) else self.dest(case)
+            return start_loader(save, warm=True, flags=flags)
+        return start_loader(
+            self.loader_source(case), warm=True, env=self.env, wrap=self.link.wrap, flags=flags
+        )
 
     async def fetch(self, case: str) -> dict[str, Any]:
         """Bring k+1 to ``dest(case)``, timed from now: seconds, CPU seconds, bytes moved."""
@@ -395,7 +431,7 @@ def json_of(text: str) -> dict[str, Any]:
     return doc if isinstance(doc, dict) else {}
 
 
-def start_loaders(bench: Bench, cases: list[str | None]) -> list[subprocess.Popen[str]]:
+def start_loaders(bench: Bench, cases: list[str]) -> list[subprocess.Popen[str]]:
     """A loader per case, all importing torch at once (sooner than one after another; each
     then waits idle for its turn)."""
     with ThreadPoolExecutor(len(cases)) as pool:
@@ -412,18 +448,24 @@ def load_alone(loaders: list[subprocess.Popen[str]], disk: Path, limit: float) -
 
 
 async def one_run(bench: Bench, rnd: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    """The load of k+1 alone, cold and warm, then every case, the order rotated by ``rnd``."""
+    """The load of k+1 alone (torch's reader, then LocalReader), cold and warm, then every
+    case, the order rotated by ``rnd``."""
     shift = (rnd - 1) % len(CASES)
     order = CASES[shift:] + CASES[:shift]
-    loaders = start_loaders(bench, [None, None, *order])
+    loaders = start_loaders(bench, [ALONE_TORCH] * 2 + [ALONE_LOCAL] * 2 + list(order))
     try:
         cold, warm = load_alone(loaders[:2], bench.work, bench.args.settle_limit)
-        if warm.digest != cold.digest:
-            raise SystemExit("two loads of k+1 gave different tensors")
-        alone = {"cold": cold.seconds, "warm": warm.seconds, "digest": cold.digest}
-        print(f"r{rnd} load alone: cold {cold.seconds:.2f} s, warm {warm.seconds:.2f} s")
+        local_cold, local_warm = load_alone(loaders[2:4], bench.work, bench.args.settle_limit)
+        if len({cold.digest, warm.digest, local_cold.digest, local_warm.digest}) != 1:
+            raise SystemExit("four loads of k+1 gave different tensors")
+        alone = {"cold": cold.seconds, "warm": warm.seconds, "digest": cold.digest,
+                 "local_cold": local_cold.seconds, "local_warm": local_warm.seconds}  # fmt: skip
+        print(
+            f"r{rnd} load alone: cold {cold.seconds:.2f} s, warm {warm.seconds:.2f} s; "
+            f"LocalReader cold {local_cold.seconds:.2f} s, warm {local_warm.seconds:.2f} s"
+        )
         rows = []
-        for case, loader in zip(order, loaders[2:], strict=True):
+        for case, loader in zip(order, loaders[4:], strict=True):
             row = await bench.one_case(case, rnd, loader, cold.digest)
             rows.append(row)
             flushed = row["flushed_after"]
@@ -455,7 +497,8 @@ async def measure(
     doc: dict[str, Any] = {"series": str(args.series), "k": k.name, "k1": k1.name,
                            "raw_bytes": bench.raw_bytes, "cases": list(CASES),
                            "runs": args.runs, "rows": [], "load_alone": [],
-                           "link": link.rate}  # fmt: skip
+                           "link": link.rate, "fresh_targets": args.fresh_targets,
+                           "local_loaded": [c for c in CASES if bench.local_load(c)]}  # fmt: skip
     try:
         await bench.setup()
         with contextlib.ExitStack() as stack:
@@ -478,8 +521,11 @@ def report(doc: dict[str, Any]) -> str:
         return float(statistics.median(r[key] for r in doc["rows"] if r["case"] == case))
 
     raw_mb, lim = doc["raw_bytes"] / MB, doc["limits"]
-    cold = statistics.median(a["cold"] for a in doc["load_alone"])
-    warm = statistics.median(a["warm"] for a in doc["load_alone"])
+    alone = {key: statistics.median(a[key] for a in doc["load_alone"] if key in a)
+             for key in ("cold", "warm", "local_cold", "local_warm")
+             if any(key in a for a in doc["load_alone"])}  # fmt: skip
+    cold, warm = alone["cold"], alone["warm"]
+    local_cases = set(doc.get("local_loaded", ()))
     busy = doc.get("busy_memory")
     held = ""
     if busy:
@@ -497,17 +543,22 @@ def report(doc: dict[str, Any]) -> str:
             else ""
         ),
         "",
-        "| case | fetch s | load s | decision -> loaded s | fetch CPU-s / raw GB | moved MB "
-        f"| load: MB read from disk | load / load alone cold | / {PLAIN} | / {SYNCED} |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| case | loaded by | fetch s | load s | decision -> loaded s | fetch CPU-s / raw GB "
+        f"| moved MB | load: MB read from disk | load / its reader's load alone cold "
+        f"| / {PLAIN} | / {SYNCED} |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for case in doc["cases"]:
         total = med(case, "total")
+        local = case in local_cases
+        by = "FerryReader" if case in STREAMED else "LocalReader" if local else "torch"
+        its_cold = alone.get("local_cold", cold) if local else cold
         lines.append(
-            f"| {case} | {med(case, 'fetch'):.2f} | {med(case, 'load'):.2f} | {total:.2f} | "
-            f"{med(case, 'cpu') / (raw_mb / 1e3):.2f} | {med(case, 'moved') / MB:,.0f} | "
-            f"{med(case, 'load_disk_read') / MB:,.0f} | {med(case, 'load') / cold:.2f}x | "
-            f"{total / med(PLAIN, 'total'):.2f}x | {total / med(SYNCED, 'total'):.2f}x |"
+            f"| {case} | {by} | {med(case, 'fetch'):.2f} | {med(case, 'load'):.2f} | "
+            f"{total:.2f} | {med(case, 'cpu') / (raw_mb / 1e3):.2f} | "
+            f"{med(case, 'moved') / MB:,.0f} | {med(case, 'load_disk_read') / MB:,.0f} | "
+            f"{med(case, 'load') / its_cold:.2f}x | {total / med(PLAIN, 'total'):.2f}x | "
+            f"{total / med(SYNCED, 'total'):.2f}x |"
         )
     write, read = lim["disk_write_direct"], lim["disk_read_direct"]
     get = lim["s3_get_one_object"]
@@ -518,8 +569,27 @@ def report(doc: dict[str, Any]) -> str:
         f"({raw_mb / read:.2f} s); the S3 server from the host (never shaped), one object "
         f"of as many bytes "
         f"through botocore: GET {get:,.0f} MB/s ({raw_mb / get:.2f} s); the load of k+1 alone "
-        f"(medians): {cold:.2f} s from a cold page cache ({raw_mb / cold:,.0f} MB/s), "
-        f"{warm:.2f} s from a warm one ({raw_mb / warm:,.0f} MB/s).",
+        f"(medians), by torch's reader: {cold:.2f} s from a cold page cache "
+        f"({raw_mb / cold:,.0f} MB/s), {warm:.2f} s from a warm one ({raw_mb / warm:,.0f} MB/s)"
+        + (
+            f"; by LocalReader: {alone['local_cold']:.2f} s cold, {alone['local_warm']:.2f} s "
+            f"warm ({alone['cold'] / alone['local_cold']:.2f}x and "
+            f"{alone['warm'] / alone['local_warm']:.2f}x faster)."
+            if "local_cold" in alone
+            else "."
+        ),
+        "",
+        "Loads: "
+        + (
+            "the state_dict is in memory, every page written, before the clock starts (as "
+            "a training process's model and optimizer state are when it loads), "
+            if not doc.get("fresh_targets")
+            else "the state_dict is made inside the timed load (its pages untouched), "
+        )
+        + "then `dcp.load` reads k+1 into it: torch's own FileSystemReader for the plain "
+        "tool's rows, ckpt-ferry's LocalReader (transfer/engine/dcplocal_torch.py) for "
+        "ckpt-ferry's (and `s5cmd cp + LocalReader`, which shows the reader's share of the "
+        "difference), FerryReader's own for its rows.",
     ]
     if any(case in STREAMED for case in doc["cases"]):
         lines += [

@@ -65,12 +65,17 @@ def tensor_digest(state: dict) -> str:
     return str(h.hexdigest())
 
 
-#: A fresh process that imports torch (argv[2] "warm": see start_loader), waits for a line
-#: on stdin, then loads every tensor of the DCP save named by argv[1] into memory and prints
+#: A fresh process that imports torch (flag "warm": see start_loader), waits for a line on
+#: stdin, then loads every tensor of the DCP save named by argv[1] into memory and prints
 #: the seconds the load took, the bytes loaded, its CPU seconds and the bytes it fetched
 #: (-1: none, it read files); then (its clock stopped) the digest of what it loaded.
 #: argv[1] is a directory, or "ferry+" and a JSON spec of FerryReader's arguments (store,
 #: job, step, base_dir, endpoint_url): the load then reads the step from the store itself.
+#: A directory is read by torch's FileSystemReader, or with flag "local" by ckpt-ferry's
+#: LocalReader. Flag "shapes=DIR": the state_dict is made from DIR's .metadata and every
+#: page of it written (as a training process's model and optimizer state are, before it
+#: loads) after the go and before the clock starts; without it, the tensors are made in
+#: the timed load, untouched, and the load pays their first page faults.
 LOADER = (
     inspect.getsource(tensor_digest)
     + """
@@ -81,26 +86,39 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 spec = json.loads(sys.argv[1][6:]) if sys.argv[1].startswith("ferry+") else None
+flags = sys.argv[2:]
+shapes = next((f[7:] for f in flags if f.startswith("shapes=")), None)
 if spec is not None:  # imported before the clock, as a training process would have
     from transfer.engine.dcpreader_torch import FerryReader
-if sys.argv[2:] == ["warm"]:  # the load's own code run once: read in from disk now
+Reader = FileSystemReader
+if "local" in flags:
+    from transfer.engine.dcplocal_torch import LocalReader as Reader
+def state_of(md):
+    return {k: torch.empty(v.size, dtype=v.properties.dtype)
+            for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+if "warm" in flags:  # the load's own code run once: read in from disk now
     import tempfile
     with tempfile.TemporaryDirectory() as tiny:
         sd = {"w": torch.ones(8), "h": torch.ones(8, dtype=torch.bfloat16)}
         dcp.save(sd, storage_writer=dcp.FileSystemWriter(tiny), no_dist=True)
-        dcp.load(sd, storage_reader=FileSystemReader(tiny), no_dist=True)
+        dcp.load(sd, storage_reader=Reader(tiny), no_dist=True)
         tensor_digest(sd)
 print("ready", flush=True)
 sys.stdin.readline()
+sd = None
+if shapes is not None:  # the training process's state, in memory before its load
+    sd = state_of(FileSystemReader(shapes).read_metadata())
+    for tensor in sd.values():
+        tensor.fill_(0)
 t, cpu = time.monotonic(), time.process_time()
 if spec is None:
-    reader = FileSystemReader(sys.argv[1])
+    reader = Reader(sys.argv[1])
 else:
     reader = FerryReader(spec["store"], spec["job"], spec["step"], base_dir=spec["base_dir"],
                          endpoint_url=spec["endpoint_url"])
 md = reader.read_metadata()
-sd = {k: torch.empty(v.size, dtype=v.properties.dtype)
-      for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+if sd is None:
+    sd = state_of(md)
 dcp.load(sd, storage_reader=reader, no_dist=True)
 moved = -1 if spec is None else reader.bytes_fetched
 print(f"{time.monotonic() - t:.4f} {sum(x.numel() * x.element_size() for x in sd.values())}"
@@ -126,14 +144,16 @@ def start_loader(
     warm: bool = False,
     env: dict[str, str] | None = None,
     wrap: Sequence[str] = (),
+    flags: Sequence[str] = (),
 ) -> subprocess.Popen[str]:
     """A loader for ``save`` (need not exist yet), its torch imported: ready for ``load``.
     ``warm``: it has also saved and loaded a tiny checkpoint, so the code of a load is in
     memory, as in a process that has loaded before, and a page cache dropped after this
     leaves the load only the checkpoint's bytes to read (a fresh process's first load
     after a drop read ~50 MB of torch's code too, in 25 major page faults: 0.04-0.1 s of
-    a 0.15-0.5 s load; warm, 0 faults and only the save's bytes)."""
-    argv = [*wrap, sys.executable, "-c", LOADER, str(save), *(["warm"] if warm else [])]
+    a 0.15-0.5 s load; warm, 0 faults and only the save's bytes). ``flags``: LOADER's
+    others (``local``, ``shapes=DIR``)."""
+    argv = [*wrap, sys.executable, "-c", LOADER, str(save), *(["warm"] if warm else []), *flags]
     loader = subprocess.Popen(
         argv,
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
