@@ -117,6 +117,21 @@ def test_a_file_cut_short_fails_the_load_naming_it(step: tuple[Path, dict[str, A
         load_with(LocalReader(path), saved)
 
 
+def test_a_hostile_metadata_is_refused_and_never_run(
+    step: tuple[Path, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step pulled from a store another node wrote: torch's reader would run its
+    ``.metadata``; LocalReader builds DCP's metadata types only."""
+    path, saved = step
+    (path / ".metadata").write_bytes(pickle.dumps(_Boom(path.parent / "ran")))
+    monkeypatch.chdir(path.parent)
+    with pytest.raises(
+        CheckpointException, match=r"\.metadata is not DCP metadata \(posix\.system"
+    ):
+        load_with(LocalReader(path), saved)
+    assert not (path.parent / "ran").exists()
+
+
 def item_of(value: Any) -> bytes:
     buf = io.BytesIO()
     torch.save(value, buf)

@@ -8,7 +8,8 @@ one ``pread`` into the target tensor's memory (or into a scratch buffer, when th
 not a plain contiguous CPU tensor of the item's dtype, and copies from there). A rank that
 loads a narrowing of an item (a resharded load) reads only the bytes it narrows to.
 Anything this does not recognise, and every byte item, is read by ``FileSystemReader``
-itself, so every save torch can load, this loads.
+itself, so every save torch can load, this loads. ``.metadata`` is unpickled as
+FerryReader unpickles it (dcpmetadata_torch.py): DCP's own types, nothing else built.
 """
 
 from __future__ import annotations
@@ -16,17 +17,35 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import os
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.filesystem import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
+from transfer.engine.dcp import MAX_METADATA_BYTES
 from transfer.engine.dcpitem_torch import HEAD_BYTES, TRAILER_BYTES, check_size, stored_tensor
+from transfer.engine.dcpmetadata_torch import metadata_from
 from transfer.errors import FormatError
 
 
 class LocalReader(FileSystemReader):
-    """torch's FileSystemReader over a local step directory, tensors copied once."""
+    """torch's FileSystemReader over a local step directory, tensors copied once, and its
+    ``.metadata`` read by an unpickler that builds DCP's metadata types only (torch's
+    ``pickle.load``s it: a step pulled from a store another node wrote could run code)."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with open(path, "rb") as file:
+            raw = file.read(MAX_METADATA_BYTES + 1)
+        if len(raw) > MAX_METADATA_BYTES:
+            raise FormatError(f"{path}: over the limit of {MAX_METADATA_BYTES:,} bytes")
+        metadata = metadata_from(raw, str(self.path))
+        storage_meta = getattr(metadata, "storage_meta", None) or StorageMeta()
+        storage_meta.load_id = self.load_id
+        metadata.storage_meta = storage_meta
+        return metadata
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future[None]:
         by_file: dict[str, list[ReadItem]] = {}

@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import io
 import logging
-import pickle
 import uuid
 import weakref
 from collections import defaultdict
@@ -35,6 +34,7 @@ from transfer.codec.transforms import Buffer
 from transfer.engine.catalog import resolve_checkpoint, resolve_manifests
 from transfer.engine.dcp import MAX_METADATA_BYTES, METADATA
 from transfer.engine.dcpitem_torch import check_size, tensor_of_item
+from transfer.engine.dcpmetadata_torch import metadata_from
 from transfer.engine.dcpshare import merge_ranges
 from transfer.engine.itemassembly import DEFAULT_BUDGET, ItemAssembly, Slice
 from transfer.engine.loopthread import LoopThread
@@ -159,7 +159,7 @@ class FerryReader(StorageReader):
                 self._metadata, self.step = self._group.from_coordinator(
                     lambda: (self._read_metadata_file(), self.step)
                 )
-        metadata = _metadata_from(self._metadata, f"{self.job} step {self.step}")
+        metadata = metadata_from(self._metadata, f"{self.job} step {self.step}")
         storage_meta = getattr(metadata, "storage_meta", None) or StorageMeta()
         storage_meta.load_id = self.load_id
         metadata.storage_meta = storage_meta
@@ -400,49 +400,3 @@ class _ViewReader(io.RawIOBase):
 
     def tell(self) -> int:
         return self._at
-
-
-#: (module, name) of everything a DCP ``.metadata`` pickle may name (torch 2.4-2.13 saves);
-#: a name, never a module: with pickle protocol 4 a dotted name would reach any attribute
-#: of an allowed module (``filesystem`` imports ``os``: ``os.system`` is one dot away)
-_DCP_CLASSES = {
-    ("torch.distributed.checkpoint.metadata", name)
-    for name in (
-        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties",
-        "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-        "_MEM_FORMAT_ENCODING",
-    )
-} | {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "PurePosixPath"),
-    ("collections", "OrderedDict"),
-}  # fmt: skip
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Builds DCP's metadata types and nothing else (a pickle can name any callable)."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if "." not in name and (module, name) in _DCP_CLASSES:
-            return super().find_class(module, name)
-        if module == "torch" and "." not in name:  # a dtype, layout or memory format
-            value = torch.__dict__.get(name)  # (no getattr: torch imports modules lazily)
-            if isinstance(value, torch.dtype | torch.layout | torch.memory_format):
-                return value
-        raise pickle.UnpicklingError(f"{module}.{name} is not DCP metadata")
-
-    def persistent_load(self, pid: Any) -> Any:
-        raise pickle.UnpicklingError("persistent ids are not DCP metadata")
-
-
-def _metadata_from(raw: bytes, what: str) -> Metadata:
-    try:
-        metadata = _MetadataUnpickler(io.BytesIO(raw)).load()
-    except Exception as exc:  # whatever a crafted pickle makes the allowed ones raise
-        raise FormatError(f"{what}: {METADATA} is not DCP metadata ({exc})") from None
-    if not isinstance(metadata, Metadata):
-        raise FormatError(f"{what}: {METADATA} holds a {type(metadata).__name__}, not DCP metadata")
-    return metadata
