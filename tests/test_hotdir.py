@@ -35,6 +35,19 @@ def test_checkpoints_are_visible_committed_step_dirs_newest_first(tmp_path: Path
     assert hot.step_path("job-a", 7) == tmp_path / "job-a" / "step_000007"
 
 
+def test_only_a_name_that_ends_in_its_step_is_a_step(tmp_path: Path) -> None:
+    """A directory beside the saves whose name holds digits elsewhere (a model's size, a
+    year) is not a step: the agent would push ``llama-7b`` as step 7."""
+    hot = HotDir(tmp_path, ".metadata")
+    for name in ("checkpoint-500", "global_step42", "iter_0000300", "step_000060"):
+        (tmp_path / "job-a" / name).mkdir(parents=True)
+        (tmp_path / "job-a" / name / ".metadata").write_bytes(b"m")
+    for name in ("llama-7b", "run2024v3", "eval_v2_results"):
+        (tmp_path / "job-a" / name).mkdir()
+        (tmp_path / "job-a" / name / ".metadata").write_bytes(b"m")
+    assert sorted(c.step for c in hot.checkpoints("job-a")) == [42, 60, 300, 500]
+
+
 def test_jobs_skip_hidden_symlinked_and_misnamed_directories(tmp_path: Path) -> None:
     hot = HotDir(tmp_path, ".metadata")
     _step(tmp_path, "job-a", 1)

@@ -111,7 +111,7 @@ class HotDir:
         """Every step directory of ``job``, committed or not, in no order."""
         found = []
         for entry in _visible_dirs(self.job_path(job)):
-            step = step_from_dirname(entry.name)
+            step = step_from_dirname(entry.name, strict=True)  # (not llama-7b: step 7)
             if step is not None:
                 found.append(LocalCheckpoint(job, step, Path(entry.path)))
         return found
