@@ -14,6 +14,7 @@ from transfer.errors import (
     CheckpointNotFoundError,
     FerryError,
     FormatError,
+    IncompleteStepError,
     NotAStoreError,
     NotFoundError,
     StoreNotEmptyError,
@@ -412,9 +413,23 @@ async def latest_complete_step(
         if nodes and step_is_complete(nodes, False, expected_nodes, bool(markers)):
             if expected_nodes or len(nodes) == 1:  # (rank 0's .metadata among every part)
                 return step
-            if not parts_lack_metadata(await catalog.manifests(job, step)):
+            manifests = await catalog.manifests(job, step)
+            if not parts_lack_metadata(manifests) and await _shards_whole(catalog, job, step):
                 return step
     raise CheckpointNotFoundError(f"no complete checkpoint of job {job!r} in {store.url}")
+
+
+async def _shards_whole(catalog: Catalog, job: str, step: int) -> bool:
+    """Parts that hold ``.metadata`` but no marker says are all in (a multi-node job pushed
+    by hand): whole when they hold every file ``.metadata`` names (one read of it), so
+    "latest" is never a step a pull would then refuse as torn."""
+    from transfer.engine.parts import check_step_whole  # (parts reads chunks: it imports this)
+
+    try:
+        await check_step_whole(catalog, job, step)
+    except IncompleteStepError:
+        return False
+    return True
 
 
 def parts_lack_metadata(manifests: Sequence[Manifest]) -> bool:
