@@ -42,11 +42,39 @@ from transfer.store.base import (
 from transfer.store.retry import ErrorTable, RetryPolicy, run_retried, transient_os_error
 
 _TMP_MARK = ".tmp-"
+_CREATE_TRIES = 5  # a file's directory removed under it as many times in a row: give up
 T = TypeVar("T")
 
 
 def _temp_path(final: Path) -> Path:
     return final.with_name(f".{final.name}{_TMP_MARK}{secrets.token_hex(6)}")
+
+
+def _create(final: Path, create: Callable[[], T]) -> T:
+    """``create()`` a new file beside ``final`` in its directory, made first: a delete may
+    remove that directory as it empties it (LocalStore.delete) between the two, so the
+    directory is made again and the file tried again when it vanished."""
+    for attempt in range(_CREATE_TRIES):
+        final.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            return create()
+        except FileNotFoundError:
+            if attempt == _CREATE_TRIES - 1 or final.parent.exists():
+                raise
+    raise AssertionError("unreachable")
+
+
+def _prune_empty_dirs(root: Path, path: Path) -> None:
+    """Remove ``path``'s directories that are now empty, deepest first, down to (never
+    including) the store's top-level ones: an emptied step's directory, listed as a step,
+    would cost every later listing of the job one more step to look at."""
+    parent = path.parent
+    while parent != root and parent.parent != root:
+        try:
+            parent.rmdir()
+        except OSError:  # not empty (a writer's file, or a concurrent one's), or gone
+            return
+        parent = parent.parent
 
 
 def _publish(tmp: Path, final: Path, create_only: bool) -> None:
@@ -136,8 +164,8 @@ class LocalUpload(Upload):
                 self._fd_cond.notify_all()
 
     def _open(self) -> None:
-        self._final.parent.mkdir(parents=True, exist_ok=True)
-        self._fd = os.open(self._tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL
+        self._fd = _create(self._final, lambda: os.open(self._tmp, flags, 0o644))
         try:
             self._direct_fd = open_direct(self._tmp)
         except BaseException:
@@ -280,10 +308,9 @@ class LocalStore(Store):
         def write() -> None:
             nonlocal tries
             tries += 1
-            final.parent.mkdir(parents=True, exist_ok=True)
             tmp = _temp_path(final)
             try:
-                with open(tmp, "xb") as fh:
+                with _create(final, lambda: open(tmp, "xb")) as fh:
                     fh.write(data)
                     fh.flush()
                     os.fsync(fh.fileno())
@@ -351,6 +378,7 @@ class LocalStore(Store):
         def remove() -> None:
             path.unlink(missing_ok=True)
             fsync_dir(path.parent)
+            _prune_empty_dirs(self.root, path)
 
         try:
             await self.run(f"delete {key}", remove)
