@@ -27,6 +27,7 @@ from transfer.engine.dcpitem_torch import (  # noqa: E402
     tensor_of_item,
 )
 from transfer.engine.dcplocal_torch import LocalReader  # noqa: E402
+from transfer.errors import FormatError  # noqa: E402
 
 
 def saved_state() -> dict[str, Any]:
@@ -189,14 +190,14 @@ def test_a_hostile_data_pkl_is_never_run(tmp_path: Path) -> None:
     assert not mark.exists()
 
 
-def test_a_narrowing_reads_only_the_bytes_it_narrows_to() -> None:
+def test_a_narrowing_reads_from_its_first_element_to_its_last() -> None:
     value = torch.arange(60, dtype=torch.float32).reshape(6, 10)
     item = item_of(value)
     stored = stored_tensor(item[:HEAD_BYTES])
     assert stored is not None
 
     def read(offsets: tuple[int, ...], lengths: tuple[int, ...]) -> Any:
-        span = stored.span(offsets, lengths)
+        span = stored.span(offsets, lengths, "v")
         data = bytearray(item[span.start : span.start + span.length])
         return span, torch.frombuffer(data, dtype=torch.float32).as_strided(span.size, span.stride)
 
@@ -205,4 +206,104 @@ def test_a_narrowing_reads_only_the_bytes_it_narrows_to() -> None:
     cols, got = read((1, 3), (4, 5))  # a column shard: from its first byte to its last
     assert not cols.contiguous and cols.length == (3 * 10 + 5) * 4
     assert torch.equal(got, value[1:5, 3:8])
-    assert stored.span((6, 0), (0, 10)).length == 0
+    assert stored.span((6, 0), (0, 10), "v").length == 0
+
+
+def test_targets_whose_bits_mean_other_values_are_loaded_through_copy(tmp_path: Path) -> None:
+    """A conjugate or negative view reads its memory as other values, and a tensor
+    subclass may hold no memory of its own: bytes read straight into them were wrong
+    values or ``Bad address`` (found in review); they take the bytes through ``copy_``."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    saved = {"c": torch.tensor([1 + 2j, 3 - 4j]), "f": torch.tensor([1.0, -2.0]),
+             "w": torch.arange(6.0)}  # fmt: skip
+    dcp.save(saved, storage_writer=dcp.FileSystemWriter(str(tmp_path / "s")), no_dist=True)
+
+    def targets() -> dict[str, Any]:
+        return {"c": torch.zeros(2, dtype=torch.complex64).conj(),
+                "f": torch._neg_view(torch.zeros(2)),
+                "w": TwoTensor(torch.zeros(6), torch.zeros(6))}  # fmt: skip
+
+    want, got = targets(), targets()
+    dcp.load(want, storage_reader=FileSystemReader(tmp_path / "s"), no_dist=True)
+    dcp.load(got, storage_reader=LocalReader(tmp_path / "s"), no_dist=True)
+    assert got["c"].tolist() == want["c"].tolist() == saved["c"].tolist()
+    assert got["f"].tolist() == want["f"].tolist() == saved["f"].tolist()
+    assert torch.equal(got["w"].a, saved["w"]) and torch.equal(got["w"].b, saved["w"])
+
+
+class _Targets:
+    """The two calls of DCP's planner a reader makes, over named tensors."""
+
+    def __init__(self, tensors: dict[str, Any]) -> None:
+        self.tensors = tensors
+
+    def resolve_tensor(self, req: Any) -> Any:
+        return self.tensors[req.storage_index.fqn]
+
+    def commit_tensor(self, req: Any, tensor: Any) -> None:
+        pass
+
+
+@pytest.mark.parametrize(
+    "offsets, lengths",
+    [((0,), (8,)), ((2,), (4,)), ((0, 0), (4, 1))],
+    ids=["longer", "past the end", "another rank of dims"],
+)
+def test_a_narrowing_past_the_stored_tensor_is_refused_naming_it(
+    tmp_path: Path, offsets: tuple[int, ...], lengths: tuple[int, ...]
+) -> None:
+    """A ``.metadata`` that does not describe its items (hand-edited, or another save's):
+    LocalReader read the bytes after the tensor, the next item's among them, as values
+    (found in review); it refuses, naming the item."""
+    from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
+
+    saved = {"a": torch.arange(4.0), "b": torch.full((600,), 9.0)}
+    dcp.save(saved, storage_writer=dcp.FileSystemWriter(str(tmp_path / "s")), no_dist=True)
+    reader = LocalReader(tmp_path / "s")
+    metadata = reader.read_metadata()
+    reader.set_up_storage_reader(metadata, True)
+    (index,) = (i for i in metadata.storage_data if i.fqn == "a")
+    req = ReadItem(type=LoadItemType.TENSOR, dest_index=index,
+                   dest_offsets=torch.Size([0] * len(lengths)), storage_index=index,
+                   storage_offsets=torch.Size(offsets), lengths=torch.Size(lengths))  # fmt: skip
+    target = torch.zeros(lengths)
+    with pytest.raises(FormatError, match=r"^a: the load plan reads offsets .* does not describe"):
+        reader.read_data(LoadPlan([req]), _Targets({"a": target}))  # type: ignore[arg-type]
+    assert not target.any()
+
+
+def test_a_hostile_pickle_changes_nothing_of_the_process(tmp_path: Path) -> None:
+    """A pickle's BUILD sets attributes on what ``find_class`` gave it: a refused
+    ``data.pkl`` broke every later float32 load of the process, a refused ``.metadata``
+    made DCP's ``MetadataIndex`` unhashable and ``PosixPath`` join wrongly (found in
+    review). Both are refused and leave everything as it was."""
+    from pathlib import PosixPath
+
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    from transfer.engine.dcpmetadata_torch import metadata_from
+
+    storage = b"\x80\x02ctorch\nFloatStorage\n}X\x05\x00\x00\x00dtypeX\x05\x00\x00\x00pwnedsb."
+    assert _unpickle(memoryview(storage)) is None
+    assert tensor_of_item(item_of(torch.arange(3.0))) is not None  # float32 still read
+    metadata = (
+        b"\x80\x02ctorch.distributed.checkpoint.metadata\nMetadataIndex\n"
+        b"N}X\x08\x00\x00\x00__hash__Ns\x86b"
+        b"cpathlib\nPosixPath\nN}X\x0b\x00\x00\x00__truediv__cpathlib\nPurePosixPath\ns\x86b."
+    )
+    with pytest.raises(FormatError, match="sets attributes of MetadataIndex, PosixPath"):
+        metadata_from(metadata, "step 10")
+    assert hash(MetadataIndex("a")) == hash(MetadataIndex("a"))
+    assert PosixPath("/a") / "b" == PosixPath("/a/b")
+
+
+def test_a_save_made_without_crcs_is_read_in_place(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's ``compute_crc32 = False`` writes 0 for every record's CRC: the records are
+    still found by their sizes (they all fell back to torch.load, found in review)."""
+    from torch.utils.serialization import config
+
+    monkeypatch.setattr(config.save, "compute_crc32", False)
+    value = torch.arange(12.0).reshape(3, 4)
+    got = tensor_of_item(bytearray(item_of(value)))
+    assert got is not None and torch.equal(got, value)

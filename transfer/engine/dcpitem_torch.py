@@ -77,16 +77,34 @@ class StoredTensor:
         return False
 
     def view_of(self, item: Buffer) -> torch.Tensor:
-        """The tensor, over the item's own bytes (writable: no copy is made)."""
+        """The tensor, over the item's own bytes (no copy is made; give a writable buffer,
+        a bytearray: torch warns once over a read-only one)."""
         if not self.numel:
             return torch.empty(0, dtype=self.dtype).as_strided(self.size, self.stride)
         data = memoryview(item).cast("B")[self.data_start : self.data_end]
         storage = torch.frombuffer(data, dtype=self.dtype)
         return storage.as_strided(self.size, self.stride, self.storage_offset)
 
-    def span(self, offsets: tuple[int, ...], lengths: tuple[int, ...]) -> Span:
+    def span(self, offsets: tuple[int, ...], lengths: tuple[int, ...], what: str) -> Span:
         """The bytes of the item a narrowing of the tensor (``offsets``, ``lengths`` per
-        dim, as a DCP read item gives them) reads, and the view over them."""
+        dim, as a DCP read item gives them) reads, and the view over them: from its first
+        element to its last (all of it between, for a narrowing of a later dim). A
+        narrowing the tensor does not hold (a ``.metadata`` that does not describe this
+        item) is a FormatError naming ``what``, never bytes from beyond it."""
+        dims = len(self.size)
+        if (
+            len(offsets) != dims
+            or len(lengths) != dims
+            or any(
+                o < 0 or n < 0 or o + n > have
+                for o, n, have in zip(offsets, lengths, self.size, strict=True)
+            )
+        ):
+            raise FormatError(
+                f"{what}: the load plan reads offsets {tuple(offsets)} lengths "
+                f"{tuple(lengths)} of a stored tensor of size {self.size}: the checkpoint's "
+                f".metadata does not describe this item"
+            )
         itemsize = self.dtype.itemsize
         first = self.storage_offset + _reach(offsets, self.stride)
         start = self.data_start + first * itemsize
@@ -241,7 +259,8 @@ def _described(view: memoryview, start: int) -> tuple[int, int] | None:
         for fields in (_DESCRIPTOR, _DESCRIPTOR64):
             if at + fields.size <= len(tail):
                 _sig, got_crc, csize, usize = fields.unpack_from(tail, at)
-                if got_crc == crc and csize == usize == at:
+                # (a CRC of 0: a save made with torch's compute_crc32 off)
+                if got_crc in (crc, 0) and csize == usize == at:
                     return at, fields.size
         at = tail.find(_DESCRIPTOR_SIGNATURE, at + 1)
     return None
@@ -290,19 +309,22 @@ class _PlainTensorUnpickler(pickle.Unpickler):
     """data.pkl of a plain tensor, and nothing else: no class is built but these."""
 
     def find_class(self, module: str, name: str) -> Any:
+        # each a new object: a pickle's BUILD could set attributes on what it is given,
+        # and must not change a shared one for the rest of the process
         if (module, name) == ("torch._utils", "_rebuild_tensor_v2"):
-            return _rebuild_tensor_v2
+            return lambda *args: _rebuild_tensor_v2(*args)
         if (module, name) == ("collections", "OrderedDict"):
             return OrderedDict
         if module == "torch" and name.endswith("Storage") and name in _STORAGE_DTYPES:
-            return _STORAGE_DTYPES[name]
+            return _StorageType(_STORAGE_DTYPES[name])
         raise _NotPlain
 
     def persistent_load(self, pid: Any) -> _Storage:
         if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
             raise _NotPlain
         _, kind, key, _location, numel = pid
-        if not isinstance(kind, _StorageType) or not isinstance(key, str) or type(numel) is not int:
+        plain = isinstance(kind, _StorageType) and isinstance(kind.dtype, torch.dtype)
+        if not plain or not isinstance(key, str) or type(numel) is not int:
             raise _NotPlain
         if numel < 0:
             raise _NotPlain
@@ -328,9 +350,9 @@ def _within(stored: StoredTensor) -> bool:
     )
 
 
-#: the legacy typed storages a torch.save names, by the dtype of their elements
+#: the legacy typed storages a torch.save names: the dtype of their elements
 _STORAGE_DTYPES = {
-    name: _StorageType(dtype)
+    name: dtype
     for name, dtype in (
         ("DoubleStorage", torch.float64), ("FloatStorage", torch.float32),
         ("HalfStorage", torch.float16), ("BFloat16Storage", torch.bfloat16),

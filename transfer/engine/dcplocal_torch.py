@@ -6,7 +6,8 @@ tensor, which DCP then copies into the target (dcpitem_torch.py). This reader fi
 the item's values lie from its first bytes and reads the bytes the load plan asks for with
 one ``pread`` into the target tensor's memory (or into a scratch buffer, when the target is
 not a plain contiguous CPU tensor of the item's dtype, and copies from there). A rank that
-loads a narrowing of an item (a resharded load) reads only the bytes it narrows to.
+loads a narrowing of an item (a resharded load) reads the item's bytes from the
+narrowing's first element to its last: its rows alone, for a shard of rows.
 Anything this does not recognise, and every byte item, is read by ``FileSystemReader``
 itself, so every save torch can load, this loads. ``.metadata`` is unpickled as
 FerryReader unpickles it (dcpmetadata_torch.py): DCP's own types, nothing else built.
@@ -86,12 +87,11 @@ class LocalReader(FileSystemReader):
             return False  # (a torn item: torch.load says what is wrong with it)
         if not stored.trailer_ok(os.pread(fd, TRAILER_BYTES, info.offset + stored.data_end)):
             return False
-        span = stored.span(tuple(req.storage_offsets), tuple(req.lengths))
+        span = stored.span(tuple(req.storage_offsets), tuple(req.lengths), req.storage_index.fqn)
         target = planner.resolve_tensor(req).detach()
         check_size(req, span.size, target)
         where = info.offset + span.start
-        direct = target.device.type == "cpu" and target.dtype == stored.dtype
-        if direct and span.contiguous and target.is_contiguous():
+        if span.contiguous and _plain_into(target, stored.dtype):
             pread_into(fd, path, target, where)
         elif span.length:
             scratch = torch.empty(span.length, dtype=torch.uint8)
@@ -99,6 +99,22 @@ class LocalReader(FileSystemReader):
             target.copy_(scratch.view(stored.dtype).as_strided(span.size, span.stride))
         planner.commit_tensor(req, target)
         return True
+
+
+def _plain_into(target: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether the item's bytes may be read straight into ``target``'s memory: a plain
+    contiguous CPU tensor of the item's dtype. Anything else (a conjugate or negative view,
+    whose bits mean other values; a tensor subclass, which may hold no storage of its own)
+    takes the bytes through ``copy_``, which knows what they mean."""
+    return (
+        type(target) is torch.Tensor
+        and target.layout == torch.strided
+        and target.device.type == "cpu"
+        and target.dtype == dtype
+        and target.is_contiguous()
+        and not target.is_conj()
+        and not target.is_neg()
+    )
 
 
 def pread_into(fd: int, path: str, tensor: torch.Tensor, offset: int) -> None:
