@@ -312,3 +312,12 @@ def test_a_save_made_without_crcs_is_read_in_place() -> None:
         config.save.compute_crc32 = before
     got = tensor_of_item(item)
     assert got is not None and torch.equal(got, value)
+
+
+def test_a_directory_that_holds_no_save_fails_when_the_reader_is_made(tmp_path: Path) -> None:
+    """Inside ``dcp.load`` a missing ``.metadata`` is two logged tracebacks and an
+    AssertionError; the reader says it in one line when it is made."""
+    with pytest.raises(FormatError, match=r"nope: no such directory$"):
+        LocalReader(tmp_path / "nope")
+    with pytest.raises(FormatError, match=r"has no \.metadata: not a DCP save"):
+        LocalReader(tmp_path)

@@ -36,6 +36,14 @@ class LocalReader(FileSystemReader):
     ``.metadata`` read by an unpickler that builds DCP's metadata types only (torch's
     ``pickle.load``s it: a step pulled from a store another node wrote could run code)."""
 
+    def __init__(self, path: str | os.PathLike[str], **kwargs: Any) -> None:
+        super().__init__(path, **kwargs)
+        _check_step_dir(str(self.path))
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        super().reset(checkpoint_id)
+        _check_step_dir(str(self.path))
+
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         path = self._get_metadata_path(kwargs.get("rank"))
         with open(path, "rb") as file:
@@ -99,6 +107,16 @@ class LocalReader(FileSystemReader):
             target.copy_(scratch.view(stored.dtype).as_strided(span.size, span.stride))
         planner.commit_tensor(req, target)
         return True
+
+
+def _check_step_dir(path: str) -> None:
+    """A DCP save's directory, or a one-line error when the reader is made (inside
+    ``dcp.load`` a missing file is two tracebacks and an AssertionError)."""
+    if not os.path.isdir(path):
+        raise FormatError(f"{path}: no such directory")
+    names = os.listdir(path)
+    if ".metadata" not in names and not any(n.endswith(".metadata") for n in names):
+        raise FormatError(f"{path}: has no .metadata: not a DCP save (or not a whole one)")
 
 
 def _plain_into(target: torch.Tensor, dtype: torch.dtype) -> bool:
