@@ -80,3 +80,20 @@ def test_a_peer_never_reads_a_chunk_through_a_symlink(tmp_path: Path) -> None:
     assert read_verified((str(real), 0, 10), chunk_id(b"something else")) is None
     assert read_at((str(link), 2, 5)) is None
     assert read_at((str(real), 8, 5)) is None  # short: not every byte is there
+
+
+def test_the_watcher_says_when_two_directories_name_one_step(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from agent.node.watcher import scan_hot_dir
+
+    hot = HotDir(tmp_path, ".metadata")
+    first = _step(tmp_path, "job-a", 10)
+    _, found = scan_hot_dir(hot)
+    assert [c.path for c in found] == [first] and "names step" not in caplog.text
+    twin = tmp_path / "job-a" / "checkpoint-10"
+    twin.mkdir()
+    (twin / ".metadata").write_bytes(b"m")
+    _, found = scan_hot_dir(hot, frozenset({first}))
+    assert [c.path for c in found] == [twin]
+    assert f"{twin} names step 10 of job job-a, as step_000010 does" in caplog.text

@@ -221,6 +221,37 @@ def test_steps_in_use_and_their_bases_are_protected(local_url: str, tmp_path: Pa
     asyncio.run(go())
 
 
+def test_a_step_two_directories_name_is_never_evicted(local_url: str, tmp_path: Path) -> None:
+    """``checkpoint-20`` beside the pushed ``step_000020`` names step 20 too: it was never
+    pushed, and one decision for the step evicted both (a newcomer's trial lost it). Both
+    are kept, named in the reason, while the older step 40 goes as before."""
+    hot = tmp_path / "hot"
+    dirs = adamw_series(hot / JOB, 5, seed=7)  # 20..100
+    twin = hot / JOB / "checkpoint-20"
+    shutil.copytree(dirs[1], twin)  # step 40's bytes, named as step 20
+
+    async def go() -> None:
+        store = open_test_store(local_url)
+        journal = Journal(tmp_path / "j.sqlite3", "a")
+        from transfer.engine import push
+
+        for d in dirs:
+            step = int(d.name.split("_")[1])
+            journal.record_staged(JOB, step, d, [local_url])
+            result = await push(store, d, job=JOB, step=step, node="a")
+            journal.record_durable(JOB, step, local_url, result.to_dict())
+        plan = await plan_hot(HotDir(hot, ".metadata"), node="a", keep_last=2,
+                              budget_bytes=None, tiers=[(local_url, store)],
+                              journal=journal, protected=set())  # fmt: skip
+        actions = {(s.step, Path(s.path).name): s.action for s in plan.steps}
+        assert actions[(20, "checkpoint-20")] == actions[(20, "step_000020")] == "keep"
+        assert actions[(40, "step_000040")] == "evict"
+        (reason,) = {s.reason for s in plan.steps if s.step == 20}
+        assert "2 directories name step 20 (checkpoint-20, step_000020)" in reason
+
+    asyncio.run(go())
+
+
 def test_a_crash_mid_eviction_is_swept(tmp_path: Path) -> None:
     hot = tmp_path / "hot"
     (d,) = adamw_series(hot / JOB, 1)

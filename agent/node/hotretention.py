@@ -85,6 +85,12 @@ async def plan_hot(
     durable = _DurabilityCheck(tiers, journal, node)
 
     decisions, evictable = await _by_rank(held, _with_bases(protected, held), keep_last, durable)
+    for key, paths in _twins(held).items():  # (one decision per step: it would go for both)
+        names = ", ".join(p.name for p in paths)
+        why = f"{len(paths)} directories name step {key[1]} ({names}): kept until one is renamed"
+        log.warning("hot retention keeps %s %s: %s", key[0], names, why)
+        decisions[key] = ("keep", why)
+        evictable = [c for c in evictable if (c.job, c.step) != key]
     remaining = sum(sizes[k] for k, (a, _) in decisions.items() if a == "keep")
     # bytes to free on the filesystem, counting what keep_last already evicts
     shortfall = 0
@@ -133,6 +139,16 @@ async def _partial_copies(
             why = f"a partial copy; step {max(newer)} is here"
             out.append(HotStep(c.job, c.step, str(c.path), size, "evict", why))
     return out
+
+
+def _twins(held: list[LocalCheckpoint]) -> dict[Key, list[Path]]:
+    """Steps two directories of a job name (``step_000010`` and ``checkpoint-10``): the
+    push took one of them for the step, the other was never pushed, and a decision made
+    per step would evict both (a newcomer's trial lost the unpushed one)."""
+    paths: dict[Key, list[Path]] = {}
+    for c in held:
+        paths.setdefault((c.job, c.step), []).append(c.path)
+    return {key: sorted(found) for key, found in paths.items() if len(found) > 1}
 
 
 def _with_bases(protected: Collection[Key], held: list[LocalCheckpoint]) -> set[Key]:

@@ -35,12 +35,26 @@ def scan_hot_dir(
     present: set[Path] = set()
     found: list[LocalCheckpoint] = []
     for job in hot.jobs():
-        for step_dir in hot.step_dirs(job):
+        steps = hot.step_dirs(job)
+        for step_dir in steps:
             present.add(step_dir.path)
             if step_dir.path not in known and hot.is_committed(step_dir.path):
                 found.append(step_dir)
+                _warn_of_twins(step_dir, steps)
     found.sort(key=lambda c: (c.step, c.job))
     return present, found
+
+
+def _warn_of_twins(new: LocalCheckpoint, steps: list[LocalCheckpoint]) -> None:
+    """Two directories of a job that name one step (``step_000010``, ``checkpoint-10``):
+    only one of them can be pushed as that step, so say so (once: when the new one is
+    first seen); hot retention keeps both (hotretention.py)."""
+    twins = sorted(c.path.name for c in steps if c.step == new.step and c.path != new.path)
+    if twins:
+        log.warning(
+            "%s names step %d of job %s, as %s does: only one of them is pushed as the "
+            "step; rename the other", new.path, new.step, new.job, ", ".join(twins)
+        )  # fmt: skip
 
 
 async def watch_hot_dir(
