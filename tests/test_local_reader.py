@@ -321,3 +321,11 @@ def test_a_directory_that_holds_no_save_fails_when_the_reader_is_made(tmp_path: 
         LocalReader(tmp_path / "nope")
     with pytest.raises(FormatError, match=r"has no \.metadata: not a DCP save"):
         LocalReader(tmp_path)
+
+
+def test_a_shard_file_not_there_fails_naming_it(step: tuple[Path, dict[str, Any]]) -> None:
+    path, saved = step
+    (shard,) = path.glob("*.distcp")
+    shard.unlink()
+    with pytest.raises(CheckpointException, match=f"{shard.name}: not there, and .metadata"):
+        load_with(LocalReader(path), saved)

@@ -72,3 +72,32 @@ def test_a_pull_never_lands_a_torn_step_and_told_the_nodes_takes_the_newest_whol
     assert ferry(["pull", url, str(dest / "d"), "--job", JOB, "--step", "30"]) == 1
     assert "is not whole" in capsys.readouterr().err  # (.metadata names n5's file)
     assert not any((dest / x).exists() for x in "cd")
+
+
+def test_one_nodes_part_is_never_latest_unless_it_holds_the_whole_step(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A newcomer's trial: the newest step held one node's part only. Without
+    ``.metadata`` (n3's), ``--step latest`` pulled it, exit 0, and it could not be
+    loaded; with ``.metadata`` but another node's shards missing (n0's alone), latest
+    stopped there and failed. Both are skipped for the newest whole step."""
+    (tmp_path / "store").mkdir()
+    url = init_test_store(str(tmp_path / "store"))
+    store = open_test_store(url)
+
+    async def go() -> None:
+        for step in (10, 20, 30, 40):
+            await push_step(store, tmp_path / f"src-{step}", step, marker=False)
+        for node in NODES:
+            if node != "n0":
+                await store.delete(layout.manifest_key(JOB, 40, node))
+            if node != "n3":
+                await store.delete(layout.manifest_key(JOB, 30, node))
+
+    asyncio.run(go())
+    assert ferry(["pull", url, str(tmp_path / "latest"), "--job", JOB]) == 0
+    assert f"pulled {JOB} step 20 (6 part(s))" in capsys.readouterr().out
+    assert ferry(["pull", url, str(tmp_path / "n3"), "--job", JOB, "--step", "30"]) == 1
+    assert "no part of the 1 in holds .metadata" in capsys.readouterr().err
+    assert ferry(["pull", url, str(tmp_path / "n3-part"), "--job", JOB, "--step", "30",
+                  "--node", "n3"]) == 0  # fmt: skip

@@ -402,8 +402,8 @@ async def latest_complete_step(
     """The newest step of ``job`` that is complete in ``store``: an incomplete multi-node
     checkpoint (a node still uploading, or dead) is never "latest". Walks back from the
     newest step, one listing of parts per step walked (usually one or two); with no nodes
-    named and no markers, a step of several parts is read for ``.metadata``
-    (parts_lack_metadata)."""
+    named and no markers, the step's parts are read, and its ``.metadata``: a step whose
+    parts lack it (parts_lack_metadata) or lack a file it names is skipped (_shards_whole)."""
     markers = await completion_markers(store, job)
     catalog = catalog or Catalog(store)
     for step in reversed(await catalog.steps(job)):
@@ -411,7 +411,7 @@ async def latest_complete_step(
             return step
         nodes = {c.node for c in await catalog.parts(job, step)}
         if nodes and step_is_complete(nodes, False, expected_nodes, bool(markers)):
-            if expected_nodes or len(nodes) == 1:  # (rank 0's .metadata among every part)
+            if expected_nodes:
                 return step
             manifests = await catalog.manifests(job, step)
             if not parts_lack_metadata(manifests) and await _shards_whole(catalog, job, step):
@@ -433,12 +433,11 @@ async def _shards_whole(catalog: Catalog, job: str, step: int) -> bool:
 
 
 def parts_lack_metadata(manifests: Sequence[Manifest]) -> bool:
-    """Several nodes' parts of a step that hold DCP storage files and no ``.metadata``:
-    never the whole step (rank 0's node's part, which holds it, is not in). One node's part
-    without it is what that node pushed as its checkpoint (a single-node job's, taken as
-    it is); a multi-node job pushed by hand writes no markers, so this is what tells."""
-    nodes = {m.node for m in manifests}
-    return len(nodes) > 1 and lacks_metadata(f.path for m in manifests for f in m.files)
+    """Parts of a step that hold DCP storage files and no ``.metadata``: never the whole
+    step (rank 0's node's part, which holds it, is not in), however many there are (one
+    node's part pushed by hand, ``--part`` or not, was taken for a whole step: a newcomer's
+    trial); a multi-node job pushed by hand writes no markers, so this is what tells."""
+    return lacks_metadata(f.path for m in manifests for f in m.files)
 
 
 async def latest_step(

@@ -67,7 +67,13 @@ class LocalReader(FileSystemReader):
                 by_file.setdefault(info.relative_path, []).append(req)
         for relative_path, reqs in by_file.items():
             path = os.path.join(self.path, relative_path)
-            fd = os.open(path, os.O_RDONLY)
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                raise FormatError(
+                    f"{path}: not there, and .metadata names it (another node's part of "
+                    "the step, not pulled here?)"
+                ) from None
             try:
                 size = os.fstat(fd).st_size
                 for req in sorted(reqs, key=lambda r: self.storage_data[r.storage_index].offset):

@@ -29,10 +29,13 @@ from transfer.units import format_size as format_size
 NEWEST = "newest complete"
 PINNED = "pinned"
 IN_PROGRESS = "newer than the newest complete step"
+#: no step of the job is known whole (several nodes' parts and no completion markers: a
+#: multi-node job pushed by hand), so none may go until its nodes are named
+NONE_COMPLETE = "no step of the job known complete (its nodes unnamed? --expected-nodes)"
 KEEP_LAST = "keep_last"
 KEEP_EVERY = "keep_every"
 NO_LIMIT = "no count limit"
-PROTECTED = frozenset({NEWEST, PINNED, IN_PROGRESS})
+PROTECTED = frozenset({NEWEST, PINNED, IN_PROGRESS, NONE_COMPLETE})
 
 
 @dataclass(frozen=True)
@@ -88,7 +91,9 @@ def select(steps: Iterable[StepFacts], policy: TierPolicy, now: float) -> dict[i
     newest_complete = complete[0] if complete else None
     protected: dict[int, str] = {}
     for s in facts:
-        if newest_complete is None or s.step > newest_complete:
+        if newest_complete is None:
+            protected[s.step] = NONE_COMPLETE
+        elif s.step > newest_complete:
             protected[s.step] = IN_PROGRESS
         elif s.step == newest_complete:
             protected[s.step] = NEWEST
