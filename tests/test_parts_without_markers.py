@@ -23,10 +23,9 @@ from transfer.retention import EXPIRE, Tier, TierPolicy, make_plan
 from transfer.store.base import Store
 
 
-@pytest.fixture
-def hand_pushed(tmp_path: Path) -> tuple[str, Store]:
-    """Steps 10 and 20 whole (every node's part), 30 without n5's part, 40 without n0's
-    (which holds .metadata); no markers anywhere."""
+def pushed_by_hand(tmp_path: Path, missing: dict[int, set[str]]) -> tuple[str, Store]:
+    """Steps 10 to 40 pushed as every node's part, no markers anywhere, then the parts
+    ``missing`` names deleted."""
     (tmp_path / "store").mkdir()
     url = init_test_store(str(tmp_path / "store"))
     store = open_test_store(url)
@@ -34,11 +33,19 @@ def hand_pushed(tmp_path: Path) -> tuple[str, Store]:
     async def go() -> None:
         for step in (10, 20, 30, 40):
             await push_step(store, tmp_path / f"src-{step}", step, marker=False)
-        await store.delete(layout.manifest_key(JOB, 30, "n5"))
-        await store.delete(layout.manifest_key(JOB, 40, "n0"))
+        for step, nodes in missing.items():
+            for node in sorted(nodes):
+                await store.delete(layout.manifest_key(JOB, step, node))
 
     asyncio.run(go())
     return url, store
+
+
+@pytest.fixture
+def hand_pushed(tmp_path: Path) -> tuple[str, Store]:
+    """Steps 10 and 20 whole (every node's part), 30 without n5's part, 40 without n0's
+    (which holds .metadata); no markers anywhere."""
+    return pushed_by_hand(tmp_path, {30: {"n5"}, 40: {"n0"}})
 
 
 def expired(store: Store, expected: tuple[str, ...]) -> list[int]:
@@ -81,20 +88,8 @@ def test_one_nodes_part_is_never_latest_unless_it_holds_the_whole_step(
     ``.metadata`` (n3's), ``--step latest`` pulled it, exit 0, and it could not be
     loaded; with ``.metadata`` but another node's shards missing (n0's alone), latest
     stopped there and failed. Both are skipped for the newest whole step."""
-    (tmp_path / "store").mkdir()
-    url = init_test_store(str(tmp_path / "store"))
-    store = open_test_store(url)
-
-    async def go() -> None:
-        for step in (10, 20, 30, 40):
-            await push_step(store, tmp_path / f"src-{step}", step, marker=False)
-        for node in NODES:
-            if node != "n0":
-                await store.delete(layout.manifest_key(JOB, 40, node))
-            if node != "n3":
-                await store.delete(layout.manifest_key(JOB, 30, node))
-
-    asyncio.run(go())
+    others = set(NODES)
+    url, _ = pushed_by_hand(tmp_path, {30: others - {"n3"}, 40: others - {"n0"}})
     assert ferry(["pull", url, str(tmp_path / "latest"), "--job", JOB]) == 0
     assert f"pulled {JOB} step 20 (6 part(s))" in capsys.readouterr().out
     assert ferry(["pull", url, str(tmp_path / "n3"), "--job", JOB, "--step", "30"]) == 1
