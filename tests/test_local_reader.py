@@ -293,7 +293,7 @@ def test_a_hostile_pickle_changes_nothing_of_the_process(tmp_path: Path) -> None
         b"cpathlib\nPosixPath\nN}X\x0b\x00\x00\x00__truediv__cpathlib\nPurePosixPath\ns\x86b."
     )
     with pytest.raises(FormatError, match="sets attributes of MetadataIndex, PosixPath"):
-        metadata_from(metadata, "step 10")
+        metadata_from(metadata, "step 10", "load-1")
     assert hash(MetadataIndex("a")) == hash(MetadataIndex("a"))
     assert PosixPath("/a") / "b" == PosixPath("/a/b")
 

@@ -13,6 +13,7 @@ import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
@@ -189,20 +190,26 @@ def test_tier_policy_runs_after_each_push_and_respects_pins(
     asyncio.run(go())
 
 
+async def _pushed_by_a(url: str, dirs: list[Path], journal_path: Path) -> tuple[Any, Journal]:
+    """``dirs`` pushed to ``url`` by node "a", each durable in its journal."""
+    from transfer.engine import push
+
+    store = open_test_store(url)
+    journal = Journal(journal_path, "a")
+    for d in dirs:
+        step = int(d.name.split("_")[1])
+        journal.record_staged(JOB, step, d, [url])
+        result = await push(store, d, job=JOB, step=step, node="a")
+        journal.record_durable(JOB, step, url, result.to_dict())
+    return store, journal
+
+
 def test_steps_in_use_and_their_bases_are_protected(local_url: str, tmp_path: Path) -> None:
     hot = tmp_path / "hot"
     dirs = adamw_series(hot / JOB, 5, seed=7)
 
     async def go() -> None:
-        store = open_test_store(local_url)
-        journal = Journal(tmp_path / "j.sqlite3", "a")
-        from transfer.engine import push
-
-        for d in dirs:
-            step = int(d.name.split("_")[1])
-            journal.record_staged(JOB, step, d, [local_url])
-            result = await push(store, d, job=JOB, step=step, node="a")
-            journal.record_durable(JOB, step, local_url, result.to_dict())
+        store, journal = await _pushed_by_a(local_url, dirs, tmp_path / "j.sqlite3")
         holds = StepHolds()
         with holds.hold((JOB, 60)):  # e.g. a prefetch reading step 60: 40 is its base
             plan = await plan_hot(
@@ -231,15 +238,7 @@ def test_a_step_two_directories_name_is_never_evicted(local_url: str, tmp_path: 
     shutil.copytree(dirs[1], twin)  # step 40's bytes, named as step 20
 
     async def go() -> None:
-        store = open_test_store(local_url)
-        journal = Journal(tmp_path / "j.sqlite3", "a")
-        from transfer.engine import push
-
-        for d in dirs:
-            step = int(d.name.split("_")[1])
-            journal.record_staged(JOB, step, d, [local_url])
-            result = await push(store, d, job=JOB, step=step, node="a")
-            journal.record_durable(JOB, step, local_url, result.to_dict())
+        store, journal = await _pushed_by_a(local_url, dirs, tmp_path / "j.sqlite3")
         plan = await plan_hot(HotDir(hot, ".metadata"), node="a", keep_last=2,
                               budget_bytes=None, tiers=[(local_url, store)],
                               journal=journal, protected=set())  # fmt: skip

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint.filesystem import FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 
 from transfer.engine.dcp import MAX_METADATA_BYTES
@@ -50,10 +50,7 @@ class LocalReader(FileSystemReader):
             raw = file.read(MAX_METADATA_BYTES + 1)
         if len(raw) > MAX_METADATA_BYTES:
             raise FormatError(f"{path}: over the limit of {MAX_METADATA_BYTES:,} bytes")
-        metadata = metadata_from(raw, str(self.path))
-        storage_meta = getattr(metadata, "storage_meta", None) or StorageMeta()
-        storage_meta.load_id = self.load_id
-        metadata.storage_meta = storage_meta
+        metadata = metadata_from(raw, str(self.path), self.load_id)
         return metadata
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future[None]:

@@ -12,7 +12,7 @@ import types
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from transfer.engine.dcp import METADATA
 from transfer.errors import FormatError
@@ -104,8 +104,9 @@ _MISSING = object()
 _IN_DICT = "__dict__"  # (a function's own attributes: keys (_IN_DICT, name) in its state)
 
 
-def metadata_from(raw: bytes, what: str) -> Metadata:
-    """The DCP metadata pickled in ``raw`` (``what``: whose, for the error), or a one-line
+def metadata_from(raw: bytes, what: str, load_id: str) -> Metadata:
+    """The DCP metadata pickled in ``raw`` (``what``: whose, for the error), stamped with the
+    reader's ``load_id`` as torch's reader stamps it, or a one-line
     FormatError; nothing but DCP's own metadata types is ever built, and nothing of the
     process's is left changed."""
     unpickler = _MetadataUnpickler(io.BytesIO(raw))
@@ -119,4 +120,7 @@ def metadata_from(raw: bytes, what: str) -> Metadata:
         raise FormatError(f"{what}: {METADATA} sets attributes of {', '.join(changed)}: refused")
     if not isinstance(metadata, Metadata):
         raise FormatError(f"{what}: {METADATA} holds a {type(metadata).__name__}, not DCP metadata")
+    storage_meta = getattr(metadata, "storage_meta", None) or StorageMeta()
+    storage_meta.load_id = load_id
+    metadata.storage_meta = storage_meta
     return metadata

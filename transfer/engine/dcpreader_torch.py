@@ -26,7 +26,7 @@ from typing import IO, Any, cast
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.storage import StorageReader
 
@@ -159,10 +159,7 @@ class FerryReader(StorageReader):
                 self._metadata, self.step = self._group.from_coordinator(
                     lambda: (self._read_metadata_file(), self.step)
                 )
-        metadata = metadata_from(self._metadata, f"{self.job} step {self.step}")
-        storage_meta = getattr(metadata, "storage_meta", None) or StorageMeta()
-        storage_meta.load_id = self.load_id
-        metadata.storage_meta = storage_meta
+        metadata = metadata_from(self._metadata, f"{self.job} step {self.step}", self.load_id)
         return metadata
 
     def _resolve(self) -> StepChunks:
