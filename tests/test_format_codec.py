@@ -175,8 +175,40 @@ def test_chunks_must_follow_the_fixed_size_rule() -> None:
     import json
 
     doc = json.loads(sample_manifest().to_json())
+    assert doc["version"] == 2  # fixed chunks: readable by the agents of version 2
     doc["chunk_size"] = 8192  # the first chunk (4096) is no longer a full chunk
     with pytest.raises(FormatError, match="chunk_size"):
+        parse_manifest(json.dumps(doc).encode())
+
+
+def test_version_3_cuts_files_anywhere_within_chunk_size() -> None:
+    """Chunks cut at a DCP file's items (engine/chunkspans.py): any sizes up to
+    chunk_size, in a version 3 manifest; a version 2 manifest may not claim them."""
+    import dataclasses
+    import json
+
+    fixed = sample_manifest()
+    a, b = fixed.files[0].chunks
+    free = dataclasses.replace(
+        fixed,
+        chunk_size=8192,
+        files=(dataclasses.replace(fixed.files[0], chunks=(a, b)), *fixed.files[1:]),
+    )
+    doc = json.loads(free.to_json())
+    assert doc["version"] == 3
+    assert parse_manifest(free.to_json()) == free
+    doc["version"] = 2
+    with pytest.raises(FormatError, match="chunk_size 8192 rule"):
+        parse_manifest(json.dumps(doc).encode())
+    doc["version"] = 3
+    doc["chunk_size"] = 4096 * 2 - 1  # b fits, a does not
+    doc["files"][0]["chunks"][0]["size"] = 4096 * 2
+    doc["files"][0]["size"] = 4096 * 2 + 5
+    with pytest.raises(FormatError, match="larger than chunk_size"):
+        parse_manifest(json.dumps(doc).encode())
+    doc = json.loads(free.to_json())
+    doc["files"][0]["chunks"].insert(1, dict(doc["files"][0]["chunks"][1], size=0))
+    with pytest.raises(FormatError, match="empty"):
         parse_manifest(json.dumps(doc).encode())
 
 

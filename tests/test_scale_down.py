@@ -126,6 +126,29 @@ def test_survivors_fetch_their_shares_and_load_resharded(
     assert "is a partial copy (ranks [0, 1] of a world of 4" in capsys.readouterr().err
 
 
+def test_a_survivors_share_costs_its_own_bytes_not_whole_chunks(
+    drill: tuple[Path, list[Path]],
+    local_url: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """At the default chunk size every rank file of the drill is one chunk, and each rank's
+    share reaches into every file for the items every rank reads: cut every chunk_size
+    bytes, a share of one rank of 8 fetched all 8 files. Cut at the items
+    (engine/chunkspans.py), it fetches its own bytes and a few small items' groups."""
+    save, nodes = drill
+    push_parts(local_url, nodes)  # default 4 MiB chunks
+    raw = sum(p.stat().st_size for p in save.iterdir() if p.suffix == ".distcp")
+    for ranks in ("3", "6"):
+        capsys.readouterr()
+        dest = tmp_path / f"rank-{ranks}"
+        args = ["pull", local_url, str(dest), "--job", "drill", "--step", str(STEP), "--json"]
+        assert ferry([*args, "--world-size", "8", "--ranks", ranks]) == 0
+        share = json.loads(capsys.readouterr().out)["share"]
+        assert share["bytes"] <= share["chunk_bytes"] <= 1.15 * share["bytes"], share
+        assert share["chunk_bytes"] < 0.2 * raw, (share, raw)
+
+
 def test_agent_prefetches_a_share_then_completes_it_in_place(
     drill: tuple[Path, list[Path]], local_url: str, tmp_path: Path
 ) -> None:

@@ -18,18 +18,19 @@ log = logging.getLogger(__name__)
 class BasePlan:
     manifest: Manifest
     local_dir: Path | None  # a local copy to try first (every chunk is hash-checked)
-    _by_path: dict[str, tuple[ChunkRef, ...]] = field(default_factory=dict)
+    _at: dict[tuple[str, int], ChunkRef] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self._by_path = {f.path: f.chunks for f in self.manifest.files}
+        self._at = {
+            (f.path, offset): chunk
+            for f in self.manifest.files
+            for offset, chunk in f.chunk_offsets()
+        }
 
     def chunk_at(self, path: str, offset: int) -> ChunkRef | None:
-        """The base's chunk at the same file offset (DCP writes the same layout each save)."""
-        chunks = self._by_path.get(path)
-        index = offset // self.manifest.chunk_size
-        if chunks is None or offset % self.manifest.chunk_size or index >= len(chunks):
-            return None
-        return chunks[index]
+        """The base's chunk that starts at the same file offset (DCP writes the same layout
+        each save, and the push cuts both at the same items: chunkspans.py)."""
+        return self._at.get((path, offset))
 
 
 async def choose_base(

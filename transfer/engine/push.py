@@ -38,6 +38,7 @@ from transfer.codec.transforms import Buffer
 from transfer.engine import dcp
 from transfer.engine.catalog import Catalog, load_manifest, not_a_store, open_catalog
 from transfer.engine.chunkindex import ChunkIndex, StoredChunk, build_refs
+from transfer.engine.chunkspans import Span, chunk_spans
 from transfer.engine.deltabase import BasePlan, choose_base
 from transfer.engine.keyframes import delta_policy, may_delta
 from transfer.engine.packer import PackLocation, PackWriter
@@ -360,10 +361,10 @@ class _PushRun:
 
     async def encode_all(self, sources: list[SourceFile]) -> list[list[StoredChunk]]:
         size = self.options.chunk_size
-        slots: list[list[StoredChunk | None]] = [
-            [None] * ((f.size + size - 1) // size) for f in sources
-        ]
-        work: asyncio.Queue[tuple[int, int] | None] = asyncio.Queue(maxsize=self.options.workers)
+        slots: list[list[StoredChunk]] = [[] for _ in sources]
+        work: asyncio.Queue[tuple[int, int, Span] | None] = asyncio.Queue(
+            maxsize=self.options.workers
+        )
         self.progress.start(sum(f.size for f in sources), "push")
         try:
             async with asyncio.TaskGroup() as tasks:
@@ -382,9 +383,12 @@ class _PushRun:
                     tasks.create_task(self._worker(work, sources, slots))
                     for _ in range(self.options.workers + 1)
                 ]
-                for fi, file_slots in enumerate(slots):
-                    for ci in range(len(file_slots)):
-                        await work.put((fi, ci))
+                for fi, src in enumerate(sources):
+                    # cut while the workers encode the files before (chunkspans.py)
+                    spans = await asyncio.to_thread(chunk_spans, src.abspath, src.size, size)
+                    slots[fi] = [None] * len(spans)  # type: ignore[list-item]
+                    for ci, span in enumerate(spans):
+                        await work.put((fi, ci, span))
                 for _ in workers:
                     await work.put(None)
                 for w in workers:
@@ -394,23 +398,22 @@ class _PushRun:
             if self._writer is not None:
                 await asyncio.shield(self._writer.abort())
             raise first_error(exc) from None
-        return [[c for c in file_slots if c is not None] for file_slots in slots]
+        return slots
 
     async def _worker(
         self,
-        work: asyncio.Queue[tuple[int, int] | None],
+        work: asyncio.Queue[tuple[int, int, Span] | None],
         sources: list[SourceFile],
-        slots: list[list[StoredChunk | None]],
+        slots: list[list[StoredChunk]],
     ) -> None:
         loop = asyncio.get_running_loop()
-        size = self.options.chunk_size
         while (item := await work.get()) is not None:
-            fi, ci = item
+            fi, ci, (offset, length) = item
             src = sources[fi]
-            offset = ci * size
-            length = min(size, src.size - offset)
             delta = self._delta_plan(src.path, offset)
-            chunk = await loop.run_in_executor(self.pool, self._prepare, src, offset, length, delta)
+            chunk = await loop.run_in_executor(
+                self.pool, self._prepare, src, offset, length, delta, ci
+            )
             slots[fi][ci] = await self._place(chunk, delta)
             self.progress.advance(length)
 
@@ -425,7 +428,7 @@ class _PushRun:
         return _DeltaPlan(base_ref.id, base_ref.size, (path, offset), pays)
 
     def _prepare(
-        self, src: SourceFile, offset: int, length: int, delta: _DeltaPlan | None
+        self, src: SourceFile, offset: int, length: int, delta: _DeltaPlan | None, index: int
     ) -> _Chunk:
         """In a worker thread, all of a chunk's work in one hop: read and hash it and, when
         it is new, encode it (against its base when a delta may pay and the base is at
@@ -438,7 +441,7 @@ class _PushRun:
         chunk = _Chunk(cid, data)
         if self.index.get(cid) is not None or cid in self._pending:
             return chunk  # stored already: nothing to encode
-        width = self._width_hint(src.path, offset)
+        width = self._width_hint(src.path, index)
         if delta is None:
             chunk.encoded = _encode(
                 data, self.options.zstd_level, None, None, self.clock_encode, width
@@ -477,11 +480,12 @@ class _PushRun:
         self.clock_encode(spent + time.perf_counter() - began)
         return enc, payload, delta.base_id if needs_base(enc) else None
 
-    def _width_hint(self, path: str, offset: int) -> int | None:
+    def _width_hint(self, path: str, index: int) -> int | None:
         """The plane width this file's chunks were coded with, so the codec samples only
         the candidates of that width (a third of them); None at every RESAMPLE_EVERY-th
-        chunk, which tries them all again (a file may hold tensors of several dtypes)."""
-        if (offset // self.options.chunk_size) % RESAMPLE_EVERY == 0:
+        chunk of the file (``index``: the chunk's), which tries them all again (a file may
+        hold tensors of several dtypes)."""
+        if index % RESAMPLE_EVERY == 0:
             return None
         return self._widths.get(path)
 

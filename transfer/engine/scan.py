@@ -108,23 +108,30 @@ def check_unchanged(root: Path, sources: list[SourceFile], *, only: bool = False
 def read_range(path: Path, offset: int, length: int) -> bytearray:
     """Exactly ``length`` bytes at ``offset`` (a file shrinking under us is an error)."""
     out = bytearray(length)
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        raise _vanished(path, "read") from None
+    fd = open_source(path)
     try:
         with memoryview(out) as view:
             got = 0
             while got < length:
                 n = os.preadv(fd, [view[got:]], offset + got)
                 if not n:
-                    raise SourceChangedError(
-                        f"{path} shrank while it was being read (still being written?)"
-                    )
+                    raise shrank(path)
                 got += n
         return out
     finally:
         os.close(fd)
+
+
+def open_source(path: Path) -> int:
+    """A file descriptor of a checkpoint file the push reads (its one error if deleted)."""
+    try:
+        return os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        raise _vanished(path, "read") from None
+
+
+def shrank(path: Path) -> SourceChangedError:
+    return SourceChangedError(f"{path} shrank while it was being read (still being written?)")
 
 
 def _vanished(path: Path, doing: str) -> SourceChangedError:

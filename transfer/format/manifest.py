@@ -19,8 +19,13 @@ from transfer.format.names import check_name, check_step
 from transfer.format.paths import check_relative_path
 
 MANIFEST_FORMAT = "ckpt-ferry-manifest"
-MANIFEST_VERSION = 2  # 2 added delta chunks: "base" on a chunk and the "bases" table
-READABLE_VERSIONS = (1, 2)
+#: 2 added delta chunks ("base" on a chunk, the "bases" table); 3 lets a file's chunks have
+#: any sizes up to chunk_size (cut at a DCP file's items: engine/chunkspans.py). A writer
+#: writes 3 only for a manifest that needs it, so a part cut every chunk_size bytes stays
+#: readable by the agents of version 2 beside it in a fleet being upgraded.
+MANIFEST_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
+FIXED_CHUNKS_BEFORE = 3  # versions below this cut every file every chunk_size bytes
 MAX_CHAIN = 64  # decode steps a reader accepts for one chunk (writers use far fewer)
 MIN_CHUNK_BYTES = 4096
 MAX_CHUNK_BYTES = 64 << 20  # bounds the memory one chunk may cost a reader
@@ -96,10 +101,14 @@ class Manifest:
             self
         ) == shape(other)
 
+    def fixed_chunks(self) -> bool:
+        """Whether every file is cut every ``chunk_size`` bytes (format version 2's rule)."""
+        return all(_fixed(f.chunks, self.chunk_size) for f in self.files)
+
     def to_json(self) -> bytes:
         doc = {
             "format": MANIFEST_FORMAT,
-            "version": MANIFEST_VERSION,
+            "version": MANIFEST_VERSION if not self.fixed_chunks() else FIXED_CHUNKS_BEFORE - 1,
             "hash": HASH_NAME,
             "job": self.job,
             "step": self.step,
@@ -236,12 +245,18 @@ def _parse_file(i: int, fdoc: object, packs: int, version: int, chunk_size: int)
     chunks = tuple(_parse_chunk(c, where, packs, version) for c in chunks_doc)
     if sum(c.size for c in chunks) != size:
         raise FormatError(f"{where}: chunk sizes do not add up to the file size {size}")
-    # fixed-size chunks at fixed offsets: all but the last are exactly chunk_size
-    if any(c.size != chunk_size for c in chunks[:-1]) or (
-        chunks and not 0 < chunks[-1].size <= chunk_size
-    ):
+    if version < FIXED_CHUNKS_BEFORE and not _fixed(chunks, chunk_size):
         raise FormatError(f"{where}: chunks do not follow the chunk_size {chunk_size} rule")
+    if any(not 0 < c.size <= chunk_size for c in chunks):
+        raise FormatError(f"{where}: a chunk is empty or larger than chunk_size {chunk_size}")
     return FileEntry(path=path, size=size, mode=mode, chunks=chunks)
+
+
+def _fixed(chunks: tuple[ChunkRef, ...], chunk_size: int) -> bool:
+    """Fixed-size chunks at fixed offsets: all but the last exactly chunk_size."""
+    return all(c.size == chunk_size for c in chunks[:-1]) and (
+        not chunks or 0 < chunks[-1].size <= chunk_size
+    )
 
 
 def chain_depths(manifest: Manifest) -> dict[str, int]:

@@ -1,0 +1,166 @@
+"""Where a push cuts files (transfer/engine/chunkspans.py): at a DCP save's items, found
+without torch or ``.metadata``, and every chunk_size bytes where there are none."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import itertools
+import json
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from transfer.engine import push
+from transfer.engine.catalog import load_manifest
+from transfer.engine.chunkspans import GROUP_BYTES, chunk_spans, fixed_spans, scan_item_ends, spans
+from transfer.engine.dcpshare import parse_metadata
+from transfer.errors import SourceChangedError
+from transfer.format.layout import manifest_key
+from transfer.format.manifest import Manifest
+from transfer.options import TransferOptions
+from transfer.store import open_store
+
+KiB = 1 << 10
+CHUNK = 64 * KiB
+
+
+def archive(payload: bytes, name: str = "archive/data/0") -> bytes:
+    """A zip holding ``payload`` stored, as torch.save's records are (no zip64 record)."""
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", compression=zipfile.ZIP_STORED) as z:
+        z.writestr("archive/data.pkl", b"\x80\x02}q\x00.")
+        z.writestr(name, payload)
+    return out.getvalue()
+
+
+def tiles(cut: list[tuple[int, int]], size: int) -> bool:
+    return sum(n for _, n in cut) == size and all(
+        a + n == b for (a, n), (b, _) in itertools.pairwise(cut)
+    )
+
+
+def test_the_rule_cuts_big_items_alone_groups_small_ones_and_cuts_the_tail_fixed() -> None:
+    small, big = 2 * KiB, 3 * CHUNK + 5
+    ends, pos = [], 0
+    for n in (small, small, big, small, big, 100 * KiB):
+        pos += n
+        ends.append(pos)
+    size = pos + CHUNK + 7  # bytes after the last item
+    cut = spans(size, ends, CHUNK)
+    assert tiles(cut, size)
+    starts = [o for o, _ in cut]
+    # every item of GROUP_BYTES or more starts a chunk and ends one
+    for a, b in zip([0, *ends], ends, strict=False):
+        if b - a >= GROUP_BYTES:
+            assert a in starts and (b in starts or b == ends[-1])
+    assert cut[0] == (0, 2 * small)  # two small items, one chunk
+    assert (2 * small, CHUNK) in cut and (2 * small + 3 * CHUNK, 5) in cut  # big: from its start
+    assert cut[-2:] == [(ends[-1], CHUNK), (ends[-1] + CHUNK, 7)]
+
+
+def test_small_items_group_up_to_group_bytes_and_no_further() -> None:
+    item = 3 * KiB
+    ends = [item * (i + 1) for i in range(100)]
+    cut = spans(ends[-1], ends, 4 << 20)
+    assert tiles(cut, ends[-1])
+    assert all(n <= GROUP_BYTES and n % item == 0 for _, n in cut)
+    assert len(cut) == -(-100 // (GROUP_BYTES // item))
+
+
+@pytest.mark.parametrize("chunk", [4 * KiB, 16 * KiB, GROUP_BYTES, 4 << 20])
+def test_no_chunk_is_larger_than_chunk_size_whatever_the_items(chunk: int) -> None:
+    """Small chunk sizes (tests, tiny saves) are below GROUP_BYTES: a group of small items,
+    or one item between the two sizes, must still fit one chunk."""
+    sizes = [100, 3 * KiB, 5 * KiB, 20 * KiB, 40 * KiB, 63 * KiB, 64 * KiB, 200 * KiB, 7]
+    ends = list(itertools.accumulate(sizes * 3))
+    cut = spans(ends[-1] + 12345, ends, chunk)
+    assert tiles(cut, ends[-1] + 12345)
+    assert all(0 < n <= chunk for _, n in cut)
+
+
+def test_without_items_a_file_is_cut_every_chunk_size_bytes(tmp_path: Path) -> None:
+    data = bytes(range(256)) * 1000
+    (tmp_path / "__0_0.distcp").write_bytes(data)  # a DCP name, but not archives
+    (tmp_path / "weights.bin").write_bytes(archive(b"x" * 70_000))  # archives, not a DCP name
+    for name in ("__0_0.distcp", "weights.bin"):
+        path = tmp_path / name
+        size = path.stat().st_size
+        assert chunk_spans(path, size, CHUNK) == fixed_spans(size, CHUNK)
+    assert spans(0, [], CHUNK) == []
+
+
+def test_archives_back_to_back_are_found_and_a_planted_end_record_is_not(tmp_path: Path) -> None:
+    """A tensor's bytes may hold an end record's signature, even one whose fields look
+    right: an item ends only where the archive that starts at the last end ends."""
+    fake_end = b"PK\x05\x06" + bytes(4) + (2).to_bytes(2, "little") * 2 + bytes(10)
+    items = [archive(b"a" * 100_000 + fake_end + b"b" * 50_000), archive(b"c" * 3000),
+             archive(fake_end * 3), archive(b"d" * 200_000)]  # fmt: skip
+    path = tmp_path / "__0_0.distcp"
+    path.write_bytes(b"".join(items) + b"trailing bytes, no archive")
+    ends, pos = [], 0
+    for item in items:
+        pos += len(item)
+        ends.append(pos)
+    size = path.stat().st_size
+    assert scan_item_ends(path, size) == ends
+    assert chunk_spans(path, size, CHUNK) == spans(size, ends, CHUNK)
+
+
+def test_a_file_cut_short_mid_item_keeps_the_whole_items_and_one_that_shrinks_is_named(
+    tmp_path: Path,
+) -> None:
+    items = [archive(b"e" * 90_000), archive(b"f" * 90_000)]
+    path = tmp_path / "__1_0.distcp"
+    path.write_bytes(items[0] + items[1][:-30])  # the last item torn
+    assert scan_item_ends(path, path.stat().st_size) == [len(items[0])]
+    with pytest.raises(SourceChangedError, match="shrank"):
+        scan_item_ends(path, path.stat().st_size + 10)  # the size the push scanned
+    path.unlink()
+    with pytest.raises(SourceChangedError, match="vanished"):
+        scan_item_ends(path, 100)
+
+
+def test_a_real_dcp_save_is_cut_at_its_items_as_metadata_places_them(
+    tmp_path: Path, local_url: str
+) -> None:
+    """A single-process save of a model and its AdamW state (tensors and the optimizer's
+    non-tensor items): the ends found without .metadata are the ends it records, and a push
+    cuts there, writing a version 3 manifest."""
+    torch = pytest.importorskip("torch")
+    import torch.distributed.checkpoint as dcp
+
+    model = torch.nn.Sequential(torch.nn.Embedding(300, 64), torch.nn.LayerNorm(64),
+                                torch.nn.Linear(64, 4096))  # fmt: skip
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.tensor([1, 2, 3])).sum().backward()
+    optim.step()
+    save = tmp_path / "step_000010"
+    dcp.save({"model": model.state_dict(), "optim": optim.state_dict()}, checkpoint_id=save)
+    parsed = parse_metadata((save / ".metadata").read_bytes())
+    recorded: dict[str, list[int]] = {}
+    for path, offset, length in parsed.storage.values():
+        recorded.setdefault(path, []).append(offset + length)
+    assert recorded.keys() == {"__0_0.distcp"}
+    shard = save / "__0_0.distcp"
+    found = scan_item_ends(shard, shard.stat().st_size)
+    assert found == sorted(recorded["__0_0.distcp"]) and len(found) > 10
+
+    options = TransferOptions(chunk_size=CHUNK, part_size=1 << 20)
+
+    async def pushed() -> tuple[bytes, Manifest]:
+        store = open_store(local_url)
+        try:
+            await push(store, save, job="j", step=10, node="n", options=options)
+            raw = await store.get(manifest_key("j", 10, "n"))
+            return raw, await load_manifest(store, "j", 10, "n")
+        finally:
+            await store.close()
+
+    raw, manifest = asyncio.run(pushed())
+    assert json.loads(raw)["version"] == 3
+    entry = next(f for f in manifest.files if f.path == "__0_0.distcp")
+    size = shard.stat().st_size
+    assert [(o, c.size) for o, c in entry.chunk_offsets()] == spans(size, found, CHUNK)
+    assert len(entry.chunks) > len(fixed_spans(size, CHUNK))
