@@ -41,38 +41,44 @@ def tiles(cut: list[tuple[int, int]], size: int) -> bool:
     )
 
 
-def test_the_rule_cuts_big_items_alone_groups_small_ones_and_cuts_the_tail_fixed() -> None:
-    small, big = 2 * KiB, 3 * CHUNK + 5
-    ends, pos = [], 0
-    for n in (small, small, big, small, big, 100 * KiB):
-        pos += n
-        ends.append(pos)
-    size = pos + CHUNK + 7  # bytes after the last item
-    cut = spans(size, ends, CHUNK)
+def test_small_items_get_chunks_of_their_own_and_big_ones_are_grouped_at_item_bounds() -> None:
+    """Small items (step counters, param_groups, replicated LayerNorms: what every rank
+    may read) in chunks of small items only, up to GROUP_BYTES; bigger ones grouped up to
+    chunk_size at item bounds, one larger than chunk_size cut alone from its start; the
+    tail cut every chunk_size."""
+    chunk = 1 << 20
+    KB = 1000
+    sizes = [2 * KB, 2 * KB, 300 * KB, 400 * KB, 1 * KB, 3 * chunk + 5, 500 * KB, 600 * KB,
+             2 * KB]  # fmt: skip
+    ends = list(itertools.accumulate(sizes))
+    size = ends[-1] + chunk + 7
+    cut = spans(size, ends, chunk)
     assert tiles(cut, size)
-    starts = [o for o, _ in cut]
-    # every item of GROUP_BYTES or more starts a chunk and ends one
-    for a, b in zip([0, *ends], ends, strict=False):
-        if b - a >= GROUP_BYTES:
-            assert a in starts and (b in starts or b == ends[-1])
-    assert cut[0] == (0, 2 * small)  # two small items, one chunk
-    assert (2 * small, CHUNK) in cut and (2 * small + 3 * CHUNK, 5) in cut  # big: from its start
-    assert cut[-2:] == [(ends[-1], CHUNK), (ends[-1] + CHUNK, 7)]
+    big = ends[4]
+    assert cut == [
+        (0, 4 * KB),  # two small items
+        (4 * KB, 700 * KB),  # two big ones
+        (704 * KB, 1 * KB),  # small
+        (big, chunk), (big + chunk, chunk), (big + 2 * chunk, chunk), (big + 3 * chunk, 5),
+        (ends[5], 500 * KB), (ends[6], 600 * KB),  # together they would pass chunk_size
+        (ends[7], 2 * KB),  # small
+        (ends[8], chunk), (ends[8] + chunk, 7),  # after the last item
+    ]  # fmt: skip
 
 
-def test_small_items_group_up_to_group_bytes_and_no_further() -> None:
-    item = 3 * KiB
-    ends = [item * (i + 1) for i in range(100)]
-    cut = spans(ends[-1], ends, 4 << 20)
-    assert tiles(cut, ends[-1])
-    assert all(n <= GROUP_BYTES and n % item == 0 for _, n in cut)
-    assert len(cut) == -(-100 // (GROUP_BYTES // item))
+def test_items_group_up_to_their_limit_and_no_further() -> None:
+    for item, limit in ((3 * KiB, GROUP_BYTES), (300 * KiB, 4 << 20)):
+        ends = [item * (i + 1) for i in range(300)]
+        cut = spans(ends[-1], ends, 4 << 20)
+        assert tiles(cut, ends[-1])
+        assert all(n <= limit and n % item == 0 for _, n in cut)
+        assert len(cut) == -(-300 // (limit // item))
 
 
 @pytest.mark.parametrize("chunk", [4 * KiB, 16 * KiB, GROUP_BYTES, 4 << 20])
 def test_no_chunk_is_larger_than_chunk_size_whatever_the_items(chunk: int) -> None:
-    """Small chunk sizes (tests, tiny saves) are below GROUP_BYTES: a group of small items,
-    or one item between the two sizes, must still fit one chunk."""
+    """Small chunk sizes (tests, tiny saves) are below GROUP_BYTES: a group of items, or
+    one item between the two sizes, must still fit one chunk."""
     sizes = [100, 3 * KiB, 5 * KiB, 20 * KiB, 40 * KiB, 63 * KiB, 64 * KiB, 200 * KiB, 7]
     ends = list(itertools.accumulate(sizes * 3))
     cut = spans(ends[-1] + 12345, ends, chunk)
@@ -146,7 +152,6 @@ def test_a_real_dcp_save_is_cut_at_its_items_as_metadata_places_them(
     shard = save / "__0_0.distcp"
     found = scan_item_ends(shard, shard.stat().st_size)
     assert found == sorted(recorded["__0_0.distcp"]) and len(found) > 10
-
     options = TransferOptions(chunk_size=CHUNK, part_size=1 << 20)
 
     async def pushed() -> tuple[bytes, Manifest]:
@@ -164,3 +169,7 @@ def test_a_real_dcp_save_is_cut_at_its_items_as_metadata_places_them(
     size = shard.stat().st_size
     assert [(o, c.size) for o, c in entry.chunk_offsets()] == spans(size, found, CHUNK)
     assert len(entry.chunks) > len(fixed_spans(size, CHUNK))
+    # no chunk holds a small item (what every rank may read) beside a big one
+    small = [b - a < GROUP_BYTES for a, b in itertools.pairwise([0, *found])]
+    changes = {e for e, x, y in zip(found, small, small[1:], strict=False) if x != y}
+    assert changes and changes <= {offset + c.size for offset, c in entry.chunk_offsets()}

@@ -2,11 +2,12 @@
 ``chunk_size`` bytes.
 
 Why: a survivor of a resize loads its ranks' share, and a pull fetches and decodes whole
-chunks. DCP's save planner spreads the items every rank reads (optimizer step counters,
-param_groups, replicated tensors: ~2 KB each) over every rank's file, between the big
-ones, so at fixed 4 MiB chunks each of them cost a survivor a whole chunk: 3.3x its share
-on the real-training corpus at the same world size (bench/results/share_amplification.md).
-Cut at item boundaries, the same shares cost 1.00-1.02x.
+chunks. DCP's save planner spreads the items every rank reads (the optimizer's step
+counters and param_groups, replicated tensors such as a tensor-parallel LayerNorm's:
+~1-10 KB each) over every rank's file, between the big ones, so at fixed 4 MiB chunks each
+of them cost a survivor a whole chunk: 3.3x its share on the real-training corpus at the
+same world size (bench/results/share_amplification.md). Cut so that small items lie in
+chunks of small items only, the same shares cost 1.00-1.01x.
 
 How the items are found, with no torch and no ``.metadata`` (only the coordinator's node
 has that file; every node pushes its own ``__<rank>_<n>.distcp``): DCP writes each item as
@@ -14,45 +15,76 @@ one ``torch.save`` archive, back to back from offset 0, and each archive is a zi
 ends with its end-of-central-directory record. ``item_ends`` walks the file for those
 records, taking one only when the archive it ends starts where the last one ended (a local
 header there) and its central directory sits right before the zip64 record or the end
-record, as a zip's does. A false match costs nothing but a cut (chunks are content
-addressed wherever they are cut); a file that is not such a sequence has no item ends,
-and is cut every ``chunk_size`` bytes as before.
+record, as a zip's does. Reading every byte for them cost a push of the corpus 1.5 CPU-s
+(and the GIL its workers wanted): a tensor item's head says how long its data is (its
+``data.pkl``'s storage: element count and type, read by the inert unpickler that reads
+``.metadata``), so the walk reads the head, skips the data and looks for the end record
+in the few hundred bytes after it; an item whose head it does not understand (a dtype it
+does not know, a byte item) is searched through instead: 20 ms for a 211 MB rank file of
+the corpus in the page cache, against 190 ms searching it all. A false match costs nothing but a cut
+(chunks are content addressed wherever they are cut); a file that is not such a sequence
+has no item ends, and is cut every ``chunk_size`` bytes as before.
 
-The rule (``spans``): an item of GROUP_BYTES or more (or ``chunk_size``, if smaller)
-starts a chunk and is cut every ``chunk_size`` bytes from its start, its last piece ending
-with it; smaller items are grouped, in file order, into chunks of at most that many bytes;
-what follows the last item is cut every ``chunk_size`` bytes. On the corpus (1.69 GB, 8
-ranks): 2,000 chunks instead of 408, and the shares of 8, 4, 2 and 16 new ranks cost
-1.01x, 1.00x, 1.00x and 1.01x of their bytes (``python -m bench.share_amplification``).
-Successive saves of one job put their items at the same offsets, so a chunk's base (the
-earlier step's chunk at the same offset) is still the same item.
+The rule (``spans``): items under GROUP_BYTES are grouped, in file order, into chunks of
+small items only, up to GROUP_BYTES (the file cannot say which items every rank reads:
+a step counter or a replicated LayerNorm looks like a weight's shard, so every small item
+is kept away from the big ones); consecutive bigger items are grouped up to
+``chunk_size`` bytes, cut at item boundaries, and one bigger than ``chunk_size`` is cut
+alone every ``chunk_size`` bytes from its start; what follows the last item is cut every
+``chunk_size`` bytes. On the corpus (1.69 GB, 8 ranks): 1,721 chunks instead of 408, and
+the shares of 8, 4, 2 and 16 new ranks cost 1.00-1.01x of their bytes (``python -m
+bench.share_amplification``). Keeping apart only what the heads show to be shared (byte
+items and 0-d tensors) made 752 chunks, but left the tests' drill, whose replicated 8 KB
+tensors sat in 4 MiB chunks, at 3.3x. Successive saves of one job put their items at the
+same offsets, so a chunk's base (the earlier step's chunk at the same offset) covers the
+same items.
 """
 
 from __future__ import annotations
 
+import io
 import os
 import struct
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
+from transfer.engine.dcp import _InertUnpickler
 from transfer.engine.scan import open_source, shrank
 
-#: items smaller than this are grouped with their small neighbours, up to this many bytes
-#: per chunk: the corpus's ~2 KB items alone made 3,337 chunks where grouped they make
-#: 2,000, for shares of 1.00-1.01x against 1.00x
+#: items under this many bytes are small (see the rule), grouped up to this many bytes
 GROUP_BYTES = 64 << 10
 
 #: the storage files of a DCP save (``__<rank>_<n>.distcp``): the only files scanned
 DCP_SUFFIX = ".distcp"
 
-#: bytes read per scan window (one per file at a time, in the push's thread)
+#: bytes read per window of an item searched through
 SCAN_WINDOW = 16 << 20
+
+#: an item's head: its records before the data (~600 bytes for a tensor)
+HEAD_BYTES = 4096
+#: bytes after a tensor's data that hold its last records and end record (~1 KB)
+TAIL_BYTES = 8192
+
+#: element sizes of the storage classes torch.save names (torch/storage.py); another
+#: name (a dtype this does not know) has its item searched through instead
+_ITEMSIZE = {
+    **dict.fromkeys(("ByteStorage", "CharStorage", "BoolStorage", "QUInt8Storage",
+                     "QInt8Storage", "Float8_e4m3fnStorage", "Float8_e5m2Storage",
+                     "Float8_e4m3fnuzStorage", "Float8_e5m2fnuzStorage"), 1),
+    **dict.fromkeys(("ShortStorage", "HalfStorage", "BFloat16Storage", "UInt16Storage"), 2),
+    **dict.fromkeys(("IntStorage", "FloatStorage", "QInt32Storage", "UInt32Storage"), 4),
+    **dict.fromkeys(("LongStorage", "DoubleStorage", "ComplexFloatStorage",
+                     "UInt64Storage"), 8),
+    "ComplexDoubleStorage": 16,
+}  # fmt: skip
 
 _LOCAL = b"PK\x03\x04"
 _CENTRAL = b"PK\x01\x02"
 _END = b"PK\x05\x06"
 _END64 = b"PK\x06\x06"
 _LOCATOR64 = b"PK\x06\x07"
+_LOCAL_HEADER = struct.Struct("<4sHHHHHIIIHH")  # 30 bytes: ... name and extra lengths
 _END_RECORD = struct.Struct("<4sHHHHIIH")  # 22 bytes
 _LOCATOR_BYTES = 20
 _END64_FIELDS = struct.Struct("<QQ")  # the zip64 record's CD size and offset, at +40
@@ -76,23 +108,21 @@ def spans(size: int, item_ends: Sequence[int], chunk_size: int) -> list[Span]:
     """The chunks of a file of ``size`` bytes whose items end at ``item_ends`` (ascending,
     the first item starting at 0), by the rule in the module's docstring."""
     out: list[Span] = []
-    group = min(GROUP_BYTES, chunk_size)  # a group is one chunk
-    group_start = None  # of the small items gathered so far
+    small_below = min(GROUP_BYTES, chunk_size)
+    group_start, group_small = 0, False  # the items gathered so far: [group_start, start)
     start = 0
     for end in item_ends:
-        if end - start >= group:
-            if group_start is not None:
-                out.append((group_start, start - group_start))
-                group_start = None
+        small = end - start < small_below
+        limit = small_below if small else chunk_size
+        if start > group_start and (small != group_small or end - group_start > limit):
+            out.append((group_start, start - group_start))
+            group_start = start
+        group_small = small
+        if end - start >= chunk_size:  # alone
             out.extend((start + o, n) for o, n in fixed_spans(end - start, chunk_size))
-        else:
-            if group_start is not None and end - group_start > group:
-                out.append((group_start, start - group_start))
-                group_start = None
-            if group_start is None:
-                group_start = start
+            group_start = end
         start = end
-    if group_start is not None:
+    if start > group_start:
         out.append((group_start, start - group_start))
     out.extend((start + o, n) for o, n in fixed_spans(size - start, chunk_size))
     return out
@@ -109,36 +139,130 @@ def scan_item_ends(path: Path, size: int) -> list[int]:
 
 
 def item_ends(read_at: ReadAt, size: int) -> list[int]:
-    """``item_ends`` over ``read_at(offset, n)`` (exactly n bytes) of ``size`` bytes."""
-    if size < len(_LOCAL) or read_at(0, len(_LOCAL)) != _LOCAL:
-        return []
+    """``scan_item_ends`` over ``read_at(offset, n)`` (exactly n bytes) of ``size`` bytes."""
     ends: list[int] = []
+    kinds: dict[tuple[str, str], type] = {}
     start = 0  # of the archive being walked
-    window_at = 0
+    while start + len(_LOCAL) <= size and read_at(start, len(_LOCAL)) == _LOCAL:
+        end = _end_past_data(read_at, size, start, kinds) or _end_searched(read_at, size, start)
+        if end is None:
+            break  # a torn last item: the rest is cut at fixed offsets
+        ends.append(end)
+        start = end
+    return ends
+
+
+def _end_past_data(
+    read_at: ReadAt, size: int, start: int, kinds: dict[tuple[str, str], type]
+) -> int | None:
+    """The end of the tensor item at ``start``, found after its data, which its head
+    places; None when the head is not one this understands or no end lies where it says."""
+    head = read_at(start, min(HEAD_BYTES, size - start))
+    data = _tensor_data(head, kinds)
+    if data is None:
+        return None
+    after = start + data[0] + data[1]
+    if after > size:
+        return None
+    tail = read_at(after, min(TAIL_BYTES, size - after))
+    found = tail.find(_END)
+    while found != -1 and found + _END_RECORD.size <= len(tail):
+        end = _archive_end(read_at, tail, after, start, after + found)
+        if end is not None:
+            return end
+        found = tail.find(_END, found + 1)
+    return None
+
+
+def _end_searched(read_at: ReadAt, size: int, start: int) -> int | None:
+    """The end of the item at ``start``, searched for through every byte after it."""
+    window_at = start
     while window_at < size:
         # an end record that starts in this window is read whole with it
         n = min(SCAN_WINDOW + _END_RECORD.size, size - window_at)
         window = read_at(window_at, n)
-        found = window.find(_END, max(0, start - window_at))
+        found = window.find(_END)
         while 0 <= found < SCAN_WINDOW and found + _END_RECORD.size <= n:
             end = _archive_end(read_at, window, window_at, start, window_at + found)
-            if end is None:
-                found = window.find(_END, found + 1)
-                continue
-            ends.append(end)
-            start = end
-            if end >= size:
-                return ends
-            if read_at(end, min(len(_LOCAL), size - end)) != _LOCAL:
-                return ends  # not another item: the rest is cut at fixed offsets
-            found = window.find(_END, end - window_at)
+            if end is not None:
+                return end
+            found = window.find(_END, found + 1)
         window_at += SCAN_WINDOW
-    return ends
+    return None
+
+
+class _StorageIds(_InertUnpickler):
+    """Unpickles a tensor's ``data.pkl`` inertly, keeping the storages it names. ``kinds``:
+    the stand-in classes made so far, kept for one file's walk (a new class per name and
+    item cost the walk of a 211 MB rank file 20 ms of its 40)."""
+
+    def __init__(self, data: bytes, kinds: dict[tuple[str, str], type]) -> None:
+        super().__init__(io.BytesIO(data))
+        self.storages: list[Any] = []
+        self.kinds = kinds
+
+    def find_class(self, module: str, name: str) -> type:
+        kind = self.kinds.get((module, name))
+        if kind is None:
+            kind = self.kinds[module, name] = super().find_class(module, name)
+        return kind
+
+    def persistent_load(self, pid: Any) -> Any:
+        self.storages.append(pid)
+        return None
+
+
+def _tensor_data(head: bytes, kinds: dict[tuple[str, str], type]) -> tuple[int, int] | None:
+    """(where the data starts from the item's first byte, its length) of a tensor item
+    whose head (its first HEAD_BYTES) holds ``data.pkl`` and the data record's header."""
+    pickled = _record(head, 0)
+    if pickled is None or not pickled[0].endswith(b"data.pkl"):
+        return None
+    reader = _StorageIds(head[pickled[1] :], kinds)
+    try:
+        reader.load()
+    except Exception:  # anything a pickle can raise: this item is searched through instead
+        return None
+    if len(reader.storages) != 1:
+        return None
+    pid = reader.storages[0]
+    if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+        return None
+    _, kind, key, _location, numel = pid
+    itemsize = _ITEMSIZE.get(getattr(kind, "__name__", ""))
+    if not isinstance(key, str) or type(numel) is not int or numel < 0 or itemsize is None:
+        return None
+    name = f"/data/{key}".encode()
+    at = head.find(_LOCAL, pickled[1])
+    while at != -1:
+        record = _record(head, at)
+        if record is not None and record[0].endswith(name):
+            return record[1], numel * itemsize
+        at = head.find(_LOCAL, at + 1)
+    return None
+
+
+def _record(head: bytes, at: int) -> tuple[bytes, int] | None:
+    """(name, where its bytes start) of the zip local header at ``at`` in ``head``."""
+    if head[at : at + 4] != _LOCAL or at + _LOCAL_HEADER.size > len(head):
+        return None
+    fields = _LOCAL_HEADER.unpack_from(head, at)
+    name_len, extra_len = fields[-2], fields[-1]
+    start = at + _LOCAL_HEADER.size
+    if start + name_len + extra_len > len(head):
+        return None
+    return head[start : start + name_len], start + name_len + extra_len
 
 
 def _archive_end(read_at: ReadAt, window: bytes, window_at: int, start: int, at: int) -> int | None:
     """The end of the zip archive that starts at ``start``, if the end record at ``at``
     (``window``'s bytes from ``window_at`` hold it) is that archive's; else None."""
+
+    def read(offset: int, n: int) -> bytes:  # from the window, where it holds them
+        if window_at <= offset and offset + n <= window_at + len(window):
+            return window[offset - window_at : offset - window_at + n]
+        return read_at(offset, n)
+
     _sig, disk, cd_disk, entries_here, entries, cd_size, cd_offset, comment = (
         _END_RECORD.unpack_from(window, at - window_at)
     )
@@ -146,15 +270,15 @@ def _archive_end(read_at: ReadAt, window: bytes, window_at: int, start: int, at:
         return None
     end64 = None
     locator_at = at - _LOCATOR_BYTES
-    if locator_at >= start and read_at(locator_at, 4) == _LOCATOR64:
-        end64 = start + struct.unpack("<Q", read_at(locator_at + 8, 8))[0]
-        if not start <= end64 <= locator_at - 56 or read_at(end64, 4) != _END64:
+    if locator_at >= start and read(locator_at, 4) == _LOCATOR64:
+        end64 = start + struct.unpack("<Q", read(locator_at + 8, 8))[0]
+        if not start <= end64 <= locator_at - 56 or read(end64, 4) != _END64:
             return None
-        cd_size, cd_offset = _END64_FIELDS.unpack(read_at(end64 + 40, 16))
+        cd_size, cd_offset = _END64_FIELDS.unpack(read(end64 + 40, 16))
     cd_at = start + cd_offset
     if cd_at + cd_size != (end64 if end64 is not None else at) or cd_size < 46:
         return None
-    if read_at(cd_at, 4) != _CENTRAL:
+    if read(cd_at, 4) != _CENTRAL:
         return None
     return at + _END_RECORD.size
 
