@@ -45,29 +45,46 @@ def test_small_items_get_chunks_of_their_own_and_big_ones_are_grouped_at_item_bo
     """Small items (step counters, param_groups, replicated LayerNorms: what every rank
     may read) in chunks of small items only, up to GROUP_BYTES; bigger ones grouped up to
     chunk_size at item bounds, one larger than chunk_size cut alone from its start; the
-    tail cut every chunk_size."""
+    tail cut every chunk_size. (Page-sized items: the cuts need no moving.)"""
     chunk = 1 << 20
-    KB = 1000
-    sizes = [2 * KB, 2 * KB, 300 * KB, 400 * KB, 1 * KB, 3 * chunk + 5, 500 * KB, 600 * KB,
-             2 * KB]  # fmt: skip
+    P = 4096
+    sizes = [P, P, 75 * P, 100 * P, P, 3 * chunk + P, 125 * P, 150 * P, P]
     ends = list(itertools.accumulate(sizes))
     size = ends[-1] + chunk + 7
     cut = spans(size, ends, chunk)
     assert tiles(cut, size)
     big = ends[4]
     assert cut == [
-        (0, 4 * KB),  # two small items
-        (4 * KB, 700 * KB),  # two big ones
-        (704 * KB, 1 * KB),  # small
-        (big, chunk), (big + chunk, chunk), (big + 2 * chunk, chunk), (big + 3 * chunk, 5),
-        (ends[5], 500 * KB), (ends[6], 600 * KB),  # together they would pass chunk_size
-        (ends[7], 2 * KB),  # small
+        (0, 2 * P),  # two small items
+        (2 * P, 175 * P),  # two big ones
+        (177 * P, P),  # small
+        (big, chunk), (big + chunk, chunk), (big + 2 * chunk, chunk), (big + 3 * chunk, P),
+        (ends[5], 125 * P), (ends[6], 150 * P),  # together they would pass chunk_size
+        (ends[7], P),  # small
         (ends[8], chunk), (ends[8] + chunk, 7),  # after the last item
     ]  # fmt: skip
 
 
+def test_cuts_fall_on_pages_and_a_small_item_never_shares_a_big_ones_chunk() -> None:
+    """Items at any offsets: every cut but the file's end is page-aligned (a restore
+    writes chunks with O_DIRECT), and each small item lies in one chunk of at most
+    GROUP_BYTES and a page on each side, so a rank that reads it fetches no big item."""
+    KB = 1000
+    sizes = [2 * KB, 1500, 700 * KB, 2153, 740_905, 2153, 2153, 3 * KB, 2_881_065, 1261,
+             5_000_000, 157_225, 40_489, 3945]  # fmt: skip
+    ends = list(itertools.accumulate(sizes))
+    size = ends[-1] + 5000
+    cut = spans(size, ends, 4 << 20)
+    assert tiles(cut, size)
+    assert all(o % 4096 == 0 for o, _ in cut)
+    for lo, hi in itertools.pairwise([0, *ends]):
+        holding = [(o, n) for o, n in cut if o < hi and lo < o + n]
+        if hi - lo < GROUP_BYTES:
+            assert len(holding) == 1 and holding[0][1] <= GROUP_BYTES + 2 * 4096, (lo, hi)
+
+
 def test_items_group_up_to_their_limit_and_no_further() -> None:
-    for item, limit in ((3 * KiB, GROUP_BYTES), (300 * KiB, 4 << 20)):
+    for item, limit in ((4 * KiB, GROUP_BYTES), (256 * KiB, 4 << 20)):
         ends = [item * (i + 1) for i in range(300)]
         cut = spans(ends[-1], ends, 4 << 20)
         assert tiles(cut, ends[-1])
@@ -169,7 +186,10 @@ def test_a_real_dcp_save_is_cut_at_its_items_as_metadata_places_them(
     size = shard.stat().st_size
     assert [(o, c.size) for o, c in entry.chunk_offsets()] == spans(size, found, CHUNK)
     assert len(entry.chunks) > len(fixed_spans(size, CHUNK))
-    # no chunk holds a small item (what every rank may read) beside a big one
-    small = [b - a < GROUP_BYTES for a, b in itertools.pairwise([0, *found])]
-    changes = {e for e, x, y in zip(found, small, small[1:], strict=False) if x != y}
-    assert changes and changes <= {offset + c.size for offset, c in entry.chunk_offsets()}
+    # every small item (what every rank may read) lies in one chunk of small items
+    chunks = [(o, c.size) for o, c in entry.chunk_offsets()]
+    assert all(o % 4096 == 0 for o, _ in chunks)
+    for lo, hi in itertools.pairwise([0, *found]):
+        holding = [n for o, n in chunks if o < hi and lo < o + n]
+        if hi - lo < GROUP_BYTES:
+            assert len(holding) == 1 and holding[0] <= GROUP_BYTES + 2 * 4096, (lo, hi)
