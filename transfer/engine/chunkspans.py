@@ -20,8 +20,9 @@ record, as a zip's does. Reading every byte for them cost a push of the corpus 1
 ``data.pkl``'s storage: element count and type, read by the inert unpickler that reads
 ``.metadata``), so the walk reads the head, skips the data and looks for the end record
 in the few hundred bytes after it; an item whose head it does not understand (a dtype it
-does not know, a byte item) is searched through instead: 20 ms for a 211 MB rank file of
-the corpus in the page cache, against 190 ms searching it all. A false match costs nothing but a cut
+does not know, a byte item) is searched through instead, in windows growing from 64 KiB:
+20 ms for a 211 MB rank file of the corpus in the page cache, against 190 ms searching
+it all. A false match costs nothing but a cut
 (chunks are content addressed wherever they are cut); a file that is not such a sequence
 has no item ends, and is cut every ``chunk_size`` bytes as before.
 
@@ -62,7 +63,8 @@ GROUP_BYTES = 64 << 10
 #: the storage files of a DCP save (``__<rank>_<n>.distcp``): the only files scanned
 DCP_SUFFIX = ".distcp"
 
-#: bytes read per window of an item searched through
+#: the first and the largest window of an item searched through
+FIRST_WINDOW = 64 << 10
 SCAN_WINDOW = 16 << 20
 
 #: an item's head: its records before the data (~600 bytes for a tensor)
@@ -207,19 +209,22 @@ def _end_past_data(
 
 
 def _end_searched(read_at: ReadAt, size: int, start: int) -> int | None:
-    """The end of the item at ``start``, searched for through every byte after it."""
-    window_at = start
+    """The end of the item at ``start``, searched for through the bytes after it, in
+    windows that start small (a byte item is ~1 KB: a 16 MiB first window made a scan of
+    a save with 2,200 of them read 37 GB) and double up to SCAN_WINDOW."""
+    window_at, span = start, FIRST_WINDOW
     while window_at < size:
         # an end record that starts in this window is read whole with it
-        n = min(SCAN_WINDOW + _END_RECORD.size, size - window_at)
+        n = min(span + _END_RECORD.size, size - window_at)
         window = read_at(window_at, n)
         found = window.find(_END)
-        while 0 <= found < SCAN_WINDOW and found + _END_RECORD.size <= n:
+        while 0 <= found < span and found + _END_RECORD.size <= n:
             end = _archive_end(read_at, window, window_at, start, window_at + found)
             if end is not None:
                 return end
             found = window.find(_END, found + 1)
-        window_at += SCAN_WINDOW
+        window_at += span
+        span = min(2 * span, SCAN_WINDOW)
     return None
 
 
