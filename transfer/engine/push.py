@@ -369,7 +369,7 @@ class _PushRun:
 
     async def encode_all(self, sources: list[SourceFile]) -> list[list[StoredChunk]]:
         size = self.options.chunk_size
-        slots: list[list[StoredChunk]] = [[] for _ in sources]
+        slots: list[list[StoredChunk | None]] = [[] for _ in sources]
         work: asyncio.Queue[tuple[int, int, Span] | None] = asyncio.Queue(
             maxsize=self.options.workers
         )
@@ -397,7 +397,7 @@ class _PushRun:
                 tasks.create_task(_cut_in_order(sources, size, cuts))
                 for fi in range(len(sources)):
                     spans = await cuts.get()
-                    slots[fi] = [None] * len(spans)  # type: ignore[list-item]
+                    slots[fi] = [None] * len(spans)
                     for ci, span in enumerate(spans):
                         await work.put((fi, ci, span))
                 for _ in workers:
@@ -409,13 +409,13 @@ class _PushRun:
             if self._writer is not None:
                 await asyncio.shield(self._writer.abort())
             raise first_error(exc) from None
-        return slots
+        return [[c for c in file_slots if c is not None] for file_slots in slots]
 
     async def _worker(
         self,
         work: asyncio.Queue[tuple[int, int, Span] | None],
         sources: list[SourceFile],
-        slots: list[list[StoredChunk]],
+        slots: list[list[StoredChunk | None]],
     ) -> None:
         loop = asyncio.get_running_loop()
         while (item := await work.get()) is not None:
