@@ -794,6 +794,26 @@ def test_a_mistyped_job_or_step_names_what_the_store_holds(
     assert f"{empty} holds no checkpoints" in capsys.readouterr().err
 
 
+def test_a_save_with_an_unreadable_metadata_is_pushed_with_a_note(
+    local_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A torn, empty or foreign .metadata beside DCP shards: pushed as it is (a lossless
+    copy), but said at once, not first at a share pull of it days later."""
+    for name, metadata in (("torn", b"\x80\x04\x95"), ("empty", b""), ("text", b"{}")):
+        ckpt = tmp_path / name / "step_000300"
+        ckpt.mkdir(parents=True)
+        (ckpt / "__0_0.distcp").write_bytes(b"abc")
+        (ckpt / ".metadata").write_bytes(metadata)
+        assert ferry(["push", str(ckpt), local_url, "--job", name]) == 0
+        err = capsys.readouterr().err
+        assert f"{ckpt}/.metadata is not DCP metadata ferry can read" in err, (name, err)
+    plain = tmp_path / "plain" / "step_000300"
+    plain.mkdir(parents=True)
+    (plain / ".metadata").write_bytes(b"not ours to judge")  # no DCP shards beside it
+    assert ferry(["push", str(plain), local_url, "--job", "plain"]) == 0
+    assert "not DCP metadata" not in capsys.readouterr().err
+
+
 def test_a_save_without_metadata_is_pushed_with_a_note(
     local_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -86,6 +86,7 @@ def test_init_makes_a_store_once_and_refuses_a_directory_in_use(
     # a directory that is not there yet is made (restic's `init` does the same)
     new = tmp_path / "new" / "nested"
     assert ferry(["init", str(new)]) == 0 and entries(new) == [STORE_DESCRIPTOR_KEY]
+    capsys.readouterr()  # (the push's note on the fixture's stand-in .metadata)
     # one in use for something else is not
     scratch = tmp_path / "scratch"
     (scratch / "sub").mkdir(parents=True)

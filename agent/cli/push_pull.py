@@ -132,7 +132,7 @@ async def cmd_push(
     from agent.node.journal import cli_push_journal, default_state_dir
     from transfer.engine import PushPlan, push
     from transfer.engine.catalog import init_store
-    from transfer.engine.dcp import shards_without_metadata
+    from transfer.engine.dcp import shards_without_metadata, unreadable_metadata
     from transfer.engine.scan import check_checkpoint_dir
 
     check_checkpoint_dir(args.ckpt_dir)
@@ -188,6 +188,13 @@ async def cmd_push(
             f"ferry push: note: {args.ckpt_dir} holds DCP shards but no .metadata: a DCP "
             "load of this step will fail unless another node's part brings it (an "
             "unfinished save? one node's part of a multi-node save: push it with --part)",
+            file=sys.stderr,
+        )
+    elif unreadable_metadata(args.ckpt_dir):
+        print(
+            f"ferry push: note: {args.ckpt_dir}/.metadata is not DCP metadata ferry can "
+            "read (torn, empty or foreign?): the step was pushed as it is, but a share of "
+            "it cannot be planned and a DCP load of it will likely fail",
             file=sys.stderr,
         )
     rate = r.bytes_raw / r.seconds / 1e6 if r.seconds else 0.0

@@ -88,6 +88,22 @@ def shards_without_metadata(root: Path) -> bool:
     return lacks_metadata(p.name for p in root.iterdir()) if root.is_dir() else False
 
 
+def unreadable_metadata(root: Path) -> bool:
+    """``root`` holds DCP storage files and a ``.metadata`` that is not DCP metadata this
+    ferry can read (torn, empty, foreign): its step is pushed as it is, but no share of
+    it can be planned and a DCP load of it will likely fail."""
+    meta = root / METADATA
+    try:
+        names = [p.name for p in root.iterdir()]
+        if METADATA not in names or not any(_SHARD.match(n) for n in names):
+            return False
+        if meta.stat().st_size > MAX_METADATA_BYTES:
+            return False
+        return required_lengths(meta.read_bytes()) is None
+    except OSError:
+        return False
+
+
 def lacks_metadata(paths: Iterable[str]) -> bool:
     """Files of a save (relative paths) that hold DCP storage files but no ``.metadata``:
     never a whole step (rank 0's node's part, which holds it, is not there)."""
