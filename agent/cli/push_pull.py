@@ -132,7 +132,7 @@ async def cmd_push(
     from agent.node.journal import cli_push_journal, default_state_dir
     from transfer.engine import PushPlan, push
     from transfer.engine.catalog import init_store
-    from transfer.engine.dcp import shards_without_metadata, unreadable_metadata
+    from transfer.engine.dcp import metadata_trouble
     from transfer.engine.scan import check_checkpoint_dir
 
     check_checkpoint_dir(args.ckpt_dir)
@@ -183,14 +183,15 @@ async def cmd_push(
         journal.remove()  # committed: its manifest references every pack
     finally:
         journal.close()
-    if not args.part and shards_without_metadata(args.ckpt_dir):
+    trouble = metadata_trouble(args.ckpt_dir)
+    if trouble == "missing" and not args.part:
         print(
             f"ferry push: note: {args.ckpt_dir} holds DCP shards but no .metadata: a DCP "
             "load of this step will fail unless another node's part brings it (an "
             "unfinished save? one node's part of a multi-node save: push it with --part)",
             file=sys.stderr,
         )
-    elif unreadable_metadata(args.ckpt_dir):
+    elif trouble == "unreadable":
         print(
             f"ferry push: note: {args.ckpt_dir}/.metadata is not DCP metadata ferry can "
             "read (torn, empty or foreign?): the step was pushed as it is, but a share of "

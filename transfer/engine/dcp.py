@@ -82,26 +82,23 @@ def required_lengths(metadata: bytes) -> dict[str, int] | None:
     return need
 
 
-def shards_without_metadata(root: Path) -> bool:
-    """``root`` holds DCP storage files but no ``.metadata``, which DCP writes last: an
-    unfinished save, or one node's part of a multi-node save (a DCP load of it fails)."""
-    return lacks_metadata(p.name for p in root.iterdir()) if root.is_dir() else False
-
-
-def unreadable_metadata(root: Path) -> bool:
-    """``root`` holds DCP storage files and a ``.metadata`` that is not DCP metadata this
-    ferry can read (torn, empty, foreign): its step is pushed as it is, but no share of
-    it can be planned and a DCP load of it will likely fail."""
-    meta = root / METADATA
+def metadata_trouble(root: Path) -> str | None:
+    """What is wrong with the ``.metadata`` of a directory holding DCP storage files, read
+    once: "missing" (DCP writes it last: an unfinished save, or one node's part of a
+    multi-node save), "unreadable" (torn, empty, foreign: no share of it can be planned,
+    and a DCP load of it will likely fail), or None (fine, or not a DCP save)."""
     try:
         names = [p.name for p in root.iterdir()]
+        if lacks_metadata(names):
+            return "missing"
         if METADATA not in names or not any(_SHARD.match(n) for n in names):
-            return False
+            return None
+        meta = root / METADATA
         if meta.stat().st_size > MAX_METADATA_BYTES:
-            return False
-        return required_lengths(meta.read_bytes()) is None
+            return None
+        return "unreadable" if required_lengths(meta.read_bytes()) is None else None
     except OSError:
-        return False
+        return None
 
 
 def lacks_metadata(paths: Iterable[str]) -> bool:
