@@ -22,8 +22,10 @@ from agent.daemon.config import (
 )
 from agent.node.estimate import (
     DEFAULT_RATES,
+    DEFAULT_SPREAD,
     PREFETCH_START_SECONDS,
     BandwidthMeter,
+    MigrationEstimate,
     badput_fraction,
     badput_per_interruption,
     estimate_migration,
@@ -440,6 +442,30 @@ def test_a_probe_rate_is_used_until_the_first_transfer_replaces_it() -> None:
     meter.record("tier:x", 100 * MiB, 1.0)
     assert meter.rate("tier:x") == pytest.approx(0.3 * 100 * MiB + 0.7 * 200 * MiB)
     assert not meter.record("tier:x", 900 * MiB, 1.0, provisional=True)
+
+
+def test_a_first_transfer_far_from_its_probe_widens_the_range_until_a_second() -> None:
+    """Before two transfers the spread is a default; where the first transfer lands further
+    from its probe than that, the two disagree by as much, and the range reaches back to
+    the probe's rate (the next transfer ran at it on loopback). A close probe changes
+    nothing; a second transfer measures the spread itself."""
+
+    def estimate(meter: BandwidthMeter) -> MigrationEstimate:
+        return estimate_migration({"tier:x": 300 * MiB}, meter, bytes_total=1, gpus=1,
+                                  gpu_hour_price=0)  # fmt: skip
+
+    close = BandwidthMeter()
+    close.record("tier:x", 210 * MiB, 1.0, provisional=True)
+    close.record("tier:x", 200 * MiB, 1.0)
+    assert close.spread("tier:x") == DEFAULT_SPREAD
+    far = BandwidthMeter()
+    far.record("tier:x", 400 * MiB, 1.0, provisional=True)
+    far.record("tier:x", 200 * MiB, 1.0)
+    assert far.spread("tier:x") == pytest.approx(1.0)
+    assert estimate(far).seconds == estimate(close).seconds == pytest.approx(1.5)
+    assert estimate(far).seconds_low <= 0.75 < estimate(close).seconds_low  # the probe's time
+    far.record("tier:x", 200 * MiB, 1.0)
+    assert far.spread("tier:x") == 0.0
 
 
 def test_a_prefetch_that_moves_nothing_still_costs_its_start() -> None:
