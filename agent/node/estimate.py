@@ -46,6 +46,13 @@ COOLDOWN_MARGIN_SECONDS = 300.0
 #: twice the figure used: 0.01-0.04 s.
 PREFETCH_START_SECONDS = 0.02
 
+#: How far either side of its estimate a prefetch's range reaches at least, however small
+#: the step: a node's scheduling and the RPC's round trips vary by tens of milliseconds that
+#: no rate explains. Of 57 replica prefetches timed by ``python -m bench.estimate_cases``
+#: (bench/results/estimate_cases*.md), which move nothing, the slowest took 0.06 s where
+#: most took 0.02-0.03 s.
+TIMING_JITTER_SECONDS = 0.05
+
 
 def _kind(source: str) -> str:
     """``"tier:s3://b/x"`` -> ``"tier"``; ``"peer"`` -> ``"peer"``."""
@@ -162,7 +169,7 @@ class MigrationEstimate:
     gpus: int
     gpu_hour_price: float
     #: the likely range of ``seconds``: each source's rate +- twice its spread (at least
-    #: a quarter of its rate)
+    #: a quarter of its rate), and at least TIMING_JITTER_SECONDS either side
     seconds_low: float = 0.0
     seconds_high: float = 0.0
     #: GPU time idle while the checkpoint moves: seconds/3600 x gpus x price
@@ -189,7 +196,8 @@ def estimate_migration(
     bytes_written: int = 0,
 ) -> MigrationEstimate:
     """Time and GPU cost to bring the missing bytes to a node (plus ``fixed_seconds``,
-    taken as anywhere from half to twice that in the range).
+    taken as anywhere from half to twice that in the range, which reaches at least
+    TIMING_JITTER_SECONDS either side of the estimate).
 
     Sequential by default: sources are drained cheapest first and share the node's NIC and
     disk, so their times add up; ``parallel`` takes the slowest source instead (an upper
@@ -228,15 +236,16 @@ def estimate_migration(
         fetch = float(combine(times)) if times else 0.0
         return fixed + (max(fetch, at(*disk)) if overlap else fetch + at(*disk))
 
+    seconds = total(0.0, 1, overlaps)
     return MigrationEstimate(
         bytes_total=bytes_total,
         bytes_missing=missing,
         bytes_by_source=dict(bytes_by_source),
-        seconds=total(0.0, 1, overlaps),
+        seconds=seconds,
         gpus=gpus,
         gpu_hour_price=gpu_hour_price,
-        seconds_low=total(1.0, 1, True),
-        seconds_high=total(1.0, -1, overlaps),
+        seconds_low=max(0.0, min(total(1.0, 1, True), seconds - TIMING_JITTER_SECONDS)),
+        seconds_high=max(total(1.0, -1, overlaps), seconds + TIMING_JITTER_SECONDS),
     )
 
 
