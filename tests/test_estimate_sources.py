@@ -142,6 +142,18 @@ def test_a_probe_samples_a_quarter_of_the_transfer_within_its_bounds() -> None:
     runs = [list(r.chunks) for r in coalesce(picked, max_gap=0)]
     assert max(len(r) for r in runs) >= 6 and len(runs) <= 63 // 6 + 1
     assert all(b.offset == a.offset + a.stored for r in runs for a, b in itertools.pairwise(r))
+    # a DCP file cut at its items: three of every four chunks hold small items (64 KiB), yet
+    # each request still reads about RUN full chunks' worth, as a restore's long ranges do
+    mixed = ChunkIndex()
+    offset = 0
+    for n, cid in enumerate(ids):
+        size = 4 * mib if n % 4 == 0 else 64 << 10
+        mixed.add(StoredChunk(cid, size, "zstd", "p", offset, size))
+        offset += size
+    picked = probe.sample(mixed, set(ids), {}, run=6, budget=128 * mib)
+    runs = [list(r.chunks) for r in coalesce(picked, max_gap=0)]
+    run_bytes = sorted(sum(c.size for c in r) for r in runs)
+    assert run_bytes[len(run_bytes) // 2] >= 6 * 4 * mib
 
 
 def test_auto_writes_buffered_only_where_the_page_cache_is_the_cheaper_way(

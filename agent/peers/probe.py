@@ -3,20 +3,21 @@ would, so an estimate has a measured rate instead of a constant (issue 12: at fi
 the ETA assumed 200 MB/s, and named the tier when a peer would serve the chunks, encoding
 them on its own CPU: -45% off).
 
-A probe samples a quarter of what the prefetch would move, at least PROBE_BYTES (128 MiB:
-32 chunks at the default size) and at most PROBE_MAX (``budget``). A tier probe first
-fetches IN_FLIGHT single chunks at once, untimed, to open the connections and touch the
-buffers a restore finds open and warm; then it times runs of RUN chunks that lie back to
-back in a pack, one request each, IN_FLIGHT at once, each read through the store's range
-reader into a reused buffer, as a restore's readers stream their ranges. A peer probe asks
-for each chunk as a prefetch would. Its rate stands in for the source's in the agent's
-BandwidthMeter until the first transfer from there replaces it (a probe writes nothing to
-disk). On the 1.69 GB corpus save (``python -m bench.estimate_cases /work/corpus/full``,
-bench/results/estimate_cases.md), first-contact errors (holding nothing / holding k /
-peer / held here): +29% / +60% / +22% / -44% with 20 MiB in 4 MiB GETs; -8..+9% /
-+8..+45% / +0..+42% / +5..+30% with 128 MiB in runs of 3 (its timed part, ~0.15 s, was too
-short to see this machine's pace, and 12 MiB requests cost more per byte than a restore's
-long ranges); -26..+14% / +2..+7% / -16..+0% / -15..+14% with this budget and runs of 6.
+A probe samples a quarter of what the prefetch would move, at least PROBE_BYTES (128 MiB: 32
+chunks at the default size) and at most PROBE_MAX (``budget``). A tier probe first fetches
+IN_FLIGHT single chunks at once, untimed, to open the connections and touch the buffers a
+restore finds open and warm; then it times runs of chunks that lie back to back in a pack
+(RUN full chunks' worth of bytes), one request each, IN_FLIGHT at once, each read through
+the store's range reader into a reused buffer, as a restore's readers stream their ranges. A
+peer probe asks for each chunk as a prefetch would. Its rate stands in for the source's in
+the agent's BandwidthMeter until the first transfer from there replaces it (a probe writes
+nothing to disk). On the 1.69 GB corpus save (``python -m bench.estimate_cases
+/work/corpus/full``, bench/results/estimate_cases.md), first-contact errors (holding nothing
+/ holding k / peer / held here): +29% / +60% / +22% / -44% with 20 MiB in 4 MiB GETs;
+-8..+9% / +8..+45% / +0..+42% / +5..+30% with 128 MiB in runs of 3 (its timed part, ~0.15 s,
+was too short to see this machine's pace, and 12 MiB requests cost more per byte than a
+restore's long ranges); -26..+14% / +2..+7% / -16..+0% / -15..+14% with this budget and runs
+of 6.
 """
 
 from __future__ import annotations
@@ -38,7 +39,11 @@ from transfer.store.base import Store
 PROBE_BYTES = 128 << 20
 PROBE_MAX = 384 << 20
 IN_FLIGHT = 8  # a tier probe's requests at once (one per connection it opens first)
-RUN = 6  # chunks back to back a tier probe reads per request: a restore streams long ranges
+#: full-size chunks' worth of bytes back to back a tier probe reads per request: a restore
+#: streams long ranges, whatever the cut (a DCP file's small items make chunks of 64 KiB
+#: beside the 4 MiB ones; runs of 6 chunks by count then made the probe's requests a
+#: fraction of a restore's and the first-contact estimate of the 1.69 GB save +50..+81% slow)
+RUN = 6
 CHUNK = 4 << 20  # what a local re-check reads and hashes at a time
 
 
@@ -68,9 +73,10 @@ def sample(
     budget: int = PROBE_BYTES,
 ) -> list[StoredChunk]:
     """Chunks a restore would move, up to ``budget`` raw bytes, in id order (ids are hashes: a fair
-    mix of keyframes and deltas), each followed by up to ``run - 1`` of the chunks after it
-    in its pack (what one request of a restore reads); a delta only if this node holds its
-    base at its position (a probe fetches no bases)."""
+    mix of keyframes and deltas), each followed by the chunks after it in its pack until the
+    run holds ``run`` times the largest chunk's bytes (what one request of a restore reads,
+    however the files were cut); a delta only if this node holds its base at its position
+    (a probe fetches no bases)."""
     eligible = {
         cid: c
         for cid in needed
@@ -79,17 +85,20 @@ def sample(
         and (c.base is None or (cid in bases and bases[cid].id == c.base))
     }
     at = {(c.pack_id, c.offset): c for c in eligible.values()}
+    run_bytes = run * max((c.size for c in eligible.values()), default=0)
     picked: list[StoredChunk] = []
     seen: set[str] = set()
     total = 0
     for cid in sorted(eligible):
         nxt: StoredChunk | None = eligible[cid]
-        for _ in range(run):
+        in_run = 0
+        while in_run < run_bytes:
             if total >= budget or nxt is None or nxt.id in seen:
                 break
             picked.append(nxt)
             seen.add(nxt.id)
             total += nxt.size
+            in_run += nxt.size
             nxt = at.get((nxt.pack_id, nxt.offset + nxt.stored))
     return picked
 
