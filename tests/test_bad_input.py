@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -88,6 +89,19 @@ def test_a_step_is_not_taken_from_digits_inside_a_name(
         assert ferry(["push", str(make_checkpoint(tmp_path / named)), local_url,
                       "--job", "j", "--node", "n", *SMALL]) == 0  # fmt: skip
         assert f"pushed j step {step} node n" in capsys.readouterr().out
+
+
+def test_a_small_step_says_its_rate_in_a_unit_that_shows_it(
+    tmp_path: Path, local_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A newcomer's trial: a step of a few KB pushed and pulled "at 0 MB/s"."""
+    src = tmp_path / "step_000001"
+    write_file(src / "notes.txt", b"hello\n" * 500)
+    assert ferry(["push", str(src), local_url, "--job", "j", "--node", "n"]) == 0
+    assert ferry(["pull", local_url, str(tmp_path / "out"), "--job", "j", "--step", "1"]) == 0
+    out = capsys.readouterr().out
+    rates = re.findall(r"([\d,.]+) (B|KB|MB|GB)/s", out)
+    assert len(rates) == 2 and all(float(n.replace(",", "")) > 0 for n, _ in rates), out
 
 
 def test_a_store_given_as_the_checkpoint_is_refused(

@@ -8,6 +8,14 @@ from __future__ import annotations
 _UNITS = ("B", "KB", "MB", "GB", "TB")
 
 
+def format_rate(nbytes: float, seconds: float) -> str:
+    """``4.2 MB/s``, ``310.0 KB/s``: a small transfer's rate in the unit that shows it (a
+    fixed MB/s printed "0 MB/s" for a step of a few KB); ``-`` when no time was measured."""
+    if not seconds > 0:
+        return "-"
+    return f"{format_size(nbytes / seconds)}/s"
+
+
 def format_size(nbytes: float | None) -> str:
     """``512 B``, ``4.2 MB``, ``1,234.5 TB``; ``-`` for None (unknown)."""
     if nbytes is None:

@@ -6,6 +6,8 @@ import sys
 import threading
 import time
 
+from transfer.units import format_rate, format_size
+
 
 class TerminalProgress:
     def __init__(self) -> None:
@@ -34,10 +36,10 @@ class TerminalProgress:
 
     def _draw(self, now: float) -> None:
         frac = self._done / self._total if self._total else 1.0
-        rate = self._done / max(now - self._started, 1e-6) / 1e6
+        rate = format_rate(self._done, now - self._started)
         bar = "#" * int(frac * 30)
         sys.stderr.write(
-            f"\r{self._what} [{bar:<30}] {frac:6.1%} {self._done / 1e6:,.0f}/"
-            f"{self._total / 1e6:,.0f} MB {rate:,.0f} MB/s"
+            f"\r{self._what} [{bar:<30}] {frac:6.1%} {format_size(self._done)}/"
+            f"{format_size(self._total)} {rate}"
         )
         sys.stderr.flush()

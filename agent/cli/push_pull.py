@@ -20,6 +20,7 @@ from agent.cli.args import (
 from agent.cli.shared import default_node, human, require_store
 from transfer.format.layout import STORE_DESCRIPTOR_KEY
 from transfer.format.names import check_name, step_from_dirname
+from transfer.units import format_rate
 
 if TYPE_CHECKING:
     from agent.cli.args import Commands
@@ -198,14 +199,13 @@ async def cmd_push(
             "it cannot be planned and a DCP load of it will likely fail",
             file=sys.stderr,
         )
-    rate = r.bytes_raw / r.seconds / 1e6 if r.seconds else 0.0
     note = " (already committed, identical)" if r.already_committed else ""
     line = (
         f"pushed {r.job} step {r.step} node {r.node}: {r.files} files, {human(r.bytes_raw)}, "
         f"wrote {human(r.bytes_transferred)} ({r.chunks_deduped}/{r.chunks_total} chunks "
         f"deduplicated, {r.chunks_delta} delta-coded"
         + (f" against step {r.base_step}" if r.base_step is not None else "")
-        + f") in {r.seconds:.2f}s, {rate:,.0f} MB/s{note}"
+        + f") in {r.seconds:.2f}s, {format_rate(r.bytes_raw, r.seconds)}{note}"
     )
     return r.to_dict(), line
 
@@ -268,7 +268,6 @@ async def cmd_pull(
         PullEvents(progress=progress),
         transfer_options(args),
     )
-    rate = r.bytes_raw / r.seconds / 1e6 if r.seconds else 0.0
     what = f"{human(r.bytes_raw)}"
     if share is not None:
         of = f"ranks {args.ranks} of {args.world_size}" if share.layout else "the items listed"
@@ -282,8 +281,7 @@ async def cmd_pull(
             if r.base_dir
             else ""
         )
-        + f" in {r.seconds:.2f}s, "
-        f"{rate:,.0f} MB/s, every chunk verified"
+        + f" in {r.seconds:.2f}s, {format_rate(r.bytes_raw, r.seconds)}, every chunk verified"
     )
     return r.to_dict(), line
 
