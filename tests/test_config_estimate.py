@@ -23,6 +23,7 @@ from agent.daemon.config import (
 from agent.node.estimate import (
     DEFAULT_RATES,
     DEFAULT_SPREAD,
+    MAX_PROBE_MISS,
     PREFETCH_START_SECONDS,
     TIMING_JITTER_SECONDS,
     BandwidthMeter,
@@ -467,6 +468,18 @@ def test_a_first_transfer_far_from_its_probe_widens_the_range_until_a_second() -
     assert estimate(far).seconds_low <= 0.75 < estimate(close).seconds_low  # the probe's time
     far.record("tier:x", 200 * MiB, 1.0)
     assert far.spread("tier:x") == 0.0
+    # a probe slower by as much counts as much; a wild one at most MAX_PROBE_MISS; the
+    # disk's write probe not at all (it times a probe alone, a restore its writes beside
+    # a fetch: they differ by design)
+    slow, wild = BandwidthMeter(), BandwidthMeter()
+    slow.record("tier:x", 100 * MiB, 1.0, provisional=True)
+    slow.record("tier:x", 200 * MiB, 1.0)
+    wild.record("tier:x", 5000 * MiB, 1.0, provisional=True)
+    wild.record("tier:x", 200 * MiB, 1.0)
+    wild.record("disk", 3000 * MiB, 1.0, provisional=True)
+    wild.record("disk", 280 * MiB, 1.0)
+    assert slow.spread("tier:x") == pytest.approx(1.0)
+    assert wild.spread("tier:x") == MAX_PROBE_MISS and wild.spread("disk") == DEFAULT_SPREAD
 
 
 def test_a_prefetch_that_moves_nothing_still_costs_its_start() -> None:

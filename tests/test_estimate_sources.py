@@ -43,7 +43,9 @@ def test_the_estimate_names_the_peer_that_will_serve_and_probes_it_first(
             est = await b.estimate("llm", 40)
             assert (est["source"], est["rate_basis"]) == (f"peer:{url_a}", "probe"), est
             assert est["bytes_bases"] == 0 and set(est["bytes_by_source"]) == {"peer"}
+            # a probe's rate comes with the default spread: up to twice the estimate
             assert est["seconds_low"] < est["seconds"] < est["seconds_high"]
+            assert est["seconds_high"] >= 1.99 * est["seconds"], est
             done = await prefetched(b, 40)
             moved = sum(done["bytes_by_source"].values())
             assert done["bytes_by_source"]["peer"] > 0.9 * moved
@@ -135,25 +137,37 @@ def test_a_probe_samples_a_quarter_of_the_transfer_within_its_bounds() -> None:
     ids = [hashlib.blake2b(str(n).encode()).hexdigest()[:64] for n in range(200)]
     for n, cid in enumerate(ids):  # two packs of 100 chunks of 4 MiB, stored at 3 MiB each
         index.add(StoredChunk(cid, 4 * mib, "zstd", f"p{n // 100}", (n % 100) * 3 * mib, 3 * mib))
-    picked = probe.sample(index, set(ids), {}, run=6, budget=250 * mib)
+    picked = probe.sample(index, set(ids), {}, run_bytes=probe.RUN_BYTES, budget=250 * mib)
     assert sum(c.size for c in picked) == 252 * mib  # 63 chunks: the one that reaches 250 MiB
     assert len({c.id for c in picked}) == len(picked)
     # what the probe then reads, one request each
     runs = [list(r.chunks) for r in coalesce(picked, max_gap=0)]
-    assert max(len(r) for r in runs) >= 6 and len(runs) <= 63 // 6 + 1
+    assert max(len(r) for r in runs) >= probe.RUN_BYTES // (3 * mib) and len(runs) <= 63 // 6 + 1
     assert all(b.offset == a.offset + a.stored for r in runs for a, b in itertools.pairwise(r))
+
+    def pack_of(sizes: list[int]) -> ChunkIndex:
+        out, offset = ChunkIndex(), 0
+        for cid, size in zip(ids, sizes, strict=False):
+            out.add(StoredChunk(cid, size, "zstd", "p", offset, size))
+            offset += size
+        return out
+
+    def stored_runs(picked: list[StoredChunk]) -> list[int]:
+        return sorted(sum(c.stored for c in r.chunks) for r in coalesce(picked, max_gap=0))
+
     # a DCP file cut at its items: three of every four chunks hold small items (64 KiB), yet
-    # each request still reads about RUN full chunks' worth, as a restore's long ranges do
-    mixed = ChunkIndex()
-    offset = 0
-    for n, cid in enumerate(ids):
-        size = 4 * mib if n % 4 == 0 else 64 << 10
-        mixed.add(StoredChunk(cid, size, "zstd", "p", offset, size))
-        offset += size
-    picked = probe.sample(mixed, set(ids), {}, run=6, budget=128 * mib)
-    runs = [list(r.chunks) for r in coalesce(picked, max_gap=0)]
-    run_bytes = sorted(sum(c.size for c in r) for r in runs)
-    assert run_bytes[len(run_bytes) // 2] >= 6 * 4 * mib
+    # each request of a tier probe still reads RUN_BYTES, as a restore's long ranges do; a
+    # peer's probe (asked chunk by chunk) keeps the mix of sizes by count
+    mixed = pack_of([4 * mib if n % 4 == 0 else 64 << 10 for n in range(len(ids))])
+    tier = stored_runs(probe.sample(mixed, set(ids), {}, run_bytes=probe.RUN_BYTES))
+    assert tier[len(tier) // 2] >= probe.RUN_BYTES
+    alone = probe.sample(mixed, set(ids), {}, budget=128 * mib)
+    small = sum(c.size < mib for c in alone) / len(alone)
+    assert 0.6 < small < 0.9, small
+    # every chunk small: a run is still RUN_BYTES long, not six small chunks
+    tiny = stored_runs(probe.sample(pack_of([64 << 10] * len(ids)), set(ids), {},
+                                    run_bytes=probe.RUN_BYTES))  # fmt: skip
+    assert max(tiny) >= min(probe.RUN_BYTES, len(ids) * 64 << 10) // 2
 
 
 def test_auto_writes_buffered_only_where_the_page_cache_is_the_cheaper_way(

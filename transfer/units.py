@@ -1,6 +1,6 @@
-"""Sizes as ``ferry`` prints them: one formatter, in decimal units (1 MB = 1000**2 bytes, as
-``ferry push``'s rates in MB/s are), for every command's output: push, pull, ls, verify,
-du, retention plans. Here, beside the layers, so the CLI and retention share it (typed
+"""Sizes and rates as ``ferry`` prints them: one formatter, in decimal units (1 MB = 1000**2
+bytes), for every command's output: push, pull (their rates too), ls, verify, du,
+retention plans. Here, beside the layers, so the CLI and retention share it (typed
 sizes, ``parse_size``, accept both decimal and binary units)."""
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ class TerminalProgress:
         rate = format_rate(self._done, now - self._started)
         bar = "#" * int(frac * 30)
         sys.stderr.write(
-            f"\r{self._what} [{bar:<30}] {frac:6.1%} {format_size(self._done)}/"
+            f"\r\033[K{self._what} [{bar:<30}] {frac:6.1%} {format_size(self._done)}/"
             f"{format_size(self._total)} {rate}"
         )
         sys.stderr.flush()

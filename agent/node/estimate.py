@@ -28,6 +28,10 @@ EWMA_ALPHA = 0.3
 #: transfer): its estimate is given as -33%..+100% (seconds_low..seconds_high).
 DEFAULT_SPREAD = 0.25
 
+#: The most a first transfer's distance from its probe widens a source's spread (a spread
+#: of 1 already gives a range of a third to four times the estimate).
+MAX_PROBE_MISS = 1.0
+
 #: Samples below these sizes measure request latency, not bandwidth.
 MIN_SAMPLE_BYTES = 1 * MiB
 MIN_SAMPLE_SECONDS = 0.010
@@ -71,8 +75,10 @@ class BandwidthMeter:
         self._spread: dict[str, float] = {}
         #: sources whose rate is a probe's: the first transfer replaces it
         self._provisional: set[str] = set()
-        #: how far a source's probe landed from its first transfer (relative to the
-        #: transfer's rate): the one sign of its spread until a second transfer measures it
+        #: how far a source's probe landed from its first transfer (the ratio of the two
+        #: rates less one, at most MAX_PROBE_MISS): the one sign of its spread until a second
+        #: transfer measures it. Not kept for the disk: its probe and a restore's writes
+        #: measure different things by design (a probe alone, a restore beside a fetch)
         self._probe_miss: dict[str, float] = {}
         #: EWMA of what a prefetch took besides its transfer and its re-check (seconds),
         #: per kind: "restore" (it moved bytes) or "check" (the step was here)
@@ -117,7 +123,10 @@ class BandwidthMeter:
             return True
         if source in self._provisional:  # the first transfer replaces the probe's rate
             self._provisional.discard(source)
-            self._probe_miss[source] = abs(self._rates[source] - rate) / rate
+            if _kind(source) != "disk":
+                probe = self._rates[source]
+                miss = max(probe / rate, rate / probe) - 1
+                self._probe_miss[source] = min(miss, MAX_PROBE_MISS)
             self._rates[source] = rate
             return True
         if old is not None:

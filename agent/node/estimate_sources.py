@@ -192,7 +192,7 @@ class PrefetchEstimator:
         source = f"tier:{tier}"
         basis = "measured" if meter.measured(source) else "default"
         if basis == "default" and needed:
-            picked = probe.sample(index, needed, bases, run=probe.RUN, budget=budget)
+            picked = probe.sample(index, needed, bases, run_bytes=probe.RUN_BYTES, budget=budget)
             got = await probe.probe_tier(store, picked, bases)
             if got is not None and meter.record(source, got.moved, got.seconds, provisional=True):
                 basis = "probe"

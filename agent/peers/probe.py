@@ -7,7 +7,7 @@ A probe samples a quarter of what the prefetch would move, at least PROBE_BYTES 
 chunks at the default size) and at most PROBE_MAX (``budget``). A tier probe first fetches
 IN_FLIGHT single chunks at once, untimed, to open the connections and touch the buffers a
 restore finds open and warm; then it times runs of chunks that lie back to back in a pack
-(RUN full chunks' worth of bytes), one request each, IN_FLIGHT at once, each read through
+(RUN_BYTES stored bytes of them), one request each, IN_FLIGHT at once, each read through
 the store's range reader into a reused buffer, as a restore's readers stream their ranges. A
 peer probe asks for each chunk as a prefetch would. Its rate stands in for the source's in
 the agent's BandwidthMeter until the first transfer from there replaces it (a probe writes
@@ -39,11 +39,11 @@ from transfer.store.base import Store
 PROBE_BYTES = 128 << 20
 PROBE_MAX = 384 << 20
 IN_FLIGHT = 8  # a tier probe's requests at once (one per connection it opens first)
-#: full-size chunks' worth of bytes back to back a tier probe reads per request: a restore
-#: streams long ranges, whatever the cut (a DCP file's small items make chunks of 64 KiB
-#: beside the 4 MiB ones; runs of 6 chunks by count then made the probe's requests a
-#: fraction of a restore's and the first-contact estimate of the 1.69 GB save +50..+81% slow)
-RUN = 6
+#: stored bytes back to back a tier probe reads per request (six default chunks' worth): a
+#: restore streams long ranges, whatever the cut. Runs of 6 chunks by count, once a DCP
+#: file's small items made three chunks in four 64 KiB ones, shrank the probe's requests to
+#: a fraction of a restore's and made first contact +50..+81% slow on the 1.69 GB save
+RUN_BYTES = 6 * (4 << 20)
 CHUNK = 4 << 20  # what a local re-check reads and hashes at a time
 
 
@@ -69,14 +69,15 @@ def sample(
     index: ChunkIndex,
     needed: set[str],
     bases: dict[str, LocalBase],
-    run: int = 1,
+    run_bytes: int = 0,
     budget: int = PROBE_BYTES,
 ) -> list[StoredChunk]:
     """Chunks a restore would move, up to ``budget`` raw bytes, in id order (ids are hashes: a fair
-    mix of keyframes and deltas), each followed by the chunks after it in its pack until the
-    run holds ``run`` times the largest chunk's bytes (what one request of a restore reads,
-    however the files were cut); a delta only if this node holds its base at its position
-    (a probe fetches no bases)."""
+    mix of keyframes and deltas, and of sizes by count, as a peer is asked chunk by chunk),
+    each followed by the chunks after it in its pack until the run holds ``run_bytes``
+    stored bytes (what one request of a restore from a tier reads, however the files were
+    cut; 0: each chunk alone); a delta only if this node holds its base at its position (a
+    probe fetches no bases)."""
     eligible = {
         cid: c
         for cid in needed
@@ -85,20 +86,19 @@ def sample(
         and (c.base is None or (cid in bases and bases[cid].id == c.base))
     }
     at = {(c.pack_id, c.offset): c for c in eligible.values()}
-    run_bytes = run * max((c.size for c in eligible.values()), default=0)
     picked: list[StoredChunk] = []
     seen: set[str] = set()
     total = 0
     for cid in sorted(eligible):
         nxt: StoredChunk | None = eligible[cid]
         in_run = 0
-        while in_run < run_bytes:
-            if total >= budget or nxt is None or nxt.id in seen:
-                break
+        while total < budget and nxt is not None and nxt.id not in seen:
             picked.append(nxt)
             seen.add(nxt.id)
             total += nxt.size
-            in_run += nxt.size
+            in_run += nxt.stored
+            if in_run >= run_bytes:
+                break
             nxt = at.get((nxt.pack_id, nxt.offset + nxt.stored))
     return picked
 
@@ -112,9 +112,9 @@ async def probe_tier(
 ) -> Probe | None:
     """Fetch and decode ``chunks`` from the tier (deltas against this node's bytes at
     their positions) as a restore's readers do: each run of chunks back to back in a pack
-    in one request (``sample(..., run=RUN)`` picks them so), into a reused buffer, through
-    the store's range reader when it has one; None if that fails (the estimate then keeps
-    the meter's default).
+    in one request (``sample(..., run_bytes=RUN_BYTES)`` picks them so), into a reused
+    buffer, through the store's range reader when it has one; None if that fails (the
+    estimate then keeps the meter's default).
 
     First up to IN_FLIGHT single chunks (a quarter of the sample at most), fetched at once,
     untimed: they open the connections and touch the buffers a restore finds open and warm
