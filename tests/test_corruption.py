@@ -88,6 +88,24 @@ def test_verify_reports_every_injury_and_pull_names_one(
     assert not dest.exists() and not [p for p in tmp_path.iterdir() if "staging" in p.name]
 
 
+def test_verify_reads_every_stored_copy_of_a_chunk(
+    local_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A newcomer's trial: the same save pushed under two jobs is stored twice (each job
+    dedupes within itself); the second job's copy corrupt, ``ferry verify`` of the store
+    said "all good" (it read one copy per chunk id) while a pull of that job failed."""
+    src = make_checkpoint(tmp_path / "step_000007", shard_bytes=4_000_000)
+    for job in ("a", "b"):
+        assert ferry(["push", str(src), local_url, "--job", job, "--node", "n", *ONE_PER_PACK]) == 0
+    injured = asyncio.run(_injure(local_url, "b", 7, "n"))
+    capsys.readouterr()
+    assert ferry(["verify", local_url, "--json"]) == 1
+    bad = {b["chunk"]: b for b in json.loads(capsys.readouterr().out)["bad_chunks"]}
+    assert set(bad) == set(injured), (bad, injured)
+    assert all(u.startswith("b/7/n:") for b in bad.values() for u in b["used_by"]), bad
+    assert ferry(["verify", local_url, "--job", "a"]) == 0  # job a's copies are sound
+
+
 def test_a_cold_pull_of_deltas_names_a_corrupt_base_and_leaves_nothing(
     store_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -1,4 +1,9 @@
-"""verify: re-read and re-hash every chunk that committed manifests reference."""
+"""verify: re-read and re-hash every stored chunk that committed manifests reference.
+
+Every stored copy, not every chunk id: the same content may be stored in several packs
+(pushed under another job, or by another node, outside each other's dedupe window), and a
+restore reads the copy its own manifest names, so a corrupt second copy is as bad as a
+corrupt only one (it was reported "all good" when the first copy was sound)."""
 
 from __future__ import annotations
 
@@ -8,10 +13,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from transfer.engine.catalog import list_checkpoints, load_manifest, nothing_matches, open_catalog
-from transfer.engine.chunkindex import ChunkIndex
+from transfer.engine.chunkindex import ChunkIndex, StoredChunk
 from transfer.engine.fetch import fetch_chunks
 from transfer.engine.resolver import ChunkResolver
 from transfer.errors import CheckpointNotFoundError, FormatError
+from transfer.format.manifest import ChunkRef, Manifest
 from transfer.options import TransferOptions
 from transfer.store.base import Store
 
@@ -26,7 +32,7 @@ class BadChunk:
 @dataclass
 class VerifyResult:
     checkpoints: int = 0
-    chunks: int = 0  # distinct chunks read and hashed, base_chunks included
+    chunks: int = 0  # distinct stored chunks read and hashed, base_chunks included
     #: of those, chunks of other steps that only this step's deltas decode against
     base_chunks: int = 0
     bytes_read: int = 0
@@ -52,6 +58,17 @@ class VerifyResult:
         }
 
 
+Extent = tuple[str, int]  # (pack, offset): one stored copy of a chunk
+
+
+def _extent(stored: dict[Extent, StoredChunk], m: Manifest, ch: ChunkRef) -> Extent:
+    """The stored copy ``ch`` of ``m`` names, recorded in ``stored``."""
+    at = (m.packs[ch.pack], ch.offset)
+    if at not in stored:
+        stored[at] = StoredChunk(ch.id, ch.size, ch.enc, at[0], ch.offset, ch.stored, ch.base)
+    return at
+
+
 async def verify(
     store: Store,
     *,
@@ -67,9 +84,10 @@ async def verify(
     if not entries:
         raise await nothing_matches(store, job, step)
     result = VerifyResult(checkpoints=len(entries))
-    index = ChunkIndex()
-    used_by: dict[str, list[str]] = defaultdict(list)
-    in_files: set[str] = set()
+    index = ChunkIndex()  # (a delta's base: any sound copy decodes it)
+    stored: dict[Extent, StoredChunk] = {}
+    used_by: dict[Extent, list[str]] = defaultdict(list)
+    in_files: set[Extent] = set()
     for c in entries:
         try:
             m = await load_manifest(store, c.job, c.step, c.node)
@@ -79,13 +97,15 @@ async def verify(
         index.add_manifest(m)
         for f in m.files:
             for ch in f.chunks:
-                used_by[ch.id].append(f"{m.job}/{m.step}/{m.node}:{f.path}")
-                in_files.add(ch.id)
+                at = _extent(stored, m, ch)
+                used_by[at].append(f"{m.job}/{m.step}/{m.node}:{f.path}")
+                in_files.add(at)
         for ch in m.bases:
-            used_by[ch.id].append(f"{m.job}/{m.step}/{m.node}:(base of a delta chunk)")
+            at = _extent(stored, m, ch)
+            used_by[at].append(f"{m.job}/{m.step}/{m.node}:(base of a delta chunk)")
     result.chunks = len(used_by)
     result.base_chunks = len(used_by.keys() - in_files)
-    bad: dict[str, str] = {}
+    bad: dict[Extent, str] = {}
 
     def count(n: int) -> None:
         result.bytes_read += n
@@ -94,15 +114,15 @@ async def verify(
         resolver = ChunkResolver(store, index, pool, on_bytes_read=count)
         await fetch_chunks(
             resolver,
-            [chunk for cid in used_by if (chunk := index.get(cid)) is not None],
+            stored.values(),
             part_size=options.part_size,
             window=options.window,
             sink=lambda c, data: None,
-            on_bad=lambda c, reason: bad.__setitem__(c.id, reason),
+            on_bad=lambda c, reason: bad.__setitem__((c.pack_id, c.offset), reason),
         )
     result.bad = [
-        BadChunk(cid, reason, tuple(sorted(set(used_by[cid]))))
-        for cid, reason in sorted(bad.items())
+        BadChunk(stored[at].id, reason, tuple(sorted(set(used_by[at]))))
+        for at, reason in sorted(bad.items(), key=lambda item: (stored[item[0]].id, item[0]))
     ]
     result.seconds = time.monotonic() - started
     return result
