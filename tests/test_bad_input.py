@@ -828,16 +828,27 @@ def test_a_save_with_an_unreadable_metadata_is_pushed_with_a_note(
     assert "not DCP metadata" not in capsys.readouterr().err
 
 
-def test_a_save_without_metadata_is_pushed_with_a_note(
+def test_a_save_without_metadata_is_refused_unless_it_is_a_part(
     local_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """DCP writes .metadata last: shards without it are an unfinished save, or one node's
-    part (--part). Pushed as they are (plain files may be named so), with a note."""
+    part (--part). A newcomer's trial: pushed with a note, the unfinished save became the
+    job's newest step, and ``ferry retention --keep-last 1`` expired the step before it,
+    the last one a DCP load could read. Refused now, with nothing written; --part pushes."""
+    good = tmp_path / "good" / "step_000100"
+    good.mkdir(parents=True)
+    (good / "__0_0.distcp").write_bytes(b"abc")
+    (good / ".metadata").write_bytes(b"not ours to judge")
+    assert ferry(["push", str(good), local_url, "--job", "k"]) == 0
     ckpt = tmp_path / "step_000200"
     ckpt.mkdir()
     (ckpt / "__0_0.distcp").write_bytes(b"abc")
+    err = ferry_misused(capsys, "push", str(ckpt), local_url, "--job", "k")
+    assert "holds DCP shards but no .metadata" in err and "--part" in err, err
+    assert ferry(["retention", local_url, "--keep-last", "1", "--grace", "0"]) == 0
+    capsys.readouterr()
+    assert ferry(["ls", local_url, "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)["checkpoints"]
+    assert [(c["job"], c["step"]) for c in listed] == [("k", 100)], listed
     assert ferry(["push", str(ckpt), local_url, "--job", "j", "--node", "a", "--part"]) == 0
     assert "no .metadata" not in capsys.readouterr().err
-    assert ferry(["push", str(ckpt), local_url, "--job", "k"]) == 0
-    err = capsys.readouterr().err
-    assert "holds DCP shards but no .metadata: a DCP load of this step will fail" in err

@@ -73,6 +73,7 @@ def test_sigkilled_push_leaves_no_manifest_and_a_retry_succeeds(
     src = tmp_path / "step_000009"
     for rank in range(3):
         write_file(src / f"__{rank}_0.distcp", os.urandom(80 << 20))
+    write_file(src / ".metadata", b"metadata")  # (shards without it: an unfinished save)
     cmd = [
         sys.executable, "-m", "agent", "push", str(src), store_url, "--job", "k", "--node", "n",
         "--chunk-size-mib", "1", "--part-size-mib", "5", "--pack-size-mib", "10", "--window", "2",

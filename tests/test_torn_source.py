@@ -143,6 +143,7 @@ def test_a_file_deleted_during_a_push_fails_naming_it_and_commits_nothing(
     ckpt = tmp_path / "job" / "step_000010"
     write_file(ckpt / "__0_0.distcp", random_bytes(1_500_000, seed=1))
     write_file(ckpt / "__1_0.distcp", random_bytes(700_000, seed=2))
+    write_file(ckpt / ".metadata", b"metadata")  # (shards without it: an unfinished save)
     write_file(ckpt / "notes.txt", b"x")
     url = local_url
     store = open_store(url)

@@ -158,6 +158,16 @@ async def cmd_push(
     node = args.node or default_node()
     check_name("job", args.job)
     check_name("node", node)
+    trouble = metadata_trouble(args.ckpt_dir)
+    if trouble == "missing" and not args.part:
+        # pushed, it would be the job's newest step, which `latest` and retention's
+        # keep-last count, though no DCP load of it can succeed (a newcomer's trial: retention
+        # then expired the step before it, the last loadable one)
+        raise UsageError(
+            f"{args.ckpt_dir} holds DCP shards but no .metadata (DCP writes it last: an "
+            "unfinished save?): wait for the save to finish, or push one node's part of a "
+            "multi-node save with --part"
+        )
     # before anything is written anywhere: a directory that is no store stays untouched
     await (init_store(store) if args.init else require_store(store, hint=" (or pass --init)"))
     if not args.node and not os.environ.get("FERRY_NODE"):
@@ -184,15 +194,7 @@ async def cmd_push(
         journal.remove()  # committed: its manifest references every pack
     finally:
         journal.close()
-    trouble = metadata_trouble(args.ckpt_dir)
-    if trouble == "missing" and not args.part:
-        print(
-            f"ferry push: note: {args.ckpt_dir} holds DCP shards but no .metadata: a DCP "
-            "load of this step will fail unless another node's part brings it (an "
-            "unfinished save? one node's part of a multi-node save: push it with --part)",
-            file=sys.stderr,
-        )
-    elif trouble == "unreadable":
+    if trouble == "unreadable":
         print(
             f"ferry push: note: {args.ckpt_dir}/.metadata is not DCP metadata ferry can "
             "read (torn, empty or foreign?): the step was pushed as it is, but a share of "
