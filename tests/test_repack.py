@@ -196,6 +196,41 @@ def test_plan_du_and_run_give_one_size(
     run(_assert_every_step_pulls(store, dirs, tmp_path))
 
 
+def test_a_second_copy_of_a_save_is_re_pointed_as_the_plan_says(
+    local_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A newcomer's trial: the same save pushed under two jobs is stored twice (each job
+    dedupes within itself). The dry run and ``du`` counted the second copy's pack as freed
+    (the plan keeps one copy per chunk), but the run, having no chunk to move, re-pointed
+    nothing and deleted no pack. Now the run does what its plan said."""
+    from agent.cli.run import main as ferry
+
+    store = open_test_store(local_url)
+    save = tmp_path / "step_000010"
+    write_file(save / "__0_0.distcp", random_bytes(2_000_000, 1))
+    write_file(save / ".metadata", b"metadata")
+    for job in ("a", "b"):
+        assert ferry(["push", str(save), local_url, "--job", job, "--node", "n"]) == 0
+    twice = run(_pack_bytes(store))
+
+    def cli(*args: str) -> dict:  # type: ignore[type-arg]
+        assert ferry([*args, "--json"]) == 0
+        return json.loads(capsys.readouterr().out)
+
+    capsys.readouterr()
+    retention = ["retention", local_url, "--keep-last", "3", "--grace", "0"]
+    dry = cli(*retention, "--dry-run")["tiers"][0]
+    assert dry["gc"]["deleted_packs"], dry  # the second copy's pack
+    done = cli(*retention)["tiers"][0]
+    assert done["gc"]["deleted_packs"] == dry["gc"]["deleted_packs"], (done, dry)
+    assert run(_pack_bytes(store)) <= 0.55 * twice
+    for job in ("a", "b"):
+        dest = tmp_path / f"pulled-{job}"
+        assert ferry(["pull", local_url, str(dest), "--job", job]) == 0
+        assert tree_bytes(dest) == tree_bytes(save)
+    assert run(verify(store)).ok
+
+
 async def _dry(store: Store, policy: RepackPolicy):  # type: ignore[no-untyped-def]
     tiers = [Tier(store, TierPolicy(keep_last=1))]
     plan = await make_plan(tiers, now=time.time(), repacking=policy)

@@ -97,7 +97,11 @@ async def repack(
     moving = layout_now.moving()
     result.chunks_moved = len(moving)
     result.bytes_moved = sum(c.stored for c in moving)
-    if dry_run or not (moving or layout_now.reencode):
+    # a pack to empty with nothing to move out of it holds only second copies of chunks
+    # stored elsewhere too (the same save under two jobs): its parts are re-pointed at the
+    # copy kept, as the forecast (and so `ferry du` and the dry run) counts; a newcomer's
+    # trial saw the dry run promise a pack that the run then kept
+    if dry_run or not (moving or layout_now.reencode or layout_now.vacated()):
         result.packs_vacated = sorted(layout_now.vacated())
         result.bytes_vacated = sum(inv.pack_sizes.get(p, 0) for p in result.packs_vacated)
         return result
