@@ -506,6 +506,27 @@ def test_a_url_whose_colon_was_lost_is_refused_not_made_a_local_store(
     assert (tmp_path / url.split("/")[0]).is_dir()
 
 
+@pytest.mark.parametrize(
+    ("url", "says"),
+    [
+        ("ftp://x/y", "cannot be opened from a URL alone"),  # (its filesystem wants a host)
+        ("zip://x", "cannot be opened from a URL alone"),  # (and a file to open)
+        ("file://../x", "file:///absolute/path, or the path alone (../x)"),
+    ],
+)
+def test_a_url_no_store_can_be_made_of_fails_in_one_line(
+    url: str, says: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """A newcomer's trial: ``ferry ls ftp://x/y`` printed a traceback (fsspec's filesystem
+    wanted a host) and another as the half-made filesystem was collected; ``zip://x`` said
+    only "[Errno 21] Is a directory"; ``file://../x`` "names a remote host", no more."""
+    monkeypatch.chdir(tmp_path)
+    err = ferry_fails(capsys, "ls", url)
+    assert says in err and len(err.splitlines()) == 1, err
+    assert "Traceback" not in err and list(tmp_path.iterdir()) == []
+
+
 def test_an_empty_save_directory_is_not_committed(
     local_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

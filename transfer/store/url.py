@@ -3,6 +3,7 @@ any other protocol fsspec knows (``memory://NAME``: an in-process store)."""
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -98,7 +99,10 @@ def _checked_endpoint(endpoint: str | None) -> str | None:
 
 def _file_store(url: str, parsed: ParseResult, options: StoreOptions) -> Store:
     if parsed.netloc not in ("", "localhost"):
-        raise ValueError(f"file URL {url!r} names a remote host")
+        raise ValueError(
+            f"file URL {url!r} names a remote host ({parsed.netloc!r}): a local directory is "
+            f"file:///absolute/path, or the path alone ({parsed.netloc}{parsed.path})"
+        )
     return LocalStore(
         Path(unquote(parsed.path)).absolute(), options.retry_policy(), options.pool_size
     )
@@ -124,13 +128,30 @@ def _fsspec_store(url: str, parsed: ParseResult, options: StoreOptions) -> Store
 
     if scheme not in fsspec.available_protocols():
         raise ValueError(
-            f"unsupported store URL {url!r}: use a path, file://PATH, s3://bucket/prefix, "
-            "memory://NAME or another fsspec protocol"
+            f"unsupported store URL {url!r}: use a path, file://PATH, s3://bucket/prefix "
+            "or another fsspec protocol (memory://NAME: within one process)"
         )
     try:
-        fs = fsspec.filesystem(scheme)
+        cls = fsspec.get_filesystem_class(scheme)
     except ImportError as exc:
         raise ValueError(f"store URL {url!r} needs a package fsspec names: {exc}") from None
+    # ftp:// wants a host argument, zip:// a file to open: filesystems a URL alone does not
+    # make (and a half-made one can complain again as it is collected: asked first)
+    unopenable = ValueError(
+        f"store URL {url!r}: fsspec's {scheme!r} filesystem cannot be opened from a URL "
+        "alone; use a path, file://PATH or s3://bucket/prefix"
+    )
+    required = [
+        p.name
+        for p in inspect.signature(cls.__init__).parameters.values()
+        if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    if required[1:]:  # (beyond self)
+        raise unopenable
+    try:
+        fs = cls()
+    except Exception as exc:  # fsspec's backends raise what they like
+        raise ValueError(f"{unopenable} ({type(exc).__name__}: {exc})") from None
     root = fs._strip_protocol(url).rstrip("/")
     if not root.strip("/"):
         raise ValueError(f"store URL {url!r} names no path ({scheme}://NAME)")
