@@ -527,6 +527,28 @@ def test_a_url_no_store_can_be_made_of_fails_in_one_line(
     assert "Traceback" not in err and list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--chunk-size-mib", "0"], "--chunk-size-mib must be within 4 KiB..64 MiB"),
+        (["--window", "0"], "--window and --workers must be positive"),
+        (["--zstd-level", "99"], "--zstd-level must be at most 22"),
+        (["--part-size-mib", "1", "--chunk-size-mib", "4"], "--part-size-mib must be at least"),
+    ],
+)
+def test_transfer_flags_that_cannot_work_are_usage_errors_naming_them(
+    flags: list[str], says: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A newcomer's trial: ``--chunk-size-mib 0`` said "chunk_size must be within ..." and
+    exited 1, ``--zstd-level 99`` failed only at the first chunk, mid-push, as "level must
+    be less than 23". A usage error (exit 2) naming the flag, before anything is made."""
+    src = make_checkpoint(tmp_path / "step_000001")
+    store = tmp_path / "store"
+    err = ferry_misused(capsys, "push", str(src), str(store), "--init", "--job", "j", *flags)
+    assert says in err and len(err.splitlines()) == 1, err
+    assert not store.exists()
+
+
 def test_an_empty_save_directory_is_not_committed(
     local_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

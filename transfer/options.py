@@ -15,6 +15,9 @@ CHECKSUMS = ("crc32", "md5", "none")
 #: how a restore may write (TransferOptions.write_path; engine/writepath.py)
 WRITE_PATHS = ("auto", "warm", "direct", "buffered")
 
+#: zstd's highest level (zstandard.MAX_COMPRESSION_LEVEL; negative levels are its fast modes)
+ZSTD_MAX_LEVEL = 22
+
 
 @dataclass(frozen=True)
 class TransferOptions:
@@ -93,6 +96,9 @@ class TransferOptions:
             )
         if self.window < 1 or self.workers < 1:
             raise ValueError("window and workers must be positive")
+        if self.zstd_level is not None and self.zstd_level > ZSTD_MAX_LEVEL:
+            # (zstandard refused it only at the first chunk, mid-push)
+            raise ValueError(f"zstd_level must be at most {ZSTD_MAX_LEVEL}")
 
 
 MiB = 1 << 20

@@ -5,6 +5,7 @@ back from the flags, and the usage error main reports as argparse does (exit 2).
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
@@ -72,8 +73,29 @@ def add_tls_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--key-file", type=Path, help="the client certificate's key (PEM)")
 
 
+#: TransferOptions' field names as their messages give them -> the flags that set them
+_FLAG_OF = {
+    "chunk_size": "--chunk-size-mib",
+    "part_size": "--part-size-mib",
+    "pack_size": "--pack-size-mib",
+    "window": "--window",
+    "workers": "--workers",
+    "zstd_level": "--zstd-level",
+    "max_chain": "--max-chain",
+    "delta_min_saving": "--delta-min-saving",
+    "max_cold_cost": "--max-cold-cost",
+}
+
+
 def transfer_options(args: argparse.Namespace) -> TransferOptions:
-    return chosen(args, TransferSettings).to_options()
+    """The transfer options the flags chose; a combination they cannot make is a usage
+    error naming the flags (``--chunk-size-mib 0`` said "chunk_size must be within 4
+    KiB..64 MiB" and exited 1)."""
+    try:
+        return chosen(args, TransferSettings).to_options()
+    except ValueError as exc:
+        message = re.sub(r"\b[a-z_]+\b", lambda m: _FLAG_OF.get(m[0], m[0]), str(exc))
+        raise UsageError(message) from None
 
 
 def store_options(args: argparse.Namespace) -> StoreOptions:
