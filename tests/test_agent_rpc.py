@@ -374,6 +374,12 @@ def test_plan_finds_youngs_interval(capsys: pytest.CaptureFixture[str]) -> None:
     doc = json.loads(capsys.readouterr().out)
     assert doc["optimal_interval_steps"] == 569  # sqrt(2 x 30 s x 6 h) = 1138 s = 569 steps
     assert doc["optimal_badput"] < doc["current_badput"]
+    # a newcomer's trial: "mtbi_seconds must be a positive finite number, got -21600.0"
+    for flag, value in (("--mtbi-hours", "-6"), ("--step-seconds", "0"), ("--save-seconds", "nan")):
+        with pytest.raises(SystemExit) as misused:
+            ferry([*argv, flag, value])
+        assert misused.value.code == 2
+        assert f"argument {flag}: must be" in capsys.readouterr().err
 
 
 def test_prefetch_prefers_peers_and_survives_a_peer_dying(local_url: str, tmp_path: Path) -> None:

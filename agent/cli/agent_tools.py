@@ -9,7 +9,7 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from agent.cli.args import add_tls_args
+from agent.cli.args import _non_negative_float, _positive_float, _positive_int, add_tls_args
 from agent.cli.shared import human
 from transfer.errors import FerryError
 
@@ -34,20 +34,24 @@ def add_estimate(sub: Commands) -> None:
     add_tls_args(p)
     p.add_argument("--job", required=True)
     p.add_argument("--step", default="latest")
-    p.add_argument("--gpus", type=int, default=1, help="GPUs idle while the job migrates")
-    p.add_argument("--gpu-hour-price", type=float, default=0.0)
+    p.add_argument("--gpus", type=_positive_int, default=1, help="GPUs idle while the job migrates")
+    p.add_argument("--gpu-hour-price", type=_non_negative_float, default=0.0)
     p.add_argument("--json", action="store_true")
 
 
 def add_plan(sub: Commands) -> None:
     p = sub.add_parser("plan", help="badput and the checkpoint interval that minimises it")
-    p.add_argument("--save-seconds", type=float, required=True, help="training stall per save")
-    p.add_argument("--step-seconds", type=float, required=True, help="one training step")
     p.add_argument(
-        "--mtbi-hours", type=float, required=True, help="mean time between interruptions"
+        "--save-seconds", type=_non_negative_float, required=True, help="training stall per save"
     )
-    p.add_argument("--interval-steps", type=int, help="the interval in use now, to compare")
-    p.add_argument("--restart-seconds", type=float, default=0.0)
+    p.add_argument("--step-seconds", type=_positive_float, required=True, help="one training step")
+    p.add_argument(
+        "--mtbi-hours", type=_positive_float, required=True, help="mean time between interruptions"
+    )
+    p.add_argument(
+        "--interval-steps", type=_positive_int, help="the interval in use now, to compare"
+    )
+    p.add_argument("--restart-seconds", type=_non_negative_float, default=0.0)
     p.add_argument("--json", action="store_true")
 
 

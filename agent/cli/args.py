@@ -5,6 +5,7 @@ back from the flags, and the usage error main reports as argparse does (exit 2).
 from __future__ import annotations
 
 import argparse
+import math
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
@@ -130,6 +131,20 @@ def _fraction(text: str) -> float:
     value = float(text)
     if not 0.0 < value <= 1.0:
         raise argparse.ArgumentTypeError(f"must be within (0, 1], got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not (value >= 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
     return value
 
 
