@@ -62,6 +62,7 @@ from typing import Any
 
 import aiohttp
 
+from agent.cli.args import _non_negative_float, _positive_float  # (the CLI's own parsers)
 from agent.rpc.client import FerryClient, RpcError
 from agent.rpc.tls import TlsError
 
@@ -107,20 +108,6 @@ def _step(value: str) -> int | str:
     return int(value)
 
 
-def _positive(value: str) -> float:
-    number = float(value)
-    if not (number > 0 and math.isfinite(number)):
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {value!r}")
-    return number
-
-
-def _non_negative(value: str) -> float:
-    number = float(value)
-    if not (number >= 0 and math.isfinite(number)):
-        raise argparse.ArgumentTypeError(f"expected a non-negative number, got {value!r}")
-    return number
-
-
 def _count(value: str) -> int:
     number = int(value)
     if number < 0:
@@ -155,14 +142,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--key-file", type=Path, help="the client certificate's key (PEM)")
     p.add_argument("--gpus", type=_count, default=1, help="GPUs idle while the job migrates")
-    p.add_argument("--gpu-hour-price", type=_non_negative, default=0.0, help="per GPU-hour")
+    p.add_argument("--gpu-hour-price", type=_non_negative_float, default=0.0, help="per GPU-hour")
     p.add_argument(
         "--timeout",
-        type=_positive,
+        type=_positive_float,
         default=600.0,
         help="seconds for the whole migration; also the pins' TTL (default 600)",
     )
-    p.add_argument("--poll", type=_positive, default=0.5, help="status poll interval, seconds")
+    p.add_argument(
+        "--poll", type=_positive_float, default=0.5, help="status poll interval, seconds"
+    )
     p.add_argument(
         "--new-world-size",
         type=int,
