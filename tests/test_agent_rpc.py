@@ -82,6 +82,9 @@ def test_bad_requests_get_json_4xx(local_url: str, tmp_path: Path) -> None:
                 async with s.request(method, url + path, **kwargs) as r:
                     assert r.status == status, (path, kwargs, await r.text())
                     assert "error" in await r.json(content_type=None)
+            # a newcomer's trial: "invalid literal for int() with base 10: 'abc'"
+            async with s.get(url + "/v1/estimate?job=j&gpus=abc") as r:
+                assert "gpus must be an integer" in (await r.json())["error"]
         assert not (tmp_path / "etc").exists()
 
     asyncio.run(go())

@@ -32,10 +32,16 @@ async def get_estimate(request: web.Request) -> web.Response:
     query = request.query
     job = check_name("job", query.get("job"))
     step = parse_step_arg(query.get("step", "latest"))
-    gpus = int(query.get("gpus", "1"))
-    price = float(query.get("gpu_hour_price", "0"))
-    if not 0 <= gpus <= 1_000_000 or not (math.isfinite(price) and 0 <= price <= 1e6):
-        raise ValueError("gpus must be in 0..1000000 and gpu_hour_price a price in 0..1e6")
+    try:  # ("invalid literal for int() with base 10: 'abc'" named neither parameter)
+        gpus = int(query.get("gpus", "1"))
+        price = float(query.get("gpu_hour_price", "0"))
+        valid = 0 <= gpus <= 1_000_000 and math.isfinite(price) and 0 <= price <= 1e6
+    except ValueError:
+        valid = False
+    if not valid:
+        raise ValueError(
+            "gpus must be an integer in 0..1000000 and gpu_hour_price a price in 0..1e6"
+        )
     layout = query.get("layout")  # "W:A,B": the share those ranks of W would read
     app = request.app
     estimator = PrefetchEstimator(app[CONFIG], app[TIERS], app[METER], app[PREFETCHER])
