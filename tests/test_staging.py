@@ -10,6 +10,8 @@ import shutil
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import adamw_series, open_test_store, run, tree_bytes
 from transfer.engine import PullPlan, pull, push
 from transfer.engine.settle import settle
@@ -103,3 +105,27 @@ def test_the_start_up_sweep_keeps_one_resumable_leftover_per_destination(
     removed = sweep_stale_staging(parent)
     assert sorted(removed) == sorted([older, done, stale, fill])
     assert newest.exists() and (parent / "step_000002").exists()
+
+
+def test_an_interrupted_restore_says_so_when_it_keeps_its_staging(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A newcomer's trial: a pull stopped by Ctrl-C ended "... resumes from it
+    (CancelledError)", a name from the code, not what happened."""
+    import asyncio
+
+    from transfer.engine.pull import _kept_if_resumable
+
+    class Kept:  # what _kept_if_resumable uses of a Staging
+        path = tmp_path / "staging"
+
+        def release(self) -> None:
+            pass
+
+    async def stopped() -> None:
+        async with _kept_if_resumable(Kept()):  # type: ignore[arg-type]
+            raise asyncio.CancelledError
+
+    with caplog.at_level("WARNING"), pytest.raises(asyncio.CancelledError):
+        run(stopped())
+    assert "the same pull resumes from it (interrupted)" in caplog.text, caplog.text

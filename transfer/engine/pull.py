@@ -172,8 +172,10 @@ async def _kept_if_resumable(staging: Staging) -> AsyncIterator[None]:
         yield
     except BaseException as exc:
         if worth_resuming(exc):
+            stopped = isinstance(exc, asyncio.CancelledError | KeyboardInterrupt)
+            why = "interrupted" if stopped else type(exc).__name__
             log.warning("kept the partial restore in %s: the same pull resumes from it (%s)",
-                        staging.path, type(exc).__name__)  # fmt: skip
+                        staging.path, why)  # fmt: skip
         else:
             await asyncio.shield(asyncio.to_thread(shutil.rmtree, staging.path, True))
         raise
