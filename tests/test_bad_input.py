@@ -895,3 +895,21 @@ def test_a_save_without_metadata_is_refused_unless_it_is_a_part(
     assert [(c["job"], c["step"]) for c in listed] == [("k", 100)], listed
     assert ferry(["push", str(ckpt), local_url, "--job", "j", "--node", "a", "--part"]) == 0
     assert "no .metadata" not in capsys.readouterr().err
+
+
+def test_an_interrupted_push_says_how_to_tell_whether_it_committed(
+    local_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """A newcomer's trial: Ctrl-C as a push committed printed "ferry push: interrupted",
+    and ``ferry ls`` then listed the step. The message says how to tell, and what to run."""
+    import transfer.engine
+
+    async def stopped(*args: object, **kwargs: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(transfer.engine, "push", stopped)
+    src = make_checkpoint(tmp_path / "step_000001")
+    assert ferry(["push", str(src), local_url, "--job", "j", "--node", "n"]) == 130
+    err = capsys.readouterr().err
+    assert "ferry push: interrupted: the step is committed only if `ferry ls` lists it" in err

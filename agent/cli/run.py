@@ -208,7 +208,14 @@ def _main(argv: list[str] | None) -> int:
         print(f"ferry {args.command}: error: {msg}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        print(f"ferry {args.command}: interrupted", file=sys.stderr)
+        # (a push stopped as it commits may have committed: seen in a newcomer's trial)
+        after = (
+            ": the step is committed only if `ferry ls` lists it; the same push again "
+            "finishes it, or says it is committed already"
+            if args.command == "push"
+            else ""
+        )
+        print(f"ferry {args.command}: interrupted{after}", file=sys.stderr)
         return 130
     except _Terminated:
         print(f"ferry {args.command}: terminated (SIGTERM); stopped cleanly", file=sys.stderr)
