@@ -450,6 +450,9 @@ def test_usage_errors_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     )
     assert ferry(["push", str(d), str(tmp_path), "--job", "bad/name", "--step", "1"]) == 1
     assert "invalid job name" in capsys.readouterr().err
+    # (a newcomer's trial: --node '' fell back to $FERRY_NODE or the host name unsaid)
+    assert ferry(["push", str(d), str(tmp_path), "--job", "j", "--step", "1", "--node", ""]) == 1
+    assert "invalid node name ''" in capsys.readouterr().err
 
 
 def test_a_symlink_in_a_partly_held_step_dir_is_never_followed(

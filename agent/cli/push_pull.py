@@ -155,7 +155,7 @@ async def cmd_push(
             f"cannot tell the step from {args.ckpt_dir.name!r}: name the directory after its "
             "step (step_000120, checkpoint-500) or pass --step"
         )
-    node = args.node or default_node()
+    node = default_node() if args.node is None else args.node  # (--node "" is refused)
     check_name("job", args.job)
     check_name("node", node)
     trouble = metadata_trouble(args.ckpt_dir)
