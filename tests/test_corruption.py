@@ -106,6 +106,41 @@ def test_verify_reads_every_stored_copy_of_a_chunk(
     assert ferry(["verify", local_url, "--job", "a"]) == 0  # job a's copies are sound
 
 
+def test_verify_decodes_each_copy_against_the_base_its_own_manifest_names(
+    local_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A reviewer's trial: the same delta-coded series under two jobs, job a's copy of a
+    base chunk flipped. Job b's deltas were decoded against job a's base copy and reported
+    bad, though a pull of job b (its own copies) succeeds."""
+    k0, k1 = adamw_series(tmp_path / "hot", 2, frozen=0.5)
+    for job in ("a", "b"):
+        for k in (k0, k1):
+            argv = ["push", str(k), local_url, "--job", job, "--node", "n", *ONE_PER_PACK]
+            assert ferry(argv) == 0
+
+    async def flip_a_base() -> tuple[str, str]:
+        store = open_test_store(local_url)
+        try:
+            m = await load_manifest(store, "a", 40, "n")
+            base = next(c for c in m.bases)
+            key = pack_key(m.packs[base.pack])
+            data = bytearray(await store.get(key))
+            data[base.offset + base.stored // 2] ^= 0x01
+            await store.put(key, bytes(data))
+            return base.id, m.packs[base.pack]
+        finally:
+            await store.close()
+
+    cid, pack = asyncio.run(flip_a_base())
+    capsys.readouterr()
+    assert ferry(["verify", local_url, "--json"]) == 1
+    bad = json.loads(capsys.readouterr().out)["bad_chunks"]
+    assert any(b["chunk"] == cid and b["pack"] == pack for b in bad), bad
+    assert not [u for b in bad for u in b["used_by"] if u.startswith("b/")], bad
+    assert ferry(["verify", local_url, "--job", "b"]) == 0
+    assert ferry(["pull", local_url, str(tmp_path / "b40"), "--job", "b", "--step", "40"]) == 0
+
+
 def test_a_cold_pull_of_deltas_names_a_corrupt_base_and_leaves_nothing(
     store_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -27,6 +27,9 @@ class BadChunk:
     chunk: str
     reason: str
     used_by: tuple[str, ...]  # "job/step/node:path" of every file that needs it
+    #: which stored copy (the same chunk may be stored in several packs)
+    pack: str = ""
+    offset: int = 0
 
 
 @dataclass
@@ -61,11 +64,15 @@ class VerifyResult:
 Extent = tuple[str, int]  # (pack, offset): one stored copy of a chunk
 
 
-def _extent(stored: dict[Extent, StoredChunk], m: Manifest, ch: ChunkRef) -> Extent:
-    """The stored copy ``ch`` of ``m`` names, recorded in ``stored``."""
+def _extent(
+    stored: dict[Extent, StoredChunk], m: Manifest, ch: ChunkRef, added: list[Extent]
+) -> Extent:
+    """The stored copy ``ch`` of ``m`` names, recorded in ``stored`` (and in ``added`` if
+    no manifest before named it)."""
     at = (m.packs[ch.pack], ch.offset)
     if at not in stored:
         stored[at] = StoredChunk(ch.id, ch.size, ch.enc, at[0], ch.offset, ch.stored, ch.base)
+        added.append(at)
     return at
 
 
@@ -84,25 +91,32 @@ async def verify(
     if not entries:
         raise await nothing_matches(store, job, step)
     result = VerifyResult(checkpoints=len(entries))
-    index = ChunkIndex()  # (a delta's base: any sound copy decodes it)
     stored: dict[Extent, StoredChunk] = {}
     used_by: dict[Extent, list[str]] = defaultdict(list)
     in_files: set[Extent] = set()
+    # each copy is read with the first manifest that names it, and a delta decoded against
+    # the base copy that manifest names (as a pull of it would): a bad base copy of another
+    # job must not make this one's sound copies look bad
+    by_manifest: list[tuple[ChunkIndex, list[Extent]]] = []
     for c in entries:
         try:
             m = await load_manifest(store, c.job, c.step, c.node)
         except FormatError as exc:  # one unreadable part must not hide the others' state
             result.bad_manifests.append(str(exc))
             continue
+        index = ChunkIndex()
         index.add_manifest(m)
+        added: list[Extent] = []
         for f in m.files:
             for ch in f.chunks:
-                at = _extent(stored, m, ch)
+                at = _extent(stored, m, ch, added)
                 used_by[at].append(f"{m.job}/{m.step}/{m.node}:{f.path}")
                 in_files.add(at)
         for ch in m.bases:
-            at = _extent(stored, m, ch)
+            at = _extent(stored, m, ch, added)
             used_by[at].append(f"{m.job}/{m.step}/{m.node}:(base of a delta chunk)")
+        if added:
+            by_manifest.append((index, added))
     result.chunks = len(used_by)
     result.base_chunks = len(used_by.keys() - in_files)
     bad: dict[Extent, str] = {}
@@ -111,17 +125,17 @@ async def verify(
         result.bytes_read += n
 
     with ThreadPoolExecutor(options.workers, thread_name_prefix="ferry-verify") as pool:
-        resolver = ChunkResolver(store, index, pool, on_bytes_read=count)
-        await fetch_chunks(
-            resolver,
-            stored.values(),
-            part_size=options.part_size,
-            window=options.window,
-            sink=lambda c, data: None,
-            on_bad=lambda c, reason: bad.__setitem__((c.pack_id, c.offset), reason),
-        )
+        for index, extents in by_manifest:
+            await fetch_chunks(
+                ChunkResolver(store, index, pool, on_bytes_read=count),
+                [stored[at] for at in extents],
+                part_size=options.part_size,
+                window=options.window,
+                sink=lambda c, data: None,
+                on_bad=lambda c, reason: bad.__setitem__((c.pack_id, c.offset), reason),
+            )
     result.bad = [
-        BadChunk(stored[at].id, reason, tuple(sorted(set(used_by[at]))))
+        BadChunk(stored[at].id, reason, tuple(sorted(set(used_by[at]))), pack=at[0], offset=at[1])
         for at, reason in sorted(bad.items(), key=lambda item: (stored[item[0]].id, item[0]))
     ]
     result.seconds = time.monotonic() - started

@@ -97,11 +97,7 @@ async def repack(
     moving = layout_now.moving()
     result.chunks_moved = len(moving)
     result.bytes_moved = sum(c.stored for c in moving)
-    # a pack to empty with nothing to move out of it holds only second copies of chunks
-    # stored elsewhere too (the same save under two jobs): its parts are re-pointed at the
-    # copy kept, as the forecast (and so `ferry du` and the dry run) counts; a newcomer's
-    # trial saw the dry run promise a pack that the run then kept
-    if dry_run or not (moving or layout_now.reencode or layout_now.vacated()):
+    if dry_run or not (moving or layout_now.reencode):
         result.packs_vacated = sorted(layout_now.vacated())
         result.bytes_vacated = sum(inv.pack_sizes.get(p, 0) for p in result.packs_vacated)
         return result
@@ -211,9 +207,19 @@ class _Layout:
     ) -> None:
         self.pack_sizes = pack_sizes
         self.min_dead = policy.min_dead
-        self.index = ChunkIndex()  # one stored copy per chunk id: every part will use it
-        for m in manifests.values():
-            self.index.add_manifest(m)
+        # one stored copy per chunk id, which every part re-pointed will use: one whose pack
+        # is there and long enough before any other, parts in one order (the forecast's and
+        # the run's), so a copy in a pack lost from the store is never the one kept
+        self.index = ChunkIndex()
+        ordered = [m for _, m in sorted(manifests.items())]
+        for whole in (True, False):
+            for m in ordered:
+                for c in m.all_chunks():
+                    pack = m.packs[c.pack]
+                    if (pack_sizes.get(pack, 0) >= c.offset + c.stored) == whole:
+                        self.index.add(
+                            StoredChunk(c.id, c.size, c.enc, pack, c.offset, c.stored, c.base)
+                        )
         self.packs_before = {p for m in manifests.values() for p in m.packs}
         self.content = {c.id for m in manifests.values() for f in m.files for c in f.chunks}
         self.reencode = self._to_reencode(policy.options.max_chain)
@@ -243,7 +249,20 @@ class _Layout:
         return list(out.values())
 
     def vacated(self) -> set[str]:
-        """Packs to empty: no live byte left, or at least ``min_dead`` of them dead."""
+        """Packs to empty: no live byte left, or at least ``min_dead`` of them dead; none
+        when the run would move and re-encode nothing. A pack holding only second copies
+        (the same content stored elsewhere too: one save pushed under two jobs) is emptied
+        only by a run that re-points its parts anyway; alone, each part keeps the copy it
+        names (re-pointing every duplicate at one copy would make that copy, unread, the
+        only one), and the forecast, the dry run and ``du`` say so (a newcomer's trial saw
+        them promise such a pack, which the run then kept)."""
+        out = self._emptied()
+        if self.reencode or any(c.pack_id in out for c in self.live()):
+            return out
+        return set()
+
+    def _emptied(self) -> set[str]:
+        """Packs with no live byte left (by the index's copies), or ``min_dead`` dead."""
         live: Counter[str] = Counter()
         for c in self.live():
             if c.id not in self.reencode:  # those are written anew anyway
