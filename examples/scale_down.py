@@ -62,7 +62,11 @@ from typing import Any
 
 import aiohttp
 
-from agent.cli.args import _non_negative_float, _positive_float  # (the CLI's own parsers)
+from agent.cli.args import (  # the CLI's own parsers
+    _non_negative_float,
+    _non_negative_int,
+    _positive_float,
+)
 from agent.rpc.client import FerryClient, RpcError
 from agent.rpc.tls import TlsError
 
@@ -108,13 +112,6 @@ def _step(value: str) -> int | str:
     return int(value)
 
 
-def _count(value: str) -> int:
-    number = int(value)
-    if number < 0:
-        raise argparse.ArgumentTypeError(f"expected a non-negative integer, got {value!r}")
-    return number
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n")[0] if __doc__ else None,
@@ -141,7 +138,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="client certificate (PEM) for agents with tls_client_auth = true",
     )
     p.add_argument("--key-file", type=Path, help="the client certificate's key (PEM)")
-    p.add_argument("--gpus", type=_count, default=1, help="GPUs idle while the job migrates")
+    p.add_argument(
+        "--gpus", type=_non_negative_int, default=1, help="GPUs idle while the job migrates"
+    )
     p.add_argument("--gpu-hour-price", type=_non_negative_float, default=0.0, help="per GPU-hour")
     p.add_argument(
         "--timeout",

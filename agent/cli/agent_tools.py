@@ -9,7 +9,13 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from agent.cli.args import _non_negative_float, _positive_float, _positive_int, add_tls_args
+from agent.cli.args import (
+    _non_negative_float,
+    _non_negative_int,
+    _positive_float,
+    _positive_int,
+    add_tls_args,
+)
 from agent.cli.shared import human
 from transfer.errors import FerryError
 
@@ -34,7 +40,9 @@ def add_estimate(sub: Commands) -> None:
     add_tls_args(p)
     p.add_argument("--job", required=True)
     p.add_argument("--step", default="latest")
-    p.add_argument("--gpus", type=_positive_int, default=1, help="GPUs idle while the job migrates")
+    p.add_argument(
+        "--gpus", type=_non_negative_int, default=1, help="GPUs idle while the job migrates"
+    )
     p.add_argument("--gpu-hour-price", type=_non_negative_float, default=0.0)
     p.add_argument("--json", action="store_true")
 

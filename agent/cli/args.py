@@ -79,8 +79,6 @@ _FLAG_OF = {
     "chunk_size": "--chunk-size-mib",
     "part_size": "--part-size-mib",
     "pack_size": "--pack-size-mib",
-    "window": "--window",
-    "workers": "--workers",
     "zstd_level": "--zstd-level",
     "max_chain": "--max-chain",
     "delta_min_saving": "--delta-min-saving",
@@ -95,7 +93,12 @@ def transfer_options(args: argparse.Namespace) -> TransferOptions:
     try:
         return chosen(args, TransferSettings).to_options()
     except ValueError as exc:
-        message = re.sub(r"\b[a-z_]+\b", lambda m: _FLAG_OF.get(m[0], m[0]), str(exc))
+        # (field names only where a message names them: "window and workers must ...";
+        # prose such as "2 workers" in the memory budget's message stays as it is)
+        text = str(exc)
+        if text.startswith("window and workers"):
+            text = "--window and --workers" + text[len("window and workers") :]
+        message = re.sub(r"\b[a-z]+_[a-z_]+\b", lambda m: _FLAG_OF.get(m[0], m[0]), text)
         raise UsageError(message) from None
 
 
@@ -145,6 +148,13 @@ def _non_negative_float(text: str) -> float:
     value = float(text)
     if not (value >= 0 and math.isfinite(value)):
         raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
     return value
 
 

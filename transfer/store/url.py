@@ -99,9 +99,12 @@ def _checked_endpoint(endpoint: str | None) -> str | None:
 
 def _file_store(url: str, parsed: ParseResult, options: StoreOptions) -> Store:
     if parsed.netloc not in ("", "localhost"):
+        # (file://../x, file://~/x: a relative path meant; file://server/x: a host)
+        relative = parsed.netloc.startswith((".", "~"))
+        alone = f", or the path alone ({parsed.netloc}{parsed.path})" if relative else ""
         raise ValueError(
-            f"file URL {url!r} names a remote host ({parsed.netloc!r}): a local directory is "
-            f"file:///absolute/path, or the path alone ({parsed.netloc}{parsed.path})"
+            f"file URL {url!r} names a remote host ({parsed.netloc!r}): a local directory "
+            f"is file:///absolute/path{alone}"
         )
     return LocalStore(
         Path(unquote(parsed.path)).absolute(), options.retry_policy(), options.pool_size
