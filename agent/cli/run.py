@@ -161,6 +161,17 @@ def _run_terminable(command: Coroutine[Any, Any, S]) -> S:
         raise
 
 
+def _after_stop(command: str) -> str:
+    """What to say after a command was stopped: a push stopped as it commits may have
+    committed (seen in a newcomer's trial), so it says how to tell."""
+    if command != "push":
+        return ""
+    return (
+        ": the step is committed only if `ferry ls` lists it; the same push again "
+        "finishes it, or says it is committed already"
+    )
+
+
 def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
@@ -208,17 +219,11 @@ def _main(argv: list[str] | None) -> int:
         print(f"ferry {args.command}: error: {msg}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
-        # (a push stopped as it commits may have committed: seen in a newcomer's trial)
-        after = (
-            ": the step is committed only if `ferry ls` lists it; the same push again "
-            "finishes it, or says it is committed already"
-            if args.command == "push"
-            else ""
-        )
-        print(f"ferry {args.command}: interrupted{after}", file=sys.stderr)
+        print(f"ferry {args.command}: interrupted{_after_stop(args.command)}", file=sys.stderr)
         return 130
     except _Terminated:
-        print(f"ferry {args.command}: terminated (SIGTERM); stopped cleanly", file=sys.stderr)
+        print(f"ferry {args.command}: terminated (SIGTERM); stopped cleanly"
+              f"{_after_stop(args.command)}", file=sys.stderr)  # fmt: skip
         return 128 + 15
     if args.json:
         print(json.dumps(doc))
