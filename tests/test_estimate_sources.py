@@ -20,6 +20,7 @@ from agent.rpc.client import FerryClient
 from bench._measure import BLKIO, throttled_disk
 from tests.conftest import adamw_series, prefetched
 from tests.harness import TOKEN, agent, peer_agent, push_series
+from transfer.format.chunkid import chunk_id
 
 
 def test_the_estimate_names_the_peer_that_will_serve_and_probes_it_first(
@@ -264,13 +265,25 @@ def test_a_peer_probe_opens_the_sources_connections_before_it_times_anything() -
     ]
     asked: list[int] = []
 
+    lands: set[object] = set()
+
     class Peers:  # stands in for PeerSource: the order of the asks is what is checked
-        async def ask(self, peer: str, chunk: StoredChunk, base: object) -> tuple[bytes, int]:
+        async def ask(
+            self, peer: str, chunk: StoredChunk, base: object, *, land: object = None
+        ) -> tuple[None, int]:
             asked.append(chunks.index(chunk))
+            lands.add(land)
             await asyncio.sleep(0)
-            return b"", chunk.stored
+            return None, chunk.stored
 
     got = asyncio.run(probe_peer(Peers(), "http://peer", chunks, {}))  # type: ignore[arg-type]
     assert got is not None
     assert sorted(asked[:PEER_THREADS]) == list(range(PEER_THREADS))  # the openers first
     assert got.raw == sum(c.size for c in chunks[PEER_THREADS:])  # only the rest timed
+    # every chunk decoded into the source's reused buffers and verified, as a restore lands
+    # it (into fresh memory of its own, unhashed, the corpus's first contact through a peer
+    # was +18..+30%)
+    (land,) = lands
+    assert callable(land)
+    good = StoredChunk(chunk_id(b"bytes"), 5, "zstd", "0" * 32, 0, 5)
+    assert land(good, b"bytes") and not land(good, b"bytez")
