@@ -916,3 +916,28 @@ def test_an_interrupted_push_says_how_to_tell_whether_it_committed(
     assert ferry(["push", str(src), local_url, "--job", "j", "--node", "n"]) == 130
     err = capsys.readouterr().err
     assert "ferry push: interrupted: the step is committed only if `ferry ls` lists it" in err
+
+
+@pytest.mark.parametrize("holds", ["shards only", "metadata and one shard"])
+def test_retention_never_takes_a_pushed_part_for_the_newest_whole_step(
+    holds: str, local_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A newcomer's trial: a whole save as step 50, then one node's part of step 60 pushed
+    with --part (its shards without .metadata, or .metadata and a shard while .metadata
+    names another). Retention --keep-last 1 kept step 60 as "newest complete" and expired
+    step 50, the only step a pull could load. A part alone is never the step."""
+    whole = tmp_path / "whole" / "step_000050"
+    write_file(whole / "__0_0.distcp", b"a" * 5000)
+    write_file(whole / "__1_0.distcp", b"b" * 5000)
+    write_file(whole / ".metadata", b"metadata")
+    part = tmp_path / "part" / "step_000060"
+    write_file(part / "__1_0.distcp", b"c" * 5000)
+    if holds == "metadata and one shard":
+        write_file(part / ".metadata", b"metadata")
+    assert ferry(["push", str(whole), local_url, "--job", "g", "--node", "n0"]) == 0
+    assert ferry(["push", str(part), local_url, "--job", "g", "--node", "n1", "--part"]) == 0
+    assert ferry(["retention", local_url, "--keep-last", "1", "--grace", "0"]) == 0
+    capsys.readouterr()
+    dest = tmp_path / "pulled"
+    assert ferry(["pull", local_url, str(dest), "--job", "g", "--step", "50"]) == 0
+    assert tree_bytes(dest) == tree_bytes(whole)

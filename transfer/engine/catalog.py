@@ -403,7 +403,7 @@ async def latest_complete_step(
     checkpoint (a node still uploading, or dead) is never "latest". Walks back from the
     newest step, one listing of parts per step walked (usually one or two); with no nodes
     named and no markers, the step's parts are read, and its ``.metadata``: a step whose
-    parts lack it (parts_lack_metadata, _a_part_of_several) or lack a file it names is
+    parts lack it (parts_lack_metadata) or lack a file it names is
     skipped (_shards_whole)."""
     markers = await completion_markers(store, job)
     catalog = catalog or Catalog(store)
@@ -415,7 +415,7 @@ async def latest_complete_step(
             if expected_nodes:
                 return step
             manifests = await catalog.manifests(job, step)
-            if parts_lack_metadata(manifests) or await _a_part_of_several(catalog, manifests):
+            if parts_lack_metadata(manifests):
                 continue
             if await _shards_whole(catalog, job, step):
                 return step
@@ -436,28 +436,13 @@ async def _shards_whole(catalog: Catalog, job: str, step: int) -> bool:
 
 
 def parts_lack_metadata(manifests: Sequence[Manifest]) -> bool:
-    """Several nodes' parts of a step that hold DCP storage files and no ``.metadata``:
-    never the whole step (rank 0's node's part, which holds it, is not in). One node's part
-    without it is what that node pushed as its checkpoint (a single-node job's, taken as
-    it is); a multi-node job pushed by hand writes no markers, so this is what tells."""
-    nodes = {m.node for m in manifests}
-    return len(nodes) > 1 and lacks_metadata(f.path for m in manifests for f in m.files)
-
-
-async def _a_part_of_several(catalog: Catalog, manifests: Sequence[Manifest]) -> bool:
-    """One node's part without ``.metadata`` (DCP shards only) of a job other steps of
-    which several nodes' parts make: that node's part alone, never the step (a newcomer's
-    trial pulled it as latest, exit 0, and it could not be loaded). Lists the job's other
-    steps' parts only in that case."""
-    if len({m.node for m in manifests}) != 1:
-        return False
-    if not lacks_metadata(f.path for m in manifests for f in m.files):
-        return False
-    job = manifests[0].job
-    for step in await catalog.steps(job):
-        if len({c.node for c in await catalog.parts(job, step)}) > 1:
-            return True
-    return False
+    """Parts of a step that hold DCP storage files and no ``.metadata``: never the whole
+    step, however many nodes pushed them (rank 0's node's part, which holds it, is not in;
+    no DCP load of them can succeed). One node's part was once taken as a single-node job's
+    whole step: a newcomer's trial pushed one node's part with ``--part``, and retention
+    kept it as the job's newest step and expired the last loadable one (``ferry push``
+    refuses such a directory without ``--part`` since)."""
+    return lacks_metadata(f.path for m in manifests for f in m.files)
 
 
 async def latest_step(
@@ -508,9 +493,7 @@ async def whole_parts(
         marked = await _marker_nodes(store, job, step)
     else:
         markers = await completion_markers(store, job)
-        if not markers and not (
-            parts_lack_metadata(manifests) or await _a_part_of_several(Catalog(store), manifests)
-        ):
+        if not markers and not (parts_lack_metadata(manifests)):
             return manifests  # a job that writes no markers: its parts say
         marked = await _marker_nodes(store, job, step) if step in markers else None
     if marked is not None:

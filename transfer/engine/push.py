@@ -61,7 +61,7 @@ from transfer.engine.taskgroup_errors import first_error
 from transfer.errors import AlreadyExistsError, FerryError, NotFoundError, SourceChangedError
 from transfer.format import layout
 from transfer.format.chunkid import chunk_id
-from transfer.format.manifest import FileEntry, Manifest
+from transfer.format.manifest import PART_EXTRA, FileEntry, Manifest
 from transfer.format.names import check_name, check_step
 from transfer.format.share import SHARE_MARKER
 from transfer.options import TransferOptions
@@ -156,7 +156,7 @@ async def push(
             run.resolver = ChunkResolver(store, index, pool, base.local_dir if base else None)
             placed = await run.encode_all(sources)
         await run.check_unchanged(ckpt_dir, sources, only=plan.files is not None)
-        manifest = _manifest(job, step, node, options, sources, placed, index)
+        manifest = _manifest(job, step, node, options, sources, placed, index, part)
         if (why := _clash(manifest, others)) is not None:
             await run.writer_abort()  # nobody will reference what we wrote
             raise _clash_error(job, step, node, why)
@@ -233,8 +233,10 @@ def _manifest(
     sources: Sequence[SourceFile],
     placed: list[list[StoredChunk]],
     index: ChunkIndex,
+    part: bool = False,
 ) -> Manifest:
-    """The manifest of the pushed files: their chunks, and the delta bases those need."""
+    """The manifest of the pushed files: their chunks, and the delta bases those need;
+    ``extra.part`` when pushed as one node's part of a multi-node save (FORMAT.md)."""
     file_ids = [c.id for chunks in placed for c in chunks]
     in_files = set(file_ids)
     bases = [b for b in index.closure(file_ids) if b.id not in in_files]
@@ -251,6 +253,7 @@ def _manifest(
             for src, file_refs in zip(sources, refs, strict=True)
         ),
         bases=base_refs,
+        extra={PART_EXTRA: True} if part else {},
     )
 
 

@@ -41,6 +41,12 @@ def needs_base(enc: str) -> bool:
     return enc.split("+", 1)[0] == "xor"
 
 
+#: ``extra`` key a push of one node's part of a multi-node save (``--part``) sets: the part
+#: alone is not the step, whatever it holds (retention then takes the job for a multi-node
+#: one, whose steps are whole only by a completion marker or the expected nodes' parts)
+PART_EXTRA = "part"
+
+
 @dataclass(frozen=True, slots=True)
 class ChunkRef:
     """One chunk of a file: its content id, decoded size, and where its encoded bytes are."""

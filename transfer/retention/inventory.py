@@ -16,7 +16,7 @@ from transfer.engine.catalog import (
 )
 from transfer.errors import FerryError, FormatError
 from transfer.format import layout
-from transfer.format.manifest import Manifest
+from transfer.format.manifest import PART_EXTRA, Manifest
 from transfer.format.names import Key
 from transfer.retention.pins import pin_expiry
 from transfer.store.base import PendingUpload, Store
@@ -168,7 +168,9 @@ async def _mark_complete(
 ) -> None:
     """Which steps are whole: their completion marker, or every expected node's part; with
     no nodes named, a single-node job's part; a multi-node job's step only by its marker
-    (and never parts without ``.metadata``: catalog.parts_lack_metadata)."""
+    (a job is multi-node if it writes markers, a step of it has several parts, or a part
+    of it was pushed as one: ``extra.part``; and never parts without ``.metadata``:
+    catalog.parts_lack_metadata)."""
     markers = {
         parsed
         for obj in await store.list(layout.COMPLETE_PREFIX)
@@ -178,6 +180,12 @@ async def _mark_complete(
     # one part, or any set of parts, is not known to be the step (pushed by hand, without
     # markers, and no nodes named: every step is kept, never taken for the newest whole one)
     multi_node = {job for job, _ in markers} | {e.job for e in steps.values() if len(e.parts) > 1}
+    # (and a job one of whose parts was pushed as a part: alone it is not the step, whatever
+    # it holds; a newcomer's trial pushed one with --part, and retention kept it as the
+    # newest step and expired the last whole one)
+    multi_node |= {
+        e.job for e in steps.values() if any(m.extra.get(PART_EXTRA) for m in e.manifests.values())
+    }
     for entry in steps.values():
         entry.has_marker = entry.key in markers
         read = list(entry.manifests.values())  # (every part's, but on a second look: known)
