@@ -515,6 +515,8 @@ def test_a_url_whose_colon_was_lost_is_refused_not_made_a_local_store(
         ("ftp://x/y", "cannot be opened from a URL alone"),  # (its filesystem wants a host)
         ("zip://x", "cannot be opened from a URL alone"),  # (and a file to open)
         ("file://../x", "file:///absolute/path, or the path alone (../x)"),
+        ("file://", "names no path"),  # (it named the current directory)
+        ("~nosuchuser-ferry/x", "no such user's home directory"),  # (a RuntimeError's traceback)
     ],
 )
 def test_a_url_no_store_can_be_made_of_fails_in_one_line(
@@ -537,6 +539,9 @@ def test_a_url_no_store_can_be_made_of_fails_in_one_line(
         (["--window", "0"], "--window and --workers must be positive"),
         (["--zstd-level", "99"], "--zstd-level must be at most 22"),
         (["--part-size-mib", "1", "--chunk-size-mib", "4"], "--part-size-mib must be at least"),
+        (["--dedupe-steps", "-1"], "--dedupe-steps must be 0 or more"),  # (was accepted)
+        (["--attempts", "0"], "--attempts must be at least 1"),  # (exited 1, no flag named)
+        (["--read-timeout-seconds", "0"], "--connect/read-timeout-seconds must be positive"),
     ],
 )
 def test_transfer_flags_that_cannot_work_are_usage_errors_naming_them(

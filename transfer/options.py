@@ -96,6 +96,8 @@ class TransferOptions:
             )
         if self.window < 1 or self.workers < 1:
             raise ValueError("window and workers must be positive")
+        if self.dedupe_steps < 0:
+            raise ValueError("dedupe_steps must be 0 or more")
         if self.zstd_level is not None and self.zstd_level > ZSTD_MAX_LEVEL:
             # (zstandard refused it only at the first chunk, mid-push)
             raise ValueError(f"zstd_level must be at most {ZSTD_MAX_LEVEL}")

@@ -50,7 +50,7 @@ def add_estimate(sub: Commands) -> None:
 def add_plan(sub: Commands) -> None:
     p = sub.add_parser("plan", help="badput and the checkpoint interval that minimises it")
     p.add_argument(
-        "--save-seconds", type=_non_negative_float, required=True, help="training stall per save"
+        "--save-seconds", type=_positive_float, required=True, help="training stall per save"
     )
     p.add_argument("--step-seconds", type=_positive_float, required=True, help="one training step")
     p.add_argument(

@@ -83,6 +83,7 @@ _FLAG_OF = {
     "max_chain": "--max-chain",
     "delta_min_saving": "--delta-min-saving",
     "max_cold_cost": "--max-cold-cost",
+    "dedupe_steps": "--dedupe-steps",
 }
 
 
@@ -109,7 +110,12 @@ def store_options(args: argparse.Namespace) -> StoreOptions:
     from transfer.store import StoreOptions
 
     window = transfer_options(args).window if hasattr(args, "window") else TransferOptions.window
-    settings = chosen(args, StoreSettings)
+    try:
+        settings = chosen(args, StoreSettings)
+    except ValueError as exc:  # ("attempts must be at least 1" exited 1, naming no flag)
+        flags = {"attempts": "--attempts", "timeouts": "--connect/read-timeout-seconds"}
+        text = re.sub(r"^(attempts|timeouts)\b", lambda m: flags[m[0]], str(exc))
+        raise UsageError(text) from None
     return StoreOptions.for_window(window, endpoint_url=args.endpoint_url, settings=settings)
 
 

@@ -98,6 +98,8 @@ def _checked_endpoint(endpoint: str | None) -> str | None:
 
 
 def _file_store(url: str, parsed: ParseResult, options: StoreOptions) -> Store:
+    if not parsed.netloc and not parsed.path:  # (file:// alone named the current directory)
+        raise ValueError(f"file URL {url!r} names no path: file:///absolute/path")
     if parsed.netloc not in ("", "localhost"):
         # (file://../x, file://~/x: a relative path meant; file://server/x: a host)
         relative = parsed.netloc.startswith((".", "~"))
@@ -119,7 +121,11 @@ def _path_store(url: str, parsed: ParseResult, options: StoreOptions) -> Store:
             f"store URL {url!r} looks like a mistyped {scheme}:// URL; a local directory of "
             f"that name: ./{url}"
         )
-    return LocalStore(Path(url).expanduser().absolute(), options.retry_policy(), options.pool_size)
+    try:
+        root = Path(url).expanduser().absolute()
+    except RuntimeError:  # ~nosuchuser/x: Python says only "Could not determine home directory"
+        raise ValueError(f"store path {url!r}: no such user's home directory") from None
+    return LocalStore(root, options.retry_policy(), options.pool_size)
 
 
 def _fsspec_store(url: str, parsed: ParseResult, options: StoreOptions) -> Store:
