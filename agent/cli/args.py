@@ -74,7 +74,7 @@ def add_tls_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--key-file", type=Path, help="the client certificate's key (PEM)")
 
 
-#: TransferOptions' field names as their messages give them -> the flags that set them
+#: the options' field names as their messages give them -> the flags that set them
 _FLAG_OF = {
     "chunk_size": "--chunk-size-mib",
     "part_size": "--part-size-mib",
@@ -86,21 +86,34 @@ _FLAG_OF = {
     "dedupe_steps": "--dedupe-steps",
 }
 
+#: what some messages open with (no field name) -> the flags that set it
+_SUBJECT_FLAGS = {
+    "window and workers": "--window and --workers",
+    "attempts": "--attempts",
+    "timeouts": "--connect/read-timeout-seconds",
+}
+
+
+def _options_error(exc: ValueError) -> UsageError:
+    """A usage error naming the flags where an options error names fields
+    (``--chunk-size-mib 0`` said "chunk_size must be within 4 KiB..64 MiB" and exited 1):
+    field names anywhere, a subject only where the message opens with it, so prose such
+    as the memory budget's "2 workers" stays as it is."""
+    text = str(exc)
+    for subject, flags in _SUBJECT_FLAGS.items():
+        if re.match(rf"{subject}\b", text):
+            text = flags + text[len(subject) :]
+            break
+    return UsageError(re.sub(r"\b[a-z]+_[a-z_]+\b", lambda m: _FLAG_OF.get(m[0], m[0]), text))
+
 
 def transfer_options(args: argparse.Namespace) -> TransferOptions:
     """The transfer options the flags chose; a combination they cannot make is a usage
-    error naming the flags (``--chunk-size-mib 0`` said "chunk_size must be within 4
-    KiB..64 MiB" and exited 1)."""
+    error naming the flags."""
     try:
         return chosen(args, TransferSettings).to_options()
     except ValueError as exc:
-        # (field names only where a message names them: "window and workers must ...";
-        # prose such as "2 workers" in the memory budget's message stays as it is)
-        text = str(exc)
-        if text.startswith("window and workers"):
-            text = "--window and --workers" + text[len("window and workers") :]
-        message = re.sub(r"\b[a-z]+_[a-z_]+\b", lambda m: _FLAG_OF.get(m[0], m[0]), text)
-        raise UsageError(message) from None
+        raise _options_error(exc) from None
 
 
 def store_options(args: argparse.Namespace) -> StoreOptions:
@@ -112,10 +125,8 @@ def store_options(args: argparse.Namespace) -> StoreOptions:
     window = transfer_options(args).window if hasattr(args, "window") else TransferOptions.window
     try:
         settings = chosen(args, StoreSettings)
-    except ValueError as exc:  # ("attempts must be at least 1" exited 1, naming no flag)
-        flags = {"attempts": "--attempts", "timeouts": "--connect/read-timeout-seconds"}
-        text = re.sub(r"^(attempts|timeouts)\b", lambda m: flags[m[0]], str(exc))
-        raise UsageError(text) from None
+    except ValueError as exc:
+        raise _options_error(exc) from None
     return StoreOptions.for_window(window, endpoint_url=args.endpoint_url, settings=settings)
 
 
