@@ -265,8 +265,7 @@ async def mark_complete(store: Store, saves: int) -> None:
 async def mark_step_complete(store: Store, job: str, step: int) -> None:
     """The step's completion marker, as the agent of the node that completes it writes it
     (with its file map: docs/FORMAT.md)."""
-    manifests = await check_step_whole(Catalog(store), job, step)
-    doc = completion_doc(job, step, manifests)
+    doc = completion_doc(job, step, await check_step_whole(Catalog(store), job, step))
     await store.put(completion_key(job, step), json.dumps(doc).encode())
 
 

@@ -15,12 +15,16 @@ from collections.abc import Mapping
 _DCP = "torch.distributed.checkpoint.metadata"
 
 
-def dcp_metadata(lengths: Mapping[str, int], *, sharded: bool = False) -> bytes:
+def dcp_metadata(
+    lengths: Mapping[str, int], *, sharded: bool = False, replicated: int = 0
+) -> bytes:
     """A ``.metadata`` whose storage files are ``lengths``' keys, each one item
     ``w.<n>`` covering the whole file. ``sharded``: instead, the files hold the rows of one
     tensor ``w`` saved ``Shard(0)``, a row each (the n-th file in path order, row n), so
     that a layout of a new world size reads the files of the old ranks whose rows its
-    ranks hold (dcpshare.share_ranges), as a resharded load does."""
+    ranks hold (dcpshare.share_ranges), as a resharded load does. ``replicated``: the last
+    that many bytes of each file are instead a bytes item ``state.<n>`` every rank reads,
+    as DCP spreads a save's replicated items (step counters, param_groups) over its files."""
     info = "torch.distributed.checkpoint.filesystem", "_StorageInfo"
     files = sorted(lengths.items())
     rows = b"".join(
@@ -29,9 +33,17 @@ def dcp_metadata(lengths: Mapping[str, int], *, sharded: bool = False) -> bytes:
             "MetadataIndex",
             {"fqn": "w" if sharded else f"w.{n}", "offset": (n if sharded else 0,), "index": None},
         )
-        + _new(*info, {"relative_path": path, "offset": 0, "length": length})
+        + _new(*info, {"relative_path": path, "offset": 0, "length": length - replicated})
         for n, (path, length) in enumerate(files)
     )
+    if replicated:
+        rows += b"".join(
+            _new(_DCP, "MetadataIndex", {"fqn": f"state.{n}", "offset": None, "index": None})
+            + _new(
+                *info, {"relative_path": path, "offset": length - replicated, "length": replicated}
+            )
+            for n, (path, length) in enumerate(files)
+        )
     storage = b"}(" + rows + b"u"
     tensors = b"}"
     if sharded:  # (bytes: pickled already, written as they are)
@@ -41,7 +53,10 @@ def dcp_metadata(lengths: Mapping[str, int], *, sharded: bool = False) -> bytes:
         ]
         listed = b"](" + b"".join(chunks) + b"e"
         w: dict[str, object] = {"properties": None, "size": (len(files),), "chunks": listed}
-        tensors = b"}(" + _str("w") + _new(_DCP, "TensorStorageMetadata", w) + b"u"
+        tensors = b"}(" + _str("w") + _new(_DCP, "TensorStorageMetadata", w)
+        for n in range(len(files) if replicated else 0):
+            tensors += _str(f"state.{n}") + _new(_DCP, "BytesStorageMetadata", {})
+        tensors += b"u"
     root = _new(_DCP, "Metadata", {"state_dict_metadata": tensors, "planner_data": None})
     # (the root's state dict gets storage_data added before BUILD closes it)
     root = root[: -len(b"ub")] + _str("storage_data") + storage + b"ub"

@@ -53,8 +53,7 @@ async def push_sharded(store: Store, root: Path, step: int, skip: str | None = N
             plan = PushPlan(part=True)
             await push(store, d, job=JOB, step=step, node=node, options=OPTIONS, plan=plan)
     if skip is None:
-        manifests = await check_step_whole(Catalog(store), JOB, step)
-        doc = completion_doc(JOB, step, manifests)
+        doc = completion_doc(JOB, step, await check_step_whole(Catalog(store), JOB, step))
         await store.put(layout.completion_key(JOB, step), json.dumps(doc).encode())
 
 

@@ -66,8 +66,7 @@ async def push_step(store: Store, root: Path, step: int, *, marker: bool = True)
         plan = PushPlan(part=True)
         await push(store, d, job=JOB, step=step, node=node, options=OPTIONS, plan=plan)
     if marker:  # what the agent of the node that completes the step writes
-        manifests = await check_step_whole(Catalog(store), JOB, step)
-        doc = completion_doc(JOB, step, manifests)
+        doc = completion_doc(JOB, step, await check_step_whole(Catalog(store), JOB, step))
         await store.put(layout.completion_key(JOB, step), json.dumps(doc).encode())
 
 
@@ -86,18 +85,23 @@ def count_manifest_reads(store: Store) -> Counter[tuple[int, str]]:
 
 
 def prefetch_shares(
-    tmp_path: Path, store: Store, steps: list[int]
+    tmp_path: Path,
+    store: Store,
+    steps: list[int],
+    nodes: tuple[str, ...] = NODES,
+    ask: dict[str, Any] | None = None,
 ) -> tuple[list[Counter[tuple[int, str]]], HotDir]:
-    """The survivor's agent prefetches its share of each step in turn."""
+    """The survivor's agent prefetches its share (``ask``: the prefetch's layout or items;
+    by default ITEMS) of each step in turn: the manifests each read."""
     hot = HotDir(tmp_path / "hot", ".metadata")
-    policy = PrefetchPolicy(expected_nodes=NODES)
+    policy = PrefetchPolicy(expected_nodes=nodes)
     prefetcher = Prefetcher(hot, [("t", store)], OPTIONS, BandwidthMeter(), policy)
     reads = count_manifest_reads(store)
     seen = []
 
     async def go() -> None:
         for step in steps:
-            record = prefetcher.submit(JOB, step, None, items=ITEMS)
+            record = prefetcher.submit(JOB, step, None, **(ask or {"items": ITEMS}))
             assert record.task is not None
             await record.task
             assert record.state is State.READY, record.error

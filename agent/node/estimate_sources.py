@@ -142,8 +142,8 @@ class PrefetchEstimator:
             if self.config.hot.is_share(copy) and covers(read_record(copy) or {}, share):
                 return Sourcing("local", {"local": 0}, 0, "default")  # held: nothing to do
             wanted = share_chunk_ids(files, share)
-        paths = None if share is None else {f.path for m in manifests for f in m.files}
-        held = await self._held_manifests(store, job, step, paths)
+        entries = None if share is None else [f for m in manifests for f in m.files]
+        held = await self._held_manifests(store, job, step, entries)
         return await self._source_of(tier, store, manifests, files, held, wanted)
 
     async def _source_of(
@@ -221,12 +221,12 @@ class PrefetchEstimator:
         return None
 
     async def _held_manifests(
-        self, store: Store, job: str, step: int, paths: set[str] | None
+        self, store: Store, job: str, step: int, entries: list[FileEntry] | None
     ) -> dict[LocalCheckpoint, list[Manifest]]:
         """The steps of ``job`` up to ``step`` this node holds, newest first, with their
         committed manifests (a local copy was verified when it was pulled, or is the source
         a push was made from): for a share, only the parts holding its ``paths`` where the
-        step's file map says which (share.base_parts); an unreadable manifest is left
+        step's marker says which (share.base_parts, of ``entries``); an unreadable manifest is left
         out: its chunks count as missing."""
         here = [c for c in self.config.hot.checkpoints(job) if c.step <= step]
         found: dict[LocalCheckpoint, list[Manifest]] = {c: [] for c in here}
@@ -236,9 +236,9 @@ class PrefetchEstimator:
                 with contextlib.suppress(FerryError):
                     found[held] = [await catalog.manifest(job, step, self.config.node)]
                 continue
-            if paths is not None:
+            if entries is not None:
                 try:
-                    narrowed = await base_parts(catalog, job, held.step, paths)
+                    narrowed = await base_parts(catalog, job, held.step, entries)
                 except FerryError:
                     continue
                 if narrowed is not None:

@@ -57,6 +57,7 @@ from transfer.engine.share import (
 )
 from transfer.engine.sources import ChunkSource
 from transfer.engine.staging import discard_leftovers, sweep_stale_staging
+from transfer.engine.stepparts import from_index
 from transfer.engine.writepath import fits_in_spare_memory, page_cache_first
 from transfer.engine.writeprobe import probe_size, probe_write, write_rate
 from transfer.errors import (
@@ -65,6 +66,7 @@ from transfer.errors import (
     FerryError,
     IncompleteStepError,
     IntegrityError,
+    NotFoundError,
     SourceChangedError,
     StoreError,
 )
@@ -136,6 +138,10 @@ class PrefetchJob:
     planned: Share | None = field(default=None, repr=False)
     #: a fan-out member's: every other member's share (by URL), once planned
     group_shares: dict[str, Share | None] | None = field(default=None, repr=False)
+    #: whether the steps' markers' common indexes may stand in for parts (off after one
+    #: named a pack the store no longer has), and whether this attempt used one
+    use_index: bool = field(default=True, repr=False)
+    used_index: bool = field(default=False, repr=False)
     #: set once the state is final: what ``GET /v1/prefetch/{id}?wait=`` waits for
     ended: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
 
@@ -463,12 +469,7 @@ class Prefetcher:
         requested = record.step
         for name, store in self.tiers:
             try:
-                manifests = await self._resolve(record, store, requested)
-                record.step = manifests[0].step
-                lock = self._dest_locks.setdefault((record.job, record.step), asyncio.Lock())
-                async with lock, self._store_pin(store, record):
-                    # (the lock: two prefetches of one checkpoint never race on its dir)
-                    await self._pull_from(record, name, store, manifests)
+                await self._from_tier(record, name, store, requested)
                 return
             except (
                 CheckpointNotFoundError,
@@ -484,6 +485,33 @@ class Prefetcher:
         if all(missing):  # (errors decide, never their text)
             raise CheckpointNotFoundError("; ".join(errors) or "no tiers configured")
         raise FerryError("; ".join(errors))
+
+    async def _from_tier(
+        self, record: PrefetchJob, name: str, store: Store, requested: int | None
+    ) -> None:
+        """The prefetch from one tier; once more reading the parts themselves when a
+        marker's common index named a pack the tier no longer has (a repack by an agent
+        that predates the index re-pointed the step: format/stepcommon.py)."""
+        try:
+            await self._attempt(record, name, store, requested)
+        except (NotFoundError, IntegrityError) as exc:  # (a pack gone: IntegrityError)
+            if not record.used_index:
+                raise
+            log.warning("%s: %s; a completion marker's common index is stale (a repack by an "
+                        "older agent?): reading the parts instead", name, exc)  # fmt: skip
+            record.use_index, record.used_index, record.bytes_done = False, False, 0
+            await self._attempt(record, name, store, requested)
+
+    async def _attempt(
+        self, record: PrefetchJob, name: str, store: Store, requested: int | None
+    ) -> None:
+        manifests = await self._resolve(record, store, requested)
+        record.step = manifests[0].step
+        record.used_index = from_index(manifests)
+        lock = self._dest_locks.setdefault((record.job, record.step), asyncio.Lock())
+        async with lock, self._store_pin(store, record):
+            # (the lock: two prefetches of one checkpoint never race on its dir)
+            await self._pull_from(record, name, store, manifests)
 
     async def _resolve(
         self, record: PrefetchJob, store: Store, requested: int | None
@@ -504,7 +532,7 @@ class Prefetcher:
         }
         asks[me] = (layout, record.items)  # (its own request's, whatever the map said)
         manifests, shares = await resolve_shares(
-            store, record.job, requested, self.expected_nodes, asks, me
+            store, record.job, requested, self.expected_nodes, asks, me, record.use_index
         )
         record.step, record.planned = manifests[0].step, shares.pop(me)
         if me is not None:  # (its own: what its pull writes, _fanout_source)
@@ -804,7 +832,9 @@ class Prefetcher:
         holding the same files (share.base_dir_parts); else None: the pull reads them all."""
         if record.planned is None or plan.manifests is None:
             return None
-        return await base_dir_parts(store, record.job, plan.manifests, base)
+        parts = await base_dir_parts(store, record.job, plan.manifests, base, record.use_index)
+        record.used_index |= parts is not None and from_index(parts)
+        return parts
 
     def is_replica(self, job: str, step: int) -> bool:
         """Whether a standby's replication put ``step`` here (this agent's run)."""

@@ -396,13 +396,13 @@ class PushQueue:
         if not step_is_complete(nodes, False, self.expected_nodes, job_writes_markers=True):
             return False  # (the marker is what this writes: it cannot be there yet)
         try:
-            manifests = await check_step_whole(catalog, job, step)
+            whole = await check_step_whole(catalog, job, step)
         except (IncompleteStepError, FormatError) as exc:
             self.stats.steps_torn += 1
             event(log, "step_torn", level=logging.ERROR, job=job, step=step, tier=store.url,
                   error=str(exc))  # fmt: skip
             return False
-        doc = completion_doc(job, step, manifests)
+        doc = await asyncio.to_thread(completion_doc, job, step, whole)
         try:
             await store.put(completion_key(job, step), json.dumps(doc).encode(), create_only=True)
         except AlreadyExistsError:

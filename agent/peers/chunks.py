@@ -33,9 +33,12 @@ from transfer.directio import ThreadBuffers
 from transfer.engine.catalog import Catalog
 from transfer.engine.chunkindex import StoredChunk
 from transfer.engine.resolver import read_file_into, read_file_verified
+from transfer.engine.share import read_record, recorded_ranges
 from transfer.engine.sources import Land, LocalBase, Location, Supplied
+from transfer.engine.stepparts import Needs, parts_for
 from transfer.errors import FerryError
 from transfer.format.manifest import Manifest
+from transfer.format.stepfiles import StepFiles
 from transfer.store.base import Store
 
 
@@ -118,13 +121,24 @@ class HotIndex:
 
 
 async def _parts_held(catalog: Catalog, job: str, step: int, path: Path) -> list[Manifest]:
-    """The parts of (job, step) holding files ``path`` holds: by the step's file map, only
-    those (a node's own part of an N-node step: 1 manifest, not N); else every part."""
+    """The parts of (job, step) describing what ``path`` holds: by the step's marker, only
+    those (a node's own part of an N-node step: 1 manifest, not N; a survivor's share:
+    the parts its rows are in, and the common index for the items every rank reads);
+    else every part."""
     files = await catalog.step_files(job, step)
     if files is None:
         return await catalog.manifests(job, step)
-    here = await asyncio.to_thread(lambda: [p for p in files.files if (path / p).is_file()])
-    return await catalog.manifests_of(job, step, sorted(files.nodes_holding(here)))
+    needs = await asyncio.to_thread(_held_needs, files, path)
+    return await parts_for(catalog, job, step, files, needs)
+
+
+def _held_needs(files: StepFiles, path: Path) -> Needs:
+    """What the copy at ``path`` holds of each file of the step: a share copy, the ranges
+    its record names of the storage files (files it holds and the record does not name
+    are held whole); a whole copy, every file it has."""
+    record = read_record(path)
+    ranges = {} if record is None else recorded_ranges(record)
+    return {p: ranges.get(p) for p in files.files if (path / p).is_file()}
 
 
 def read_verified(where: Location, cid: str) -> bytearray | None:

@@ -6,7 +6,7 @@ import asyncio
 import json
 import logging
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from transfer.engine.dcp import METADATA, lacks_metadata
 from transfer.errors import (
@@ -22,6 +22,7 @@ from transfer.errors import (
 from transfer.format import layout
 from transfer.format.manifest import Manifest, parse_manifest
 from transfer.format.names import check_name
+from transfer.format.stepcommon import COMMON_KEY, parse_common
 from transfer.format.stepfiles import MAX_MARKER_BYTES, StepFiles, parse_file_map
 from transfer.store.base import Store
 
@@ -215,7 +216,8 @@ class Catalog:
         try:
             if len(raw) > MAX_MARKER_BYTES:
                 raise FormatError(f"{len(raw):,} bytes, over the {MAX_MARKER_BYTES:,} read")
-            return await asyncio.to_thread(_parse_file_map, raw)  # (a big map: off the loop)
+            # (a big map: off the loop)
+            return await asyncio.to_thread(_parse_file_map, raw, key, job, step)
         except (ValueError, FormatError) as exc:
             log.warning("%s: %s; reading every part of the step instead", key, exc)
             return None
@@ -256,8 +258,20 @@ class Catalog:
         return None
 
 
-def _parse_file_map(raw: bytes) -> StepFiles | None:
-    return parse_file_map(json.loads(raw))
+def _parse_file_map(raw: bytes, key: str, job: str, step: int) -> StepFiles | None:
+    """The map of a marker, with its common index when that is sound (one that is not is
+    left out with a warning: the map alone still spares the reader most parts)."""
+    doc = json.loads(raw)
+    files = parse_file_map(doc)
+    if files is None or COMMON_KEY not in doc:
+        return files
+    sizes = {path: size for path, (_, size) in files.files.items()}
+    try:
+        common = parse_common(doc[COMMON_KEY], job, step, sizes, str(doc.get("created_at")))
+    except FormatError as exc:
+        log.warning("%s: its common index is unusable (%s); reading the parts instead", key, exc)
+        return files
+    return replace(files, common=common)
 
 
 async def read_node_head(store: Store, job: str, node: str) -> list[int] | None:

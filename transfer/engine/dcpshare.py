@@ -328,6 +328,18 @@ def layout_ranges(parsed: Parsed, layout: Layout) -> Ranges:
     return merge_ranges(items)
 
 
+def every_rank_ranges(parsed: Parsed) -> Ranges:
+    """The byte ranges every rank of any world reads: byte items and tensors saved whole
+    (step counters, param_groups, replicated and plain tensors). DCP spreads these over
+    every rank's file, so each survivor's share touches every file for them (what a
+    step's common index, format/stepcommon.py, spares a reader)."""
+    items = []
+    for key, readers in parsed.readers(1):
+        if readers is None and (info := parsed.storage.get(key)) is not None:
+            items.append(info)
+    return merge_ranges(items)
+
+
 def ranges_from_items(doc: object) -> Ranges:
     """An explicit item list ``[{"path", "offset", "length"}, ...]`` (JSON, from
     ``dcpplan_torch.write_items`` or a user) validated and merged: it names files to write

@@ -10,16 +10,25 @@ pull, which merges the parts it restores.
 
 from __future__ import annotations
 
+import json
+import logging
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from transfer.engine.catalog import Catalog
 from transfer.engine.chunkindex import ChunkIndex
 from transfer.engine.dcp import MAX_METADATA_BYTES, METADATA, required_lengths
+from transfer.engine.dcpshare import every_rank_ranges, overlaps, parse_metadata
 from transfer.engine.resolver import ChunkResolver
-from transfer.errors import FormatError, IncompleteStepError
+from transfer.errors import FormatError, IncompleteStepError, NotFoundError
+from transfer.format import layout
 from transfer.format.manifest import FileEntry, Manifest
+from transfer.format.stepcommon import COMMON_KEY, Placed, common_doc
 from transfer.format.stepfiles import file_map
+from transfer.store.base import Store
+
+log = logging.getLogger(__name__)
 
 
 def may_share(a: FileEntry, b: FileEntry) -> bool:
@@ -62,7 +71,16 @@ async def read_file(catalog: Catalog, manifest: Manifest, entry: FileEntry) -> b
         return b"".join([bytes(await resolver.raw(c.id)) for c in entry.chunks])
 
 
-async def check_step_whole(catalog: Catalog, job: str, step: int) -> list[Manifest]:
+@dataclass(frozen=True)
+class WholeStep:
+    """A step's parts that together are the whole save, and its ``.metadata`` (None: not a
+    DCP save, or one too large to read)."""
+
+    manifests: list[Manifest]
+    metadata: bytes | None
+
+
+async def check_step_whole(catalog: Catalog, job: str, step: int) -> WholeStep:
     """The step's parts, when together they are the whole save: they merge, and every file
     the step's ``.metadata`` names is in some part at the length its ranges need. Raises
     IncompleteStepError naming the first file missing or short (a torn shard on a node
@@ -71,27 +89,70 @@ async def check_step_whole(catalog: Catalog, job: str, step: int) -> list[Manife
     manifests = await catalog.manifests(job, step)
     merged = {f.path: (f, m) for f, m in merge_parts(manifests)}
     if METADATA not in merged or merged[METADATA][0].size > MAX_METADATA_BYTES:
-        return manifests
+        return WholeStep(manifests, None)
     entry, owner = merged[METADATA]
     metadata = await read_file(catalog, owner, entry)
     sizes = {path: f.size for path, (f, _) in merged.items()}
     check_files_whole(metadata, sizes, f"{job} step {step}", len(manifests))
-    return manifests
+    return WholeStep(manifests, metadata)
 
 
-def completion_doc(job: str, step: int, manifests: list[Manifest]) -> dict[str, object]:
-    """The completion marker of a step whose parts ``check_step_whole`` returned
-    (docs/FORMAT.md): its nodes, when, and which part holds each file
-    (format/stepfiles.py: a share's reader then reads only the parts it touches)."""
+def completion_doc(job: str, step: int, whole: WholeStep) -> dict[str, object]:
+    """The completion marker of a step ``check_step_whole`` found whole (docs/FORMAT.md):
+    its nodes, when, which part holds each file (format/stepfiles.py: a share's reader
+    then reads only the parts it touches) and where the items every rank reads are
+    stored (format/stepcommon.py: so it need not read every part for them). Pure Python
+    over every part's chunks: callers run it off the loop."""
+    manifests = whole.manifests
     doc: dict[str, object] = {
         "job": job,
         "step": step,
         "nodes": sorted(m.node for m in manifests),
         "created_at": datetime.now(UTC).isoformat(timespec="seconds"),
     }
-    if (files := file_map((f.path, f.size, m.node) for f, m in merge_parts(manifests))) is not None:
-        doc["files"] = files
+    merged = merge_parts(manifests)
+    if (files := file_map((f.path, f.size, m.node) for f, m in merged)) is None:
+        return doc
+    doc["files"] = files
+    if whole.metadata is not None and (common := common_doc(_every_rank_chunks(whole))):
+        doc[COMMON_KEY] = common
     return doc
+
+
+def _every_rank_chunks(whole: WholeStep) -> list[Placed]:
+    """The chunks of the step's storage files that hold items every rank reads (none when
+    ``.metadata`` does not parse as DCP's: the marker then carries no index)."""
+    assert whole.metadata is not None
+    try:
+        wanted = every_rank_ranges(parse_metadata(whole.metadata))
+    except FormatError as exc:
+        log.info("%s step %s: no common index (%s)", whole.manifests[0].job,
+                 whole.manifests[0].step, exc)  # fmt: skip
+        return []
+    placed: list[Placed] = []
+    for f, owner in merge_parts(whole.manifests):
+        spans = wanted.get(f.path)
+        if not spans:
+            continue
+        for start, c in f.chunk_offsets():
+            if overlaps(spans, start, start + c.size):
+                placed.append((f.path, f.mode, start, c, owner))
+    return placed
+
+
+async def drop_common_index(store: Store, job: str, step: int) -> None:
+    """Write the step's completion marker back without its common index, before a repack
+    re-points a part of the step (the index names where the chunks were; once the old
+    packs are collected it would send readers to packs that are gone). Its readers then
+    read the parts; the rest of the marker is kept as it was."""
+    key = layout.completion_key(job, step)
+    try:
+        doc = json.loads(await store.get(key))
+    except (NotFoundError, ValueError):  # (no marker, or one no reader takes: nothing to drop)
+        return
+    if isinstance(doc, dict) and COMMON_KEY in doc:
+        del doc[COMMON_KEY]
+        await store.put(key, json.dumps(doc).encode())
 
 
 def check_files_whole(metadata: bytes, sizes: dict[str, int], what: str, parts: int) -> None:

@@ -17,6 +17,7 @@ served to a peer as the step, or counted as holding the step.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -47,6 +48,7 @@ from transfer.engine.dcpshare import (
 )
 from transfer.engine.parts import merge_parts, read_file
 from transfer.engine.restorenames import staging_path
+from transfer.engine.stepparts import needs_of, parts_for
 from transfer.errors import FerryError, FormatError, NotFoundError
 from transfer.format.manifest import FileEntry, Manifest
 from transfer.format.names import step_from_dirname
@@ -148,15 +150,19 @@ async def resolve_shares(
     expected_nodes: Sequence[str],
     asks: Mapping[K, tuple[Layout | None, object]],
     mine: K,
+    use_index: bool = True,
 ) -> tuple[list[Manifest], dict[K, Share]]:
     """resolve_share for a fan-out group's members (``asks``), ``.metadata`` read once:
     every member's share, and the manifests of the parts the share of ``mine`` touches
-    (each member reads its own few, not every part of the step)."""
+    (each member reads its own few, not every part of the step; ``use_index``: the
+    marker's common index standing in for the parts it covers, stepparts.parts_for)."""
     catalog = Catalog(store)
     named = step is not None
     if step is None:  # (latest: the newest complete step, as everywhere)
         step = await latest_step(store, job, expected_nodes, catalog)
     if (files := await catalog.step_files(job, step)) is not None:
+        if not use_index:
+            files = dataclasses.replace(files, common=None)
         try:
             return await _shares_by_map(catalog, job, step, files, asks, mine)
         except (FormatError, NotFoundError) as exc:  # the parts say; they are the record
@@ -188,7 +194,8 @@ async def _shares_by_map(
     shares = await asyncio.to_thread(_plan, metadata, sizes, asks)
     share = shares[mine]
     touched = [p for p in files.files if p not in share.storage or share.ranges.get(p)]
-    manifests = await catalog.manifests_of(job, step, sorted(files.nodes_holding(touched)))
+    needs = {path: share.spans_of(path) for path in touched}
+    manifests = await parts_for(catalog, job, step, files, needs)
     held = {f.path: f.size for f, _ in merge_parts(manifests)}
     for path in touched:
         if held.get(path) != files.files[path][1]:
@@ -197,22 +204,33 @@ async def _shares_by_map(
 
 
 async def base_parts(
-    catalog: Catalog, job: str, base_step: int, paths: Iterable[str]
+    catalog: Catalog,
+    job: str,
+    base_step: int,
+    entries: Iterable[FileEntry],
+    use_index: bool = True,
 ) -> list[Manifest] | None:
     """The parts of an earlier step ``base_step`` (the base a share's restore starts from)
-    that hold ``paths``, by that step's file map; None without one (the pull then reads
-    every part of it, by the base's directory name)."""
+    describing what a restore of ``entries`` (the new step's, at the same paths) uses of
+    it, by that step's marker (stepparts.parts_for); None without a file map (the pull then
+    reads every part of it, by the base's directory name)."""
     files = await catalog.step_files(job, base_step)
     if files is None:
         return None
+    if not use_index:
+        files = dataclasses.replace(files, common=None)
     try:
-        return await catalog.manifests_of(job, base_step, sorted(files.nodes_holding(paths)))
+        return await parts_for(catalog, job, base_step, files, needs_of(entries))
     except NotFoundError:  # the base step is gone from the store: positions unknown, as
         return None  # without a map; the pull then finds none either and reads every position
 
 
 async def base_dir_parts(
-    store: Store, job: str, manifests: list[Manifest], base_dir: Path | None
+    store: Store,
+    job: str,
+    manifests: list[Manifest],
+    base_dir: Path | None,
+    use_index: bool = True,
 ) -> list[Manifest] | None:
     """For a share resolved from only the parts it touches (``manifests``): the parts of
     the step ``base_dir``'s name gives (``step_000120``) holding the same files
@@ -221,8 +239,8 @@ async def base_dir_parts(
     base_step = None if base_dir is None else step_from_dirname(base_dir.name)
     if base_step is None:
         return None
-    paths = {f.path for m in manifests for f in m.files}
-    return await base_parts(Catalog(store), job, base_step, paths)
+    entries = [f for m in manifests for f in m.files]
+    return await base_parts(Catalog(store), job, base_step, entries, use_index)
 
 
 async def _read_metadata(catalog: Catalog, entry: FileEntry, owner: Manifest) -> bytes:
@@ -314,7 +332,7 @@ def read_record(root: Path) -> dict[str, object] | None:
     return doc if isinstance(doc, dict) else {"error": "not an object"}
 
 
-def _recorded_ranges(record: dict[str, object]) -> Ranges:
+def recorded_ranges(record: dict[str, object]) -> Ranges:
     """The ranges a record says its copy holds (none, for a record that does not parse)."""
     raw = record.get("ranges")
     if not isinstance(raw, dict):
@@ -328,7 +346,7 @@ def _recorded_ranges(record: dict[str, object]) -> Ranges:
 
 def covers(record: dict[str, object], share: Share) -> bool:
     """Whether the copy ``record`` describes holds every byte of ``share``."""
-    held = _recorded_ranges(record)
+    held = recorded_ranges(record)
     for path, spans in share.ranges.items():
         have = held.get(path, ())
         if any(overlaps(have, lo, hi) != [(lo, hi)] for lo, hi in spans):
@@ -374,7 +392,7 @@ async def plan_fill(
 def widen(share: Share, record: dict[str, object]) -> Share:
     """``share`` and what the copy ``record`` describes holds, as one share (an explicit
     item set: the union of two layouts is not a layout)."""
-    held = _recorded_ranges(record)
+    held = recorded_ranges(record)
     items = [
         (p, a, b - a) for r in (share.ranges, held) for p, spans in r.items() for a, b in spans
     ]

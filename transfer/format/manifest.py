@@ -66,9 +66,16 @@ class FileEntry:
     size: int
     mode: int
     chunks: tuple[ChunkRef, ...]
+    #: None: ``chunks`` cover the file end to end. Else where each chunk starts: a file
+    #: known only in part (a step's common index, format/stepcommon.py), whose other bytes
+    #: no chunk here describes; never written into a manifest
+    starts: tuple[int, ...] | None = None
 
     def chunk_offsets(self) -> Iterator[tuple[int, ChunkRef]]:
         """(offset in the file, chunk) for each chunk, in order."""
+        if self.starts is not None:
+            yield from zip(self.starts, self.chunks, strict=True)
+            return
         pos = 0
         for chunk in self.chunks:
             yield pos, chunk
@@ -122,13 +129,13 @@ class Manifest:
             "created_at": self.created_at,
             "chunk_size": self.chunk_size,
             "packs": list(self.packs),
-            "bases": [_chunk_doc(c) for c in self.bases],
+            "bases": [chunk_doc(c) for c in self.bases],
             "files": [
                 {
                     "path": f.path,
                     "size": f.size,
                     "mode": f.mode,
-                    "chunks": [_chunk_doc(c) for c in f.chunks],
+                    "chunks": [chunk_doc(c) for c in f.chunks],
                 }
                 for f in self.files
             ],
@@ -137,7 +144,7 @@ class Manifest:
         return json.dumps(doc, separators=(",", ":")).encode()
 
 
-def _chunk_doc(c: ChunkRef) -> dict[str, Any]:
+def chunk_doc(c: ChunkRef) -> dict[str, Any]:
     doc: dict[str, Any] = {
         "id": c.id,
         "size": c.size,
@@ -151,14 +158,14 @@ def _chunk_doc(c: ChunkRef) -> dict[str, Any]:
     return doc
 
 
-def _int(doc: dict[str, Any], key: str, where: str, lo: int = 0, hi: int = 1 << 62) -> int:
+def int_field(doc: dict[str, Any], key: str, where: str, lo: int = 0, hi: int = 1 << 62) -> int:
     value = doc.get(key)
     if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
         raise FormatError(f"{where}: field {key!r} must be an integer in {lo}..{hi}, got {value!r}")
     return value
 
 
-def _parse_chunk(doc: object, where: str, n_packs: int, version: int) -> ChunkRef:
+def parse_chunk(doc: object, where: str, n_packs: int, version: int) -> ChunkRef:
     if not isinstance(doc, dict):
         raise FormatError(f"{where}: chunk must be an object")
     cid = doc.get("id")
@@ -174,11 +181,11 @@ def _parse_chunk(doc: object, where: str, n_packs: int, version: int) -> ChunkRe
         raise FormatError(f"{where}: chunk {cid}: encoding {enc!r} and base disagree")
     return ChunkRef(
         id=cid,  # type: ignore[arg-type]  # checked by is_chunk_id
-        size=_int(doc, "size", where, 0, MAX_CHUNK_BYTES),
+        size=int_field(doc, "size", where, 0, MAX_CHUNK_BYTES),
         enc=enc,
-        pack=_int(doc, "pack", where, 0, max(n_packs - 1, 0)) if n_packs else _no_pack(where),
-        offset=_int(doc, "offset", where),
-        stored=_int(doc, "stored", where, 0, MAX_CHUNK_BYTES + (1 << 20)),
+        pack=int_field(doc, "pack", where, 0, max(n_packs - 1, 0)) if n_packs else _no_pack(where),
+        offset=int_field(doc, "offset", where),
+        stored=int_field(doc, "stored", where, 0, MAX_CHUNK_BYTES + (1 << 20)),
         base=base,
     )
 
@@ -211,7 +218,7 @@ def parse_manifest(raw: bytes) -> Manifest:
     created_at = doc.get("created_at")
     if not isinstance(created_at, str):
         raise FormatError("manifest: 'created_at' must be a string")
-    chunk_size = _int(doc, "chunk_size", "manifest", MIN_CHUNK_BYTES, MAX_CHUNK_BYTES)
+    chunk_size = int_field(doc, "chunk_size", "manifest", MIN_CHUNK_BYTES, MAX_CHUNK_BYTES)
     packs_doc = doc.get("packs")
     if not isinstance(packs_doc, list):
         raise FormatError("manifest: 'packs' must be a list")
@@ -229,7 +236,7 @@ def parse_manifest(raw: bytes) -> Manifest:
     bases_doc = doc.get("bases", [])
     if not isinstance(bases_doc, list) or (bases_doc and version < 2):
         raise FormatError("manifest: 'bases' must be a list (version 2 and later)")
-    bases = tuple(_parse_chunk(c, "manifest bases", len(packs), version) for c in bases_doc)
+    bases = tuple(parse_chunk(c, "manifest bases", len(packs), version) for c in bases_doc)
     extra = doc.get("extra", {})
     if not isinstance(extra, dict):
         raise FormatError("manifest: 'extra' must be an object")
@@ -243,12 +250,12 @@ def _parse_file(i: int, fdoc: object, packs: int, version: int, chunk_size: int)
         raise FormatError(f"manifest file #{i}: must be an object")
     path = check_relative_path(fdoc.get("path"))
     where = f"manifest file {path!r}"
-    size = _int(fdoc, "size", where, 0, MAX_FILE_BYTES)
-    mode = _int(fdoc, "mode", where, 0, 0o7777) & 0o777  # never setuid/setgid/sticky
+    size = int_field(fdoc, "size", where, 0, MAX_FILE_BYTES)
+    mode = int_field(fdoc, "mode", where, 0, 0o7777) & 0o777  # never setuid/setgid/sticky
     chunks_doc = fdoc.get("chunks")
     if not isinstance(chunks_doc, list):
         raise FormatError(f"{where}: 'chunks' must be a list")
-    chunks = tuple(_parse_chunk(c, where, packs, version) for c in chunks_doc)
+    chunks = tuple(parse_chunk(c, where, packs, version) for c in chunks_doc)
     if sum(c.size for c in chunks) != size:
         raise FormatError(f"{where}: chunk sizes do not add up to the file size {size}")
     if version < FIXED_CHUNKS_BEFORE and not _fixed(chunks, chunk_size):

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from transfer.errors import FormatError
+from transfer.format.manifest import Manifest
 from transfer.format.names import check_name
 from transfer.format.paths import check_relative_path
 
@@ -31,9 +32,11 @@ MAX_MARKER_BYTES = 128 << 20
 
 @dataclass(frozen=True)
 class StepFiles:
-    """A complete step's files: path -> (the node whose part holds it, its size)."""
+    """A complete step's files: path -> (the node whose part holds it, its size); and the
+    marker's common index as a manifest (format/stepcommon.py), when it has a sound one."""
 
     files: dict[str, tuple[str, int]]
+    common: Manifest | None = None
 
     def nodes_holding(self, paths: Iterable[str]) -> set[str]:
         """The parts to read for ``paths`` (paths the map lacks are ignored: the caller

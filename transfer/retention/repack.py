@@ -37,6 +37,7 @@ from transfer.engine.catalog import load_manifest
 from transfer.engine.chunkindex import ChunkIndex, StoredChunk, build_refs
 from transfer.engine.fetch import fetch_chunks, plan_ranges
 from transfer.engine.packer import PackWriter
+from transfer.engine.parts import drop_common_index
 from transfer.engine.resolver import ChunkResolver
 from transfer.format import layout
 from transfer.format.manifest import FileEntry, Manifest
@@ -106,12 +107,16 @@ async def repack(
     result.bytes_reencoded = sum(new_forms[cid].stored for cid in layout_now.reencode)
     # every new pack is complete and durable: only now may a manifest name one (rule 4)
     final = dict(manifests)
+    unindexed: set[tuple[str, int]] = set()
     for part, old in sorted(manifests.items()):
         new = layout_now.rewrite(old, new_forms)
         if new is None:
             continue
         if not new.same_content(old):  # a bug, never a store's fault: stop before writing
             raise RetentionError(f"repack would change the content of {part}; nothing written")
+        if part[:2] not in unindexed:  # its marker's index names where the chunks were
+            await drop_common_index(store, *part[:2])
+            unindexed.add(part[:2])
         await store.put(layout.manifest_key(*part), new.to_json())
         final[part] = new
         result.parts_rewritten += 1

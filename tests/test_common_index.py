@@ -1,0 +1,234 @@
+"""A survivor's share of a real-shaped N-node step reads a few parts, not N.
+
+DCP spreads the items every rank reads (step counters, param_groups) over every rank's
+file, so a resharded rank's share touches every file: with only the marker's file map, the
+survivor read every part's manifest (N per survivor, N x N per resize). The marker's common
+index (format/stepcommon.py) says where those items are stored, so the survivor reads
+``.metadata``'s part and the parts its own rows are in. Without an index, with a malformed
+one, or with one a repack left stale, every part is read and the share is the same."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import random
+import time
+from collections import Counter
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import open_test_store
+from tests.fake_dcp import dcp_metadata
+from tests.test_share_parts import prefetch_shares
+from transfer.engine import PushPlan, push
+from transfer.engine.catalog import Catalog
+from transfer.engine.parts import check_step_whole, completion_doc
+from transfer.format import layout
+from transfer.format.stepcommon import COMMON_KEY
+from transfer.options import TransferOptions
+from transfer.retention import Tier, TierPolicy, apply_plan, make_plan
+from transfer.retention.repack import RepackPolicy
+from transfer.store.base import Store
+
+JOB, N = "llm", 8
+NODES = tuple(f"n{r}" for r in range(N))
+SIZES = {f"__{r}_0.distcp": 20_000 + 1_000 * r for r in range(N)}
+#: the last bytes of every rank's file: an item every rank reads
+REPLICATED = 64
+OPTIONS = TransferOptions(chunk_size=8 << 10)
+#: the survivor: rank 1 of the job shrunk to 4 ranks, which holds old ranks 2 and 3's rows
+LAYOUT = {"world_size": 4, "ranks": [1]}
+
+
+def write_part(root: Path, r: int, step: int, replicated: int) -> Path:
+    """Rank r's file: its row, then ``replicated`` bytes every rank reads (a few bytes of
+    the row and the whole item change each step)."""
+    d = root / NODES[r] / f"step_{step:06d}"
+    d.mkdir(parents=True)
+    sizes = {path: size + replicated for path, size in SIZES.items()}
+    # (4 bits of entropy a byte: compressible, so a changed chunk pays as a delta)
+    data = bytearray(b & 0x0F for b in random.Random(r).randbytes(sizes[f"__{r}_0.distcp"]))
+    rng = random.Random(r * 1000 + step)
+    for _ in range(4):
+        data[rng.randrange(len(data) - replicated)] ^= 0xFF
+    data[-replicated:] = data[-replicated:].replace(b"\x01", bytes([step % 16]))
+    (d / f"__{r}_0.distcp").write_bytes(data)
+    if r == 0:
+        (d / ".metadata").write_bytes(dcp_metadata(sizes, sharded=True, replicated=replicated))
+    return d
+
+
+async def push_step(
+    store: Store, root: Path, step: int, replicated: int = REPLICATED, options: Any = OPTIONS
+) -> dict[str, Any]:
+    """Every node's part, then the marker its agent writes; the marker."""
+    for r, node in enumerate(NODES):
+        d = write_part(root, r, step, replicated)
+        await push(store, d, job=JOB, step=step, node=node, options=options,
+                   plan=PushPlan(part=True))  # fmt: skip
+    doc = completion_doc(JOB, step, await check_step_whole(Catalog(store), JOB, step))
+    await store.put(layout.completion_key(JOB, step), json.dumps(doc).encode())
+    return doc
+
+
+def prefetch(tmp_path: Path, store: Store, steps: list[int]) -> tuple[list[Counter[Any]], Path]:
+    """The survivor's agent prefetches its share of each step in turn (each later one
+    from the copy of the one before): the manifests each read, and where the copies are."""
+    seen, hot = prefetch_shares(tmp_path, store, steps, NODES, {"layout": LAYOUT})
+    return seen, hot.root / JOB
+
+
+def assert_the_share(copy: Path, root: Path, step: int, replicated: int = REPLICATED) -> None:
+    """Old ranks 2 and 3's files whole; of every other rank's, the replicated item (and
+    none of the row that the item's chunks do not cover: a hole)."""
+    for r in range(N):
+        src = (root / NODES[r] / f"step_{step:06d}" / f"__{r}_0.distcp").read_bytes()
+        got = (copy / f"__{r}_0.distcp").read_bytes()
+        if r in (2, 3):
+            assert got == src
+        else:
+            assert got[-replicated:] == src[-replicated:]
+            assert len(got) == len(src) and not any(got[: -replicated - OPTIONS.chunk_size])
+
+
+@pytest.fixture
+def store(store_url: str) -> Any:
+    """The tier, on a local directory and on the S3 server."""
+    opened = open_test_store(store_url)
+    yield opened
+    asyncio.run(opened.close())
+
+
+def test_a_survivor_reads_the_parts_its_rows_are_in_and_the_index_for_the_rest(
+    tmp_path: Path, store: Store
+) -> None:
+    """Steps 10 and 20 (20's changed chunks delta-coded against 10's): each prefetch reads
+    n0 (.metadata) and n2, n3 (its rows) of its step, and of the step its copy holds."""
+    for step in (10, 20):
+        doc = asyncio.run(push_step(store, tmp_path / "src", step))
+        indexed = {f["path"] for f in doc[COMMON_KEY]["files"]}
+        assert indexed == set(SIZES)  # every rank's file holds a replicated item
+    (first, second), copies = prefetch(tmp_path, store, [10, 20])
+    mine = {"n0", "n2", "n3"}
+    assert first == Counter({(10, n): 1 for n in mine})
+    assert second == Counter({(s, n): 1 for s in (10, 20) for n in mine})
+    assert_the_share(copies / "step_000010", tmp_path / "src", 10)
+    assert_the_share(copies / "step_000020", tmp_path / "src", 20)
+
+
+def test_deltas_in_the_index_bring_their_bases(tmp_path: Path, store: Store) -> None:
+    """Replicated items of 64 KiB and more (a tensor saved whole) that changed, stored as
+    deltas: the index lists each delta's base chain (a manifest's rule), so a survivor
+    holding nothing decodes them from it."""
+    big, options = 96 << 10, replace(OPTIONS, chunk_size=96 << 10)
+    for step in (10, 20):
+        doc = asyncio.run(push_step(store, tmp_path / "src", step, big, options))
+    chunks = [c for f in doc[COMMON_KEY]["files"] for _, run in f["runs"] for c in run]
+    deltas = [c for c in chunks if "base" in c]
+    assert deltas, "step 20's changed items should be stored as deltas"
+    listed = {c["id"] for c in chunks} | {b["id"] for b in doc[COMMON_KEY]["bases"]}
+    assert all(c["base"] in listed for c in deltas)
+    assert doc[COMMON_KEY]["bases"]  # (the bases are step 10's chunks: in no run here)
+    (only,), copies = prefetch(tmp_path, store, [20])
+    assert {n for _, n in only} < set(NODES)
+    assert_the_share(copies / "step_000020", tmp_path / "src", 20, big)
+
+
+def rewrite_marker(store: Store, step: int, change: dict[str, Any]) -> None:
+    key = layout.completion_key(JOB, step)
+    doc = json.loads(asyncio.run(store.get(key))) | change
+    asyncio.run(store.put(key, json.dumps({k: v for k, v in doc.items() if v is not None})
+                          .encode()))  # fmt: skip
+
+
+def test_without_the_index_every_part_is_read_and_the_share_is_the_same(
+    tmp_path: Path, store: Store
+) -> None:
+    """A marker written before the index (or over its size limit): the file map alone
+    sends the survivor to every part, since every file holds an item it reads."""
+    asyncio.run(push_step(store, tmp_path / "src", 10))
+    rewrite_marker(store, 10, {COMMON_KEY: None})
+    (first,), copies = prefetch(tmp_path, store, [10])
+    assert first == Counter({(10, n): 1 for n in NODES})
+    assert_the_share(copies / "step_000010", tmp_path / "src", 10)
+
+
+@pytest.mark.parametrize(
+    "common",
+    [
+        "not an object",
+        {"packs": [], "bases": [], "files": [{"path": "../escape", "mode": 420, "runs": []}]},
+        {"packs": ["0" * 32], "bases": [],  # a file the map does not name
+         "files": [{"path": "other", "mode": 420, "runs": [[0, []]]}]},
+        "overlapping runs",
+        "past the end",
+        "a base that is not listed",
+    ],
+)  # fmt: skip
+def test_a_malformed_index_is_ignored_with_a_warning(
+    tmp_path: Path, store: Store, caplog: pytest.LogCaptureFixture, common: Any
+) -> None:
+    doc = asyncio.run(push_step(store, tmp_path / "src", 10))
+    good = doc[COMMON_KEY]
+    first_file = good["files"][0]
+    run_start, run_chunks = first_file["runs"][0]
+    if common == "overlapping runs":
+        bad = dict(first_file, runs=[[run_start, run_chunks], [run_start, run_chunks]])
+        common = dict(good, files=[bad, *good["files"][1:]])
+    elif common == "past the end":
+        bad = dict(first_file, runs=[[SIZES[first_file["path"]], run_chunks]])
+        common = dict(good, files=[bad, *good["files"][1:]])
+    elif common == "a base that is not listed":
+        chunk = dict(run_chunks[0], enc="xor+zstd", base="f" * 64)
+        bad = dict(first_file, runs=[[run_start, [chunk, *run_chunks[1:]]]])
+        common = dict(good, files=[bad, *good["files"][1:]])
+    rewrite_marker(store, 10, {COMMON_KEY: common})
+    with caplog.at_level(logging.WARNING, logger="transfer.engine.catalog"):
+        (first,), copies = prefetch(tmp_path, store, [10])
+    assert "its common index is unusable" in caplog.text
+    assert first == Counter({(10, n): 1 for n in NODES})
+    assert_the_share(copies / "step_000010", tmp_path / "src", 10)
+
+
+def test_an_index_naming_a_pack_that_is_gone_falls_back_to_the_parts(
+    tmp_path: Path, store: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    """What a repack by an agent that predates the index leaves (the parts re-pointed, the
+    old packs collected, the marker untouched): the prefetch reads every part instead."""
+    doc = asyncio.run(push_step(store, tmp_path / "src", 10))
+    gone = "0123456789abcdef" * 2
+    common = dict(doc[COMMON_KEY], packs=[gone] * len(doc[COMMON_KEY]["packs"]))
+    rewrite_marker(store, 10, {COMMON_KEY: common})
+    with caplog.at_level(logging.WARNING, logger="agent.node.prefetch"):
+        (first,), copies = prefetch(tmp_path, store, [10])
+    assert "common index is stale" in caplog.text
+    assert {n for _, n in first} == set(NODES)
+    assert_the_share(copies / "step_000010", tmp_path / "src", 10)
+
+
+def test_a_repack_drops_the_index_of_a_step_it_re_points(tmp_path: Path, store: Store) -> None:
+    """Step 10 expires (keep_last 1) and step 20's live chunks in its packs are copied out:
+    step 20's parts are re-pointed and the old packs collected, so its marker's index would
+    name packs that are gone. The repack writes the marker back without it first; the
+    survivor then reads every part, and the share is the same."""
+    for step in (10, 20):
+        asyncio.run(push_step(store, tmp_path / "src", step))
+    before = json.loads(asyncio.run(store.get(layout.completion_key(JOB, 20))))
+
+    async def expire_and_repack() -> Any:
+        tiers = [Tier(store, TierPolicy(keep_last=1))]
+        plan = await make_plan(tiers, now=time.time(), repacking=RepackPolicy(min_dead=0.1))
+        return await apply_plan(plan, tiers, grace_s=0.0, holder="test")
+
+    report = asyncio.run(expire_and_repack()).tiers[0].repack
+    assert report is not None and report.parts_rewritten > 0
+    after = json.loads(asyncio.run(store.get(layout.completion_key(JOB, 20))))
+    assert COMMON_KEY in before and COMMON_KEY not in after
+    assert after == {k: v for k, v in before.items() if k != COMMON_KEY}
+    (first,), copies = prefetch(tmp_path, store, [20])
+    assert {n for _, n in first} == set(NODES)
+    assert_the_share(copies / "step_000020", tmp_path / "src", 20)
