@@ -9,7 +9,9 @@ A job on N nodes saves a checkpoint every few minutes and each node pushes its o
 prefix of a real S3 server (SeaweedFS on loopback, ``tests/s3server.py``) with S steps of
 all N nodes, each part one small ``__<rank>_0.distcp`` (0.5-4 KB of random bytes, a few bytes
 changed per step, so later steps are pushed as deltas; node 0's also the step's
-``.metadata``, ``tests/fake_dcp.py``) and each step's completion marker, then measures,
+``.metadata``, ``tests/fake_dcp.py``: the rank's row of a tensor saved ``Shard(0)``, then 64
+bytes every rank reads, as DCP spreads a save's replicated items over every rank's file)
+and each step's completion marker, then measures,
 through a counting proxy in front of the server (``CountingProxy``: ``tests/faultproxy.py``
 with no faults, tallying each request by method and key), in this order:
 
@@ -19,9 +21,13 @@ with no faults, tallying each request by method and key), in this order:
 - ``share, every part``: the share a survivor's rank reads after the job shrinks to N/2
   ranks (the files of two old ranks), read as every reader of a share did before the
   completion marker's file map: every part's manifest, then the share's bytes;
-- ``share, by the map``: the same share prefetched by a survivor's agent onto a node that
-  holds nothing of the step (``agent/node/prefetch.py``): only the parts it touches,
-  found by the step's file map (docs/FORMAT.md, "The marker's file map");
+- ``share, by the map, no index``: the same share prefetched by a survivor's agent onto a
+  node that holds nothing of the step (``agent/node/prefetch.py``), the parts it touches
+  found by the step's file map (docs/FORMAT.md, "The marker's file map") but not its common
+  index: as with markers written before it, every part (each holds an item it reads);
+- ``share, by the map``: the same with the marker's common index (docs/FORMAT.md, "The
+  marker's common index"): the parts its rows are in, the rest from the marker (here each
+  file is one chunk, the replicated item's, so the index holds the rows too);
 - ``share, fan-out member``: the share of the same survivor's rank by its layout (the job
   shrunk to N/2 ranks: ``.metadata`` here holds one tensor saved ``Shard(0)``, a row per
   old rank's file, so the new rank reads the files of two old ranks), prefetched as one
@@ -215,6 +221,11 @@ def step_of(k: int) -> int:
     return (k + 1) * STEP_EVERY
 
 
+#: the bytes at the end of every rank's file that every rank reads (DCP spreads a save's
+#: replicated items, step counters and param_groups, over every rank's file)
+REPLICATED = 64
+
+
 def measured_rank(n: int) -> int:
     return min(5, n - 1)
 
@@ -235,25 +246,32 @@ def part_dir(root: Path, rank: int, step: int) -> Path:
 
 def write_parts(root: Path, n: int, saves: int) -> None:
     """Every node's saves 0..saves-1 on disk (plus the measured node's next one); node 0's
-    part also holds the step's ``.metadata`` (naming every node's file)."""
+    part also holds the step's ``.metadata`` (naming every node's file: its row of ``w``,
+    then REPLICATED bytes every rank reads)."""
     lengths = {f"__{rank}_0.distcp": len(part_bytes(rank, 0)) for rank in range(n)}
+    metadata = dcp_metadata(lengths, sharded=True, replicated=REPLICATED)
     for rank in range(n):
         for k in range(saves + (rank == measured_rank(n))):
             d = part_dir(root, rank, step_of(k))
             d.mkdir(parents=True, exist_ok=True)
             (d / f"__{rank}_0.distcp").write_bytes(part_bytes(rank, step_of(k)))
             if rank == 0:
-                (d / ".metadata").write_bytes(dcp_metadata(lengths, sharded=True))
+                (d / ".metadata").write_bytes(metadata)
 
 
 def share_items(n: int) -> list[dict[str, Any]]:
     """The share a survivor's rank reads after the job shrinks to n/2 ranks (one per
-    node): the files of old ranks 2m and 2m+1, m the measured node's new rank."""
+    node): the files of old ranks 2m and 2m+1, m the measured node's new rank, and the
+    replicated item at the end of every other rank's file (as the item list DCP's planner
+    gives: dcpplan_torch)."""
     first = 2 * (measured_rank(n) // 2)
     ranks = sorted({first, min(first + 1, n - 1)})
-    return [
-        {"path": f"__{r}_0.distcp", "offset": 0, "length": len(part_bytes(r, 0))} for r in ranks
-    ]
+    items = []
+    for r in range(n):
+        size = len(part_bytes(r, 0))
+        offset = 0 if r in ranks else size - REPLICATED
+        items.append({"path": f"__{r}_0.distcp", "offset": offset, "length": size - offset})
+    return items
 
 
 async def mark_complete(store: Store, saves: int) -> None:
@@ -381,14 +399,17 @@ async def op_share_every_part(store: Store, fleet: Fleet) -> None:
         shutil.rmtree(dest, ignore_errors=True)
 
 
-async def op_share_by_map(store: Store, fleet: Fleet) -> None:
+async def op_share_by_map(store: Store, fleet: Fleet, use_index: bool = True) -> None:
     """The same share prefetched by a survivor's agent onto a node holding nothing of the
-    step (agent/node/prefetch.py): the parts it touches, by the step's file map."""
+    step (agent/node/prefetch.py): the parts it touches, by the step's file map, and the
+    marker's common index for the replicated items (``use_index=False``: as with a marker
+    written before the index: every part holds an item the share reads)."""
     hot = HotDir(fleet.work / f"hot-{secrets.token_hex(4)}", ".metadata")
     policy = PrefetchPolicy(expected_nodes=tuple(fleet.nodes))
     prefetcher = Prefetcher(hot, [("s3", store)], push_options(), BandwidthMeter(), policy)
     try:
         record = prefetcher.submit(JOB, fleet.last, None, items=share_items(fleet.n))
+        record.use_index = use_index  # (before its task first runs)
         assert record.task is not None
         await record.task
         if record.state is not State.READY:
@@ -496,6 +517,7 @@ def operations(fleet: Fleet) -> list[tuple[str, Op]]:
         ("pull latest", lambda s, f: op_pull(s, f, None, None)),
         ("pull node", lambda s, f: op_pull(s, f, f.last, f.me)),
         ("share, every part", op_share_every_part),
+        ("share, by the map, no index", lambda s, f: op_share_by_map(s, f, use_index=False)),
         ("share, by the map", op_share_by_map),
         ("share, fan-out member", op_share_fanout_member),
         ("load, coordinator", op_load_coordinator),

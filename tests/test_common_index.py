@@ -23,7 +23,7 @@ import pytest
 
 from tests.conftest import open_test_store
 from tests.fake_dcp import dcp_metadata
-from tests.test_share_parts import prefetch_shares
+from tests.test_share_parts import count_manifest_reads, prefetch_shares
 from transfer.engine import PushPlan, push
 from transfer.engine.catalog import Catalog
 from transfer.engine.parts import check_step_whole, completion_doc
@@ -232,3 +232,64 @@ def test_a_repack_drops_the_index_of_a_step_it_re_points(tmp_path: Path, store: 
     (first,), copies = prefetch(tmp_path, store, [20])
     assert {n for _, n in first} == set(NODES)
     assert_the_share(copies / "step_000020", tmp_path / "src", 20)
+
+
+def test_ferry_pull_of_a_share_reads_the_index_and_reads_the_parts_when_it_is_stale(
+    tmp_path: Path,
+    store: Store,
+    store_url: str,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``ferry pull --world-size 4 --ranks 1`` of step 10, then of step 20 onto step 10's
+    copy: n0, n2 and n3 of each. Then step 20 pulled again after its index was made to
+    name a pack that is gone: it says so, reads the parts, and the share is the same."""
+    from agent.cli.run import main as ferry
+
+    for step in (10, 20):
+        doc = asyncio.run(push_step(store, tmp_path / "src", step))
+    base, dest = tmp_path / "step_000010", tmp_path / "step_000020"
+    nodes = ",".join(NODES)
+    share = ["--job", JOB, "--world-size", "4", "--ranks", "1", "--expected-nodes", nodes]
+    assert ferry(["pull", store_url, str(base), "--step", "10", *share]) == 0
+    reads: Counter[tuple[int, str]] = Counter()
+    get = type(store).get  # (the CLI opens a store of its own, of this class)
+
+    async def counting_get(self: Store, key: str, *args: Any) -> bytes:
+        if (parsed := layout.parse_manifest_key(key)) is not None:
+            reads[(parsed[1], parsed[2])] += 1
+        return await get(self, key, *args)
+
+    monkeypatch.setattr(type(store), "get", counting_get)
+    argv = ["pull", store_url, str(dest), "--step", "20", "--base-dir", str(base), *share]
+    assert ferry(argv) == 0
+    assert reads == Counter({(s, n): 1 for s in (10, 20) for n in ("n0", "n2", "n3")})
+    assert_the_share(dest, tmp_path / "src", 20)
+    gone = "0123456789abcdef" * 2
+    common = dict(doc[COMMON_KEY], packs=[gone] * len(doc[COMMON_KEY]["packs"]))
+    rewrite_marker(store, 20, {COMMON_KEY: common})
+    again = tmp_path / "again" / "step_000020"
+    capsys.readouterr()
+    assert ferry(["pull", store_url, str(again), "--step", "20", *share]) == 0
+    assert "common index is stale" in capsys.readouterr().err
+    assert_the_share(again, tmp_path / "src", 20)
+
+
+def test_what_a_survivor_serves_its_peers_is_learnt_from_the_index(
+    tmp_path: Path, store: Store
+) -> None:
+    """The index of what a node can serve its peers (agent/peers/chunks.py HotIndex) of a
+    survivor's share copy: the parts its rows are in and the marker's index, and the
+    replicated items' chunks are found in the copy (they were every part's)."""
+    from agent.node.hotdir import HotDir
+    from agent.peers.chunks import HotIndex
+
+    doc = asyncio.run(push_step(store, tmp_path / "src", 10))
+    _, copies = prefetch(tmp_path, store, [10])
+    reads = count_manifest_reads(store)
+    index = HotIndex(HotDir(tmp_path / "hot", ".metadata"), [("t", store)])
+    item = doc[COMMON_KEY]["files"][-1]  # (rank 7's file: no row of it in the share)
+    start, (chunk, *_) = item["runs"][0]
+    where = asyncio.run(index.locate(chunk["id"]))
+    assert where == (copies / "step_000010" / item["path"], start, chunk["size"])
+    assert {n for _, n in reads} == {"n0", "n2", "n3"}

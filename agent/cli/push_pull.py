@@ -248,28 +248,32 @@ async def cmd_pull(
 
     await asyncio.to_thread(settle, args.dest_dir.absolute().parent)
     expected = tuple(check_name("node", n) for n in args.expected_nodes.split(",") if n)
-    manifests, share = await _share_of(store, args, step, expected)
-    base_manifests = None
-    if share is not None:  # of the base step too, only the parts holding the share's files
-        from transfer.engine.share import base_dir_parts
+    from transfer.engine.share import base_dir_parts
+    from transfer.engine.stepparts import from_index
+    from transfer.errors import IntegrityError, NotFoundError
 
-        base_manifests = await base_dir_parts(store, args.job, manifests, args.base_dir)
-    r = await pull(
-        store,
-        args.dest_dir,
-        PullPlan(
-            args.job,
-            step,
-            args.node,
-            manifests,
-            share=share,
-            fsync=args.fsync,
-            expected_nodes=expected,
-        ),
-        Sources(base_dir=args.base_dir, base_manifests=base_manifests),
-        PullEvents(progress=progress),
-        transfer_options(args),
-    )
+    for use_index in (True, False):  # (no index: a marker's common index was stale)
+        manifests, share = await _share_of(store, args, step, expected, use_index)
+        base_manifests = None
+        if share is not None:  # of the base step too, only the parts holding the share's files
+            base_manifests = await base_dir_parts(
+                store, args.job, manifests, args.base_dir, use_index
+            )
+        indexed = from_index([*(manifests or ()), *(base_manifests or ())])
+        plan = PullPlan(args.job, step, args.node, manifests, share=share, fsync=args.fsync,
+                        expected_nodes=expected)  # fmt: skip
+        sources = Sources(base_dir=args.base_dir, base_manifests=base_manifests)
+        try:
+            r = await pull(
+                store, args.dest_dir, plan, sources, PullEvents(progress=progress),
+                transfer_options(args),
+            )  # fmt: skip
+            break
+        except (NotFoundError, IntegrityError) as exc:  # (a pack gone: IntegrityError)
+            if not indexed:
+                raise
+            print(f"ferry pull: {exc}; a completion marker's common index is stale (a repack "
+                  "by an older agent?): reading the parts instead", file=sys.stderr)  # fmt: skip
     what = f"{human(r.bytes_raw)}"
     if share is not None:
         of = f"ranks {args.ranks} of {args.world_size}" if share.layout else "the items listed"
@@ -289,10 +293,15 @@ async def cmd_pull(
 
 
 async def _share_of(
-    store: Store, args: argparse.Namespace, step: int | None, expected: tuple[str, ...]
+    store: Store,
+    args: argparse.Namespace,
+    step: int | None,
+    expected: tuple[str, ...],
+    use_index: bool,
 ) -> tuple[Any, Any]:
     """(manifests, share) of a share pull (--world-size/--ranks or --items), else (None, None);
-    ``expected``: the job's nodes (--expected-nodes), whose parts make a step whole."""
+    ``expected``: the job's nodes (--expected-nodes), whose parts make a step whole;
+    ``use_index``: the step's common index may stand in for the parts it covers."""
     if args.world_size is None and args.ranks is None and args.items is None:
         return None, None
     if args.items is not None and (args.world_size is not None or args.ranks is not None):
@@ -304,7 +313,7 @@ async def _share_of(
     import json
 
     from transfer.engine.dcpshare import Layout, parse_ranks
-    from transfer.engine.share import resolve_share
+    from transfer.engine.share import resolve_shares
 
     items = layout = None
     if args.items is not None:
@@ -314,4 +323,7 @@ async def _share_of(
             raise UsageError(f"--items {args.items}: {exc}") from None
     else:
         layout = Layout(args.world_size, parse_ranks(args.ranks))
-    return await resolve_share(store, args.job, step, expected, (layout, items))
+    manifests, shares = await resolve_shares(
+        store, args.job, step, expected, {None: (layout, items)}, None, use_index
+    )
+    return manifests, shares[None]
