@@ -116,8 +116,8 @@ from transfer.store.base import Store
 JOB = "fleet"
 STEP_EVERY = 100
 OPS = (
-    "push", "pull step", "pull latest", "pull node", "share, every part", "share, by the map",
-    "share, fan-out member",
+    "push", "pull step", "pull latest", "pull node", "share, every part",
+    "share, by the map, no index", "share, by the map", "share, fan-out member",
     "load, coordinator", "load, another rank", "retention", "gc",
 )  # fmt: skip
 METHODS = ("LIST", "GET", "PUT", "HEAD", "DELETE", "POST")

@@ -546,6 +546,11 @@ def test_survivors_holding_their_parts_receive_only_their_shares_and_load_reshar
                 while not await store.exists(f"complete/drill/{STEP:018d}.json"):
                     assert time.monotonic() < deadline, "the step was never completed"
                     await asyncio.sleep(0.2)
+                # (the real save's step counters and param_groups: every rank's file holds
+                # some, and the marker says where, so each survivor reads few parts)
+                marker = json.loads(await store.get(f"complete/drill/{STEP:018d}.json"))
+                # (7 of the 8 rank files hold some here)
+                assert len(marker["common"]["files"]) > len(nodes), marker.get("common")
             finally:
                 await store.close()
             clients = {
