@@ -7,8 +7,8 @@
 A job on N nodes saves a checkpoint every few minutes and each node pushes its own part
 (``manifests/<job>/<step>/<node>.json``, docs/FORMAT.md). For each N this fills a fresh
 prefix of a real S3 server (SeaweedFS on loopback, ``tests/s3server.py``) with S steps of
-all N nodes, each part one small ``__<rank>_0.distcp`` (0.5-4 KB of random bytes, a few bytes
-changed per step, so later steps are pushed as deltas; node 0's also the step's
+all N nodes, each part one small ``__<rank>_0.distcp`` (8-12 KB of random bytes in 4 KiB
+chunks, a few bytes changed per step; node 0's also the step's
 ``.metadata``, ``tests/fake_dcp.py``: the rank's row of a tensor saved ``Shard(0)``, then 64
 bytes every rank reads, as DCP spreads a save's replicated items over every rank's file)
 and each step's completion marker, then measures,
@@ -26,8 +26,7 @@ with no faults, tallying each request by method and key), in this order:
   found by the step's file map (docs/FORMAT.md, "The marker's file map") but not its common
   index: as with markers written before it, every part (each holds an item it reads);
 - ``share, by the map``: the same with the marker's common index (docs/FORMAT.md, "The
-  marker's common index"): the parts its rows are in, the rest from the marker (here each
-  file is one chunk, the replicated item's, so the index holds the rows too);
+  marker's common index"): the parts its rows are in, the rest from the marker;
 - ``share, fan-out member``: the share of the same survivor's rank by its layout (the job
   shrunk to N/2 ranks: ``.metadata`` here holds one tensor saved ``Shard(0)``, a row per
   old rank's file, so the new rank reads the files of two old ranks), prefetched as one
@@ -231,8 +230,9 @@ def measured_rank(n: int) -> int:
 
 
 def part_bytes(rank: int, step: int) -> bytes:
-    """One node's shard at ``step``: its rank's random bytes with a few of them changed."""
-    size = 512 + (rank * 733) % 3585
+    """One node's shard at ``step``: its rank's random bytes with a few of them changed
+    (8-12 KB: its row in 2-3 chunks of CHUNK_BYTES, the item every rank reads in the last)."""
+    size = 8192 + (rank * 733) % 3585
     data = bytearray(random.Random(rank).randbytes(size))
     rng = random.Random(rank * 1_000_003 + step)
     for _ in range(8):
@@ -287,9 +287,13 @@ async def mark_step_complete(store: Store, job: str, step: int) -> None:
     await store.put(completion_key(job, step), json.dumps(doc).encode())
 
 
+#: the parts' chunks: a few per part, as a real rank file is many
+CHUNK_BYTES = 4096
+
+
 def push_options() -> TransferOptions:
     """Population: one hash/codec thread per push (many run at once)."""
-    return TransferOptions(workers=1)
+    return TransferOptions(workers=1, chunk_size=CHUNK_BYTES)
 
 
 async def bounded(jobs: Iterable[Awaitable[None]], limit: int = CONCURRENCY) -> None:

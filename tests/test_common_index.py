@@ -44,12 +44,13 @@ OPTIONS = TransferOptions(chunk_size=8 << 10)
 LAYOUT = {"world_size": 4, "ranks": [1]}
 
 
-def write_part(root: Path, r: int, step: int, replicated: int) -> Path:
-    """Rank r's file: its row, then ``replicated`` bytes every rank reads (a few bytes of
-    the row and the whole item change each step)."""
+def write_part(root: Path, r: int, step: int, replicated: int, row_extra: int = 0) -> Path:
+    """Rank r's file: its row (``row_extra`` bytes longer than SIZES says), then
+    ``replicated`` bytes every rank reads (a few bytes of the row and the whole item change
+    each step)."""
     d = root / NODES[r] / f"step_{step:06d}"
     d.mkdir(parents=True)
-    sizes = {path: size + replicated for path, size in SIZES.items()}
+    sizes = {path: size + row_extra + replicated for path, size in SIZES.items()}
     # (4 bits of entropy a byte: compressible, so a changed chunk pays as a delta)
     data = bytearray(b & 0x0F for b in random.Random(r).randbytes(sizes[f"__{r}_0.distcp"]))
     rng = random.Random(r * 1000 + step)
@@ -63,11 +64,16 @@ def write_part(root: Path, r: int, step: int, replicated: int) -> Path:
 
 
 async def push_step(
-    store: Store, root: Path, step: int, replicated: int = REPLICATED, options: Any = OPTIONS
+    store: Store,
+    root: Path,
+    step: int,
+    replicated: int = REPLICATED,
+    options: Any = OPTIONS,
+    row_extra: int = 0,
 ) -> dict[str, Any]:
     """Every node's part, then the marker its agent writes; the marker."""
     for r, node in enumerate(NODES):
-        d = write_part(root, r, step, replicated)
+        d = write_part(root, r, step, replicated, row_extra)
         await push(store, d, job=JOB, step=step, node=node, options=options,
                    plan=PushPlan(part=True))  # fmt: skip
     doc = completion_doc(JOB, step, await check_step_whole(Catalog(store), JOB, step))
@@ -126,7 +132,7 @@ def test_deltas_in_the_index_bring_their_bases(tmp_path: Path, store: Store) -> 
     holding nothing decodes them from it."""
     big, options = 96 << 10, replace(OPTIONS, chunk_size=96 << 10)
     for step in (10, 20):
-        doc = asyncio.run(push_step(store, tmp_path / "src", step, big, options))
+        doc = asyncio.run(push_step(store, tmp_path / "src", step, big, options, 400_000))
     chunks = [c for f in doc[COMMON_KEY]["files"] for _, run in f["runs"] for c in run]
     deltas = [c for c in chunks if "base" in c]
     assert deltas, "step 20's changed items should be stored as deltas"
@@ -162,8 +168,8 @@ def test_without_the_index_every_part_is_read_and_the_share_is_the_same(
     [
         "not an object",
         {"packs": [], "bases": [], "files": [{"path": "../escape", "mode": 420, "runs": []}]},
-        {"packs": ["0" * 32], "bases": [],  # a file the map does not name
-         "files": [{"path": "other", "mode": 420, "runs": [[0, []]]}]},
+        "a file the map does not name",
+        "no parts it was made from",
         "overlapping runs",
         "past the end",
         "a base that is not listed",
@@ -176,7 +182,11 @@ def test_a_malformed_index_is_ignored_with_a_warning(
     good = doc[COMMON_KEY]
     first_file = good["files"][0]
     run_start, run_chunks = first_file["runs"][0]
-    if common == "overlapping runs":
+    if common == "a file the map does not name":
+        common = dict(good, files=[dict(first_file, path="other"), *good["files"][1:]])
+    elif common == "no parts it was made from":
+        common = {k: v for k, v in good.items() if k != "parts"}
+    elif common == "overlapping runs":
         bad = dict(first_file, runs=[[run_start, run_chunks], [run_start, run_chunks]])
         common = dict(good, files=[bad, *good["files"][1:]])
     elif common == "past the end":
@@ -293,3 +303,71 @@ def test_what_a_survivor_serves_its_peers_is_learnt_from_the_index(
     where = asyncio.run(index.locate(chunk["id"]))
     assert where == (copies / "step_000010" / item["path"], start, chunk["size"])
     assert {n for _, n in reads} == {"n0", "n2", "n3"}
+
+
+def test_an_index_made_from_other_parts_is_not_used(
+    tmp_path: Path, store: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Step 10's index in step 20's marker (what a marker copied over other parts of the
+    step, or written before a re-push, amounts to): the parts the survivor reads are not
+    the ones it was made from, so it reads the rest too, and gets step 20's items."""
+    old = asyncio.run(push_step(store, tmp_path / "src", 10))
+    asyncio.run(push_step(store, tmp_path / "src", 20))
+    rewrite_marker(store, 20, {COMMON_KEY: old[COMMON_KEY]})
+    with caplog.at_level(logging.WARNING, logger="transfer.engine.stepparts"):
+        (first,), copies = prefetch(tmp_path, store, [20])
+    assert "made from other parts than the store holds now" in caplog.text
+    assert {n for _, n in first} == set(NODES)
+    assert_the_share(copies / "step_000020", tmp_path / "src", 20)
+
+
+def test_a_pack_of_a_part_gone_fails_the_prefetch_without_blaming_the_index(
+    tmp_path: Path, store: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    """n2's pack (rows the survivor reads from n2's own part) deleted: one attempt, an
+    error naming the pack, and no word of a stale index."""
+    asyncio.run(push_step(store, tmp_path / "src", 10))
+    (pack,) = asyncio.run(Catalog(store).manifest(JOB, 10, "n2")).packs
+    asyncio.run(store.delete(layout.pack_key(pack)))
+    with (
+        caplog.at_level(logging.WARNING, logger="agent.node.prefetch"),
+        pytest.raises(AssertionError, match=f"pack {pack} is missing"),
+    ):
+        prefetch(tmp_path, store, [10])
+    assert "stale" not in caplog.text
+
+
+def test_a_step_of_one_part_gets_no_index(tmp_path: Path, store: Store) -> None:
+    """One part: a reader reads it whole anyway, so the marker does not repeat it."""
+    d = tmp_path / "one" / "step_000010"  # (every rank's file, .metadata: one node's save)
+    d.mkdir(parents=True)
+    for r in range(N):
+        for f in write_part(tmp_path / "src", r, 10, REPLICATED).iterdir():
+            f.rename(d / f.name)
+    asyncio.run(push(store, d, job=JOB, step=10, node="n0", options=OPTIONS))
+    doc = completion_doc(JOB, 10, asyncio.run(check_step_whole(Catalog(store), JOB, 10)))
+    assert "files" in doc and COMMON_KEY not in doc
+
+
+def test_a_copy_to_a_tier_holding_another_save_of_the_step_drops_the_index(
+    tmp_path: Path, store: Store
+) -> None:
+    """The cold tier holds n5's part of an earlier save of step 10 (a job restarted from
+    an older step re-saved it); copying the new save's step there keeps that part (parts
+    never change) and must not bring an index of the new save's items with the marker."""
+    from transfer.engine.catalog import init_store
+    from transfer.retention.copy import copy_step
+
+    (tmp_path / "cold").mkdir()
+    cold = open_test_store(str(tmp_path / "cold"))
+    asyncio.run(init_store(cold))
+    old = write_part(tmp_path / "old", 5, 10, REPLICATED)
+    shard = old / "__5_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:-REPLICATED] + b"an earlier save".ljust(REPLICATED))
+    asyncio.run(push(cold, old, job=JOB, step=10, node="n5", options=OPTIONS,
+                     plan=PushPlan(part=True)))  # fmt: skip
+    asyncio.run(push_step(store, tmp_path / "src", 10))
+    asyncio.run(copy_step(store, cold, JOB, 10))
+    marker = json.loads(asyncio.run(cold.get(layout.completion_key(JOB, 10))))
+    assert "files" in marker and COMMON_KEY not in marker
+    asyncio.run(cold.close())

@@ -249,8 +249,8 @@ async def cmd_pull(
     await asyncio.to_thread(settle, args.dest_dir.absolute().parent)
     expected = tuple(check_name("node", n) for n in args.expected_nodes.split(",") if n)
     from transfer.engine.share import base_dir_parts
-    from transfer.engine.stepparts import from_index
-    from transfer.errors import IntegrityError, NotFoundError
+    from transfer.engine.stepparts import index_chunks
+    from transfer.errors import IntegrityError
 
     for use_index in (True, False):  # (no index: a marker's common index was stale)
         manifests, share = await _share_of(store, args, step, expected, use_index)
@@ -259,7 +259,7 @@ async def cmd_pull(
             base_manifests = await base_dir_parts(
                 store, args.job, manifests, args.base_dir, use_index
             )
-        indexed = from_index([*(manifests or ()), *(base_manifests or ())])
+        indexed = index_chunks(manifests or ())
         plan = PullPlan(args.job, step, args.node, manifests, share=share, fsync=args.fsync,
                         expected_nodes=expected)  # fmt: skip
         sources = Sources(base_dir=args.base_dir, base_manifests=base_manifests)
@@ -269,11 +269,11 @@ async def cmd_pull(
                 transfer_options(args),
             )  # fmt: skip
             break
-        except (NotFoundError, IntegrityError) as exc:  # (a pack gone: IntegrityError)
-            if not indexed:
+        except IntegrityError as exc:  # (a pack gone, or not what it names: IntegrityError)
+            if not set(exc.bad_chunks) & indexed:
                 raise
-            print(f"ferry pull: {exc}; a completion marker's common index is stale (a repack "
-                  "by an older agent?): reading the parts instead", file=sys.stderr)  # fmt: skip
+            print(f"ferry pull: {exc}; the step's common index is stale (a repack by an older "
+                  "agent?): reading the parts instead", file=sys.stderr)  # fmt: skip
     what = f"{human(r.bytes_raw)}"
     if share is not None:
         of = f"ranks {args.ranks} of {args.world_size}" if share.layout else "the items listed"

@@ -57,7 +57,7 @@ from transfer.engine.share import (
 )
 from transfer.engine.sources import ChunkSource
 from transfer.engine.staging import discard_leftovers, sweep_stale_staging
-from transfer.engine.stepparts import from_index
+from transfer.engine.stepparts import index_chunks
 from transfer.engine.writepath import fits_in_spare_memory, page_cache_first
 from transfer.engine.writeprobe import probe_size, probe_write, write_rate
 from transfer.errors import (
@@ -66,7 +66,6 @@ from transfer.errors import (
     FerryError,
     IncompleteStepError,
     IntegrityError,
-    NotFoundError,
     SourceChangedError,
     StoreError,
 )
@@ -138,10 +137,13 @@ class PrefetchJob:
     planned: Share | None = field(default=None, repr=False)
     #: a fan-out member's: every other member's share (by URL), once planned
     group_shares: dict[str, Share | None] | None = field(default=None, repr=False)
-    #: whether the steps' markers' common indexes may stand in for parts (off after one
-    #: named a pack the store no longer has), and whether this attempt used one
+    #: whether the step's marker's common index may stand in for parts: at all (the
+    #: asker's choice: a benchmark measures without it), in this attempt (off, for a tier,
+    #: once it named a chunk the tier does not have where it said); and the chunks this
+    #: attempt takes from it
     use_index: bool = field(default=True, repr=False)
-    used_index: bool = field(default=False, repr=False)
+    index_ok: bool = field(default=True, repr=False)
+    index_chunks: frozenset[str] = field(default=frozenset(), repr=False)
     #: set once the state is final: what ``GET /v1/prefetch/{id}?wait=`` waits for
     ended: asyncio.Event = field(default_factory=asyncio.Event, repr=False)
 
@@ -489,25 +491,28 @@ class Prefetcher:
     async def _from_tier(
         self, record: PrefetchJob, name: str, store: Store, requested: int | None
     ) -> None:
-        """The prefetch from one tier; once more reading the parts themselves when a
-        marker's common index named a pack the tier no longer has (a repack by an agent
-        that predates the index re-pointed the step: format/stepcommon.py)."""
+        """The prefetch from one tier; once more reading the parts themselves when a chunk
+        the step's common index supplied is missing or wrong there (a repack by an agent
+        that predates the index re-pointed a part this reader did not read:
+        format/stepcommon.py). Any other failure is the tier's, as it is."""
+        record.index_ok = record.use_index
         try:
             await self._attempt(record, name, store, requested)
-        except (NotFoundError, IntegrityError) as exc:  # (a pack gone: IntegrityError)
-            if not record.used_index:
+        except IntegrityError as exc:  # (a pack gone, or not what it names: IntegrityError)
+            if not set(exc.bad_chunks) & record.index_chunks:
                 raise
-            log.warning("%s: %s; a completion marker's common index is stale (a repack by an "
-                        "older agent?): reading the parts instead", name, exc)  # fmt: skip
-            record.use_index, record.used_index, record.bytes_done = False, False, 0
+            log.warning("%s: %s; the step's common index is stale (a repack by an older "
+                        "agent?): reading the parts instead", name, exc)  # fmt: skip
+            record.index_ok, record.bytes_done = False, 0
             await self._attempt(record, name, store, requested)
 
     async def _attempt(
         self, record: PrefetchJob, name: str, store: Store, requested: int | None
     ) -> None:
+        record.index_chunks = frozenset()
         manifests = await self._resolve(record, store, requested)
         record.step = manifests[0].step
-        record.used_index = from_index(manifests)
+        record.index_chunks = index_chunks(manifests)
         lock = self._dest_locks.setdefault((record.job, record.step), asyncio.Lock())
         async with lock, self._store_pin(store, record):
             # (the lock: two prefetches of one checkpoint never race on its dir)
@@ -532,7 +537,7 @@ class Prefetcher:
         }
         asks[me] = (layout, record.items)  # (its own request's, whatever the map said)
         manifests, shares = await resolve_shares(
-            store, record.job, requested, self.expected_nodes, asks, me, record.use_index
+            store, record.job, requested, self.expected_nodes, asks, me, record.index_ok
         )
         record.step, record.planned = manifests[0].step, shares.pop(me)
         if me is not None:  # (its own: what its pull writes, _fanout_source)
@@ -832,9 +837,7 @@ class Prefetcher:
         holding the same files (share.base_dir_parts); else None: the pull reads them all."""
         if record.planned is None or plan.manifests is None:
             return None
-        parts = await base_dir_parts(store, record.job, plan.manifests, base, record.use_index)
-        record.used_index |= parts is not None and from_index(parts)
-        return parts
+        return await base_dir_parts(store, record.job, plan.manifests, base, record.index_ok)
 
     def is_replica(self, job: str, step: int) -> bool:
         """Whether a standby's replication put ``step`` here (this agent's run)."""

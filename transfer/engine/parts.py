@@ -25,7 +25,7 @@ from transfer.errors import FormatError, IncompleteStepError, NotFoundError
 from transfer.format import layout
 from transfer.format.manifest import FileEntry, Manifest
 from transfer.format.stepcommon import COMMON_KEY, Placed, common_doc
-from transfer.format.stepfiles import file_map
+from transfer.format.stepfiles import MAX_MARKER_BYTES, file_map
 from transfer.store.base import Store
 
 log = logging.getLogger(__name__)
@@ -64,6 +64,7 @@ def merge_parts(manifests: list[Manifest]) -> list[tuple[FileEntry, Manifest]]:
 
 async def read_file(catalog: Catalog, manifest: Manifest, entry: FileEntry) -> bytes:
     """One small file of a part, read from the store and verified chunk by chunk."""
+    assert entry.starts is None, "a file known only in part (an index's) has no bytes to read"
     index = ChunkIndex()
     index.add_manifest(manifest)
     with ThreadPoolExecutor(1, thread_name_prefix="ferry-parts") as pool:
@@ -114,7 +115,14 @@ def completion_doc(job: str, step: int, whole: WholeStep) -> dict[str, object]:
     if (files := file_map((f.path, f.size, m.node) for f, m in merged)) is None:
         return doc
     doc["files"] = files
-    if whole.metadata is not None and (common := common_doc(_every_rank_chunks(whole))):
+    if whole.metadata is None or len(manifests) < 2:  # (one part: read it, all there is)
+        return doc
+    try:
+        common = common_doc(manifests, _every_rank_chunks(whole))
+    except Exception:  # a shortcut's bug never keeps a step from completing
+        log.exception("%s step %s: no common index in its marker", job, step)
+        return doc
+    if common is not None and len(json.dumps(common)) <= MAX_MARKER_BYTES // 2:
         doc[COMMON_KEY] = common
     return doc
 
@@ -147,12 +155,24 @@ async def drop_common_index(store: Store, job: str, step: int) -> None:
     read the parts; the rest of the marker is kept as it was."""
     key = layout.completion_key(job, step)
     try:
-        doc = json.loads(await store.get(key))
-    except (NotFoundError, ValueError):  # (no marker, or one no reader takes: nothing to drop)
+        raw = await store.get(key)
+    except NotFoundError:
         return
-    if isinstance(doc, dict) and COMMON_KEY in doc:
-        del doc[COMMON_KEY]
-        await store.put(key, json.dumps(doc).encode())
+    if (stripped := without_common_index(raw)) != raw:
+        await store.put(key, stripped)
+
+
+def without_common_index(marker: bytes) -> bytes:
+    """A completion marker's bytes without its common index (as they were, when it has
+    none or does not parse: nothing a reader would take from it)."""
+    try:
+        doc = json.loads(marker)
+    except ValueError:
+        return marker
+    if not isinstance(doc, dict) or COMMON_KEY not in doc:
+        return marker
+    del doc[COMMON_KEY]
+    return json.dumps(doc).encode()
 
 
 def check_files_whole(metadata: bytes, sizes: dict[str, int], what: str, parts: int) -> None:

@@ -51,6 +51,7 @@ from transfer.errors import FerryError
 from transfer.format.chunkid import chunk_id
 from transfer.format.manifest import FileEntry, Manifest
 from transfer.format.names import step_from_dirname
+from transfer.format.stepcommon import COMMON_NODE
 from transfer.options import TransferOptions
 from transfer.store.base import Store
 
@@ -396,7 +397,7 @@ class _Restore:
         return PullResult(
             job=manifests[0].job,
             step=manifests[0].step,
-            nodes=[m.node for m in manifests],
+            nodes=[m.node for m in manifests if m.node != COMMON_NODE],  # (parts, not the index)
             files=len(files),
             bytes_raw=sum(f.size for f in files),
             bytes_transferred=self.bytes_read,

@@ -9,13 +9,16 @@ N-node job reads the few parts its own ranks' rows are in, not N.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable, Mapping
 
 from transfer.engine.catalog import Catalog
 from transfer.engine.dcpshare import overlaps
 from transfer.format.manifest import FileEntry, Manifest
-from transfer.format.stepcommon import COMMON_KEY, covered, restricted
+from transfer.format.stepcommon import COMMON_NODE, covered, made_from, restricted
 from transfer.format.stepfiles import StepFiles
+
+log = logging.getLogger(__name__)
 
 Spans = tuple[tuple[int, int], ...]
 #: path -> the byte ranges wanted of it (sorted, merged); None: the whole file
@@ -26,16 +29,25 @@ async def parts_for(
     catalog: Catalog, job: str, step: int, files: StepFiles, needs: Needs
 ) -> list[Manifest]:
     """The parts holding ``needs``' files, by the map, with the common index (restricted to
-    the files it serves, last) standing in for the parts whose files it covers. A file's
-    part read anyway describes it whole and is preferred. Paths the map lacks are
-    ignored: the caller checks what it read."""
+    the files it serves, last) standing in for the parts whose files it covers. A file a
+    part read anyway holds is taken from that part; and when a part read is not the one
+    the index was made from (re-pushed, copied over another save, repacked), the index is
+    not used: the parts it stood in for are read too. Paths the map lacks are ignored: the
+    caller checks what it read."""
     served = _served_by_index(files.common, needs)
     nodes = files.nodes_holding(p for p in needs if p not in served)
-    served = [p for p in served if files.files[p][0] not in nodes]
     manifests = await catalog.manifests_of(job, step, sorted(nodes))
-    if served and files.common is not None:
-        manifests.append(restricted(files.common, served))
-    return manifests
+    if not served or files.common is None:
+        return manifests
+    if not manifests or not made_from(files.common, manifests):  # (none: nothing vouches)
+        if manifests:
+            why = "its marker's common index was made from other parts than the store holds"
+            log.warning("%s step %s: %s now; reading the parts instead", job, step, why)
+        rest = files.nodes_holding(served) - nodes
+        return manifests + await catalog.manifests_of(job, step, sorted(rest))
+    held = {f.path for m in manifests for f in m.files}
+    served = [p for p in served if p not in held]  # (a file two parts hold: the part's)
+    return manifests + ([restricted(files.common, served)] if served else [])
 
 
 def _served_by_index(index: Manifest | None, needs: Needs) -> list[str]:
@@ -59,6 +71,7 @@ def needs_of(entries: Iterable[FileEntry]) -> dict[str, Spans | None]:
     return {f.path: None if f.starts is None else covered(f) for f in entries}
 
 
-def from_index(manifests: Iterable[Manifest]) -> bool:
-    """Whether some of ``manifests`` came from a marker's common index (parts_for)."""
-    return any(m.extra.get(COMMON_KEY) for m in manifests)
+def index_chunks(manifests: Iterable[Manifest]) -> frozenset[str]:
+    """The ids of the chunks a restore of ``manifests`` would take from a marker's common
+    index (parts_for): a missing or bad one among them may mean the index is stale."""
+    return frozenset(c.id for m in manifests if m.node == COMMON_NODE for c in m.all_chunks())

@@ -4,7 +4,8 @@
     packs/<id[:2]>/<id>.pack                  immutable packs of encoded chunks
     manifests/<job>/<step:018d>/<node>.json   one committed checkpoint part per node
     complete/<job>/<step:018d>.json           written once (create-only) when every expected
-                                              node's part of a step is committed
+                                              node's part of a step is committed (a repack
+                                              may write it back without its common index)
     pins/<job>/<step:018d>/<holder>.json      "do not delete this step" until its expiry
     heads/<job>/<node>.json                   a hint: the node's newest committed steps
     gc/lock.json, gc/state.json               retention's lease and its mark-and-sweep state

@@ -9,17 +9,21 @@ writes the completion marker has every part's manifest in hand and the step's
 (engine/parts.py ``completion_doc``), and a survivor reads one marker instead of N parts
 for them (engine/stepparts.py).
 
-``"common": {"packs": [...], "bases": [chunk, ...], "files": [{"path", "size", "mode",
-"runs": [[start, [chunk, ...]], ...]}, ...]}``: chunks as in a manifest (``pack`` an index
-into this ``packs``), each run the chunks that follow each other from ``start``, ``bases``
-the delta bases they need that no run holds (a manifest's rule). An index, never the
-record: a reader takes from it only files whose wanted ranges its runs cover, checks it
-as it checks a manifest, and reads the parts when it is absent, malformed or stale (a
-repack that re-points a step's parts drops it from the marker first).
+``"common": {"parts": {node: digest}, "packs": [...], "bases": [chunk, ...], "files":
+[{"path", "mode", "runs": [[start, [chunk, ...]], ...]}, ...]}``: ``parts`` each part's
+manifest as the writer read it (``manifest_digest``), chunks as in a manifest (``pack`` an
+index into this ``packs``), each run the chunks that follow each other from ``start``,
+``bases`` the delta bases they need that no run holds (a manifest's rule). An index, never
+the record: a reader takes from it only files whose wanted ranges its runs cover and
+whose parts it reads no other way, checks it as it checks a manifest, uses it only when
+every part it does read is the one the index was made from (a re-pushed, copied or
+repacked part is not), and reads the parts when it is absent, malformed or stale.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -41,22 +45,34 @@ from transfer.format.paths import check_relative_path
 
 #: the marker key holding the index
 COMMON_KEY = "common"
-#: the node name of the manifest a reader makes of the index (never a key: names of
-#: nodes cannot hold parentheses)
+#: the node name of the manifest a reader makes of the index, and how it is told from the
+#: parts (no part can have it: names of nodes cannot hold parentheses)
 COMMON_NODE = "(common index)"
-#: beyond this many chunks the marker carries no index (its readers read every part)
-MAX_COMMON_CHUNKS = 200_000
+#: beyond this many chunks the marker carries no index (its readers read the parts): ~5 MB
+#: of JSON, parsed by every reader of the step's map
+MAX_COMMON_CHUNKS = 20_000
+
+
+def manifest_digest(manifest: Manifest) -> str:
+    """What the index records of each part it was made from, and a reader compares with
+    the parts it reads: any change to a part (a re-push, a repack's new locations) changes
+    it."""
+    return hashlib.sha256(manifest.to_json()).hexdigest()
+
 
 #: (path, mode, start, chunk, the manifest whose packs the chunk's ``pack`` indexes)
 Placed = tuple[str, int, int, ChunkRef, Manifest]
 
 
-def common_doc(placed: Iterable[Placed]) -> dict[str, Any] | None:
-    """The index of ``placed`` chunks (each file's in offset order); None when there are
-    none or more than MAX_COMMON_CHUNKS. The same chunk id held by two parts is written
-    once, with the first part's location and base chain."""
+def common_doc(parts: Sequence[Manifest], placed: Iterable[Placed]) -> dict[str, Any] | None:
+    """The index of ``placed`` chunks (each file's in offset order) of the step whose parts
+    are ``parts``; None when there are none, more than MAX_COMMON_CHUNKS or more than half
+    the step's chunks (a save whose tensors are all whole: reading its parts costs about
+    what the index would). The same chunk id held by two parts is written once, with the
+    first part's location and base chain."""
     placed = list(placed)
-    if not placed or len(placed) > MAX_COMMON_CHUNKS:
+    step_chunks = sum(len(f.chunks) for m in parts for f in m.files)
+    if not placed or len(placed) > min(MAX_COMMON_CHUNKS, step_chunks // 2):
         return None
     packs: dict[str, int] = {}
     records: dict[str, dict[str, Any]] = {}  # chunk id -> its record, in this doc's packs
@@ -89,7 +105,8 @@ def common_doc(placed: Iterable[Placed]) -> dict[str, Any] | None:
             ref = chunks_of[id(owner)][base]
             bases.append(record(ref, owner))
             base = ref.base
-    return {"packs": list(packs), "bases": bases, "files": list(files.values())}
+    digests = {m.node: manifest_digest(m) for m in parts}
+    return {"parts": digests, "packs": list(packs), "bases": bases, "files": list(files.values())}
 
 
 def parse_common(
@@ -101,6 +118,11 @@ def parse_common(
     first problem."""
     if not isinstance(doc, dict):
         raise FormatError("the common index is not an object")
+    digests = doc.get("parts")
+    if not isinstance(digests, dict) or not all(
+        isinstance(v, str) and len(v) == 64 for v in digests.values()
+    ):
+        raise FormatError("the common index names no parts it was made from")
     packs_doc, bases_doc, files_doc = doc.get("packs"), doc.get("bases"), doc.get("files")
     if not (isinstance(packs_doc, list) and isinstance(bases_doc, list)):
         raise FormatError("the common index needs lists 'packs' and 'bases'")
@@ -114,10 +136,16 @@ def parse_common(
     bases = tuple(parse_chunk(c, "common index bases", len(packs), MANIFEST_VERSION)
                   for c in bases_doc)  # fmt: skip
     chunk_size = max((c.size for f in files for c in f.chunks), default=1)
-    index = Manifest(job, step, COMMON_NODE, created_at, chunk_size, packs, files, bases,
-                     {COMMON_KEY: True})  # fmt: skip
+    extra = {COMMON_KEY: {str(node): d for node, d in digests.items()}}
+    index = Manifest(job, step, COMMON_NODE, created_at, chunk_size, packs, files, bases, extra)
     chain_depths(index)  # every base resolves, no cycles, bounded chains
     return index
+
+
+def made_from(index: Manifest, read: Iterable[Manifest]) -> bool:
+    """Whether every part in ``read`` is the one ``index`` was made from."""
+    digests = index.extra[COMMON_KEY]
+    return all(digests.get(m.node) == manifest_digest(m) for m in read)
 
 
 def _parse_file(
@@ -138,11 +166,13 @@ def _parse_file(
     chunks: list[ChunkRef] = []
     end = 0
     for run in runs:
-        if not (isinstance(run, list) and len(run) == 2 and isinstance(run[1], list)):
-            raise FormatError(f"{where}: a run is not [start, [chunk, ...]]")
+        if not (isinstance(run, list) and len(run) == 2 and isinstance(run[1], list) and run[1]):
+            raise FormatError(f"{where}: a run is not [start, [chunk, ...]] with a chunk")
         start = run[0]
-        if type(start) is not int or not end <= start <= MAX_FILE_BYTES or not run[1]:
-            raise FormatError(f"{where}: a run starts at {start!r}, before the last one ended")
+        if type(start) is not int or not 0 <= start <= MAX_FILE_BYTES:
+            raise FormatError(f"{where}: a run starts at {start!r}")
+        if start < end:
+            raise FormatError(f"{where}: a run starts at {start}, before the last one ended")
         for c in run[1]:
             ref = parse_chunk(c, where, n_packs, MANIFEST_VERSION)
             if not 0 < ref.size <= MAX_CHUNK_BYTES:
@@ -152,8 +182,10 @@ def _parse_file(
             start += ref.size
         end = start
         count[0] += len(run[1])
-    if end > size or count[0] > MAX_COMMON_CHUNKS:
-        raise FormatError(f"{where}: runs end at {end}, past its {size} bytes, or too many")
+    if end > size:
+        raise FormatError(f"{where}: its runs end at {end}, past its {size} bytes")
+    if count[0] > MAX_COMMON_CHUNKS:
+        raise FormatError(f"more than {MAX_COMMON_CHUNKS:,} chunks")
     return FileEntry(path, size, mode, tuple(chunks), starts=tuple(starts))
 
 
@@ -173,5 +205,4 @@ def restricted(index: Manifest, paths: Sequence[str]) -> Manifest:
     """The index with only the files ``paths`` (their bases all kept: harmless)."""
     keep = set(paths)
     files = tuple(f for f in index.files if f.path in keep)
-    return Manifest(index.job, index.step, index.node, index.created_at, index.chunk_size,
-                    index.packs, files, index.bases, {COMMON_KEY: True})  # fmt: skip
+    return dataclasses.replace(index, files=files)

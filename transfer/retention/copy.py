@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from transfer.engine.catalog import list_parts, load_manifest, open_catalog
+from transfer.engine.parts import without_common_index
 from transfer.errors import AlreadyExistsError, FerryError, NotFoundError
 from transfer.format import layout
 from transfer.format.manifest import parse_manifest
@@ -38,6 +39,7 @@ async def copy_step(src: Store, dst: Store, job: str, step: int) -> CopyResult:
     nodes = [c.node for c in await list_parts(src, job, step)]
     if not nodes:
         raise NotFoundError(f"{src.url} holds no part of {job} step {step}")
+    kept_theirs = False  # a part ``dst`` holds already, perhaps of another save
     for node in nodes:
         key = layout.manifest_key(job, step, node)
         raw = await src.get(key)
@@ -50,12 +52,14 @@ async def copy_step(src: Store, dst: Store, job: str, step: int) -> CopyResult:
             await dst.put(key, raw, create_only=True)
             result.manifests_copied += 1
         except AlreadyExistsError:
-            pass  # the same step was pushed there meanwhile: manifests are immutable
+            kept_theirs = True  # the same step was pushed there meanwhile: manifests are immutable
     marker = layout.completion_key(job, step)
     try:
         doc = await src.get(marker)
     except NotFoundError:
         return result
+    if kept_theirs:  # (the index says where src's parts keep the items: not dst's)
+        doc = without_common_index(doc)
     with contextlib.suppress(AlreadyExistsError):
         await dst.put(marker, doc, create_only=True)
     return result
