@@ -371,3 +371,36 @@ def test_a_copy_to_a_tier_holding_another_save_of_the_step_drops_the_index(
     marker = json.loads(asyncio.run(cold.get(layout.completion_key(JOB, 10))))
     assert "files" in marker and COMMON_KEY not in marker
     asyncio.run(cold.close())
+
+
+def test_a_fan_out_member_reads_the_index_too(tmp_path: Path, store: Store) -> None:
+    """The same survivor as one member of the survivors' fan-out group (the others do not
+    run: their address refuses, so it fetches its whole share itself): n0, n2, n3."""
+    from agent.node.estimate import BandwidthMeter
+    from agent.node.hotdir import HotDir
+    from agent.node.prefetch import Prefetcher, PrefetchLinks, PrefetchPolicy, State
+    from agent.peers.chunks import PeerSource
+    from tests.harness import reserve_port
+
+    asyncio.run(push_step(store, tmp_path / "src", 10))
+    refused = reserve_port()
+    members = tuple(f"http://127.0.0.1:{refused}/m{i}" for i in range(4))
+    layouts = {url: {"world_size": 4, "ranks": [i]} for i, url in enumerate(members)}
+    reads = count_manifest_reads(store)
+    hot = HotDir(tmp_path / "hot", ".metadata")
+
+    async def go() -> None:
+        peers = PeerSource((), "token")
+        prefetcher = Prefetcher(hot, [("t", store)], OPTIONS, BandwidthMeter(),
+                                PrefetchPolicy(expected_nodes=NODES),
+                                PrefetchLinks(fanout_client=peers))  # fmt: skip
+        group = {"fanout": (members, members[1]), "fanout_layouts": layouts}
+        record = prefetcher.submit(JOB, 10, None, layout=LAYOUT, **group)
+        assert record.task is not None
+        await record.task
+        await peers.close()
+        assert record.state is State.READY, record.error
+
+    asyncio.run(go())
+    assert {n for _, n in reads} == {"n0", "n2", "n3"}
+    assert_the_share(hot.root / JOB / "step_000010", tmp_path / "src", 10)
