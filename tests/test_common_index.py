@@ -404,3 +404,54 @@ def test_a_fan_out_member_reads_the_index_too(tmp_path: Path, store: Store) -> N
     asyncio.run(go())
     assert {n for _, n in reads} == {"n0", "n2", "n3"}
     assert_the_share(hot.root / JOB / "step_000010", tmp_path / "src", 10)
+
+
+def test_a_stale_index_found_while_building_on_an_earlier_step_falls_back_too(
+    tmp_path: Path, store: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The survivor holds step 10's share, and step 20's index names packs that are gone:
+    the chunks it fetches beside reusing step 10's come from a task group, whose error
+    the prefetch still knows for the index's, and reads the parts instead."""
+    asyncio.run(push_step(store, tmp_path / "src", 10))
+    doc = asyncio.run(push_step(store, tmp_path / "src", 20))
+    gone = "0123456789abcdef" * 2
+    common = dict(doc[COMMON_KEY], packs=[gone] * len(doc[COMMON_KEY]["packs"]))
+    rewrite_marker(store, 20, {COMMON_KEY: common})
+    with caplog.at_level(logging.WARNING, logger="agent.node.prefetch"):
+        (_, second), copies = prefetch(tmp_path, store, [10, 20])
+    assert "common index is stale" in caplog.text
+    assert {n for s, n in second if s == 20} == set(NODES)
+    assert_the_share(copies / "step_000020", tmp_path / "src", 20)
+
+
+def test_a_pack_gone_while_building_on_an_earlier_step_fails_the_prefetch_in_one_line(
+    tmp_path: Path, store: Store
+) -> None:
+    """Step 20's new pack of n2 (rows the survivor reads) deleted, step 10's share held:
+    the prefetch fails naming the pack (it was an ExceptionGroup out of the pull's task
+    group, which left the prefetch running for ever and no other tier tried)."""
+    asyncio.run(push_step(store, tmp_path / "src", 10))
+    asyncio.run(push_step(store, tmp_path / "src", 20))
+    old = set(asyncio.run(Catalog(store).manifest(JOB, 10, "n2")).packs)
+    (pack,) = set(asyncio.run(Catalog(store).manifest(JOB, 20, "n2")).packs) - old
+    asyncio.run(store.delete(layout.pack_key(pack)))
+    with pytest.raises(AssertionError, match=f"pack {pack} is missing"):
+        prefetch(tmp_path, store, [10, 20])
+
+
+def test_a_copy_run_again_over_its_own_parts_keeps_the_index(tmp_path: Path, store: Store) -> None:
+    """A copy stopped after the parts and before the marker, run again: the parts there are
+    its own (the same bytes), so the marker keeps its index."""
+    from transfer.engine.catalog import init_store
+    from transfer.retention.copy import copy_step
+
+    (tmp_path / "cold").mkdir()
+    cold = open_test_store(str(tmp_path / "cold"))
+    asyncio.run(init_store(cold))
+    asyncio.run(push_step(store, tmp_path / "src", 10))
+    asyncio.run(copy_step(store, cold, JOB, 10))
+    asyncio.run(cold.delete(layout.completion_key(JOB, 10)))  # (where the first run stopped)
+    asyncio.run(copy_step(store, cold, JOB, 10))
+    marker = json.loads(asyncio.run(cold.get(layout.completion_key(JOB, 10))))
+    assert COMMON_KEY in marker
+    asyncio.run(cold.close())

@@ -7,6 +7,7 @@ can be corrupted or hostile (paths escaping the destination, absurd sizes, unkno
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -94,6 +95,9 @@ class Manifest:
     #: chunks needed only as bases of delta chunks (transitively), with their locations
     bases: tuple[ChunkRef, ...] = ()
     extra: dict[str, Any] = field(default_factory=dict)
+    #: SHA-256 of the bytes it was parsed from (None: made in memory): what a step's
+    #: common index records of each part (format/stepcommon.py), whatever version wrote it
+    digest: str | None = field(default=None, compare=False)
 
     def all_chunks(self) -> Iterator[ChunkRef]:
         for f in self.files:
@@ -240,7 +244,10 @@ def parse_manifest(raw: bytes) -> Manifest:
     extra = doc.get("extra", {})
     if not isinstance(extra, dict):
         raise FormatError("manifest: 'extra' must be an object")
-    manifest = Manifest(job, step, node, created_at, chunk_size, packs, tuple(files), bases, extra)
+    digest = hashlib.sha256(raw).hexdigest()
+    manifest = Manifest(
+        job, step, node, created_at, chunk_size, packs, tuple(files), bases, extra, digest
+    )
     chain_depths(manifest)  # every base resolves, no cycles, bounded chains
     return manifest
 

@@ -23,7 +23,6 @@ repacked part is not), and reads the parts when it is absent, malformed or stale
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -53,11 +52,11 @@ COMMON_NODE = "(common index)"
 MAX_COMMON_CHUNKS = 20_000
 
 
-def manifest_digest(manifest: Manifest) -> str:
+def manifest_digest(manifest: Manifest) -> str | None:
     """What the index records of each part it was made from, and a reader compares with
-    the parts it reads: any change to a part (a re-push, a repack's new locations) changes
-    it."""
-    return hashlib.sha256(manifest.to_json()).hexdigest()
+    the parts it reads: the SHA-256 of the manifest's stored bytes (any change to a part,
+    a re-push or a repack's new locations, changes it); None for one made in memory."""
+    return manifest.digest
 
 
 #: (path, mode, start, chunk, the manifest whose packs the chunk's ``pack`` indexes)
@@ -73,6 +72,9 @@ def common_doc(parts: Sequence[Manifest], placed: Iterable[Placed]) -> dict[str,
     placed = list(placed)
     step_chunks = sum(len(f.chunks) for m in parts for f in m.files)
     if not placed or len(placed) > min(MAX_COMMON_CHUNKS, step_chunks // 2):
+        return None
+    digests = {m.node: manifest_digest(m) for m in parts}
+    if None in digests.values():  # (parts not read from the store: nothing to vouch by)
         return None
     packs: dict[str, int] = {}
     records: dict[str, dict[str, Any]] = {}  # chunk id -> its record, in this doc's packs
@@ -105,7 +107,6 @@ def common_doc(parts: Sequence[Manifest], placed: Iterable[Placed]) -> dict[str,
             ref = chunks_of[id(owner)][base]
             bases.append(record(ref, owner))
             base = ref.base
-    digests = {m.node: manifest_digest(m) for m in parts}
     return {"parts": digests, "packs": list(packs), "bases": bases, "files": list(files.values())}
 
 
@@ -145,7 +146,7 @@ def parse_common(
 def made_from(index: Manifest, read: Iterable[Manifest]) -> bool:
     """Whether every part in ``read`` is the one ``index`` was made from."""
     digests = index.extra[COMMON_KEY]
-    return all(digests.get(m.node) == manifest_digest(m) for m in read)
+    return all(m.digest is not None and digests.get(m.node) == m.digest for m in read)
 
 
 def _parse_file(

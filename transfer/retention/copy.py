@@ -51,8 +51,8 @@ async def copy_step(src: Store, dst: Store, job: str, step: int) -> CopyResult:
         try:
             await dst.put(key, raw, create_only=True)
             result.manifests_copied += 1
-        except AlreadyExistsError:
-            kept_theirs = True  # the same step was pushed there meanwhile: manifests are immutable
+        except AlreadyExistsError:  # manifests are immutable: theirs stays
+            kept_theirs |= await dst.get(key) != raw  # (not ours: another save of the step)
     marker = layout.completion_key(job, step)
     try:
         doc = await src.get(marker)

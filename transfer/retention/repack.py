@@ -314,7 +314,8 @@ class _Layout:
         if _locations(new) == _locations(old):
             return None
         stamp = datetime.now(UTC).isoformat(timespec="seconds")
-        return replace(new, extra={**old.extra, "repacked_at": stamp})
+        # (digest None: not the bytes it was read from; the store's copy gets its own)
+        return replace(new, extra={**old.extra, "repacked_at": stamp}, digest=None)
 
 
 def _locations(m: Manifest) -> set[tuple[str, str, int, str]]:
