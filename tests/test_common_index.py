@@ -218,6 +218,9 @@ def test_an_index_naming_a_pack_that_is_gone_falls_back_to_the_parts(
     assert "common index is stale" in caplog.text
     assert {n for _, n in first} == set(NODES)
     assert_the_share(copies / "step_000010", tmp_path / "src", 10)
+    # and dropped from the marker, so that no later reader tries it first
+    marker = json.loads(asyncio.run(store.get(layout.completion_key(JOB, 10))))
+    assert "files" in marker and COMMON_KEY not in marker
 
 
 def test_a_repack_drops_the_index_of_a_step_it_re_points(tmp_path: Path, store: Store) -> None:
@@ -283,6 +286,7 @@ def test_ferry_pull_of_a_share_reads_the_index_and_reads_the_parts_when_it_is_st
     assert ferry(["pull", store_url, str(again), "--step", "20", *share]) == 0
     assert "common index is stale" in capsys.readouterr().err
     assert_the_share(again, tmp_path / "src", 20)
+    assert COMMON_KEY not in json.loads(asyncio.run(store.get(layout.completion_key(JOB, 20))))
 
 
 def test_what_a_survivor_serves_its_peers_is_learnt_from_the_index(

@@ -248,9 +248,12 @@ async def cmd_pull(
 
     await asyncio.to_thread(settle, args.dest_dir.absolute().parent)
     expected = tuple(check_name("node", n) for n in args.expected_nodes.split(",") if n)
+    import contextlib
+
+    from transfer.engine.parts import drop_common_index
     from transfer.engine.share import base_dir_parts
     from transfer.engine.stepparts import index_chunks
-    from transfer.errors import IntegrityError
+    from transfer.errors import FerryError, IntegrityError
 
     for use_index in (True, False):  # (no index: a marker's common index was stale)
         manifests, share = await _share_of(store, args, step, expected, use_index)
@@ -274,6 +277,8 @@ async def cmd_pull(
                 raise
             print(f"ferry pull: {exc}; the step's common index is stale (a repack by an older "
                   "agent?): reading the parts instead", file=sys.stderr)  # fmt: skip
+            with contextlib.suppress(FerryError):  # (so that no later reader tries it first)
+                await drop_common_index(store, args.job, manifests[0].step)
     what = f"{human(r.bytes_raw)}"
     if share is not None:
         of = f"ranks {args.ranks} of {args.world_size}" if share.layout else "the items listed"

@@ -40,6 +40,7 @@ from transfer.engine import PullEvents, PullPlan, Sources, TransferOptions, pull
 from transfer.engine.catalog import Catalog, resolve_checkpoint, resolve_manifests
 from transfer.engine.dcpshare import Layout, Ranges, merge_ranges
 from transfer.engine.localcheck import local_copy_differences
+from transfer.engine.parts import drop_common_index
 from transfer.engine.pull import chunk_positions
 from transfer.engine.pullplan import merged_files
 from transfer.engine.ratelimit import RateLimit
@@ -504,6 +505,9 @@ class Prefetcher:
             log.warning("%s: %s; the step's common index is stale (a repack by an older "
                         "agent?): reading the parts instead", name, exc)  # fmt: skip
             record.index_ok, record.bytes_done = False, 0
+            if record.step is not None:  # so that no later reader tries it first
+                with contextlib.suppress(FerryError):  # (a tier this agent may not write)
+                    await drop_common_index(store, record.job, record.step)
             await self._attempt(record, name, store, requested)
 
     async def _attempt(
