@@ -10,8 +10,8 @@ writes the completion marker has every part's manifest in hand and the step's
 for them (engine/stepparts.py).
 
 ``"common": {"parts": {node: digest}, "packs": [...], "bases": [chunk, ...], "files":
-[{"path", "mode", "runs": [[start, [chunk, ...]], ...]}, ...]}``: ``parts`` each part's
-manifest as the writer read it (``manifest_digest``), chunks as in a manifest (``pack`` an
+[{"path", "mode", "runs": [[start, [chunk, ...]], ...]}, ...]}``: ``parts`` the SHA-256 of
+each part's manifest as stored (``Manifest.digest``), chunks as in a manifest (``pack`` an
 index into this ``packs``), each run the chunks that follow each other from ``start``,
 ``bases`` the delta bases they need that no run holds (a manifest's rule). An index, never
 the record: a reader takes from it only files whose wanted ranges its runs cover and
@@ -52,13 +52,6 @@ COMMON_NODE = "(common index)"
 MAX_COMMON_CHUNKS = 20_000
 
 
-def manifest_digest(manifest: Manifest) -> str | None:
-    """What the index records of each part it was made from, and a reader compares with
-    the parts it reads: the SHA-256 of the manifest's stored bytes (any change to a part,
-    a re-push or a repack's new locations, changes it); None for one made in memory."""
-    return manifest.digest
-
-
 #: (path, mode, start, chunk, the manifest whose packs the chunk's ``pack`` indexes)
 Placed = tuple[str, int, int, ChunkRef, Manifest]
 
@@ -73,7 +66,7 @@ def common_doc(parts: Sequence[Manifest], placed: Iterable[Placed]) -> dict[str,
     step_chunks = sum(len(f.chunks) for m in parts for f in m.files)
     if not placed or len(placed) > min(MAX_COMMON_CHUNKS, step_chunks // 2):
         return None
-    digests = {m.node: manifest_digest(m) for m in parts}
+    digests = {m.node: m.digest for m in parts}  # (of their stored bytes)
     if None in digests.values():  # (parts not read from the store: nothing to vouch by)
         return None
     packs: dict[str, int] = {}
