@@ -215,7 +215,7 @@ def test_an_index_naming_a_pack_that_is_gone_falls_back_to_the_parts(
     rewrite_marker(store, 10, {COMMON_KEY: common})
     with caplog.at_level(logging.WARNING, logger="agent.node.prefetch"):
         (first,), copies = prefetch(tmp_path, store, [10])
-    assert "common index is stale" in caplog.text
+    assert "the index was stale" in caplog.text
     assert {n for _, n in first} == set(NODES)
     assert_the_share(copies / "step_000010", tmp_path / "src", 10)
     # and dropped from the marker, so that no later reader tries it first
@@ -284,7 +284,7 @@ def test_ferry_pull_of_a_share_reads_the_index_and_reads_the_parts_when_it_is_st
     again = tmp_path / "again" / "step_000020"
     capsys.readouterr()
     assert ferry(["pull", store_url, str(again), "--step", "20", *share]) == 0
-    assert "common index is stale" in capsys.readouterr().err
+    assert "the index was stale" in capsys.readouterr().err
     assert_the_share(again, tmp_path / "src", 20)
     assert COMMON_KEY not in json.loads(asyncio.run(store.get(layout.completion_key(JOB, 20))))
 
@@ -423,7 +423,7 @@ def test_a_stale_index_found_while_building_on_an_earlier_step_falls_back_too(
     rewrite_marker(store, 20, {COMMON_KEY: common})
     with caplog.at_level(logging.WARNING, logger="agent.node.prefetch"):
         (_, second), copies = prefetch(tmp_path, store, [10, 20])
-    assert "common index is stale" in caplog.text
+    assert "the index was stale" in caplog.text
     assert {n for s, n in second if s == 20} == set(NODES)
     assert_the_share(copies / "step_000020", tmp_path / "src", 20)
 
@@ -459,3 +459,21 @@ def test_a_copy_run_again_over_its_own_parts_keeps_the_index(tmp_path: Path, sto
     marker = json.loads(asyncio.run(cold.get(layout.completion_key(JOB, 10))))
     assert COMMON_KEY in marker
     asyncio.run(cold.close())
+
+
+def test_a_pack_gone_under_the_index_fails_without_dropping_it(
+    tmp_path: Path, store: Store, caplog: pytest.LogCaptureFixture
+) -> None:
+    """n7's pack deleted (the survivor takes only n7's replicated item, from the index):
+    the parts fail where the index did, so the chunk is lost, not the index stale: the
+    prefetch fails naming the pack, and the marker keeps its index."""
+    asyncio.run(push_step(store, tmp_path / "src", 10))
+    (pack,) = asyncio.run(Catalog(store).manifest(JOB, 10, "n7")).packs
+    asyncio.run(store.delete(layout.pack_key(pack)))
+    with (
+        caplog.at_level(logging.WARNING, logger="agent.node.prefetch"),
+        pytest.raises(AssertionError, match=f"pack {pack} is missing"),
+    ):
+        prefetch(tmp_path, store, [10])
+    assert "stale" not in caplog.text
+    assert COMMON_KEY in json.loads(asyncio.run(store.get(layout.completion_key(JOB, 10))))

@@ -255,7 +255,8 @@ async def cmd_pull(
     from transfer.engine.stepparts import index_chunks
     from transfer.errors import FerryError, IntegrityError
 
-    for use_index in (True, False):  # (no index: a marker's common index was stale)
+    stale: IntegrityError | None = None  # what a chunk the common index supplied did
+    for use_index in (True, False):  # (no index: a chunk it supplied failed)
         manifests, share = await _share_of(store, args, step, expected, use_index)
         base_manifests = None
         if share is not None:  # of the base step too, only the parts holding the share's files
@@ -275,10 +276,13 @@ async def cmd_pull(
         except IntegrityError as exc:  # (a pack gone, or not what it names: IntegrityError)
             if not set(exc.bad_chunks) & indexed:
                 raise
-            print(f"ferry pull: {exc}; the step's common index is stale (a repack by an older "
-                  "agent?): reading the parts instead", file=sys.stderr)  # fmt: skip
-            with contextlib.suppress(FerryError):  # (so that no later reader tries it first)
-                await drop_common_index(store, args.job, manifests[0].step)
+            stale = exc  # the parts then say: the chunk lost, or the index stale
+    if stale is not None and manifests:  # (the parts held what the index did not)
+        print(f"ferry pull: {stale}, where the step's common index put it, but not where its "
+              "part does: the index was stale (a repack by an older agent?); dropped",
+              file=sys.stderr)  # fmt: skip
+        with contextlib.suppress(FerryError):  # (so that no later reader tries it first)
+            await drop_common_index(store, args.job, manifests[0].step)
     what = f"{human(r.bytes_raw)}"
     if share is not None:
         of = f"ranks {args.ranks} of {args.world_size}" if share.layout else "the items listed"

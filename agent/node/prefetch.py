@@ -493,22 +493,24 @@ class Prefetcher:
         self, record: PrefetchJob, name: str, store: Store, requested: int | None
     ) -> None:
         """The prefetch from one tier; once more reading the parts themselves when a chunk
-        the step's common index supplied is missing or wrong there (a repack by an agent
-        that predates the index re-pointed a part this reader did not read:
-        format/stepcommon.py). Any other failure is the tier's, as it is."""
+        the step's common index supplied is missing or wrong there. When that read works,
+        the index was stale (a repack by an agent that predates it re-pointed a part this
+        reader did not read: format/stepcommon.py) and is dropped from the marker; when it
+        fails too, the store lost the chunk, and that failure is the tier's, as any other."""
         record.index_ok = record.use_index
         try:
             await self._attempt(record, name, store, requested)
         except IntegrityError as exc:  # (a pack gone, or not what it names: IntegrityError)
             if not set(exc.bad_chunks) & record.index_chunks:
                 raise
-            log.warning("%s: %s; the step's common index is stale (a repack by an older "
-                        "agent?): reading the parts instead", name, exc)  # fmt: skip
             record.index_ok, record.bytes_done = False, 0
+            await self._attempt(record, name, store, requested)
+            log.warning("%s: %s, where the step's common index put it, but not where its part "
+                        "does: the index was stale (a repack by an older agent?); dropped",
+                        name, exc)  # fmt: skip
             if record.step is not None:  # so that no later reader tries it first
                 with contextlib.suppress(FerryError):  # (a tier this agent may not write)
                     await drop_common_index(store, record.job, record.step)
-            await self._attempt(record, name, store, requested)
 
     async def _attempt(
         self, record: PrefetchJob, name: str, store: Store, requested: int | None
