@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import re
 import shutil
@@ -17,11 +18,14 @@ from tests.conftest import (
     make_checkpoint,
     open_test_store,
     put_object,
+    random_bytes,
     store_objects,
     tree_bytes,
     write_file,
 )
 from tests.harness import TOKEN, agent, push_series
+from transfer.engine.catalog import load_manifest
+from transfer.format import layout
 from transfer.format.layout import PACKS_PREFIX, manifest_key
 
 SMALL = ["--chunk-size-mib", "1", "--part-size-mib", "5", "--pack-size-mib", "10"]
@@ -946,3 +950,27 @@ def test_retention_never_takes_a_pushed_part_for_the_newest_whole_step(
     dest = tmp_path / "pulled"
     assert ferry(["pull", local_url, str(dest), "--job", "g", "--step", "50"]) == 0
     assert tree_bytes(dest) == tree_bytes(whole)
+
+
+def test_retention_keeps_the_step_before_a_newest_step_that_lost_a_pack(
+    local_url: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An operator's trial: a pack of the newest step lost (deleted by hand, a bucket
+    policy, a failed disk), then retention --keep-last 1 expired the step before it, the
+    last one that restored. A step whose parts need a pack the store does not hold is not
+    a whole step: the run keeps the steps before it and names the step and the pack."""
+    first, second = tmp_path / "step_000010", tmp_path / "step_000020"
+    write_file(first / "weights.bin", random_bytes(300_000, 1))
+    write_file(second / "weights.bin", random_bytes(300_000, 2))
+    for d in (first, second):
+        assert ferry(["push", str(d), local_url, "--job", "g", "--node", "n0"]) == 0
+    store = Path(local_url)
+    newer = asyncio.run(load_manifest(open_test_store(local_url), "g", 20, "n0")).packs
+    for pack in newer:
+        (store / layout.pack_key(pack)).unlink()
+    with caplog.at_level(logging.WARNING, logger="transfer.retention.inventory"):
+        assert ferry(["retention", local_url, "--keep-last", "1", "--grace", "0"]) == 0
+    assert "g step 20 needs 1 pack(s) the store does not hold" in caplog.text
+    dest = tmp_path / "pulled"
+    assert ferry(["pull", local_url, str(dest), "--job", "g", "--step", "10"]) == 0
+    assert tree_bytes(dest) == tree_bytes(first)

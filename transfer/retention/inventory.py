@@ -4,6 +4,7 @@ age and packs), pack sizes, and pins. One listing per prefix plus one GET per ma
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -20,6 +21,8 @@ from transfer.format.manifest import PART_EXTRA, Manifest
 from transfer.format.names import Key
 from transfer.retention.pins import pin_expiry
 from transfer.store.base import PendingUpload, Store
+
+log = logging.getLogger(__name__)
 
 #: manifests read at once while taking inventory
 _CONCURRENT_GETS = 16
@@ -158,9 +161,36 @@ async def take_inventory(
         for obj in await store.list(layout.PACKS_PREFIX)
         if (pack_id := layout.parse_pack_key(obj.key)) is not None
     }
+    _mark_damaged(store.url, steps, pack_sizes)
     pins = await read_pins(store, now=now)
     uploads = await store.list_uploads(layout.PACKS_PREFIX)
     return Inventory(store.url, steps, pack_sizes, pins, uploads)
+
+
+def _mark_damaged(url: str, steps: dict[Key, StepEntry], pack_sizes: dict[str, int]) -> None:
+    """A whole step whose parts need a pack the store does not hold, or holds shorter than
+    their chunks reach, cannot be restored: it is not counted whole (so it is never the
+    job's newest whole step, and the steps before it, one of which may be the last that
+    restores, are kept as keep_last would keep them), and the run says so. An operator's
+    trial lost a pack of the newest step, and a run with --keep-last 1 expired the step
+    before it, the last one that restored."""
+    for entry in steps.values():
+        if not entry.complete:
+            continue
+        lost = sorted(p for p in entry.packs if p not in pack_sizes)
+        short = sorted(
+            p
+            for p, reach in entry.extents.items()
+            if p in pack_sizes and max(o + n for o, n in reach.items()) > pack_sizes[p]
+        )
+        if lost or short:
+            entry.complete = False
+            log.warning(
+                "%s: %s step %s needs %d pack(s) the store does not hold and %d it holds "
+                "short (first: %s): not a whole step for retention, which keeps the steps "
+                "before it; see ferry verify", url, entry.job, entry.step, len(lost),
+                len(short), (lost + short)[0],
+            )  # fmt: skip
 
 
 async def _mark_complete(

@@ -110,8 +110,9 @@ class RetentionPlan:
     def table(self) -> str:
         lines = []
         for t in self.tiers:
+            steps = f"{len(t.actions)} step" + ("" if len(t.actions) == 1 else "s")
             lines.append(
-                f"{t.url}  [{t.policy}]  {len(t.actions)} steps: keep {t.count(KEEP)}, "
+                f"{t.url}  [{t.policy}]  {steps}: keep {t.count(KEEP)}, "
                 f"demote {t.count(DEMOTE)}, expire {t.count(EXPIRE)}; "
                 f"{format_size(t.bytes_before)} -> {format_size(t.bytes_after)} once done "
                 f"({format_size(t.dead_bytes_after)} of it in packs kept for other chunks)"
