@@ -477,3 +477,23 @@ def test_a_pack_gone_under_the_index_fails_without_dropping_it(
         prefetch(tmp_path, store, [10])
     assert "stale" not in caplog.text
     assert COMMON_KEY in json.loads(asyncio.run(store.get(layout.completion_key(JOB, 10))))
+
+
+def test_verify_finds_an_index_that_vouches_for_parts_it_does_not_describe(
+    tmp_path: Path, store: Store, store_url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An operator's trial forged step 20's index from step 10's, keeping step 20's parts'
+    digests: readers trust it (the parts they read match), and a share restored step 10's
+    items. ``ferry verify`` compares every index with the parts it vouches for: all good
+    before, BAD after, naming the marker."""
+    from agent.cli.run import main as ferry
+
+    old = asyncio.run(push_step(store, tmp_path / "src", 10))
+    new = asyncio.run(push_step(store, tmp_path / "src", 20))
+    assert ferry(["verify", store_url, "--job", JOB]) == 0
+    assert "all good" in capsys.readouterr().out
+    rewrite_marker(store, 20, {COMMON_KEY: dict(old[COMMON_KEY], parts=new[COMMON_KEY]["parts"])})
+    assert ferry(["verify", store_url, "--job", JOB]) != 0
+    out = "".join(capsys.readouterr())
+    assert f"BAD index {layout.completion_key(JOB, 20)}: its common index puts chunk" in out
+    assert "1 BAD common index(es)" in out

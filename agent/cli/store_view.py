@@ -154,9 +154,13 @@ async def cmd_verify(store: Store, args: argparse.Namespace) -> tuple[dict[str, 
     r = await verify(store, job=args.job, step=step, options=transfer_options(args))
     lines = [f"BAD manifest {why}" for why in r.bad_manifests]
     lines += [f"BAD chunk {b.chunk}: {b.reason}; needed by {', '.join(b.used_by)}" for b in r.bad]
+    lines += [f"BAD index {why}" for why in r.bad_indexes]
     verdict = f"{len(r.bad)} BAD chunk(s)"
     if r.bad_manifests:
         verdict = f"{len(r.bad_manifests)} unreadable manifest(s), " + verdict
+    if r.bad_indexes:
+        verdict += (f", {len(r.bad_indexes)} BAD common index(es) (a share read through one "
+                    'gets other items: remove the "common" key from that marker)')  # fmt: skip
     bases = f" ({r.base_chunks} of them earlier steps' bases)" if r.base_chunks else ""
     lines.append(
         f"verified {r.checkpoints} checkpoint part(s), {r.chunks} chunks{bases}, "

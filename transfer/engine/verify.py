@@ -12,12 +12,20 @@ from collections import defaultdict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from transfer.engine.catalog import list_checkpoints, load_manifest, nothing_matches, open_catalog
+from transfer.engine.catalog import (
+    Catalog,
+    list_checkpoints,
+    load_manifest,
+    nothing_matches,
+    open_catalog,
+)
 from transfer.engine.chunkindex import ChunkIndex, StoredChunk
 from transfer.engine.fetch import fetch_chunks
 from transfer.engine.resolver import ChunkResolver
 from transfer.errors import CheckpointNotFoundError, FormatError
+from transfer.format import layout
 from transfer.format.manifest import ChunkRef, Manifest
+from transfer.format.stepcommon import made_from
 from transfer.options import TransferOptions
 from transfer.store.base import Store
 
@@ -43,10 +51,12 @@ class VerifyResult:
     bad: list[BadChunk] = field(default_factory=list)
     #: parts whose manifest could not be read: "key: why" (the others are still verified)
     bad_manifests: list[str] = field(default_factory=list)
+    #: completion markers whose common index vouches for parts it does not describe
+    bad_indexes: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        return not self.bad and not self.bad_manifests
+        return not self.bad and not self.bad_manifests and not self.bad_indexes
 
     def to_dict(self) -> dict[str, object]:
         return {
@@ -58,10 +68,41 @@ class VerifyResult:
             "seconds": self.seconds,
             "bad_chunks": [b.__dict__ for b in self.bad],
             "bad_manifests": list(self.bad_manifests),
+            "bad_indexes": list(self.bad_indexes),
         }
 
 
 Extent = tuple[str, int]  # (pack, offset): one stored copy of a chunk
+
+
+async def _index_problems(catalog: Catalog, parts: list[Manifest]) -> list[str]:
+    """Where the step's completion marker's common index says a chunk is at a place of a
+    file where the part holding the file has another (format/stepcommon.py). An index made
+    from other parts than these (stale) is no problem: readers do not use it. One that
+    vouches for these parts and disagrees with them would restore the wrong items."""
+    job, step = parts[0].job, parts[0].step
+    files = await catalog.step_files(job, step)
+    if files is None or files.common is None or not made_from(files.common, parts):
+        return []
+    owners = {m.node: m for m in parts}
+    wrong = []  # (path, offset, the index's chunk, the part's, its node), a file each
+    for entry in files.common.files:
+        node = files.files[entry.path][0]
+        part = owners.get(node)
+        held = next((f for f in part.files if f.path == entry.path), None) if part else None
+        at = {} if held is None else {start: c.id for start, c in held.chunk_offsets()}
+        for start, c in entry.chunk_offsets():
+            if at.get(start) != c.id:
+                wrong.append((entry.path, start, c.id, at.get(start), node))
+                break
+    if not wrong:
+        return []
+    path, start, theirs, ours, node = wrong[0]
+    more = f" (and in {len(wrong) - 1} more file(s))" if len(wrong) > 1 else ""
+    return [
+        f"{layout.completion_key(job, step)}: its common index puts chunk {theirs} at {path} "
+        f"offset {start}, where {node}'s part has {ours or 'no chunk starting'}{more}"
+    ]
 
 
 def _extent(
@@ -98,12 +139,16 @@ async def verify(
     # the base copy that manifest names (as a pull of it would): a bad base copy of another
     # job must not make this one's sound copies look bad
     by_manifest: list[tuple[ChunkIndex, list[Extent]]] = []
+    by_step: dict[tuple[str, int], list[Manifest]] = defaultdict(list)
+    unreadable: set[tuple[str, int]] = set()
     for c in entries:
         try:
             m = await load_manifest(store, c.job, c.step, c.node)
         except FormatError as exc:  # one unreadable part must not hide the others' state
             result.bad_manifests.append(str(exc))
+            unreadable.add((c.job, c.step))
             continue
+        by_step[(m.job, m.step)].append(m)
         index = ChunkIndex()
         index.add_manifest(m)
         added: list[Extent] = []
@@ -119,6 +164,10 @@ async def verify(
             by_manifest.append((index, added))
     result.chunks = len(used_by)
     result.base_chunks = len(used_by.keys() - in_files)
+    catalog = Catalog(store)
+    for (job_, step_), parts in sorted(by_step.items()):
+        if (job_, step_) not in unreadable:
+            result.bad_indexes += await _index_problems(catalog, parts)
     bad: dict[Extent, str] = {}
 
     def count(n: int) -> None:
