@@ -10,18 +10,20 @@ pull, which merges the parts it restores.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import Any
 
 from transfer.engine.catalog import Catalog
 from transfer.engine.chunkindex import ChunkIndex
 from transfer.engine.dcp import MAX_METADATA_BYTES, METADATA, required_lengths
 from transfer.engine.dcpshare import every_rank_ranges, overlaps, parse_metadata
 from transfer.engine.resolver import ChunkResolver
-from transfer.errors import FormatError, IncompleteStepError, NotFoundError
+from transfer.errors import FerryError, FormatError, IncompleteStepError, NotFoundError
 from transfer.format import layout
 from transfer.format.manifest import FileEntry, Manifest
 from transfer.format.stepcommon import COMMON_KEY, Placed, common_doc
@@ -115,16 +117,49 @@ def completion_doc(job: str, step: int, whole: WholeStep) -> dict[str, object]:
     if (files := file_map((f.path, f.size, m.node) for f, m in merged)) is None:
         return doc
     doc["files"] = files
-    if whole.metadata is None or len(manifests) < 2:  # (one part: read it, all there is)
-        return doc
-    try:
-        common = common_doc(manifests, _every_rank_chunks(whole))
-    except Exception:  # a shortcut's bug never keeps a step from completing
-        log.exception("%s step %s: no common index in its marker", job, step)
-        return doc
-    if common is not None and len(json.dumps(common)) <= MAX_MARKER_BYTES // 2:
+    if (common := common_index(whole)) is not None:
         doc[COMMON_KEY] = common
     return doc
+
+
+def common_index(whole: WholeStep) -> dict[str, Any] | None:
+    """The marker's common index of a whole step (format/stepcommon.py); None for a step
+    of one part (a reader reads it whole anyway), without a DCP ``.metadata``, one that
+    needs none, one too large, or when building it fails (a shortcut's bug never keeps a
+    step from completing)."""
+    if whole.metadata is None or len(whole.manifests) < 2:
+        return None
+    try:
+        common = common_doc(whole.manifests, _every_rank_chunks(whole))
+    except Exception:
+        first = whole.manifests[0]
+        log.exception("%s step %s: no common index in its marker", first.job, first.step)
+        return None
+    if common is None or len(json.dumps(common)) > MAX_MARKER_BYTES // 2:
+        return None
+    return common
+
+
+async def reindex_marker(store: Store, parts: list[Manifest]) -> None:
+    """After a repack re-pointed parts of a step (``parts``: every part of it as it is now,
+    each with the digest of its stored bytes), its marker's common index anew, in place of
+    the one dropped before (drop_common_index). Best effort: a marker without one only
+    costs survivors the parts' manifests."""
+    job, step = parts[0].job, parts[0].step
+    key = layout.completion_key(job, step)
+    try:
+        doc = json.loads(await store.get(key))
+        merged = {f.path: (f, m) for f, m in merge_parts(parts)}
+        metadata = None
+        if METADATA in merged and merged[METADATA][0].size <= MAX_METADATA_BYTES:
+            metadata = await read_file(Catalog(store), merged[METADATA][1], merged[METADATA][0])
+        common = await asyncio.to_thread(common_index, WholeStep(parts, metadata))
+        if isinstance(doc, dict) and "files" in doc and common is not None:
+            doc[COMMON_KEY] = common
+            await store.put(key, json.dumps(doc).encode())
+    except (FerryError, ValueError) as exc:
+        log.warning("%s: no common index after the repack (%s); survivors read the parts",
+                    key, exc)  # fmt: skip
 
 
 def _every_rank_chunks(whole: WholeStep) -> list[Placed]:

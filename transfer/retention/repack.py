@@ -24,6 +24,7 @@ run plans again from what it finds.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 from collections import Counter
 from collections.abc import Iterable
@@ -37,7 +38,7 @@ from transfer.engine.catalog import load_manifest
 from transfer.engine.chunkindex import ChunkIndex, StoredChunk, build_refs
 from transfer.engine.fetch import fetch_chunks, plan_ranges
 from transfer.engine.packer import PackWriter
-from transfer.engine.parts import drop_common_index
+from transfer.engine.parts import drop_common_index, reindex_marker
 from transfer.engine.resolver import ChunkResolver
 from transfer.format import layout
 from transfer.format.manifest import FileEntry, Manifest
@@ -117,9 +118,12 @@ async def repack(
         if part[:2] not in unindexed:  # its marker's index names where the chunks were
             await drop_common_index(store, *part[:2])
             unindexed.add(part[:2])
-        await store.put(layout.manifest_key(*part), new.to_json())
-        final[part] = new
+        data = new.to_json()
+        await store.put(layout.manifest_key(*part), data)
+        final[part] = replace(new, digest=hashlib.sha256(data).hexdigest())  # (as stored)
         result.parts_rewritten += 1
+    for job, step in sorted(unindexed):  # each step re-pointed: its index anew
+        await reindex_marker(store, [m for p, m in sorted(final.items()) if p[:2] == (job, step)])
     _refresh(inv, final)
     still = {p for m in final.values() for p in m.packs}
     result.packs_vacated = sorted(layout_now.packs_before - still)
