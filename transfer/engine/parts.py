@@ -183,18 +183,20 @@ def _every_rank_chunks(whole: WholeStep) -> list[Placed]:
     return placed
 
 
-async def drop_common_index(store: Store, job: str, step: int) -> None:
+async def drop_common_index(store: Store, job: str, step: int) -> bool:
     """Write the step's completion marker back without its common index, before a repack
     re-points a part of the step (the index names where the chunks were; once the old
     packs are collected it would send readers to packs that are gone). Its readers then
-    read the parts; the rest of the marker is kept as it was."""
+    read the parts; the rest of the marker is kept as it was. True when it had one."""
     key = layout.completion_key(job, step)
     try:
         raw = await store.get(key)
     except NotFoundError:
-        return
-    if (stripped := without_common_index(raw)) != raw:
-        await store.put(key, stripped)
+        return False
+    if (stripped := without_common_index(raw)) == raw:
+        return False
+    await store.put(key, stripped)
+    return True
 
 
 def without_common_index(marker: bytes) -> bytes:

@@ -108,16 +108,18 @@ async def repack(
     result.bytes_reencoded = sum(new_forms[cid].stored for cid in layout_now.reencode)
     # every new pack is complete and durable: only now may a manifest name one (rule 4)
     final = dict(manifests)
-    unindexed: set[tuple[str, int]] = set()
+    seen: set[tuple[str, int]] = set()  # steps whose marker was looked at
+    unindexed: set[tuple[str, int]] = set()  # ... and had an index, dropped
     for part, old in sorted(manifests.items()):
         new = layout_now.rewrite(old, new_forms)
         if new is None:
             continue
         if not new.same_content(old):  # a bug, never a store's fault: stop before writing
             raise RetentionError(f"repack would change the content of {part}; nothing written")
-        if part[:2] not in unindexed:  # its marker's index names where the chunks were
-            await drop_common_index(store, *part[:2])
-            unindexed.add(part[:2])
+        if part[:2] not in seen:  # its marker's index names where the chunks were
+            seen.add(part[:2])
+            if await drop_common_index(store, *part[:2]):
+                unindexed.add(part[:2])
         data = new.to_json()
         await store.put(layout.manifest_key(*part), data)
         final[part] = replace(new, digest=hashlib.sha256(data).hexdigest())  # (as stored)
