@@ -39,7 +39,7 @@ from transfer.engine.pull import (
 from transfer.engine.pullplan import merged_files
 from transfer.engine.resolver import ChunkResolver
 from transfer.engine.scan import check_base_dir
-from transfer.engine.taskgroup_errors import first_error
+from transfer.engine.taskgroup_errors import one_error
 from transfer.errors import FerryError
 from transfer.format.manifest import ChunkRef, Manifest
 from transfer.options import TransferOptions
@@ -229,14 +229,11 @@ async def restore_plan(
     with ThreadPoolExecutor(options.workers, thread_name_prefix="ferry-mem") as pool:
         resolver = ChunkResolver(store, index, pool, base_dir, on_bytes_read=count)
         early = [index[cid] for cid in plan.targets if cid not in maybe_local]
-        try:
-            async with asyncio.TaskGroup() as both:  # the disk and the network overlap
-                reuse = both.create_task(
-                    reuse_local(resolver, index, candidates, hints, hand_on, options.window)
-                )
-                both.create_task(from_store(early))
-        except BaseExceptionGroup as group:  # the first error, as a pull raises it
-            raise first_error(group) from None
+        async with one_error(), asyncio.TaskGroup() as both:  # disk and network overlap
+            reuse = both.create_task(
+                reuse_local(resolver, index, candidates, hints, hand_on, options.window)
+            )
+            both.create_task(from_store(early))
         local = reuse.result()
         await from_store([index[cid] for cid in candidates if cid not in local])
     return MemRestoreResult(

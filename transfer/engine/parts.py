@@ -140,23 +140,21 @@ def common_index(whole: WholeStep) -> dict[str, Any] | None:
     return common
 
 
-async def reindex_marker(store: Store, parts: list[Manifest]) -> None:
+async def reindex_marker(store: Store, parts: list[Manifest], marker: dict[str, Any]) -> None:
     """After a repack re-pointed parts of a step (``parts``: every part of it as it is now,
-    each with the digest of its stored bytes), its marker's common index anew, in place of
-    the one dropped before (drop_common_index). Best effort: a marker without one only
+    each with the digest of its stored bytes), its marker (``marker``, as drop_common_index
+    wrote it back) with a common index made anew. Best effort: a marker without one only
     costs survivors the parts' manifests."""
     job, step = parts[0].job, parts[0].step
     key = layout.completion_key(job, step)
     try:
-        doc = json.loads(await store.get(key))
         merged = {f.path: (f, m) for f, m in merge_parts(parts)}
         metadata = None
         if METADATA in merged and merged[METADATA][0].size <= MAX_METADATA_BYTES:
             metadata = await read_file(Catalog(store), merged[METADATA][1], merged[METADATA][0])
         common = await asyncio.to_thread(common_index, WholeStep(parts, metadata))
-        if isinstance(doc, dict) and "files" in doc and common is not None:
-            doc[COMMON_KEY] = common
-            await store.put(key, json.dumps(doc).encode())
+        if "files" in marker and common is not None:
+            await store.put(key, json.dumps({**marker, COMMON_KEY: common}).encode())
     except (FerryError, ValueError) as exc:
         log.warning("%s: no common index after the repack (%s); survivors read the parts",
                     key, exc)  # fmt: skip
@@ -183,20 +181,22 @@ def _every_rank_chunks(whole: WholeStep) -> list[Placed]:
     return placed
 
 
-async def drop_common_index(store: Store, job: str, step: int) -> bool:
+async def drop_common_index(store: Store, job: str, step: int) -> dict[str, Any] | None:
     """Write the step's completion marker back without its common index, before a repack
     re-points a part of the step (the index names where the chunks were; once the old
     packs are collected it would send readers to packs that are gone). Its readers then
-    read the parts; the rest of the marker is kept as it was. True when it had one."""
+    read the parts; the rest of the marker is kept as it was. The marker as written back,
+    when it had an index (None: none to drop)."""
     key = layout.completion_key(job, step)
     try:
         raw = await store.get(key)
     except NotFoundError:
-        return False
+        return None
     if (stripped := without_common_index(raw)) == raw:
-        return False
+        return None
     await store.put(key, stripped)
-    return True
+    doc: dict[str, Any] = json.loads(stripped)  # (a dict: it had a key to drop)
+    return doc
 
 
 def without_common_index(marker: bytes) -> bytes:

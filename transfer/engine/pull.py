@@ -45,7 +45,7 @@ from transfer.engine.staging import (
     seal,
     worth_resuming,
 )
-from transfer.engine.taskgroup_errors import first_error
+from transfer.engine.taskgroup_errors import one_error
 from transfer.engine.workers import run_workers
 from transfer.engine.writepath import restore_path
 from transfer.errors import FerryError
@@ -440,7 +440,7 @@ class _Restore:
         maybe_local = set(candidates)
         early = [cid for cid in self.targets if cid not in resumed and cid not in maybe_local]
         remote = _Remote(self, held, sources, rate_limit)
-        async with _one_error(), asyncio.TaskGroup() as both:
+        async with one_error(), asyncio.TaskGroup() as both:
             reuse = both.create_task(
                 reuse_local(resolver, index, candidates, self.hints, self.write, window)
             )
@@ -448,17 +448,6 @@ class _Restore:
         local = resumed | reuse.result()
         await remote.fetch([cid for cid in candidates if cid not in local])
         return _Gathered(resumed, local, remote.sourced, remote.fetched)
-
-
-@contextlib.asynccontextmanager
-async def _one_error() -> AsyncIterator[None]:
-    """A task group's failure as the one error a pull raises everywhere else (a chunk
-    missing or bad, a store's error: taskgroup_errors.first_error), not an ExceptionGroup
-    that a prefetch would not know for a tier's failure."""
-    try:
-        yield
-    except BaseExceptionGroup as group:
-        raise first_error(group) from None
 
 
 class _Remote:
@@ -488,7 +477,7 @@ class _Remote:
         sourced: dict[str, int] = {}
         if self.source is not None:
             root, taken = run.resolver.local_root, {c.id for c in mine}
-            async with _one_error(), asyncio.TaskGroup() as both:
+            async with one_error(), asyncio.TaskGroup() as both:
                 both.create_task(run.from_store(mine, limit))
                 sourced = await _from_source(
                     self.source,

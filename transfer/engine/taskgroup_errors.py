@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 
 from transfer.errors import FerryError
 
@@ -23,3 +25,14 @@ def _leaves(exc: BaseException) -> list[BaseException]:
     if isinstance(exc, BaseExceptionGroup):
         return [leaf for sub in exc.exceptions for leaf in _leaves(sub)]
     return [exc]
+
+
+@contextlib.asynccontextmanager
+async def one_error() -> AsyncIterator[None]:
+    """Around a TaskGroup: its failure raised as the one error (first_error), as every other
+    failure of the operation is, not as an ExceptionGroup its caller would not know for a
+    store's or a chunk's (a prefetch took one for a crash and stayed "running")."""
+    try:
+        yield
+    except BaseExceptionGroup as group:
+        raise first_error(group) from None

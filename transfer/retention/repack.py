@@ -31,6 +31,7 @@ from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
+from typing import Any
 
 from transfer.codec import encode
 from transfer.codec.transforms import Buffer
@@ -109,7 +110,7 @@ async def repack(
     # every new pack is complete and durable: only now may a manifest name one (rule 4)
     final = dict(manifests)
     seen: set[tuple[str, int]] = set()  # steps whose marker was looked at
-    unindexed: set[tuple[str, int]] = set()  # ... and had an index, dropped
+    unindexed: dict[tuple[str, int], dict[str, Any]] = {}  # ... the markers, index dropped
     for part, old in sorted(manifests.items()):
         new = layout_now.rewrite(old, new_forms)
         if new is None:
@@ -118,14 +119,15 @@ async def repack(
             raise RetentionError(f"repack would change the content of {part}; nothing written")
         if part[:2] not in seen:  # its marker's index names where the chunks were
             seen.add(part[:2])
-            if await drop_common_index(store, *part[:2]):
-                unindexed.add(part[:2])
+            if (marker := await drop_common_index(store, *part[:2])) is not None:
+                unindexed[part[:2]] = marker
         data = new.to_json()
         await store.put(layout.manifest_key(*part), data)
         final[part] = replace(new, digest=hashlib.sha256(data).hexdigest())  # (as stored)
         result.parts_rewritten += 1
-    for job, step in sorted(unindexed):  # each step re-pointed: its index anew
-        await reindex_marker(store, [m for p, m in sorted(final.items()) if p[:2] == (job, step)])
+    for (job, step), marker in sorted(unindexed.items()):  # each step re-pointed: anew
+        parts = [m for p, m in sorted(final.items()) if p[:2] == (job, step)]
+        await reindex_marker(store, parts, marker)
     _refresh(inv, final)
     still = {p for m in final.values() for p in m.packs}
     result.packs_vacated = sorted(layout_now.packs_before - still)
