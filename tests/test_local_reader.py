@@ -329,3 +329,58 @@ def test_a_shard_file_not_there_fails_naming_it(step: tuple[Path, dict[str, Any]
     shard.unlink()
     with pytest.raises(CheckpointException, match=f"{shard.name}: not there, and .metadata"):
         load_with(LocalReader(path), saved)
+
+
+def test_each_kind_of_head_is_parsed_once_and_every_item_lands_in_its_own_target(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A save's items have few kinds of head (one per shape and dtype); LocalReader parses
+    each kind once and reuses it for the rest, never for an item of another shape or dtype
+    (a bf16 item beside an fp32 one of the same shape, a 3 x 4 beside a 4 x 3)."""
+    import transfer.engine.dcpitem_torch as items
+
+    gen = torch.Generator().manual_seed(3)
+    saved: dict[str, Any] = {}
+    for n in range(6):
+        saved[f"w{n}"] = torch.randn(3, 4, generator=gen)
+        saved[f"t{n}"] = torch.randn(4, 3, generator=gen)
+        saved[f"h{n}"] = torch.randn(3, 4, generator=gen).to(torch.bfloat16)
+    dcp.save(saved, storage_writer=dcp.FileSystemWriter(str(tmp_path / "s")), no_dist=True)
+    parsed: list[int] = []
+    parse = items.stored_tensor
+
+    def counting(head: Any) -> Any:
+        parsed.append(1)
+        return parse(head)
+
+    monkeypatch.setattr(items, "stored_tensor", counting)
+    got = {key: torch.zeros_like(value) for key, value in saved.items()}
+    dcp.load(got, storage_reader=LocalReader(tmp_path / "s"), no_dist=True)
+    for key, value in saved.items():
+        assert got[key].dtype == value.dtype and torch.equal(got[key], value), key
+    assert len(parsed) == 3  # fp32 3 x 4, fp32 4 x 3, bf16 3 x 4: one parse each
+
+
+def test_copies_split_over_threads_fill_every_byte_and_a_short_file_fails_naming_it(
+    step: tuple[Path, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With threads copying (the threshold lowered so this small save goes that way, and
+    pieces of 64 bytes so tensors are split between them) the load is torch's own, bit
+    for bit; a read past a file's end, in a thread, fails the load naming the file."""
+    import transfer.engine.dcplocal_torch as local
+
+    path, saved = step
+    want = load_with(FileSystemReader(path), saved)
+    monkeypatch.setattr(local, "READ_THREADS", 3)
+    monkeypatch.setattr(local, "THREADED_BYTES", 0)
+    monkeypatch.setattr(local, "PIECE_BYTES", 64)
+    got = load_with(LocalReader(path), saved)
+    for key, value in want.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(got[key], value), key
+    (shard,) = path.glob("*.distcp")
+    into = memoryview(bytearray(256))
+    with pytest.raises(FormatError, match=f"{shard.name}: ends at byte"):
+        with local._Copies(2) as copies:
+            copies.add(str(shard), into[:128], 0)
+            copies.add(str(shard), into[128:], shard.stat().st_size - 64)

@@ -168,6 +168,37 @@ def stored_tensor(head: Buffer) -> StoredTensor | None:
     return stored if _within(stored) else None
 
 
+class StoredTensors:
+    """``stored_tensor`` of many items of one save, each kind of head parsed once.
+
+    What ``stored_tensor`` finds is made of the head's bytes before the data and nothing
+    else, and a save's items have few kinds of head (one per shape and dtype: 8 of the 544
+    items of a real fine-tune's save), so a head whose bytes up to a data start seen before
+    are those of a head parsed before is that head's tensor: a dict lookup instead of
+    ~37 us of parsing (532 items: 20 ms -> 1 ms)."""
+
+    #: the most heads, and data starts, remembered (a save of more kinds parses the rest)
+    MAX_HEADS = 1024
+    MAX_STARTS = 8
+
+    def __init__(self) -> None:
+        self._heads: dict[bytes, StoredTensor] = {}
+        self._starts: list[int] = []
+
+    def __call__(self, head: Buffer) -> StoredTensor | None:
+        view = memoryview(head).cast("B")
+        for start in self._starts:
+            known = self._heads.get(bytes(view[:start]))
+            if known is not None:
+                return known
+        stored = stored_tensor(view)
+        if stored is not None and len(self._heads) < self.MAX_HEADS:
+            self._heads[bytes(view[: stored.data_start])] = stored
+            if stored.data_start not in self._starts and len(self._starts) < self.MAX_STARTS:
+                self._starts.append(stored.data_start)
+        return stored
+
+
 def tensor_of_item(item: Buffer) -> torch.Tensor | None:
     """The tensor a whole item in memory holds, over its bytes, or None (torch.load it)."""
     view = memoryview(item).cast("B")
