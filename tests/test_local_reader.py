@@ -380,7 +380,9 @@ def test_copies_split_over_threads_fill_every_byte_and_a_short_file_fails_naming
             assert torch.equal(got[key], value), key
     (shard,) = path.glob("*.distcp")
     into = memoryview(bytearray(256))
-    with pytest.raises(FormatError, match=f"{shard.name}: ends at byte"):
-        with local._Copies(2) as copies:
-            copies.add(str(shard), into[:128], 0)
-            copies.add(str(shard), into[128:], shard.stat().st_size - 64)
+    with (
+        pytest.raises(FormatError, match=f"{shard.name}: ends at byte"),
+        local._Copies(2) as copies,
+    ):
+        copies.add(str(shard), into[:128], 0)
+        copies.add(str(shard), into[128:], shard.stat().st_size - 64)

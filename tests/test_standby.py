@@ -57,6 +57,17 @@ def test_a_standby_holds_each_new_step_before_the_scheduler_asks(
             step40 = next(s for s in listing["jobs"]["llm"] if s["step"] == 40)
             assert step40["local"] and step40["replica"]
 
+            # asked by number, the replica is ready without a request to the tier: with
+            # the tier gone it still is; "latest" needs the tier to say which step that is
+            await asyncio.to_thread(Path(local_url).rename, tmp_path / "away")
+            try:
+                again = await prefetched(b, 40)
+                assert (again["satisfied_by"], again["dest"]) == ("replica", done["dest"])
+                latest = await b.wait_prefetch(await b.prefetch("llm"), within_s=60)
+                assert latest["state"] == "failed", latest
+            finally:
+                (tmp_path / "away").rename(local_url)
+
             assert (await b._call("DELETE", "/v1/standby/llm"))["removed"]
             assert (await b._call("GET", "/v1/standby"))["jobs"] == []
 

@@ -451,6 +451,17 @@ class AgentConfig:
             example="250MB",
         ),
     )
+    standby_memory: int | None = field(
+        default=None,
+        metadata=_key(
+            "Most memory the newest replica of each standby job may hold locked in RAM, so "
+            'the load after the decision reads memory, not the disk ("auto": what the node '
+            'can spare, under a container\'s limit too; "8GB"; 0: never; '
+            "agent/node/resident.py).",
+            object,
+            example="auto",
+        ),
+    )
     peer_token_file: Path | None = field(
         default=None,
         metadata=_key(
@@ -888,6 +899,15 @@ def _rate(value: object) -> int:
     return _quantity("standby_max_rate", value, parse_size)
 
 
+def _standby_memory(value: object) -> int | None:
+    """standby_memory: "auto" (None: what the node can spare), bytes, or 0 for never."""
+    if value in (None, "auto"):
+        return None
+    if value in (0, "0"):
+        return 0
+    return _quantity("standby_memory", value, parse_size)
+
+
 def _name(kind: str, value: object) -> str:
     try:
         return check_name(kind, value)
@@ -1023,6 +1043,7 @@ _CHECKS: dict[str, Callable[[str, Any], object]] = {
     "standby_jobs": lambda key, jobs: tuple(_name(key, j) for j in jobs),
     "standby_poll_seconds": _seconds,
     "standby_max_rate": lambda key, rate: _rate(rate),
+    "standby_memory": lambda key, value: _standby_memory(value),
     "peer_token_file": _path,
     "tls_cert_file": _path,
     "tls_key_file": _path,

@@ -13,7 +13,9 @@ With a layout (``PUT /v1/standby/{job}`` with ``{"layout": {"world_size", "ranks
 ranks this node will run after the change), only that share of each step is replicated, a
 partial copy; the decision's prefetch of that share finds it here and is "held".
 
-Older replicas leave the hot dir through hot retention, as any restored step does.
+Each job's newest replica is held in memory while the node can spare it (agent/node/
+resident.py, ``standby_memory``): the load after the decision then reads memory. Older
+replicas leave the hot dir through hot retention, as any restored step does.
 """
 
 from __future__ import annotations
@@ -23,11 +25,13 @@ import contextlib
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from agent.daemon.logs import event
 from agent.node.hotdir import HotDir
 from agent.node.prefetch import FINAL, Prefetcher, PrefetchJob, State
+from agent.node.resident import CHECK_SECONDS, Resident, ResidentReplicas
 from agent.rpc.services import wait_for_any
 from transfer.engine import list_checkpoints
 from transfer.engine.catalog import latest_complete_step
@@ -54,7 +58,7 @@ class StandbyJob:
     last: PrefetchJob | None = None
     last_error: str | None = None
 
-    def to_dict(self) -> dict[str, Any]:
+    def to_dict(self, resident: Resident | None = None) -> dict[str, Any]:
         running = self.running
         return {
             "job": self.job,
@@ -65,6 +69,7 @@ class StandbyJob:
             "replicating": running.to_dict() if running and running.state not in FINAL else None,
             "last_replication": self.last.to_dict() if self.last else None,
             "last_error": self.last_error,
+            "in_memory": None if resident is None else resident.to_dict(),
         }
 
 
@@ -78,8 +83,11 @@ class Standby:
         expected_nodes: tuple[str, ...] = (),
         poll_seconds: float = 5.0,
         jobs: tuple[str, ...] = (),
+        memory_limit: int | None = None,
     ) -> None:
         self.prefetcher = prefetcher
+        #: each job's newest replica, held in memory (``memory_limit``: standby_memory)
+        self.resident = ResidentReplicas(memory_limit, prefetcher.holds)
         self.tiers = tiers
         self.hot_dir = hot_dir
         self.expected_nodes = expected_nodes
@@ -113,18 +121,45 @@ class Standby:
         if entry.running is not None:
             self.prefetcher.cancel(entry.running.id)
         event(log, "standby", job=job, action="unregistered")
+        self._poke.set()  # (the next poll lets its replica go from memory)
         return True
 
+    def describe(self) -> list[dict[str, Any]]:
+        """Each job's status, with its replica held in memory, if any."""
+        held = self.resident.held()
+        return [e.to_dict(held.get(e.job)) for e in self.jobs.values()]
+
     async def loop(self, stop: asyncio.Event) -> None:
+        try:
+            while not stop.is_set():
+                await self.poll()
+                self._poke.clear()
+                await self._until_next_poll(stop)
+        finally:
+            await self.resident.release_all("the agent stops")
+
+    async def _until_next_poll(self, stop: asyncio.Event) -> None:
+        """``poll_seconds``, or less: a poke, the stop, or a replication's end (its replica
+        is then held in memory at once); meanwhile the replicas held in memory are checked
+        every ``CHECK_SECONDS`` (the node may need that memory back)."""
+        deadline = time.monotonic() + self.poll_seconds
+        ended = [e.running.ended for e in self.jobs.values() if e.running is not None]
         while not stop.is_set():
-            await self.poll()
-            self._poke.clear()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            wait = min(left, CHECK_SECONDS) if self.resident.held() else left
             with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(self.poll_seconds):
-                    await wait_for_any(stop, self._poke)
+                async with asyncio.timeout(wait):
+                    await wait_for_any(stop, self._poke, *ended)
+                    return
+            await self.resident.check()
 
     async def poll(self) -> None:
         """One look per registered job: start replicating a newer durable step, if any."""
+        for job in self.resident.held():
+            if job not in self.jobs:
+                await self.resident.release(job, "no longer a standby for it")
         for entry in list(self.jobs.values()):
             try:
                 await self._poll_job(entry)
@@ -138,6 +173,9 @@ class Standby:
                 return
             entry.running, entry.last = None, running
             if running.state is State.READY:
+                if running.step is not None and running.dest is not None:  # (in memory first,
+                    # so that a scheduler seeing the step replicated sees where it is too)
+                    await self.resident.keep(entry.job, running.step, Path(running.dest))
                 entry.replicated_step, entry.last_error = running.step, None
             else:
                 entry.last_error = running.error

@@ -174,6 +174,7 @@ async def _services(app: web.Application):  # type: ignore[no-untyped-def]
             expected_nodes=config.expected_nodes,
             poll_seconds=config.standby_poll_seconds,
             jobs=config.standby_jobs,
+            memory_limit=config.standby_memory,
         )
         # at the stop: no new push; the current one has until the deadline, then is cancelled
         services.on_drain(queue.drain)

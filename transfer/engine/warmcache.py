@@ -56,7 +56,7 @@ def warm_files(paths: Iterable[Path]) -> int:
         except OSError:
             continue  # gone meanwhile (evicted): nothing to warm
         try:
-            for offset, length in _data_ranges(fd):
+            for offset, length in data_ranges(fd):
                 warm_range(fd, offset, length)
                 hinted += length
         finally:
@@ -80,7 +80,7 @@ def allocated_bytes(paths: Iterable[Path]) -> int:
     return total
 
 
-def _data_ranges(fd: int) -> list[tuple[int, int]]:
+def data_ranges(fd: int) -> list[tuple[int, int]]:
     """(offset, length) of each run of data in the file, holes left out (the whole file
     where the file system cannot say)."""
     size = os.fstat(fd).st_size

@@ -23,8 +23,10 @@ once. The four ways (the ``write_path`` tunable):
 From the scheduler's decision to every tensor loaded (bench/decision_to_loaded.py), the
 figures with their commands are in docs/RELIABILITY.md ("How a restore writes").
 
-"What the node can spare": the kernel's ``MemAvailable`` less a reserve (``RESERVE_FRACTION``
-of the total, at least ``RESERVE_MIN``), of which a restore may fill ``SHARE``: a restore
+"What the node can spare": the kernel's ``MemAvailable`` (or less, under a memory cgroup's
+limit: what the limit leaves of its working set, as kubelet counts it) less a reserve
+(``RESERVE_FRACTION`` of the total, at least ``RESERVE_MIN``), of which a restore may fill
+``SHARE``: a restore
 larger than that would only push other pages out, the training process's among them, and
 be read from the disk anyway. The crash guarantee is the same every way: a restore is
 renamed into place behind a durable ``.ferry-unsynced`` marker and removed after a reboot
@@ -35,6 +37,7 @@ from __future__ import annotations
 from pathlib import Path
 
 MEMINFO = Path("/proc/meminfo")
+CGROUP_ROOT = Path("/sys/fs/cgroup")
 RESERVE_FRACTION = 0.10
 RESERVE_MIN = 1 << 30
 SHARE = 0.5
@@ -50,8 +53,58 @@ def spare_memory(meminfo: Path | None = None) -> int | None:
         available = int(fields["MemAvailable"].split()[0]) * 1024
     except (OSError, KeyError, ValueError, IndexError):
         return None
+    room = cgroup_room()
+    if room is not None:
+        total, available = min(total, room[0]), min(available, room[1])
     reserve = max(int(total * RESERVE_FRACTION), RESERVE_MIN)
     return max(0, int((available - reserve) * SHARE))
+
+
+#: a cgroup v1 "no limit" (the largest page-aligned int64)
+_NO_LIMIT = 1 << 62
+
+
+def cgroup_room(root: Path | None = None, cgroup: Path | None = None) -> tuple[int, int] | None:
+    """(limit, what it leaves) of this process's memory cgroup, v2 or v1 (what it leaves:
+    the limit less the usage that the kernel cannot simply drop: usage less inactive
+    file pages), or None when no limit applies or none can be read."""
+    root = root or CGROUP_ROOT
+    try:
+        lines = (cgroup or Path("/proc/self/cgroup")).read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        hierarchy, controllers, where = [*line.split(":", 2), "", ""][:3]
+        if hierarchy == "0" and controllers == "":
+            names, base = ("memory.max", "memory.current", "inactive_file"), root
+        elif "memory" in controllers.split(","):
+            names, base = (
+                ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file"),
+                root / "memory",
+            )
+        else:
+            continue
+        # (inside a container its own cgroup is often mounted at the root)
+        for directory in (base / where.strip("/"), base):
+            found = _cgroup_numbers(directory, *names)
+            if found is not None:
+                return found
+    return None
+
+
+def _cgroup_numbers(
+    directory: Path, limit_name: str, usage_name: str, inactive_name: str
+) -> tuple[int, int] | None:
+    try:
+        limit_text = (directory / limit_name).read_text().strip()
+        if limit_text == "max" or int(limit_text) >= _NO_LIMIT:
+            return None
+        limit, usage = int(limit_text), int((directory / usage_name).read_text())
+        stat = dict(line.split() for line in (directory / "memory.stat").read_text().splitlines())
+        inactive = int(stat.get(inactive_name, 0))
+    except (OSError, ValueError):
+        return None
+    return limit, max(0, limit - max(0, usage - inactive))
 
 
 def restore_path(nbytes: int, chosen: str, page_cache_first: bool = False) -> str:

@@ -15,7 +15,7 @@ log = logging.getLogger(__name__)
 async def get_standby(request: web.Request) -> web.Response:
     """The jobs this node is a standby for, and what it replicated."""
     standby = request.app[STANDBY]
-    doc = {"node": request.app[CONFIG].node, "jobs": [e.to_dict() for e in standby.jobs.values()]}
+    doc = {"node": request.app[CONFIG].node, "jobs": standby.describe()}
     return web.json_response(doc)
 
 
