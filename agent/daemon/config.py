@@ -460,6 +460,7 @@ class AgentConfig:
             "agent/node/resident.py).",
             object,
             example="auto",
+            default_text="auto",
         ),
     )
     peer_token_file: Path | None = field(
