@@ -20,6 +20,7 @@ import zstandard
 
 from transfer.codec._planes import join, join_planes, split
 from transfer.codec.transforms import Buffer
+from transfer.directio import ThreadBuffers
 from transfer.errors import FormatError, UnknownEncodingError
 from transfer.format.manifest import needs_base
 
@@ -34,6 +35,8 @@ MIN_SAMPLE_BYTES = 8 << 10  # per sample of a chunk under 512 KiB (sample_spans)
 
 # ZstdCompressor/Decompressor objects are not thread-safe: one per worker thread.
 _local = threading.local()
+#: each thread's planes and scratch, handed back to the process's pool when it ends
+_scratch_buffers = ThreadBuffers()
 
 
 #: Level 1 (the default) with a 64-entry hash table and 7-byte minimum matches. Byte planes
@@ -90,11 +93,7 @@ def _steps(enc: str) -> tuple[bool, int]:
 
 def _scratch(size: int, name: str = "scratch") -> memoryview:
     """This thread's reusable buffer ``name`` of ``size`` bytes (contents undefined)."""
-    buf: bytearray | None = getattr(_local, name, None)
-    if buf is None or len(buf) < size:
-        buf = bytearray(size)
-        setattr(_local, name, buf)
-    return memoryview(buf)[:size]
+    return _scratch_buffers.view(name, size)
 
 
 def _transform(enc: str, data: Buffer, base: Buffer | None) -> Buffer:

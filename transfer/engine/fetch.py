@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import mmap
 import os
 import threading
 from collections import defaultdict
@@ -35,7 +36,7 @@ from typing import Any
 
 from transfer.codec import decode, pairs_with_keyframe
 from transfer.codec.transforms import Buffer
-from transfer.directio import ThreadBuffers, aligned
+from transfer.directio import POOL, ThreadBuffers
 from transfer.engine.chunkindex import StoredChunk
 from transfer.engine.ranges import ChunkRange, coalesce
 from transfer.engine.ratelimit import RateLimit
@@ -438,8 +439,9 @@ class _Fetch:
                 while current is not None:  # a range that stopped early goes on where it stood
                     r = current
                     need = longest if room else r.end - r.start
-                    if len(buf) < need:
-                        buf = aligned(longest)  # a raw chunk's payload is written from it
+                    if len(buf) < need:  # (a raw chunk's payload is written from it)
+                        taken.append(POOL.take(longest))
+                        buf = memoryview(taken[-1])[:longest]
                     job = pool.submit(self.read_and_finish, reader, r, buf[:need])
                     running.add(job)
                     job.add_done_callback(running.discard)
@@ -452,12 +454,15 @@ class _Fetch:
                     for c, payload in left:
                         await self.one(c, payload)  # decode reads the payload (maybe in buf)
 
+        taken: list[mmap.mmap] = []  # receive buffers, handed back once no read runs
         try:
             await run_workers(ranges, worker, readers)
         finally:
             self.ending.set()
             pool.shutdown(wait=False, cancel_futures=True)
             await _drain(running)
+            for buf in taken:
+                POOL.give(buf)
 
 
 class _BaseWindow:

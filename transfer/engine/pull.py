@@ -23,6 +23,7 @@ from typing import TypeVar
 
 from transfer.codec import check_encoding
 from transfer.codec.transforms import Buffer
+from transfer.directio import ThreadBuffers
 from transfer.engine.catalog import resolve_checkpoint, resolve_manifests
 from transfer.engine.chunkindex import ChunkIndex, StoredChunk
 from transfer.engine.dcp import MAX_METADATA_BYTES, METADATA
@@ -689,15 +690,12 @@ async def reuse_local(
     if root is None or not candidates:
         return found
     loop = asyncio.get_running_loop()
-    buffers = threading.local()
+    buffers = ThreadBuffers()
 
     def reuse(cid: str) -> None:
         chunk = index.get(cid)
         assert chunk is not None
-        buf: bytearray | None = getattr(buffers, "buf", None)
-        if buf is None or len(buf) < chunk.size:
-            buf = buffers.buf = bytearray(chunk.size)
-        view = memoryview(buf)[: chunk.size]
+        view = buffers.view("base", chunk.size)
         path, offset = hints[cid]
         with resolver.clock.timing("base_read"):
             there = read_local_into(root, path, offset, view)
