@@ -380,9 +380,45 @@ def test_copies_split_over_threads_fill_every_byte_and_a_short_file_fails_naming
             assert torch.equal(got[key], value), key
     (shard,) = path.glob("*.distcp")
     into = memoryview(bytearray(256))
+    fd = os.open(shard, os.O_RDONLY)
     with (
         pytest.raises(FormatError, match=f"{shard.name}: ends at byte"),
         local._Copies(2) as copies,
     ):
-        copies.add(str(shard), into[:128], 0)
-        copies.add(str(shard), into[128:], shard.stat().st_size - 64)
+        copies.add(fd, str(shard), into[:128], 0)
+        copies.add(fd, str(shard), into[128:], shard.stat().st_size - 64)
+        copies.adopt(fd)
+    with pytest.raises(OSError):
+        os.fstat(fd)  # closed with its reads made
+
+
+def test_a_planner_that_stages_its_tensors_has_each_committed_before_the_next(
+    step: tuple[Path, dict[str, Any]],
+) -> None:
+    """torch's documented pattern for a planner that post-processes: resolve_tensor hands a
+    staging tensor it allocated, commit_tensor copies it into the state_dict. Each staging
+    tensor is committed, filled, before the next is resolved (deferring every commit to the
+    end would keep them all alive at once: found in review)."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    path, saved = step
+    want = load_with(FileSystemReader(path), saved)
+    outstanding: list[int] = []
+
+    class Staging(DefaultLoadPlanner):
+        def resolve_tensor(self, read_item: Any) -> Any:
+            target = super().resolve_tensor(read_item)
+            outstanding.append(1)
+            assert len(outstanding) == 1, "a staging tensor resolved before the last commit"
+            return torch.empty_like(target, memory_format=torch.contiguous_format)
+
+        def commit_tensor(self, read_item: Any, tensor: Any) -> None:
+            super().resolve_tensor(read_item).copy_(tensor)
+            outstanding.pop()
+
+    got = fresh_targets(saved)
+    dcp.load(got, storage_reader=LocalReader(path), planner=Staging(), no_dist=True)
+    assert outstanding == []
+    for key, value in want.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(got[key], value), key

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import os
 import resource
+import time
 from pathlib import Path
 
 import pytest
@@ -66,6 +67,92 @@ def test_a_held_replica_stays_in_memory_and_goes_back_to_the_cache_when_released
         assert held.held() == {} and holds.held() == set()
         drop_from_cache(shard)
         assert resident_fraction(shard) < 0.5  # an ordinary cached file again
+
+    asyncio.run(go())
+
+
+def locked_bytes() -> int:
+    """This process's locked memory (VmLck), in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmLck:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmLck in /proc/self/status")
+
+
+def mapped_paths() -> str:
+    return Path("/proc/self/maps").read_text()
+
+
+def test_a_replica_is_locked_where_locking_is_allowed_and_let_go_entirely(
+    tmp_path: Path,
+) -> None:
+    replica = step_dir(tmp_path / "step_000040", {"__0_0.distcp": 2 * MB})
+    before = locked_bytes()
+
+    async def go() -> None:
+        held = ResidentReplicas(None, StepHolds())
+        got = await held.keep("llm", 40, replica)
+        assert got is not None
+        if may_lock(got.nbytes):
+            assert got.locked and locked_bytes() - before >= 2 * MB
+        else:
+            assert not got.locked and locked_bytes() == before
+        assert str(replica / "__0_0.distcp") in mapped_paths()
+        await held.release_all("test")
+        assert locked_bytes() == before and str(replica) not in mapped_paths()
+
+    asyncio.run(go())
+
+
+def test_a_replica_replaced_under_its_path_is_let_go(tmp_path: Path) -> None:
+    """A share filled in, or the step restored anew, puts new files (or a new directory)
+    at the replica's path: the old inodes must not stay locked (found in review)."""
+    replica = step_dir(tmp_path / "step_000040", {"__0_0.distcp": MB})
+    newer = step_dir(tmp_path / "fill", {"__0_0.distcp": MB})
+
+    async def go() -> None:
+        held = ResidentReplicas(None, StepHolds())
+        assert await held.keep("llm", 40, replica) is not None
+        await held.check()
+        assert set(held.held()) == {"llm"}  # (unchanged: kept)
+        replica.rename(tmp_path / "old")
+        newer.rename(replica)
+        await held.check()
+        assert held.held() == {} and str(tmp_path / "old") not in mapped_paths()
+
+    asyncio.run(go())
+
+
+def test_a_keep_cancelled_while_reading_in_leaves_nothing_mapped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The agent stopping while a replica is read in: the thread stops at its next piece and
+    what it mapped is let go; the hold is given back (found in review)."""
+    replica = step_dir(tmp_path / "step_000040", {"__0_0.distcp": 8 * MB})
+    monkeypatch.setattr(resident_module, "PIECE_BYTES", MB)
+    spare = resident_module.spare_memory
+
+    def slow_spare() -> int | None:
+        time.sleep(0.05)  # (each piece: the cancel lands in the middle)
+        return spare()
+
+    monkeypatch.setattr(resident_module, "spare_memory", slow_spare)
+    holds = StepHolds()
+    before = locked_bytes()
+
+    async def go() -> None:
+        held = ResidentReplicas(None, holds)
+        keeping = asyncio.create_task(held.keep("llm", 40, replica))
+        await asyncio.sleep(0.15)
+        keeping.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await keeping
+        assert held.held() == {} and holds.held() == set()
+        for _ in range(100):  # the thread returns within a piece, then is let go
+            if str(replica) not in mapped_paths():
+                break
+            await asyncio.sleep(0.05)
+        assert str(replica) not in mapped_paths() and locked_bytes() == before
 
     asyncio.run(go())
 

@@ -401,11 +401,15 @@ class Prefetcher:
 
     async def _run(self, record: PrefetchJob) -> None:
         try:
-            async with self._slots:
-                record.state, record.started = State.RUNNING, time.time()
-                async with asyncio.timeout(record.deadline_s):
-                    await self._fetch(record)
-                record.state = State.READY
+            began = time.time()
+            if await self._intact_here(record):  # (nothing to move: no slot to wait for)
+                record.state, record.started = State.READY, began
+            else:
+                async with self._slots:
+                    record.state, record.started = State.RUNNING, time.time()
+                    async with asyncio.timeout(record.deadline_s):
+                        await self._fetch(record)
+                    record.state = State.READY
         except asyncio.CancelledError:
             record.state, record.error = State.CANCELLED, "cancelled"
             if record.discard_partial and record.dest is not None:
@@ -467,8 +471,6 @@ class Prefetcher:
     async def _fetch(self, record: PrefetchJob) -> None:
         """Tiers in order: one that lacks the checkpoint, or fails while serving it (store
         error, corrupt chunk), hands over to the next."""
-        if await self._intact_here(record):
-            return
         errors: list[str] = []
         missing: list[bool] = []  # per tier: it just did not hold the checkpoint
         requested = record.step
@@ -496,7 +498,9 @@ class Prefetcher:
         no file of which changed since (a standby's replica, an earlier prefetch): then it
         is ready without a request to any tier, as a committed step never changes and the
         copy was verified when it was restored (the standby's wait: the store's marker,
-        manifests and pin were ~0.03 s of it on loopback, more over a real link)."""
+        manifests and pin were ~0.03 s of it on loopback, more over a real link). So a step
+        deleted from the tiers since (expired, or removed by hand) is still served from
+        here: to withdraw one from a node, delete it from the hot dir."""
         if record.step is None or record.fanout is not None:
             return False
         if record.layout is not None or record.items is not None:

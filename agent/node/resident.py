@@ -31,6 +31,7 @@ import ctypes
 import logging
 import mmap
 import os
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -67,6 +68,9 @@ class Resident:
     nbytes: int  # mapped: the files' data, holes left out
     locked: bool  # False: mapped and read in, not locked (mlock refused)
     maps: list[tuple[int, int]] = field(default_factory=list)  # (address, length)
+    #: (device, inode) of the directory and of each file mapped: a replica replaced under
+    #: its path (a share filled in, the step restored anew) is let go, not kept locked
+    identity: dict[Path, tuple[int, int]] = field(default_factory=dict)
     release_hold: contextlib.ExitStack = field(default_factory=contextlib.ExitStack)
 
     def to_dict(self) -> dict[str, Any]:
@@ -75,7 +79,8 @@ class Resident:
 
 class ResidentReplicas:
     """The replicas this node holds in memory, one per job. Used from the event loop; the
-    mapping (which reads the files in) and the unmapping run in threads."""
+    mapping (which reads the files in) and the unmapping run in threads; ``watch`` checks,
+    every ``CHECK_SECONDS`` whatever else runs, that the node can still spare them."""
 
     def __init__(self, limit: int | None, holds: StepHolds) -> None:
         #: the most bytes held in all; None: only what the node can spare; 0: none
@@ -101,11 +106,23 @@ class ResidentReplicas:
         # a step in use from here on: hot retention keeps it (StepHolds, on the loop)
         hold = contextlib.ExitStack()
         hold.enter_context(self.holds.hold((job, step)))
+        stop = threading.Event()
+        mapping = asyncio.ensure_future(asyncio.to_thread(_mapped, job, step, path, files, stop))
         try:
-            resident = await asyncio.to_thread(_mapped, job, step, path, files)
+            resident = await asyncio.shield(mapping)
+        except asyncio.CancelledError:  # the thread maps on until it sees ``stop``: then
+            stop.set()  # what it mapped is let go as soon as it returns
+            mapping.add_done_callback(_unmap_when_done)
+            hold.close()
+            raise
         except OSError as exc:
             hold.close()
             log.warning("could not hold %s in memory: %s", path, exc)
+            return None
+        if resident is None:
+            hold.close()
+            event(log, "resident", job=job, step=step, action="left on disk", bytes=nbytes,
+                  why="the node ran short of memory while it was read in")  # fmt: skip
             return None
         resident.release_hold = hold
         if job in self._held:  # (kept again meanwhile: the newer call's replica stays)
@@ -128,17 +145,29 @@ class ResidentReplicas:
         for job in list(self._held):
             await self.release(job, why)
 
+    async def watch(self, stop: asyncio.Event) -> None:
+        """``check`` every ``CHECK_SECONDS`` until ``stop`` (its own task: a slow store or a
+        replica being read in never holds the memory back from the training process)."""
+        while not stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(CHECK_SECONDS):
+                    await stop.wait()
+            try:
+                await self.check()
+            except OSError as exc:  # (a stat refused: tried again in a second)
+                log.warning("could not check the replicas held in memory: %s", exc)
+
     async def check(self) -> None:
-        """Let every replica go if the node cannot spare the memory any more, and any whose
-        directory is gone."""
+        """Let every replica go if the node cannot spare the memory any more, and any that
+        is gone from its path or was replaced there."""
         if not self._held:
             return
         if spare_memory() == 0:  # (MemAvailable under the reserve: the training comes first)
             await self.release_all("the node is short of memory")
             return
         for job, resident in list(self._held.items()):
-            if not resident.path.is_dir():
-                await self.release(job, "gone from the hot dir")
+            if not await asyncio.to_thread(_unchanged, resident):
+                await self.release(job, "gone from the hot dir, or replaced there")
 
     def held(self) -> dict[str, Resident]:
         return dict(self._held)
@@ -150,41 +179,80 @@ class ResidentReplicas:
               why=why)  # fmt: skip
 
 
-def _mapped(job: str, step: int, path: Path, files: list[Path]) -> Resident:
-    """``files`` of ``path`` mapped (read in as they are) and locked while locking works."""
+#: the most one mapping reads in at once: the mapping stops between pieces when asked to,
+#: or when the node runs short meanwhile
+PIECE_BYTES = 256 << 20
+
+
+def _mapped(
+    job: str, step: int, path: Path, files: list[Path], stop: threading.Event
+) -> Resident | None:
+    """``files`` of ``path`` mapped (read in as they are) and locked while locking works;
+    None when ``stop`` was set or the node ran short of memory before the end."""
     resident = Resident(job, step, path, 0, True)
     try:
+        resident.identity[path] = _identity(path)
         for file in files:
-            _map(resident, file)
+            if not _map(resident, file, stop):
+                _unmap(resident)
+                return None
     except BaseException:
         _unmap(resident)
         raise
     return resident
 
 
-def _map(resident: Resident, file: Path) -> None:
-    """Map each run of ``file``'s data into ``resident``; lock it while locking works."""
+def _map(resident: Resident, file: Path, stop: threading.Event) -> bool:
+    """Map each run of ``file``'s data into ``resident``, a piece at a time; lock it while
+    locking works. False: stopped (``stop``, or the node short of memory)."""
     fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW)
     try:
+        info = os.fstat(fd)
+        resident.identity[file] = (info.st_dev, info.st_ino)
         for offset, length in data_ranges(fd):
             start = offset - offset % mmap.PAGESIZE
-            size = offset + length - start
-            if size <= 0:
-                continue
-            flags = mmap.MAP_SHARED | _MAP_POPULATE
-            address = _libc.mmap(None, size, mmap.PROT_READ, flags, fd, start)
-            if address in (None, _MAP_FAILED):
-                errno = ctypes.get_errno()
-                raise OSError(errno, f"{file}: mmap: {os.strerror(errno)}")
-            resident.maps.append((address, size))
-            resident.nbytes += size
-            if resident.locked and _libc.mlock(address, size) != 0:
-                errno = ctypes.get_errno()
-                log.warning("could not lock %s in memory (%s): kept mapped, not locked",
-                            resident.path, os.strerror(errno))  # fmt: skip
-                _unlock(resident)
+            end = offset + length
+            for at in range(start, end, PIECE_BYTES):
+                if stop.is_set() or spare_memory() == 0:
+                    return False
+                size = min(PIECE_BYTES, end - at)
+                flags = mmap.MAP_SHARED | _MAP_POPULATE
+                address = _libc.mmap(None, size, mmap.PROT_READ, flags, fd, at)
+                if address in (None, _MAP_FAILED):
+                    errno = ctypes.get_errno()
+                    raise OSError(errno, f"{file}: mmap: {os.strerror(errno)}")
+                resident.maps.append((address, size))
+                resident.nbytes += size
+                if resident.locked and _libc.mlock(address, size) != 0:
+                    errno = ctypes.get_errno()
+                    log.warning("could not lock %s in memory (%s): kept mapped, not locked",
+                                resident.path, os.strerror(errno))  # fmt: skip
+                    _unlock(resident)
     finally:
         os.close(fd)
+    return True
+
+
+def _identity(path: Path) -> tuple[int, int]:
+    info = os.stat(path, follow_symlinks=False)
+    return info.st_dev, info.st_ino
+
+
+def _unchanged(resident: Resident) -> bool:
+    """Whether the directory and every file mapped are still the ones at their paths."""
+    try:
+        return all(_identity(p) == known for p, known in resident.identity.items())
+    except OSError:
+        return False
+
+
+def _unmap_when_done(mapping: asyncio.Future[Resident | None]) -> None:
+    """A cancelled ``keep``'s mapping, once its thread has returned: let it go."""
+    if mapping.cancelled() or mapping.exception() is not None:
+        return
+    resident = mapping.result()
+    if resident is not None:
+        _unmap(resident)
 
 
 def _unlock(resident: Resident) -> None:

@@ -31,7 +31,7 @@ from typing import Any
 from agent.daemon.logs import event
 from agent.node.hotdir import HotDir
 from agent.node.prefetch import FINAL, Prefetcher, PrefetchJob, State
-from agent.node.resident import CHECK_SECONDS, Resident, ResidentReplicas
+from agent.node.resident import Resident, ResidentReplicas
 from agent.rpc.services import wait_for_any
 from transfer.engine import list_checkpoints
 from transfer.engine.catalog import latest_complete_step
@@ -130,30 +130,21 @@ class Standby:
         return [e.to_dict(held.get(e.job)) for e in self.jobs.values()]
 
     async def loop(self, stop: asyncio.Event) -> None:
+        watch = asyncio.create_task(self.resident.watch(stop), name="standby-memory")
         try:
             while not stop.is_set():
                 await self.poll()
                 self._poke.clear()
-                await self._until_next_poll(stop)
+                # (a replication's end wakes the loop: its replica is held in memory at once)
+                ended = [e.running.ended for e in self.jobs.values() if e.running is not None]
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(self.poll_seconds):
+                        await wait_for_any(stop, self._poke, *ended)
         finally:
+            watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watch
             await self.resident.release_all("the agent stops")
-
-    async def _until_next_poll(self, stop: asyncio.Event) -> None:
-        """``poll_seconds``, or less: a poke, the stop, or a replication's end (its replica
-        is then held in memory at once); meanwhile the replicas held in memory are checked
-        every ``CHECK_SECONDS`` (the node may need that memory back)."""
-        deadline = time.monotonic() + self.poll_seconds
-        ended = [e.running.ended for e in self.jobs.values() if e.running is not None]
-        while not stop.is_set():
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return
-            wait = min(left, CHECK_SECONDS) if self.resident.held() else left
-            with contextlib.suppress(TimeoutError):
-                async with asyncio.timeout(wait):
-                    await wait_for_any(stop, self._poke, *ended)
-                    return
-            await self.resident.check()
 
     async def poll(self) -> None:
         """One look per registered job: start replicating a newer durable step, if any."""

@@ -21,10 +21,12 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import os
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
@@ -66,13 +68,23 @@ class LocalReader(FileSystemReader):
                 rest.append(req)
             else:
                 by_file.setdefault(info.relative_path, []).append(req)
-        filled: list[tuple[ReadItem, torch.Tensor]] = []
         self._heads = StoredTensors()  # (one save's: its items' heads are of a few kinds)
+        # torch's planner does nothing when a tensor is in: its targets are all filled
+        # first, on threads; a planner that does something (copies from a staging tensor
+        # it allocated in resolve_tensor) has each filled and committed in turn, so that
+        # its staging tensors are not all alive at once
+        defer = type(planner).commit_tensor is DefaultLoadPlanner.commit_tensor
+        filled: list[tuple[ReadItem, torch.Tensor]] = []
         with _Copies(READ_THREADS) as copies:
             for relative_path, reqs in by_file.items():
                 path = os.path.join(self.path, relative_path)
-                rest += self._read_file(path, reqs, planner, copies, filled)
-        for req, target in filled:  # (every byte of every target is in: copies waited)
+                for req, target in self._read_file(path, reqs, planner, copies, rest):
+                    if defer:
+                        filled.append((req, target))
+                    else:
+                        copies.run()
+                        planner.commit_tensor(req, target)
+        for req, target in filled:  # (every byte of every target is in: copies ran)
             planner.commit_tensor(req, target)
         if rest:
             super().read_data(dataclasses.replace(plan, items=rest), planner).wait()
@@ -86,10 +98,11 @@ class LocalReader(FileSystemReader):
         reqs: list[ReadItem],
         planner: LoadPlanner,
         copies: _Copies,
-        filled: list[tuple[ReadItem, torch.Tensor]],
-    ) -> list[ReadItem]:
-        """Start reading ``reqs``, items of the file at ``path``, into their targets (each
-        added to ``filled``); the items this does not read (torch.load them)."""
+        left: list[ReadItem],
+    ) -> Iterator[tuple[ReadItem, torch.Tensor]]:
+        """Each of ``reqs`` (items of the file at ``path``) this reads, with its target,
+        its bytes on their way (``copies``, through this file's descriptor: the file read is
+        the file parsed); those it does not read go to ``left`` (torch.load them)."""
         try:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
@@ -97,7 +110,6 @@ class LocalReader(FileSystemReader):
                 f"{path}: not there, and .metadata names it (another node's part of "
                 "the step, not pulled here?)"
             ) from None
-        left: list[ReadItem] = []
         try:
             size = os.fstat(fd).st_size
             for req in sorted(reqs, key=lambda r: self.storage_data[r.storage_index].offset):
@@ -111,10 +123,12 @@ class LocalReader(FileSystemReader):
                 if target is None:
                     left.append(req)
                 else:
-                    filled.append((req, target))
-        finally:
+                    yield req, target
+        except BaseException:
+            copies.discard(fd)
             os.close(fd)
-        return left
+            raise
+        copies.adopt(fd)  # (closed once its copies are made)
 
     def _read_tensor(
         self, fd: int, path: str, req: ReadItem, planner: LoadPlanner, copies: _Copies
@@ -132,7 +146,7 @@ class LocalReader(FileSystemReader):
         check_size(req, span.size, target)
         where = info.offset + span.start
         if span.contiguous and _plain_into(target, stored.dtype):
-            copies.add(path, bytes_of(target), where)
+            copies.add(fd, path, bytes_of(target), where)
         elif span.length:  # (rare: read here, then copied by torch, which knows the layout)
             scratch = torch.empty(span.length, dtype=torch.uint8)
             pread_full(fd, path, bytes_of(scratch), where)
@@ -152,64 +166,80 @@ PIECE_BYTES = 8 << 20
 
 
 class _Copies:
-    """Reads of byte ranges of files into memory, gathered while the caller parses, made
-    when the ``with`` is left: on ``threads`` threads (a ``pread`` lets go of the GIL)
-    where there is enough to copy; the first one's error is raised."""
+    """Reads of byte ranges of files into memory, gathered while the caller parses, made by
+    ``run`` (and when the ``with`` is left): on ``threads`` threads (a ``pread`` lets go of
+    the GIL) where there is enough to copy; the first one's error is raised. The files'
+    descriptors handed over (``adopt``) are closed once their reads are made."""
+
+    #: descriptors kept open at most: more files than this, and the reads are made first
+    MAX_OPEN = 64
 
     def __init__(self, threads: int) -> None:
         self._threads = threads
-        self._reads: list[tuple[str, memoryview, int]] = []
+        self._reads: list[tuple[int, str, memoryview, int]] = []
         self._bytes = 0
+        self._fds: list[int] = []
 
-    def add(self, path: str, into: memoryview, offset: int) -> None:
+    def add(self, fd: int, path: str, into: memoryview, offset: int) -> None:
         for at in range(0, len(into), PIECE_BYTES):
-            self._reads.append((path, into[at : at + PIECE_BYTES], offset + at))
+            self._reads.append((fd, path, into[at : at + PIECE_BYTES], offset + at))
         self._bytes += len(into)
+
+    def adopt(self, fd: int) -> None:
+        """Close ``fd`` once the reads through it are made."""
+        if len(self._fds) >= self.MAX_OPEN:
+            self.run()
+        self._fds.append(fd)
+
+    def discard(self, fd: int) -> None:
+        """Forget the reads through ``fd`` (its file failed: the caller closes it)."""
+        self._reads = [r for r in self._reads if r[0] != fd]
+
+    def run(self) -> None:
+        """Make every read gathered, then close the descriptors adopted."""
+        reads, self._reads = self._reads, []
+        nbytes, self._bytes = self._bytes, 0
+        try:
+            threads = self._threads if nbytes >= THREADED_BYTES else 1
+            if threads == 1:
+                _read_all(reads)
+            elif reads:
+                with ThreadPoolExecutor(threads, "ferry-load") as pool:
+                    for done in [pool.submit(_read_all, part) for part in _split(reads, threads)]:
+                        done.result()
+        finally:
+            fds, self._fds = self._fds, []
+            for fd in fds:
+                os.close(fd)
 
     def __enter__(self) -> _Copies:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
-        if exc_type is not None or not self._reads:
-            return
-        threads = self._threads if self._bytes >= THREADED_BYTES else 1
-        if threads == 1:
-            _read_all(self._reads)
-            return
-        with ThreadPoolExecutor(threads, "ferry-load") as pool:
-            for done in [pool.submit(_read_all, part) for part in _split(self._reads, threads)]:
-                done.result()
+        if exc_type is not None:
+            self._reads = []  # (the load failed: nothing more is copied)
+        self.run()
 
 
 def _split(
-    reads: list[tuple[str, memoryview, int]], parts: int
-) -> list[list[tuple[str, memoryview, int]]]:
+    reads: list[tuple[int, str, memoryview, int]], parts: int
+) -> list[list[tuple[int, str, memoryview, int]]]:
     """``reads`` in ``parts`` runs of about as many bytes each, file order kept."""
-    total = sum(len(into) for _, into, _ in reads)
-    out: list[list[tuple[str, memoryview, int]]] = [[]]
+    total = sum(len(read[2]) for read in reads)
+    out: list[list[tuple[int, str, memoryview, int]]] = [[]]
     filled = 0
     for read in reads:
         if filled >= total * len(out) / parts and len(out) < parts:
             out.append([])
         out[-1].append(read)
-        filled += len(read[1])
+        filled += len(read[2])
     return out
 
 
-def _read_all(reads: list[tuple[str, memoryview, int]]) -> None:
-    """Fill each buffer from its file at its offset (each file opened once in a row)."""
-    fd, opened = -1, None
-    try:
-        for path, into, offset in reads:
-            if path != opened:
-                if fd >= 0:
-                    os.close(fd)
-                    fd = -1
-                fd, opened = os.open(path, os.O_RDONLY), path
-            pread_full(fd, path, into, offset)
-    finally:
-        if fd >= 0:
-            os.close(fd)
+def _read_all(reads: list[tuple[int, str, memoryview, int]]) -> None:
+    """Fill each buffer from its file at its offset."""
+    for fd, path, into, offset in reads:
+        pread_full(fd, path, into, offset)
 
 
 def _check_step_dir(path: str) -> None:

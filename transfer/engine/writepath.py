@@ -23,10 +23,10 @@ once. The four ways (the ``write_path`` tunable):
 From the scheduler's decision to every tensor loaded (bench/decision_to_loaded.py), the
 figures with their commands are in docs/RELIABILITY.md ("How a restore writes").
 
-"What the node can spare": the kernel's ``MemAvailable`` (or less, under a memory cgroup's
-limit: what the limit leaves of its working set, as kubelet counts it) less a reserve
-(``RESERVE_FRACTION`` of the total, at least ``RESERVE_MIN``), of which a restore may fill
-``SHARE``: a restore
+"What the node can spare": the kernel's ``MemAvailable`` less a reserve (``RESERVE_FRACTION``
+of the total, at least ``RESERVE_MIN``), and under a memory cgroup's limit (a container) at
+most what the limit leaves of its working set (as kubelet counts it) less a margin for the
+process's own memory (``CGROUP_MARGIN_*``), of which a restore may fill ``SHARE``: a restore
 larger than that would only push other pages out, the training process's among them, and
 be read from the disk anyway. The crash guarantee is the same every way: a restore is
 renamed into place behind a durable ``.ferry-unsynced`` marker and removed after a reboot
@@ -41,6 +41,10 @@ CGROUP_ROOT = Path("/sys/fs/cgroup")
 RESERVE_FRACTION = 0.10
 RESERVE_MIN = 1 << 30
 SHARE = 0.5
+#: of a memory cgroup's limit, what is left for the process's own memory (a restore's
+#: buffers: TransferOptions.memory_estimate) before the page cache or a replica may use it
+CGROUP_MARGIN_FRACTION = 0.25
+CGROUP_MARGIN_MIN = 256 << 20
 
 
 def spare_memory(meminfo: Path | None = None) -> int | None:
@@ -53,11 +57,12 @@ def spare_memory(meminfo: Path | None = None) -> int | None:
         available = int(fields["MemAvailable"].split()[0]) * 1024
     except (OSError, KeyError, ValueError, IndexError):
         return None
+    spare = available - max(int(total * RESERVE_FRACTION), RESERVE_MIN)
     room = cgroup_room()
-    if room is not None:
-        total, available = min(total, room[0]), min(available, room[1])
-    reserve = max(int(total * RESERVE_FRACTION), RESERVE_MIN)
-    return max(0, int((available - reserve) * SHARE))
+    if room is not None:  # in a container: what its limit leaves, less the agent's own room
+        limit, left = room
+        spare = min(spare, left - max(int(limit * CGROUP_MARGIN_FRACTION), CGROUP_MARGIN_MIN))
+    return max(0, int(spare * SHARE))
 
 
 #: a cgroup v1 "no limit" (the largest page-aligned int64)
