@@ -222,6 +222,15 @@ def _no_ambient_aws_profile(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> 
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "xdg-state"))
 
 
+@pytest.fixture(autouse=True)
+def _no_ambient_cgroup_limit(monkeypatch: pytest.MonkeyPatch) -> None:
+    # What the node can spare must not depend on the memory limit of the container the
+    # suite runs in (tests/test_spare_memory.py reads fake cgroup trees instead).
+    import transfer.engine.writepath as writepath
+
+    monkeypatch.setattr(writepath, "cgroup_room", lambda: None)
+
+
 async def prefetched(client: FerryClient, step: int | str = "latest", job: str = "llm") -> dict:  # type: ignore[type-arg]
     """Prefetch ``step`` through an agent's RPC and wait for it to be ready."""
     done = await client.wait_prefetch(await client.prefetch(job, step), within_s=60)
