@@ -1,5 +1,7 @@
-"""Restores renamed into place before they are flushed (transfer/engine/settle.py): a
-restore made before a reboot is removed, one of this boot is flushed and confirmed."""
+"""Restores renamed into place before they are flushed (transfer/engine/settle.py): one of
+this boot is flushed and confirmed; one made before a reboot is read back and checked
+against the chunks its marker names: whole, it is kept; torn (or not checkable), the agent
+removes it and ``ferry pull`` moves it aside and says so, the user's own files in it kept."""
 
 from __future__ import annotations
 
@@ -43,27 +45,78 @@ def test_a_restore_waits_for_no_flush_and_leaves_a_marker_of_this_boot(tmp_path:
     assert not marker_path(dest).exists() and tree_bytes(dest) == tree_bytes(src)
 
 
-def test_a_restore_from_before_a_reboot_is_removed(tmp_path: Path) -> None:
-    _, dest = _restore(tmp_path, "dest")
+def _rebooted(dest: Path) -> None:
+    """What the marker says after the machine went down (another boot's id)."""
     doc = json.loads(marker_path(dest).read_text())
-    doc["boot_id"] = "another-boot"  # what the marker says after the machine went down
-    marker_path(dest).write_text(json.dumps(doc))
+    marker_path(dest).write_text(json.dumps(doc | {"boot_id": "another-boot"}))
+
+
+def test_a_whole_restore_from_before_a_reboot_is_checked_and_kept(tmp_path: Path) -> None:
+    """A clean reboot (or one long after the kernel wrote the restore back) costs nothing:
+    the restore is read back, every chunk checked, and kept (it was removed, found by a
+    newcomer's trial: a later pull into the same directory deleted an earlier restore and
+    the notes the user had put in it, without a word)."""
+    src, dest = _restore(tmp_path, "dest")
+    (dest / "NOTES.txt").write_text("mine")
+    _rebooted(dest)
     orphan = dest.parent / ".gone.ferry-unsynced"  # its restore was never renamed in
     orphan.write_text("{not json")
-    assert settle(dest.parent) == [dest]
-    assert sorted(p.name for p in dest.parent.iterdir()) == []
+    (found,) = settle(dest.parent)
+    assert (found.dest, found.whole) == (dest, True)
+    assert sorted(p.name for p in dest.parent.iterdir()) == ["dest"]  # markers dropped
+    assert tree_bytes(dest) == tree_bytes(src) | {"NOTES.txt": b"mine"}
 
 
-def test_cli_pull_settles_the_parent_first_and_fsync_leaves_no_marker(tmp_path: Path) -> None:
+@pytest.mark.parametrize("move_torn", [False, True])
+def test_a_torn_restore_from_before_a_reboot_is_removed_or_moved_aside(
+    tmp_path: Path, move_torn: bool
+) -> None:
+    """Torn: a page the kernel never wrote back reads as zeros. The agent's hot dir loses
+    the restore; a user's directory gets it back aside, with the user's own files."""
+    _, dest = _restore(tmp_path, "dest")
+    (dest / "NOTES.txt").write_text("mine")
+    shard = dest / "__0_0.distcp"
+    with shard.open("r+b") as f:
+        f.seek(1 << 20)
+        f.write(bytes(4096))
+    _rebooted(dest)
+    (found,) = settle(dest.parent, move_torn)
+    assert not found.whole and "__0_0.distcp: the chunk at byte" in found.why
+    if move_torn:
+        assert found.moved_to == dest.with_name("dest.torn")
+        assert (found.moved_to / "NOTES.txt").read_text() == "mine"
+        assert sorted(p.name for p in dest.parent.iterdir()) == ["dest.torn"]
+    else:
+        assert found.moved_to is None and list(dest.parent.iterdir()) == []
+
+
+def test_a_share_from_before_a_reboot_cannot_be_checked(tmp_path: Path) -> None:
+    """A share's marker names no chunks (it holds only some of its files' bytes)."""
+    dest = write_file(tmp_path / "out" / "step_000001" / "x", b"x").parent
+    boot = boot_id() or "this-boot"
+    mark_unsynced(dest, boot)
+    _rebooted(dest)
+    (found,) = settle(dest.parent, move_torn=True)
+    assert not found.whole and "names no chunks" in found.why
+    assert found.moved_to is not None and (found.moved_to / "x").read_bytes() == b"x"
+
+
+def test_cli_pull_settles_the_parent_first_and_says_what_it_found(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     src, first = _restore(tmp_path, "first")
-    doc = json.loads(marker_path(first).read_text())
-    marker_path(first).write_text(json.dumps(doc | {"boot_id": "another-boot"}))
+    _rebooted(first)
     rc = ferry(["pull", str(tmp_path / "store"), str(first.parent / "second"), "--job", "j",
                 "--fsync", "--json"])  # fmt: skip
     assert rc == 0
-    # the pre-reboot restore is gone; the --fsync one is flushed and needs no marker
-    assert sorted(p.name for p in first.parent.iterdir()) == ["second"]
-    assert tree_bytes(first.parent / "second") == tree_bytes(src)
+    assert f"{first}: restored before the last reboot; every chunk" in capsys.readouterr().err
+    # the pre-reboot restore is whole and kept; the --fsync one is flushed, with no marker
+    assert sorted(p.name for p in first.parent.iterdir()) == ["first", "second"]
+    assert tree_bytes(first.parent / "second") == tree_bytes(src) == tree_bytes(first)
+    # and a pull that fails settles the same way, never deleting a restore
+    assert not marker_path(first).exists()
+    rc = ferry(["pull", str(tmp_path / "store"), str(first.parent / "third"), "--job", "nosuch"])
+    assert rc != 0 and sorted(p.name for p in first.parent.iterdir()) == ["first", "second"]
 
 
 @pytest.mark.skipif(boot_id() is None, reason="needs a boot id (Linux)")

@@ -246,7 +246,14 @@ async def cmd_pull(
     # restores an earlier run left unconfirmed: confirm them, or drop them after a reboot
     import asyncio
 
-    await asyncio.to_thread(settle, args.dest_dir.absolute().parent)
+    for found in await asyncio.to_thread(settle, args.dest_dir.absolute().parent, True):
+        if found.whole:
+            print(f"ferry: {found.dest}: restored before the last reboot; {found.why}: "
+                  "whole, kept", file=sys.stderr)  # fmt: skip
+        else:
+            print(f"ferry: {found.dest}: restored before the last reboot and not whole on "
+                  f"the disk ({found.why}): moved to {found.moved_to}; pull it again",
+                  file=sys.stderr)  # fmt: skip
     expected = tuple(check_name("node", n) for n in args.expected_nodes.split(",") if n)
     import contextlib
 

@@ -334,8 +334,13 @@ class Prefetcher:
         and restores made before a reboot that never reached the disk (settle.py)."""
         jobs = [self.hot_dir.job_path(job) for job in self.hot_dir.jobs()]
         for d in jobs:
-            for torn in settle(d):
-                log.warning("removed %s: restored before the last reboot, never flushed", torn)
+            for found in settle(d):
+                if found.whole:
+                    log.info("kept %s: restored before the last reboot; %s", found.dest,
+                             found.why)  # fmt: skip
+                else:
+                    log.warning("removed %s: restored before the last reboot and not whole "
+                                "on the disk (%s)", found.dest, found.why)  # fmt: skip
         return [gone for d in jobs for gone in sweep_stale_staging(d)]
 
     def submit(

@@ -155,7 +155,8 @@ async def pull(
         if share is not None:
             job_step = manifests[0].job, manifests[0].step
             await _to_thread_to_the_end(write_record, staging.path, *job_step, share)
-        await _to_thread_to_the_end(seal, staging.path, files, dest, plan.fsync)
+        whole = share is None
+        await _to_thread_to_the_end(seal, staging.path, files, dest, plan.fsync, whole)
     events.progress.finish()
     result = run.result(manifests, got, base_dir, dest, time.monotonic() - started)
     result.write_path = how

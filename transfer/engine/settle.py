@@ -14,9 +14,14 @@ The rule (docs/RELIABILITY.md, "Restores and crashes"):
    chunk landed: transfer/engine/writeback.py).
 3. ``settle(parent)`` later looks at every marker there. Same boot: the pages are either on
    disk or still in memory, so fsync the restore's files (cheap by then) and drop the marker.
-   Another boot (the machine went down before step 3): the restore may be torn, so it is
-   removed (renamed to a staging name first, so an interrupted removal is swept like any
-   staging directory) and its marker dropped.
+   Another boot: the machine went down before step 3, maybe before the kernel wrote the
+   restore back, maybe long after (a clean reboot, days later). The marker of a whole
+   restore names every chunk (where it lies, its content id), so the restore is read back
+   and checked: whole, it is kept; torn (or a share, whose marker names no chunks, or an
+   unreadable marker), it is removed (renamed to a staging name first, so an interrupted
+   removal is swept like any staging directory), or, for ``ferry pull``, whose destination
+   is the user's and may hold the user's own files by then, moved aside to
+   ``<name>.torn[-N]`` and said so. Its marker is dropped either way.
 The agent settles its hot dir before it serves and after each prefetch; ``ferry pull``
 settles the destination's parent before it starts. Without a boot id (not Linux) a pull
 fsyncs before the rename, as ``--fsync`` asks.
@@ -29,10 +34,15 @@ import os
 import secrets
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from transfer.durable import fsync_dir
 from transfer.engine.restorenames import UNSYNCED_MARK, marker_path, staging_path
+from transfer.errors import FormatError
+from transfer.format.chunkid import chunk_id
+from transfer.format.manifest import FileEntry
+from transfer.format.paths import check_relative_path
 
 _BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
 
@@ -44,11 +54,31 @@ def boot_id() -> str | None:
         return None
 
 
-def mark_unsynced(dest: Path, boot: str) -> None:
-    """Step 1: the durable marker for a restore about to be renamed into ``dest``."""
+#: the most chunks a marker names (~90 bytes each); a restore of more is not checked
+#: after a reboot but removed, as a share is
+MAX_MARKED_CHUNKS = 1_000_000
+
+
+@dataclass(frozen=True)
+class Settled:
+    """A restore made before the last reboot, found by ``settle``: ``whole`` (checked and
+    kept), else removed, or moved to ``moved_to``; ``why`` says what was found."""
+
+    dest: Path
+    whole: bool
+    moved_to: Path | None
+    why: str
+
+
+def mark_unsynced(dest: Path, boot: str, files: list[FileEntry] | None = None) -> None:
+    """Step 1: the durable marker for a restore about to be renamed into ``dest``;
+    ``files``: what a whole restore holds, every chunk named so that a settle after a
+    reboot can check it (None: a share, which holds only some of its files' bytes)."""
     marker = marker_path(dest)
     tmp = marker.with_name(f"{marker.name}.tmp-{secrets.token_hex(4)}")
-    doc = {"boot_id": boot, "dest": dest.name, "created": time.time()}
+    doc: dict[str, object] = {"boot_id": boot, "dest": dest.name, "created": time.time()}
+    if files is not None and sum(len(f.chunks) for f in files) <= MAX_MARKED_CHUNKS:
+        doc["chunks"] = {f.path: [[at, c.size, c.id] for at, c in f.chunk_offsets()] for f in files}
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
     try:
         os.write(fd, json.dumps(doc).encode())
@@ -72,23 +102,25 @@ def fsync_tree(root: Path) -> None:
         del dirs  # walked by os.walk itself
 
 
-def settle(parent: Path) -> list[Path]:
-    """Step 3 for every restore under ``parent`` that still has a marker. Returns the
-    restores removed because they were made before the last reboot."""
-    removed: list[Path] = []
+def settle(parent: Path, move_torn: bool = False) -> list[Settled]:
+    """Step 3 for every restore under ``parent`` that still has a marker. Returns what it
+    found of restores made before the last reboot: checked whole and kept, or removed
+    (``move_torn``: moved aside instead, for a directory that is the user's)."""
+    found: list[Settled] = []
     try:
         markers = [p for p in parent.iterdir() if p.name.endswith(UNSYNCED_MARK)]
     except FileNotFoundError:
-        return removed
+        return found
     current = boot_id()
     for marker in markers:
         dest = parent / marker.name[1 : -len(UNSYNCED_MARK)]
         try:
-            made_in = json.loads(marker.read_text()).get("boot_id")
+            doc = json.loads(marker.read_text())
+            made_in = doc.get("boot_id")
         except FileNotFoundError:
             continue  # another settle of this directory (a prefetch beside) dropped it first
         except (OSError, ValueError, AttributeError):
-            made_in = None  # unreadable: assume the worst
+            doc, made_in = {}, None  # unreadable: assume the worst
         if dest.is_dir() and not dest.is_symlink():
             if made_in is not None and made_in == current:
                 try:
@@ -96,11 +128,58 @@ def settle(parent: Path) -> list[Path]:
                 except FileNotFoundError:
                     continue  # being evicted right now: its eviction drops it
             else:
-                doomed = staging_path(dest, "unsynced-")
-                os.rename(dest, doomed)
-                fsync_dir(parent)
-                shutil.rmtree(doomed, ignore_errors=True)
-                removed.append(dest)
+                found.append(_after_reboot(dest, doc.get("chunks"), move_torn))
         marker.unlink(missing_ok=True)
         fsync_dir(parent)
-    return removed
+    return found
+
+
+def _after_reboot(dest: Path, chunks: object, move_torn: bool) -> Settled:
+    """A restore renamed into place before the last reboot: checked against the chunks
+    its marker names, kept when whole; else removed or moved aside."""
+    why = _torn(dest, chunks)
+    if why is None:
+        fsync_tree(dest)
+        return Settled(dest, True, None, "every chunk read back and checked")
+    if move_torn:
+        aside = _free_name(dest.with_name(f"{dest.name}.torn"))
+        os.rename(dest, aside)
+        fsync_dir(dest.parent)
+        return Settled(dest, False, aside, why)
+    doomed = staging_path(dest, "unsynced-")
+    os.rename(dest, doomed)
+    fsync_dir(dest.parent)
+    shutil.rmtree(doomed, ignore_errors=True)
+    return Settled(dest, False, None, why)
+
+
+def _torn(dest: Path, chunks: object) -> str | None:
+    """What is wrong with ``dest`` against the chunks named (None: every one is there)."""
+    if not isinstance(chunks, dict):
+        return "its marker names no chunks to check it by (a share, or a marker unread)"
+    buf = bytearray()
+    for rel, spans in chunks.items():
+        try:
+            path = dest / check_relative_path(rel)
+            with open(path, "rb", buffering=0) as file:
+                for at, size, cid in spans:
+                    if len(buf) < size:
+                        buf = bytearray(size)
+                    view = memoryview(buf)[:size]
+                    file.seek(at)
+                    if file.readinto(view) != size:
+                        return f"{rel} ends inside its chunk at byte {at}"
+                    if chunk_id(view) != cid:
+                        return f"{rel}: the chunk at byte {at} is not what was restored"
+        except (OSError, ValueError, TypeError, FormatError) as exc:
+            return f"{rel}: {exc}"
+    return None
+
+
+def _free_name(wanted: Path) -> Path:
+    """``wanted``, or ``wanted-2``, ``-3``... whichever does not exist yet."""
+    n, path = 1, wanted
+    while path.exists() or path.is_symlink():
+        n += 1
+        path = wanted.with_name(f"{wanted.name}-{n}")
+    return path

@@ -378,16 +378,17 @@ class StagingFiles:
                 self.spells += 1
 
 
-def seal(staging: Path, files: list[FileEntry], dest: Path, fsync: bool) -> None:
+def seal(staging: Path, files: list[FileEntry], dest: Path, fsync: bool, whole: bool) -> None:
     """Set modes, make the restore safe against a crash (fsync it all, or a durable
-    unsynced marker: transfer/engine/settle.py), then rename the staging dir into place."""
+    unsynced marker: transfer/engine/settle.py, naming every chunk of a ``whole`` restore,
+    not a share's), then rename the staging dir into place."""
     for f in files:
         os.chmod(staging / f.path, f.mode)
     boot = None if fsync else boot_id()
     if boot is None:
         fsync_tree(staging)
     else:
-        mark_unsynced(dest.absolute(), boot)
+        mark_unsynced(dest.absolute(), boot, files if whole else None)
     os.chmod(staging, 0o755)
     try:
         os.rename(staging, dest)  # replaces an empty dest directory atomically
