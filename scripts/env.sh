@@ -1,7 +1,15 @@
 # Sourced by the other scripts: a project-local virtualenv with ckpt-ferry installed.
 # Usage: source scripts/env.sh [EXTRAS]   (EXTRAS like "test" or "test,bench")
-set -euo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
+# Sourced from an interactive shell (the README's `source scripts/env.sh test`), it leaves
+# the shell's options and directory as they were: under `set -e` the shell's next failing
+# command would close it.
+if [[ $- == *i* ]]; then
+  _ferry_dir=$PWD
+  cd "$(dirname "${BASH_SOURCE[0]}")/.." || return 1
+else
+  set -euo pipefail
+  cd "$(dirname "${BASH_SOURCE[0]}")/.."
+fi
 if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
@@ -13,6 +21,11 @@ extras="${1:-}"
 stamp=".venv/.ferry-install-stamp${extras:+-$extras}"
 want="$(cat pyproject.toml transfer/codec/_planes.c | sha256sum | cut -c1-16)"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  pip install --quiet --disable-pip-version-check -e ".${extras:+[$extras]}"
-  echo "$want" > "$stamp"
+  # (`&&`: without `set -e`, as sourced from a shell, a failed install must not be stamped)
+  pip install --quiet --disable-pip-version-check -e ".${extras:+[$extras]}" &&
+    echo "$want" > "$stamp"
+fi
+if [ -n "${_ferry_dir:-}" ]; then
+  cd "$_ferry_dir" || true
+  unset _ferry_dir
 fi
