@@ -224,9 +224,13 @@ def test_standby_memory_is_auto_a_size_or_zero(tmp_path: Path) -> None:
         (tmp_path / "ferry.toml").write_text(text)
         return load_config(tmp_path / "ferry.toml", env={}).standby_memory
 
-    assert memory('"auto"') is None and memory("0") == 0 and memory('"8GB"') == 8_000_000_000
-    with pytest.raises(ConfigError, match="standby_memory"):
-        memory('"lots"')
+    assert memory('"auto"') is None and memory('"AUTO"') is None and memory("0") == 0
+    assert memory('"8GB"') == 8_000_000_000
+    for wrong in ('"lots"', "0.5", '"512KB"', "-1"):  # (0.5 was read as 0: never)
+        with pytest.raises(ConfigError, match="standby_memory"):
+            memory(wrong)
+    with pytest.raises(ConfigError, match="standby_memory: invalid size 'lots'"):
+        load_config(None, env={"FERRY_STANDBY_MEMORY": "lots", "FERRY_HOT_DIR": str(tmp_path)})
 
 
 def test_a_standby_holds_its_newest_replica_in_memory(local_url: str, tmp_path: Path) -> None:

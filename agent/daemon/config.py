@@ -900,13 +900,19 @@ def _rate(value: object) -> int:
     return _quantity("standby_max_rate", value, parse_size)
 
 
-def _standby_memory(value: object) -> int | None:
-    """standby_memory: "auto" (None: what the node can spare), bytes, or 0 for never."""
-    if value in (None, "auto"):
+def _standby_memory(key: str, value: object) -> int | None:
+    """standby_memory: "auto" (None: what the node can spare), a size of 1 MiB or more, or
+    0 for never (a fraction of a byte is not "never": it is refused)."""
+    if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
         return None
     if value in (0, "0"):
         return 0
-    return _quantity("standby_memory", value, parse_size)
+    nbytes = _quantity(key, value, parse_size)
+    if nbytes < 1 << 20:
+        raise ConfigError(
+            f'{key}: {value!r} is under 1 MiB: give a size like "8GB", "auto", or 0 for never'
+        )
+    return nbytes
 
 
 def _name(kind: str, value: object) -> str:
@@ -1044,7 +1050,7 @@ _CHECKS: dict[str, Callable[[str, Any], object]] = {
     "standby_jobs": lambda key, jobs: tuple(_name(key, j) for j in jobs),
     "standby_poll_seconds": _seconds,
     "standby_max_rate": lambda key, rate: _rate(rate),
-    "standby_memory": lambda key, value: _standby_memory(value),
+    "standby_memory": _standby_memory,
     "peer_token_file": _path,
     "tls_cert_file": _path,
     "tls_key_file": _path,
