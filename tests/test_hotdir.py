@@ -97,3 +97,40 @@ def test_the_watcher_says_when_two_directories_name_one_step(
     _, found = scan_hot_dir(hot, frozenset({first}))
     assert [c.path for c in found] == [twin]
     assert f"{twin} names step 10 of job job-a, as step_000010 does" in caplog.text
+
+
+def test_saves_the_watcher_would_never_push_are_named_with_why(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A newcomer's trial copied saves into a running agent's hot dir without a job's
+    directory, under a job name with a space, and as ``latest``: nothing was pushed and
+    nothing said so. Each is now named, once, with what to do."""
+    import asyncio
+    import logging
+
+    from agent.node.watcher import watch_hot_dir
+
+    hot = HotDir(tmp_path, ".metadata")
+    _step(tmp_path, "llama", 20)  # where it belongs: no warning
+    (tmp_path / "llama" / "notes").mkdir()  # no save in it: no warning
+    loose = _step(tmp_path, ".", 160)  # right in the hot dir
+    spaced = _step(tmp_path, "my job", 160).parent
+    latest = _step(tmp_path, "llama", 180).rename(tmp_path / "llama" / "latest")
+    found = dict(hot.misplaced())
+    assert set(found) == {loose.resolve(), spaced, latest}
+    assert "put it in its job's directory" in found[loose.resolve()]
+    assert "not a job name" in found[spaced] and "names no step" in found[latest]
+
+    async def watch_twice() -> None:
+        stop = asyncio.Event()
+        task = asyncio.create_task(
+            watch_hot_dir(hot, lambda *_: None, poll_seconds=0.02, stop=stop)
+        )
+        await asyncio.sleep(0.2)  # several polls
+        stop.set()
+        await task
+
+    with caplog.at_level(logging.WARNING, logger="agent.node.watcher"):
+        asyncio.run(watch_twice())
+    said = [r.getMessage() for r in caplog.records if "names no step" in r.getMessage()]
+    assert len(said) == 1 and str(latest) in said[0]  # once, however many polls

@@ -116,6 +116,34 @@ class HotDir:
                 found.append(LocalCheckpoint(job, step, Path(entry.path)))
         return found
 
+    def misplaced(self) -> list[tuple[Path, str]]:
+        """Saves the watcher will never push, each with why: a step directory right in the
+        hot dir (no job's directory around it), or in a directory whose name is no valid
+        job name, or a save in a job's directory under a name that names no step
+        (``latest``). (Hidden entries and symlinks are left alone, as everywhere.)"""
+        found: list[tuple[Path, str]] = []
+        for entry in _visible_dirs(self.root):
+            path = Path(entry.path)
+            if step_from_dirname(entry.name, strict=True) is not None:
+                found.append((path, "a step directory right in the hot dir: put it in its "
+                              f"job's directory ({self.root}/<job>/{entry.name})"))  # fmt: skip
+                continue
+            try:
+                check_name("job", entry.name)
+            except FerryError as exc:
+                if any(self._holds_a_save(Path(e.path)) for e in _visible_dirs(path)):
+                    found.append((path, f"not a job name ({exc}): its saves are not pushed"))
+                continue
+            for inner in _visible_dirs(path):
+                named = step_from_dirname(inner.name, strict=True) is not None
+                if not named and self._holds_a_save(Path(inner.path)):
+                    found.append((Path(inner.path), "a save under a name that names no step "
+                                  "(step_000120, checkpoint-120): not pushed"))  # fmt: skip
+        return found
+
+    def _holds_a_save(self, path: Path) -> bool:
+        return bool(self.commit_marker) and os.path.isfile(path / self.commit_marker)
+
     def is_committed(self, step_dir: Path) -> bool:
         """A save that is whole here: its commit marker is there, and it is not a partial
         copy (a share pulled for some ranks: share.py), which is never pushed, served to a

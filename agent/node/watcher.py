@@ -68,12 +68,18 @@ async def watch_hot_dir(
     ``stop`` is set. A callback error is logged and the checkpoint is offered again on the
     next poll; the watcher itself never dies of one (pushes would silently stop)."""
     reported: set[Path] = set()
+    warned: set[Path] = set()  # saves said to be where they are never pushed (once each)
     while not stop.is_set():
         try:
             present, found = await asyncio.to_thread(scan_hot_dir, hot, frozenset(reported))
+            misplaced = await asyncio.to_thread(hot.misplaced)
         except OSError as exc:
             log.warning("cannot scan hot dir %s: %s", hot.root, exc)
-            present, found = set(reported), []
+            present, found, misplaced = set(reported), [], []
+        for path, why in misplaced:
+            if path not in warned:
+                log.warning("%s: %s", path, why)
+        warned = {path for path, _ in misplaced}
         # Forget deleted directories, so one re-created under the same name is reported again.
         reported &= present
         for c in found:
