@@ -441,9 +441,13 @@ def test_usage_errors_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     with pytest.raises(SystemExit) as exc:
         ferry(["pull", str(tmp_path), str(tmp_path / "x"), "--job", "j", "--step", "soon"])
     assert exc.value.code == 2
+    with pytest.raises(SystemExit) as exc:  # (exit 1 before, where "soon" was 2: a trial)
+        ferry(["pull", str(tmp_path), str(tmp_path / "x"), "--job", "j", "--step", "-1"])
+    assert exc.value.code == 2
     # each in one line, saying where the usage is (not a screenful of every option first)
     lines = capsys.readouterr().err.splitlines()
-    assert len(lines) == 3 and all(line.endswith("--help)") for line in lines), lines
+    assert len(lines) == 4 and all(line.endswith("--help)") for line in lines), lines
+    assert "--step must be within 0.." in lines[3], lines
     assert lines[0].startswith("ferry push: error: cannot tell the step"), lines
     assert "required: --job" in lines[1], lines
     with pytest.raises(SystemExit) as exc:

@@ -10,6 +10,7 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
+from transfer.format.names import MAX_STEP
 from transfer.options import StoreSettings, TransferOptions, TransferSettings, knobs
 
 if TYPE_CHECKING:
@@ -137,9 +138,12 @@ def chosen(args: argparse.Namespace, settings: type[S]) -> S:
 
 def parse_step(value: str) -> int:
     try:
-        return int(value)
+        step = int(value)
     except ValueError:
         raise UsageError(f"--step must be a number or 'latest', not {value!r}") from None
+    if not 0 <= step <= MAX_STEP:  # (a usage error too: exit 2, as for "abc")
+        raise UsageError(f"--step must be within 0..{MAX_STEP} or 'latest', not {value!r}")
+    return step
 
 
 # The value parsers below keep their leading underscore: argparse prints a type's __name__
