@@ -9,7 +9,14 @@ from pathlib import Path
 import pytest
 
 from agent.daemon import config as agent_config
-from agent.daemon.config import AgentConfig, agent_keys, config_reference, example_toml, load_config
+from agent.daemon.config import (
+    AgentConfig,
+    ConfigError,
+    agent_keys,
+    config_reference,
+    example_toml,
+    load_config,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -152,3 +159,13 @@ def test_every_retention_key_is_declared_once_and_read(tmp_path: Path) -> None:
     with pytest.raises(agent_config.ConfigError, match=r"key retention\.tiers\[0\]\.'bog'"):
         load("[[retention.tiers]]\nbog = 1\n")
     assert load("", {"FERRY_RETENTION_BOG": "1"}) == defaults  # other tools' variables
+
+
+def test_an_unknown_key_like_a_known_one_is_named_with_it(tmp_path: Path) -> None:
+    """(A newcomer's trial: ``standy_jobs`` was refused without a hint.)"""
+    (tmp_path / "ferry.toml").write_text(f'hot_dir = "{tmp_path}"\nstandy_jobs = ["a"]\n')
+    with pytest.raises(ConfigError, match=r"'standy_jobs' \(did you mean 'standby_jobs'\?\)$"):
+        load_config(tmp_path / "ferry.toml", env={})
+    (tmp_path / "ferry.toml").write_text(f'hot_dir = "{tmp_path}"\nzzz = 1\n')
+    with pytest.raises(ConfigError, match=r"unknown config key 'zzz'$"):
+        load_config(tmp_path / "ferry.toml", env={})

@@ -10,6 +10,7 @@ unknown ``FERRY_*`` variables are ignored because other tools (tests, scripts) u
 
 from __future__ import annotations
 
+import difflib
 import json
 import logging
 import os
@@ -18,7 +19,7 @@ import socket
 import stat
 import textwrap
 import tomllib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any, TypeVar
@@ -777,7 +778,9 @@ def _typed(
     where: dict[str, str] = {}
     for key, value in raw.items():
         if key not in schema:
-            raise ConfigError(f"unknown config key {key_prefix + key!r}")
+            raise ConfigError(
+                f"unknown config key {key_prefix + key!r}{_did_you_mean(key, schema)}"
+            )
         out[key] = _check(f"{key_prefix}{key}", value, schema[key])
         where[key_prefix + key] = "file"
     for key, kind in schema.items():
@@ -822,6 +825,12 @@ def _retention(raw: object, env: Mapping[str, str], n_tiers: int) -> RetentionSe
     return RetentionSettings(**settings)
 
 
+def _did_you_mean(key: str, known: Iterable[str]) -> str:
+    """ " (did you mean 'standby_jobs'?)" for a key like a known one (``standy_jobs``)."""
+    close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.75)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
 def _table_values(
     keys: tuple[TableKey, ...], where: str, raw: Mapping[str, object]
 ) -> dict[str, object]:
@@ -830,7 +839,8 @@ def _table_values(
     declared = {k.name: k for k in keys}
     unknown = set(raw) - set(declared)
     if unknown:
-        raise ConfigError(f"unknown config key {where}.{sorted(unknown)[0]!r}")
+        first = sorted(unknown)[0]
+        raise ConfigError(f"unknown config key {where}.{first!r}{_did_you_mean(first, declared)}")
     return {k.field: _checked(k, f"{where}.{k.name}", raw[k.name]) for k in keys if k.name in raw}
 
 

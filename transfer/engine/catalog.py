@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import shlex
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 
@@ -66,7 +67,7 @@ async def require_store(store: Store, *, hint: str = "") -> None:
 def not_a_store(url: str, hint: str = "") -> NotAStoreError:
     return NotAStoreError(
         f"{url} is not a ckpt-ferry store (no {layout.STORE_DESCRIPTOR_KEY}): create it with "
-        f"`ferry init {url}`{hint}"
+        f"`ferry init {shlex.quote(url)}`{hint}"
     )
 
 

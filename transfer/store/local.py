@@ -20,6 +20,7 @@ import contextlib
 import errno
 import os
 import secrets
+import shlex
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -258,7 +259,7 @@ class LocalStore(Store):
         if not self.root.is_dir():
             raise NotFoundError(
                 f"store directory {self.root} does not exist (make a store there with "
-                f"`ferry init {self.root}`, or check the mount)"
+                f"`ferry init {shlex.quote(str(self.root))}`, or check the mount)"
             )
         if not os.access(self.root, os.R_OK | os.X_OK):
             raise AccessDeniedError(f"store directory {self.root}: permission denied")
