@@ -7,6 +7,7 @@ memory, and restores the same bytes."""
 from __future__ import annotations
 
 import asyncio
+import mmap
 import threading
 import time
 from pathlib import Path
@@ -32,6 +33,12 @@ def test_a_buffer_handed_back_is_given_out_again_the_smallest_that_fits() -> Non
     assert pool.take(10) is small  # (the larger one fits too: the smallest is taken)
     assert pool.take(2 * MIB) is large
     assert pool.take(2 * MIB) is not large and pool.idle_bytes() == 0
+    # a miss lets go of as many idle bytes as it takes, smallest first: never more at once
+    for n in (1, 1, 2):
+        pool.give(mmap.mmap(-1, n * MIB))
+    assert pool.idle_bytes() == 4 * MIB
+    pool.take(3 * MIB)  # fits nothing idle (2 MiB at most): 1 + 1 + 2 let go for its 3
+    assert pool.idle_bytes() == 0
 
 
 def test_idle_buffers_are_capped_and_let_go_after_a_while() -> None:

@@ -55,6 +55,7 @@ from agent.rpc.middleware import auth_middleware, error_middleware
 from agent.rpc.routes import route_modules
 from agent.rpc.services import Services
 from agent.rpc.tls import AgentTls
+from transfer.directio import KEPT_BUFFERS_MAX, POOL
 from transfer.engine.catalog import not_a_store, open_catalog
 from transfer.engine.orphans import abort_orphaned_uploads
 from transfer.errors import FerryError, NotAStoreError, StoreError
@@ -163,6 +164,9 @@ async def _services(app: web.Application):  # type: ignore[no-untyped-def]
         services = await started.enter_async_context(Services(config.drain_seconds))
         stop = services.stop
         app[HOLDS] = StepHolds()
+        # a finished restore's buffers wait for the next (up to one transfer's budget, and
+        # at most what the daemonset's memory limit leaves room for: deploy/daemonset.yaml)
+        POOL.max_idle = min(config.transfer_options().memory_estimate(), KEPT_BUFFERS_MAX)
         prefetcher = app[PREFETCHER] = _prefetcher(app, queue, services)
         app[LANDING] = prefetcher.landing
         # the hot dir's write rate, before the first estimate needs it (a quarter second)
