@@ -502,6 +502,7 @@ def test_prefetch_counters_never_go_down_when_records_are_forgotten(
         for step in range(1, 6):
             await push_step(local_url, tmp_path / "src", step)
         await push_step(local_url, tmp_path / "src", 6, size=8 * MiB)  # restores for a while
+        await push_step(local_url, tmp_path / "src", 7)  # (5 is held by then: no slot waited)
         headers = {"Authorization": f"Bearer {TOKEN}"}
         env = {"FERRY_PREFETCH_CONCURRENCY": "1"}
         async with (
@@ -530,7 +531,7 @@ def test_prefetch_counters_never_go_down_when_records_are_forgotten(
             seen = await metrics(s, url)
             assert seen[tier] == moved > 5 * 5 * KiB  # all five, not the two kept
             assert seen["ferry_prefetch_seconds_total"] == pytest.approx(took, abs=0.01)
-            big, small = await prefetch(6), await prefetch(5)  # one slot: one waits
+            big, small = await prefetch(6), await prefetch(7)  # one slot: one waits
             during = await metrics(s, url)
             assert during['ferry_prefetch_total{state="queued"}'] >= 1
             await finished(big)
