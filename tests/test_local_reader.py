@@ -422,3 +422,31 @@ def test_a_planner_that_stages_its_tensors_has_each_committed_before_the_next(
     for key, value in want.items():
         if isinstance(value, torch.Tensor):
             assert torch.equal(got[key], value), key
+
+
+def test_the_collector_is_paused_for_the_read_and_left_as_it_was(
+    step: tuple[Path, dict[str, Any]],
+) -> None:
+    """Paused while the items are read (a full collection took up to a quarter of a warm
+    load), on again afterwards, and left off for a caller that had it off."""
+    import gc
+
+    path, saved = step
+    seen: list[bool] = []
+    read = LocalReader._read_data
+
+    def spy(self: Any, plan: Any, planner: Any) -> Any:
+        seen.append(gc.isenabled())
+        return read(self, plan, planner)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(LocalReader, "_read_data", spy)
+        assert gc.isenabled()
+        load_with(LocalReader(path), saved)
+        assert seen == [False] and gc.isenabled()
+        gc.disable()
+        try:
+            load_with(LocalReader(path), saved)
+            assert not gc.isenabled()
+        finally:
+            gc.enable()

@@ -18,8 +18,10 @@ FerryReader unpickles it (dcpmetadata_torch.py): DCP's own types, nothing else b
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
+import gc
 import os
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -60,6 +62,14 @@ class LocalReader(FileSystemReader):
         return metadata
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future[None]:
+        # the cyclic collector paused while the items are read: a load allocates a few
+        # objects per item and frees them as it goes, and a full collection of a process
+        # that imported torch took 0.05-0.15 s of a 0.1-0.6 s load (the 289 MB fine-tune's
+        # warm load 0.09-0.13 -> 0.07-0.08 s, the 1.69 GB corpus's 0.54-0.59 -> 0.40-0.50)
+        with _collector_paused():
+            return self._read_data(plan, planner)
+
+    def _read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future[None]:
         by_file: dict[str, list[ReadItem]] = {}
         rest: list[ReadItem] = []  # what FileSystemReader reads, as it always has
         for req in plan.items:
@@ -240,6 +250,19 @@ def _read_all(reads: list[tuple[int, str, memoryview, int]]) -> None:
     """Fill each buffer from its file at its offset."""
     for fd, path, into, offset in reads:
         pread_full(fd, path, into, offset)
+
+
+@contextlib.contextmanager
+def _collector_paused() -> Iterator[None]:
+    """Python's cyclic garbage collector off for the block (process-wide: the load's
+    other threads too), on again after it if it was on."""
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_on:
+            gc.enable()
 
 
 def _check_step_dir(path: str) -> None:
