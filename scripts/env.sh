@@ -21,9 +21,14 @@ extras="${1:-}"
 stamp=".venv/.ferry-install-stamp${extras:+-$extras}"
 want="$(cat pyproject.toml transfer/codec/_planes.c | sha256sum | cut -c1-16)"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-  # (`&&`: without `set -e`, as sourced from a shell, a failed install must not be stamped)
-  pip install --quiet --disable-pip-version-check -e ".${extras:+[$extras]}" &&
-    echo "$want" > "$stamp"
+  # a failed install stops the script that sourced this (under `set -e` a failure left of
+  # `&&` would not), and from a shell it returns 1, the install not stamped
+  if ! pip install --quiet --disable-pip-version-check -e ".${extras:+[$extras]}"; then
+    echo "scripts/env.sh: the install failed" >&2
+    if [ -n "${_ferry_dir:-}" ]; then cd "$_ferry_dir" || true; unset _ferry_dir; fi
+    return 1 2>/dev/null || exit 1
+  fi
+  echo "$want" > "$stamp"
 fi
 if [ -n "${_ferry_dir:-}" ]; then
   cd "$_ferry_dir" || true

@@ -112,13 +112,14 @@ def test_saves_the_watcher_would_never_push_are_named_with_why(
 
     hot = HotDir(tmp_path, ".metadata")
     _step(tmp_path, "llama", 20)  # where it belongs: no warning
+    _step(tmp_path, "sweep-3", 40)  # a job named like a step (found in review): no warning
     (tmp_path / "llama" / "notes").mkdir()  # no save in it: no warning
     loose = _step(tmp_path, ".", 160)  # right in the hot dir
     spaced = _step(tmp_path, "my job", 160).parent
     latest = _step(tmp_path, "llama", 180).rename(tmp_path / "llama" / "latest")
     found = dict(hot.misplaced())
     assert set(found) == {loose.resolve(), spaced, latest}
-    assert "put it in its job's directory" in found[loose.resolve()]
+    assert "a save right in the hot dir" in found[loose.resolve()]
     assert "not a job name" in found[spaced] and "names no step" in found[latest]
 
     async def watch_twice() -> None:

@@ -61,8 +61,9 @@ def test_a_whole_restore_from_before_a_reboot_is_checked_and_kept(tmp_path: Path
     _rebooted(dest)
     orphan = dest.parent / ".gone.ferry-unsynced"  # its restore was never renamed in
     orphan.write_text("{not json")
-    (found,) = settle(dest.parent)
-    assert (found.dest, found.whole) == (dest, True)
+    told: list[Path] = []
+    (found,) = settle(dest.parent, move_torn=True, before_check=told.append)
+    assert (found.dest, found.whole) == (dest, True) and told == [dest]
     assert sorted(p.name for p in dest.parent.iterdir()) == ["dest"]  # markers dropped
     assert tree_bytes(dest) == tree_bytes(src) | {"NOTES.txt": b"mine"}
 
@@ -81,13 +82,39 @@ def test_a_torn_restore_from_before_a_reboot_is_removed_or_moved_aside(
         f.write(bytes(4096))
     _rebooted(dest)
     (found,) = settle(dest.parent, move_torn)
-    assert not found.whole and "__0_0.distcp: the chunk at byte" in found.why
+    assert not found.whole
     if move_torn:
+        assert "__0_0.distcp: the chunk at byte" in found.why
         assert found.moved_to == dest.with_name("dest.torn")
         assert (found.moved_to / "NOTES.txt").read_text() == "mine"
         assert sorted(p.name for p in dest.parent.iterdir()) == ["dest.torn"]
-    else:
+    else:  # (the agent, before it serves: never reads GBs back, removes)
+        assert "not checked here" in found.why
         assert found.moved_to is None and list(dest.parent.iterdir()) == []
+
+
+def test_a_restore_its_user_changed_since_is_kept_and_a_malformed_marker_is_not_trusted(
+    tmp_path: Path,
+) -> None:
+    """(Found in review: a rewritten .metadata made the restore "torn" and moved it away; a
+    marker with a 3 GiB chunk size made the check allocate it.)"""
+    import os
+    import time
+
+    _, dest = _restore(tmp_path, "dest")
+    _rebooted(dest)
+    later = time.time() + 10
+    (dest / ".metadata").write_bytes(b"edited")
+    os.utime(dest / ".metadata", (later, later))
+    (found,) = settle(dest.parent, move_torn=True)
+    assert found.whole and "changed since it was restored" in found.why
+    assert (dest / ".metadata").read_bytes() == b"edited"
+    _, other = _restore(tmp_path, "other")
+    doc = json.loads(marker_path(other).read_text())
+    doc["chunks"] = {"__0_0.distcp": [[0, 3 << 30, "0" * 64]]}
+    marker_path(other).write_text(json.dumps(doc | {"boot_id": "another-boot"}))
+    (found,) = [f for f in settle(other.parent, move_torn=True) if f.dest == other]
+    assert not found.whole and "malformed" in found.why and found.moved_to is not None
 
 
 def test_a_share_from_before_a_reboot_cannot_be_checked(tmp_path: Path) -> None:

@@ -23,10 +23,12 @@ way, and the kernel keeps the two views coherent. Where the file system refuses 
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import errno
 import mmap
 import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -152,6 +154,11 @@ class BufferPool:
         self.idle_seconds = idle_seconds
         self._free: list[mmap.mmap] = []
         self._lock = threading.Lock()
+        #: handed back by a thread's buffers as they are freed (``_Held.__del__``): a
+        #: garbage collection may free them in any thread at any moment, one inside
+        #: ``take`` holding the lock among them, so they are only appended here (a
+        #: deque's append takes no lock of ours) and taken in by the next take or give
+        self._returned: collections.deque[mmap.mmap] = collections.deque()
         self._used_at = 0.0
         self._timer: threading.Timer | None = None
 
@@ -162,6 +169,7 @@ class BufferPool:
         (tests/test_load.py holds an agent's peak RSS to its transfers' budget)."""
         rounded = max(self.ROUND, -(-size // self.ROUND) * self.ROUND)
         with self._lock:
+            self._take_in_returned()
             self._used_at = time.monotonic()
             fits = [m for m in self._free if len(m) >= size]
             if fits:
@@ -177,18 +185,31 @@ class BufferPool:
     def give(self, buf: mmap.mmap) -> None:
         """Hand ``buf`` back: nothing may write into it or read from it any more."""
         with self._lock:
+            self._take_in_returned()
             self._used_at = time.monotonic()
-            if sum(len(m) for m in self._free) + len(buf) > self.max_idle:
-                return  # (let go: unmapped once its last view is gone)
-            self._free.append(buf)
-            if self._timer is None:
+            self._keep(buf)
+            if self._free and self._timer is None:
                 self._timer = threading.Timer(self.idle_seconds, self._expire)
                 self._timer.daemon = True
                 self._timer.start()
 
+    def returned(self, buf: mmap.mmap) -> None:
+        """``give`` for a finalizer: never blocks, never starts a thread."""
+        if not sys.is_finalizing():
+            self._returned.append(buf)
+
     def idle_bytes(self) -> int:
         with self._lock:
+            self._take_in_returned()
             return sum(len(m) for m in self._free)
+
+    def _take_in_returned(self) -> None:
+        while self._returned:
+            self._keep(self._returned.popleft())
+
+    def _keep(self, buf: mmap.mmap) -> None:
+        if sum(len(m) for m in self._free) + len(buf) <= self.max_idle:
+            self._free.append(buf)  # (else let go: unmapped once its last view is gone)
 
     def clear(self) -> None:
         with self._lock:
@@ -228,7 +249,7 @@ class _Held:
         self.buf = buf
 
     def __del__(self) -> None:
-        POOL.give(self.buf)
+        POOL.returned(self.buf)
 
 
 class ThreadBuffers(threading.local):

@@ -246,7 +246,12 @@ async def cmd_pull(
     # restores an earlier run left unconfirmed: confirm them, or drop them after a reboot
     import asyncio
 
-    for found in await asyncio.to_thread(settle, args.dest_dir.absolute().parent, True):
+    def checking(dest: Path) -> None:
+        print(f"ferry: {dest}: restored before the last reboot; reading it back to check "
+              "it...", file=sys.stderr, flush=True)  # fmt: skip
+
+    parent = args.dest_dir.absolute().parent
+    for found in await asyncio.to_thread(settle, parent, True, checking):
         if found.whole:
             print(f"ferry: {found.dest}: restored before the last reboot; {found.why}: "
                   "whole, kept", file=sys.stderr)  # fmt: skip

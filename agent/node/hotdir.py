@@ -124,9 +124,9 @@ class HotDir:
         found: list[tuple[Path, str]] = []
         for entry in _visible_dirs(self.root):
             path = Path(entry.path)
-            if step_from_dirname(entry.name, strict=True) is not None:
-                found.append((path, "a step directory right in the hot dir: put it in its "
-                              f"job's directory ({self.root}/<job>/{entry.name})"))  # fmt: skip
+            if self._holds_a_save(path):  # (a job named like a step, sweep-3, holds none)
+                found.append((path, "a save right in the hot dir: put it in its job's "
+                              f"directory ({self.root}/<job>/step_<N>)"))  # fmt: skip
                 continue
             try:
                 check_name("job", entry.name)

@@ -334,13 +334,8 @@ class Prefetcher:
         and restores made before a reboot that never reached the disk (settle.py)."""
         jobs = [self.hot_dir.job_path(job) for job in self.hot_dir.jobs()]
         for d in jobs:
-            for found in settle(d):
-                if found.whole:
-                    log.info("kept %s: restored before the last reboot; %s", found.dest,
-                             found.why)  # fmt: skip
-                else:
-                    log.warning("removed %s: restored before the last reboot and not whole "
-                                "on the disk (%s)", found.dest, found.why)  # fmt: skip
+            for found in settle(d):  # (not read back here: removed, to be fetched again)
+                log.warning("removed %s: restored %s", found.dest, found.why)
         return [gone for d in jobs for gone in sweep_stale_staging(d)]
 
     def submit(

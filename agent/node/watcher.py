@@ -72,14 +72,15 @@ async def watch_hot_dir(
     while not stop.is_set():
         try:
             present, found = await asyncio.to_thread(scan_hot_dir, hot, frozenset(reported))
-            misplaced = await asyncio.to_thread(hot.misplaced)
+            misplaced: list[tuple[Path, str]] | None = await asyncio.to_thread(hot.misplaced)
         except OSError as exc:
             log.warning("cannot scan hot dir %s: %s", hot.root, exc)
-            present, found, misplaced = set(reported), [], []
-        for path, why in misplaced:
-            if path not in warned:
-                log.warning("%s: %s", path, why)
-        warned = {path for path, _ in misplaced}
+            present, found, misplaced = set(reported), [], None
+        if misplaced is not None:  # (a failed scan forgets nothing said)
+            for path, why in misplaced:
+                if path not in warned:
+                    log.warning("%s: %s", path, why)
+            warned = {path for path, _ in misplaced}
         # Forget deleted directories, so one re-created under the same name is reported again.
         reported &= present
         for c in found:

@@ -34,9 +34,10 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
+from transfer import directio
 from transfer.codec import decode, pairs_with_keyframe
 from transfer.codec.transforms import Buffer
-from transfer.directio import POOL, ThreadBuffers
+from transfer.directio import ThreadBuffers
 from transfer.engine.chunkindex import StoredChunk
 from transfer.engine.ranges import ChunkRange, coalesce
 from transfer.engine.ratelimit import RateLimit
@@ -440,7 +441,7 @@ class _Fetch:
                     r = current
                     need = longest if room else r.end - r.start
                     if len(buf) < need:  # (a raw chunk's payload is written from it)
-                        taken.append(POOL.take(longest))
+                        taken.append(directio.POOL.take(longest))
                         buf = memoryview(taken[-1])[:longest]
                     job = pool.submit(self.read_and_finish, reader, r, buf[:need])
                     running.add(job)
@@ -454,15 +455,16 @@ class _Fetch:
                     for c, payload in left:
                         await self.one(c, payload)  # decode reads the payload (maybe in buf)
 
-        taken: list[mmap.mmap] = []  # receive buffers, handed back once no read runs
+        taken: list[mmap.mmap] = []  # receive buffers, handed back when all went well
         try:
             await run_workers(ranges, worker, readers)
         finally:
             self.ending.set()
             pool.shutdown(wait=False, cancel_futures=True)
             await _drain(running)
-            for buf in taken:
-                POOL.give(buf)
+        # (only now: after a failure or a cancel a decode may still be reading one)
+        for buf in taken:
+            directio.POOL.give(buf)
 
 
 class _BaseWindow:

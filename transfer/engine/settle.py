@@ -34,14 +34,16 @@ import os
 import secrets
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from transfer.durable import fsync_dir
 from transfer.engine.restorenames import UNSYNCED_MARK, marker_path, staging_path
 from transfer.errors import FormatError
-from transfer.format.chunkid import chunk_id
-from transfer.format.manifest import FileEntry
+from transfer.format.chunkid import chunk_id, is_chunk_id
+from transfer.format.manifest import MAX_CHUNK_BYTES, FileEntry
 from transfer.format.paths import check_relative_path
 
 _BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
@@ -102,10 +104,15 @@ def fsync_tree(root: Path) -> None:
         del dirs  # walked by os.walk itself
 
 
-def settle(parent: Path, move_torn: bool = False) -> list[Settled]:
+def settle(
+    parent: Path, move_torn: bool = False, before_check: Callable[[Path], None] | None = None
+) -> list[Settled]:
     """Step 3 for every restore under ``parent`` that still has a marker. Returns what it
-    found of restores made before the last reboot: checked whole and kept, or removed
-    (``move_torn``: moved aside instead, for a directory that is the user's)."""
+    found of restores made before the last reboot. ``move_torn`` (``ferry pull``: a
+    directory that is the user's): each is read back and checked (``before_check`` told
+    first: it may take a while), kept when whole, else moved aside. Without it (the
+    agent's hot dir, swept before it serves: a check of many GB would keep it from
+    answering its health checks) each is removed, as a re-fetch is all it costs."""
     found: list[Settled] = []
     try:
         markers = [p for p in parent.iterdir() if p.name.endswith(UNSYNCED_MARK)]
@@ -115,7 +122,7 @@ def settle(parent: Path, move_torn: bool = False) -> list[Settled]:
     for marker in markers:
         dest = parent / marker.name[1 : -len(UNSYNCED_MARK)]
         try:
-            doc = json.loads(marker.read_text())
+            doc = _read_marker(marker)
             made_in = doc.get("boot_id")
         except FileNotFoundError:
             continue  # another settle of this directory (a prefetch beside) dropped it first
@@ -127,25 +134,40 @@ def settle(parent: Path, move_torn: bool = False) -> list[Settled]:
                     fsync_tree(dest)
                 except FileNotFoundError:
                     continue  # being evicted right now: its eviction drops it
+            elif not move_torn:
+                found.append(_remove(dest, "made before the last reboot (not checked here)"))
             else:
-                found.append(_after_reboot(dest, doc.get("chunks"), move_torn))
+                if before_check is not None:
+                    before_check(dest)
+                try:
+                    found.append(_after_reboot(dest, doc, move_torn))
+                except FileNotFoundError:
+                    continue  # another settle of this directory (a pull beside) took it
         marker.unlink(missing_ok=True)
         fsync_dir(parent)
     return found
 
 
-def _after_reboot(dest: Path, chunks: object, move_torn: bool) -> Settled:
+def _after_reboot(dest: Path, doc: dict[str, Any], move_torn: bool) -> Settled:
     """A restore renamed into place before the last reboot: checked against the chunks
-    its marker names, kept when whole; else removed or moved aside."""
-    why = _torn(dest, chunks)
-    if why is None:
+    its marker names, kept when whole (or changed by its user since: theirs now); else
+    moved aside (``move_torn``) or removed."""
+    why = _torn(dest, doc.get("chunks"))
+    changed = why is not None and _changed_since(dest, doc)
+    if why is None or changed:
         fsync_tree(dest)
-        return Settled(dest, True, None, "every chunk read back and checked")
+        said = "every chunk read back and checked" if why is None else (
+            "files in it changed since it was restored: kept as they are")  # fmt: skip
+        return Settled(dest, True, None, said)
     if move_torn:
         aside = _free_name(dest.with_name(f"{dest.name}.torn"))
         os.rename(dest, aside)
         fsync_dir(dest.parent)
         return Settled(dest, False, aside, why)
+    return _remove(dest, why)
+
+
+def _remove(dest: Path, why: str) -> Settled:
     doomed = staging_path(dest, "unsynced-")
     os.rename(dest, doomed)
     fsync_dir(dest.parent)
@@ -153,12 +175,27 @@ def _after_reboot(dest: Path, chunks: object, move_torn: bool) -> Settled:
     return Settled(dest, False, None, why)
 
 
+def _changed_since(dest: Path, doc: dict[str, Any]) -> bool:
+    """Whether a file of ``dest`` was written after the marker was (its user's edit)."""
+    created = doc.get("created")
+    if not isinstance(created, (int, float)):
+        return False
+    try:
+        return any(p.stat().st_mtime > created + 1 for p in dest.rglob("*") if p.is_file())
+    except OSError:
+        return False
+
+
 def _torn(dest: Path, chunks: object) -> str | None:
-    """What is wrong with ``dest`` against the chunks named (None: every one is there)."""
+    """What is wrong with ``dest`` against the chunks named (None: every one is there).
+    A marker is this node's own, but read as if not: anything malformed is "cannot be
+    checked", never a reason to allocate or read without bound."""
     if not isinstance(chunks, dict):
         return "its marker names no chunks to check it by (a share, or a marker unread)"
     buf = bytearray()
     for rel, spans in chunks.items():
+        if not isinstance(spans, list) or not all(_a_span(s) for s in spans):
+            return f"its marker's record of {rel!r} is malformed: cannot be checked"
         try:
             path = dest / check_relative_path(rel)
             with open(path, "rb", buffering=0) as file:
@@ -174,6 +211,30 @@ def _torn(dest: Path, chunks: object) -> str | None:
         except (OSError, ValueError, TypeError, FormatError) as exc:
             return f"{rel}: {exc}"
     return None
+
+
+def _a_span(span: object) -> bool:
+    """[offset, size, chunk id], as mark_unsynced writes it."""
+    if not isinstance(span, list) or len(span) != 3:
+        return False
+    at, size, cid = span
+    return (
+        type(at) is int and at >= 0 and type(size) is int and 0 < size <= MAX_CHUNK_BYTES
+        and is_chunk_id(cid)
+    )  # fmt: skip
+
+
+#: the most of a marker read (one naming MAX_MARKED_CHUNKS chunks: ~93 MB)
+MAX_MARKER_BYTES = 128 << 20
+
+
+def _read_marker(marker: Path) -> dict[str, Any]:
+    with marker.open("rb") as f:
+        raw = f.read(MAX_MARKER_BYTES + 1)
+    if len(raw) > MAX_MARKER_BYTES:
+        return {}  # (over the limit: unreadable, as a torn one)
+    doc = json.loads(raw)
+    return doc if isinstance(doc, dict) else {}
 
 
 def _free_name(wanted: Path) -> Path:
