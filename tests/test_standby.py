@@ -4,6 +4,7 @@ durable step before the scheduler asks, and a prefetch then finds it at once."""
 from __future__ import annotations
 
 import asyncio
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -67,6 +68,12 @@ def test_a_standby_holds_each_new_step_before_the_scheduler_asks(
                 assert latest["state"] == "failed", latest
             finally:
                 (tmp_path / "away").rename(local_url)
+            # evicted from under the record of it (hot retention, or by hand): the long way
+            # restores it again, never a failure (found by tests/test_soak.py)
+            await asyncio.to_thread(shutil.rmtree, done["dest"])
+            again = await prefetched(b, 40)
+            assert again["satisfied_by"] == "restored"
+            assert tree_bytes(Path(again["dest"])) == tree_bytes(k40)
 
             assert (await b._call("DELETE", "/v1/standby/llm"))["removed"]
             assert (await b._call("GET", "/v1/standby"))["jobs"] == []

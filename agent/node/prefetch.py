@@ -506,7 +506,10 @@ class Prefetcher:
         if record.layout is not None or record.items is not None:
             return False  # (a share: the pull plans what it needs of the step)
         here = self.hot_dir.step_path(record.job, record.step)
-        how = await asyncio.to_thread(self._intact_restore, record, here)
+        try:
+            how = await asyncio.to_thread(self._intact_restore, record, here)
+        except (FerryError, OSError):  # (evicted meanwhile: the long way restores it)
+            return False
         if how is None:
             return False
         record.dest, record.satisfied_by = str(here), how
