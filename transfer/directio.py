@@ -211,10 +211,6 @@ class BufferPool:
         if sum(len(m) for m in self._free) + len(buf) <= self.max_idle:
             self._free.append(buf)  # (else let go: unmapped once its last view is gone)
 
-    def clear(self) -> None:
-        with self._lock:
-            self._free.clear()
-
     def _expire(self) -> None:
         with self._lock:
             self._timer = None

@@ -38,6 +38,7 @@ from typing import Any
 
 from agent.daemon.logs import event
 from agent.node.protected import StepHolds
+from transfer.directio import ThreadBuffers
 from transfer.engine.warmcache import allocated_bytes, data_ranges, tree_files
 from transfer.engine.writepath import spare_memory
 
@@ -234,9 +235,9 @@ def _map(resident: Resident, file: Path, stop: threading.Event) -> bool:
     return True
 
 
-#: what ``_touch`` reads at a time (one buffer per thread)
+#: what ``_touch`` reads at a time, into each thread's reused buffer
 _TOUCH_BYTES = 1 << 20
-_touch_buffer = threading.local()
+_touch_buffers = ThreadBuffers()
 
 
 def _touch(fd: int, offset: int, size: int) -> None:
@@ -245,10 +246,7 @@ def _touch(fd: int, offset: int, size: int) -> None:
     GIL is let go): pages the disk's DMA filled were first read by a load slowly on this
     VM (1.69 GB: 2.1-2.5 s the first time after the replica was held, 0.6-0.8 s the next;
     once read, the first is as fast)."""
-    buf: bytearray | None = getattr(_touch_buffer, "buf", None)
-    if buf is None:
-        buf = _touch_buffer.buf = bytearray(_TOUCH_BYTES)
-    view, end = memoryview(buf), offset + size
+    view, end = _touch_buffers.view("touch", _TOUCH_BYTES), offset + size
     while offset < end:
         n = os.preadv(fd, [view[: min(_TOUCH_BYTES, end - offset)]], offset)
         if n <= 0:

@@ -40,9 +40,10 @@ from pathlib import Path
 from typing import Any
 
 from transfer.durable import fsync_dir
+from transfer.engine.resolver import read_file_verified
 from transfer.engine.restorenames import UNSYNCED_MARK, marker_path, staging_path
 from transfer.errors import FormatError
-from transfer.format.chunkid import chunk_id, is_chunk_id
+from transfer.format.chunkid import is_chunk_id
 from transfer.format.manifest import MAX_CHUNK_BYTES, FileEntry
 from transfer.format.paths import check_relative_path
 
@@ -192,24 +193,16 @@ def _torn(dest: Path, chunks: object) -> str | None:
     checked", never a reason to allocate or read without bound."""
     if not isinstance(chunks, dict):
         return "its marker names no chunks to check it by (a share, or a marker unread)"
-    buf = bytearray()
     for rel, spans in chunks.items():
         if not isinstance(spans, list) or not all(_a_span(s) for s in spans):
             return f"its marker's record of {rel!r} is malformed: cannot be checked"
         try:
             path = dest / check_relative_path(rel)
-            with open(path, "rb", buffering=0) as file:
-                for at, size, cid in spans:
-                    if len(buf) < size:
-                        buf = bytearray(size)
-                    view = memoryview(buf)[:size]
-                    file.seek(at)
-                    if file.readinto(view) != size:
-                        return f"{rel} ends inside its chunk at byte {at}"
-                    if chunk_id(view) != cid:
-                        return f"{rel}: the chunk at byte {at} is not what was restored"
-        except (OSError, ValueError, TypeError, FormatError) as exc:
+        except FormatError as exc:
             return f"{rel}: {exc}"
+        for at, size, cid in spans:
+            if read_file_verified(path, at, size, cid) is None:
+                return f"{rel}: the chunk at byte {at} is not what was restored"
     return None
 
 
