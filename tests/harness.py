@@ -10,6 +10,7 @@ import contextlib
 import filecmp
 import json
 import os
+import signal
 import socket
 import ssl
 import subprocess
@@ -274,11 +275,19 @@ class Node:
             fh.close()
         self._logs.clear()
 
-    def logs(self) -> str:
+    def logs(self, tail: int = 4000) -> str:
         try:
-            return self.log.read_text(errors="replace")[-4000:]
+            return self.log.read_text(errors="replace")[-tail:]
         except OSError:
             return ""
+
+    def dump(self) -> str:
+        """What the agent is doing (SIGUSR1: every thread's and task's stack, agent/daemon/
+        dump.py) and the log before it: the message of a test that found it stuck."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGUSR1)
+            time.sleep(1.0)
+        return self.logs(tail=60_000)
 
     def pushes(self) -> list[dict[str, Any]]:
         return list(get_json(self.url + "/v1/pushes")["pushes"])

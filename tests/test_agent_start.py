@@ -164,3 +164,19 @@ def test_an_agent_told_port_0_says_the_port_it_got(
     port = int(address.rsplit(":", 1)[1])
     assert port != 0 and answered, address
     assert f"listening on 127.0.0.1:{port}" in lock
+
+
+def test_sigusr1_dumps_every_thread_and_task_and_the_agent_serves_on(
+    local_url: str, tmp_path: Path
+) -> None:
+    """An operator's ``kill -USR1``: what a stuck agent is doing (agent/daemon/dump.py),
+    written to its log, and it goes on serving."""
+    node = make_node(tmp_path, "a", [local_url])
+    with running(node):
+        dumped = node.dump()
+        assert get_json(node.url + "/healthz", token=None)["ok"] is True
+    assert "asyncio tasks ---" in dumped, dumped[-2000:]
+    assert "task " in dumped and "Current thread" in dumped, dumped[-2000:]
+    # the agent's main task, waiting for its stop, with where it waits
+    tasks = dumped.split("asyncio tasks ---", 1)[1]
+    assert "coro=<serve()" in tasks and "agent/daemon/run.py" in tasks, tasks

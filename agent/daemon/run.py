@@ -13,7 +13,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from agent.daemon import logs
+from agent.daemon import dump, logs
 from agent.daemon.config import (
     AgentConfig,
     ConfigError,
@@ -80,6 +80,7 @@ async def serve(config: AgentConfig, token: str, ready: asyncio.Event | None = N
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    dump.install(loop)
     for key, value, source in effective_config(config):
         event(log, "config", key=key, value=value, source=source)
     address = f"{'https' if config.tls_serving else 'http'}://{host}:{port}"
@@ -94,3 +95,4 @@ async def serve(config: AgentConfig, token: str, ready: asyncio.Event | None = N
         await runner.cleanup()  # stops accepting, then the cleanup context drains prefetches
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
+        dump.uninstall(loop)

@@ -422,6 +422,12 @@ class Prefetcher:
             log.warning("prefetch %s failed", record.id, exc_info=True)
             text = " ".join(str(exc).split())
             record.state, record.error = State.FAILED, f"{type(exc).__name__}: {text}"
+        except Exception as exc:  # a bug: the record still ends (a scheduler polling it
+            # would wait for good), and the trace is in the log to report
+            log.error("prefetch %s failed on a bug", record.id, exc_info=True)
+            text = " ".join(str(exc).split())
+            bug = f"{type(exc).__name__}: {text}"
+            record.state, record.error = State.FAILED, f"internal error (a bug): {bug}"
         finally:
             if record.fanout is not None:
                 self.landing.end()
@@ -507,7 +513,7 @@ class Prefetcher:
             return False  # (a share: the pull plans what it needs of the step)
         here = self.hot_dir.step_path(record.job, record.step)
         try:
-            how = await asyncio.to_thread(self._intact_restore, record, here)
+            how = await self._intact_restore(record, here)
         except (FerryError, OSError):  # (evicted meanwhile: the long way restores it)
             return False
         if how is None:
@@ -679,9 +685,7 @@ class Prefetcher:
             # already here (written by training on this node, or an earlier prefetch):
             # ready only if it is an exact copy; it is never overwritten
             record.dest = str(here.path)
-            if (
-                how := await asyncio.to_thread(self._intact_restore, record, here.path)
-            ) is not None:
+            if (how := await self._intact_restore(record, here.path)) is not None:
                 record.satisfied_by = how  # restored here, verified, untouched since
                 return
             began = time.monotonic()
@@ -841,18 +845,23 @@ class Prefetcher:
             await asyncio.to_thread(shutil.rmtree, scratch, True)
         record.satisfied_by = "filled_in"
 
-    def _intact_restore(self, record: PrefetchJob, here: Path) -> str | None:
+    async def _intact_restore(self, record: PrefetchJob, here: Path) -> str | None:
         """ "replica" or "held" when this agent restored ``here`` (verified) and no file of
-        it changed since (size, mtime, inode); None: check it the long way."""
+        it changed since (size, mtime, inode); None: check it the long way. Only the look
+        at the files runs on a thread: ``_restored`` is the loop's alone (prefetches of one
+        step asked at once check it at once: two forgetting it from their threads raised
+        KeyError in the second, whose record stayed queued for good)."""
         assert record.step is not None
-        made = self._restored.get((record.job, record.step))
+        key = (record.job, record.step)
+        made = self._restored.get(key)
         if made is None:
             return None
         files, background = made
         try:
-            check_unchanged(here, files)
+            await asyncio.to_thread(check_unchanged, here, files)
         except SourceChangedError:
-            del self._restored[(record.job, record.step)]
+            if self._restored.get(key) is made:  # (not a newer restore's, made meanwhile)
+                del self._restored[key]
             return None
         return "replica" if background else "held"
 
