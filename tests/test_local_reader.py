@@ -450,3 +450,35 @@ def test_the_collector_is_paused_for_the_read_and_left_as_it_was(
             assert not gc.isenabled()
         finally:
             gc.enable()
+
+
+def test_reads_close_together_are_one_preadv_and_every_buffer_gets_its_own_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file's reads are batched (one preadv over the small gaps between them, a new one
+    past a wide gap, over MAX_BUFFERS, or for the same bytes read twice) and each buffer
+    gets exactly its own range of the file."""
+    import transfer.engine.dcplocal_torch as local
+
+    monkeypatch.setattr(local, "MAX_GAP", 100)
+    monkeypatch.setattr(local, "MAX_BUFFERS", 7)
+    data = os.urandom(20_000)
+    (tmp_path / "f").write_bytes(data)
+    ranges = [(0, 10), (10, 30), (90, 50), (140, 1), (400, 64), (470, 5), (470, 5),
+              (480, 1), (490, 1), (500, 1), (510, 1), (19_990, 10)]  # fmt: skip
+    reads = [(memoryview(bytearray(n)), at) for at, n in ranges]
+    fd = os.open(tmp_path / "f", os.O_RDONLY)
+    try:
+        batches = local._batches(fd, "f", list(reversed(reads)))
+        # (0,10)(10,30) gap 50 (90,50)(140,1) | gap 259: (400,64) gap 6 (470,5) |
+        # the same bytes again: (470,5) gap 5 (480,1) gap 9 (490,1) gap 9 (500,1) | seven
+        # buffers: (510,1) | gap 19,479: (19990,10)
+        assert [b.offset for b in batches] == [0, 400, 470, 510, 19_990]
+        assert batches[0].parts[2] == 50  # a gap, read into scratch
+        for batch in batches:
+            assert len(batch.parts) <= 7
+            local._read_batch(batch)
+    finally:
+        os.close(fd)
+    for (at, n), (into, _) in zip(ranges, reads, strict=True):
+        assert bytes(into) == data[at : at + n], (at, n)

@@ -18,13 +18,14 @@ FerryReader unpickles it (dcpmetadata_torch.py): DCP's own types, nothing else b
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import ctypes
 import dataclasses
 import gc
 import os
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -70,14 +71,15 @@ class LocalReader(FileSystemReader):
             return self._read_data(plan, planner)
 
     def _read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future[None]:
-        by_file: dict[str, list[ReadItem]] = {}
+        # (each item's storage info looked up once: its key's hash is a dataclass's, ~3 us)
+        by_file: dict[str, list[tuple[Any, ReadItem]]] = {}
         rest: list[ReadItem] = []  # what FileSystemReader reads, as it always has
         for req in plan.items:
             info = self.storage_data[req.storage_index]
             if req.type == LoadItemType.BYTE_IO or getattr(info, "transform_descriptors", None):
                 rest.append(req)
             else:
-                by_file.setdefault(info.relative_path, []).append(req)
+                by_file.setdefault(info.relative_path, []).append((info, req))
         self._heads = StoredTensors()  # (one save's: its items' heads are of a few kinds)
         # torch's planner does nothing when a tensor is in: its targets are all filled
         # first, on threads; a planner that does something (copies from a staging tensor
@@ -105,14 +107,15 @@ class LocalReader(FileSystemReader):
     def _read_file(
         self,
         path: str,
-        reqs: list[ReadItem],
+        reqs: list[tuple[Any, ReadItem]],
         planner: LoadPlanner,
         copies: _Copies,
         left: list[ReadItem],
     ) -> Iterator[tuple[ReadItem, torch.Tensor]]:
-        """Each of ``reqs`` (items of the file at ``path``) this reads, with its target,
-        its bytes on their way (``copies``, through this file's descriptor: the file read is
-        the file parsed); those it does not read go to ``left`` (torch.load them)."""
+        """Each of ``reqs`` (items of the file at ``path``, with their storage info) this
+        reads, with its target, its bytes on their way (``copies``, through this file's
+        descriptor: the file read is the file parsed); those it does not read go to
+        ``left`` (torch.load them)."""
         try:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError:
@@ -122,14 +125,13 @@ class LocalReader(FileSystemReader):
             ) from None
         try:
             size = os.fstat(fd).st_size
-            for req in sorted(reqs, key=lambda r: self.storage_data[r.storage_index].offset):
-                info = self.storage_data[req.storage_index]
+            for info, req in sorted(reqs, key=lambda r: r[0].offset):
                 if info.offset + info.length > size:
                     raise FormatError(
                         f"{path}: ends at byte {size}, inside {req.storage_index.fqn} "
                         f"(bytes {info.offset}..{info.offset + info.length}): cut short"
                     )
-                target = self._read_tensor(fd, path, req, planner, copies)
+                target = self._read_tensor(fd, path, info, req, planner, copies)
                 if target is None:
                     left.append(req)
                 else:
@@ -141,11 +143,11 @@ class LocalReader(FileSystemReader):
         copies.adopt(fd)  # (closed once its copies are made)
 
     def _read_tensor(
-        self, fd: int, path: str, req: ReadItem, planner: LoadPlanner, copies: _Copies
+        self, fd: int, path: str, info: Any, req: ReadItem, planner: LoadPlanner, copies: _Copies
     ) -> torch.Tensor | None:
-        """Read ``req`` into its target (straight into it: by ``copies``, perhaps not yet
-        done), and return the target; None when its item is not one this reads."""
-        info = self.storage_data[req.storage_index]
+        """Read ``req`` (its item's storage ``info``) into its target (straight into it: by
+        ``copies``, perhaps not yet done), and return the target; None when its item is
+        not one this reads."""
         stored = self._heads(os.pread(fd, min(HEAD_BYTES, info.length), info.offset))
         if stored is None or stored.data_end > info.length:
             return None  # (a torn item: torch.load says what is wrong with it)
@@ -164,92 +166,167 @@ class LocalReader(FileSystemReader):
         return target
 
 
-#: threads copying items' bytes into the targets once every item's head is parsed: 288 MB
-#: of a real fine-tune's save from the page cache into its 532 tensors in 0.036 s on one
-#: thread, 0.026 s on two (2-core VM). (Copying while the loading thread parsed was slower
-#: by far: each read's thread then waited for the GIL behind the parsing.)
+#: threads copying items' bytes into the targets: 288 MB of a real fine-tune's save from
+#: the page cache into its 532 tensors in 0.036 s on one thread, 0.026 s on two (2-core VM)
 READ_THREADS = min(4, os.cpu_count() or 1)
 #: below this, one thread copies everything (a thread's start costs more than it saves)
 THREADED_BYTES = 64 << 20
-#: the bytes of a tensor one thread copies at most, so a large one is split over threads
+#: the bytes of a tensor one read takes at most, so a large one is split over threads
 PIECE_BYTES = 8 << 20
+#: a gap this small between two reads of a file is read too (into a scratch buffer) so both
+#: are one ``preadv``: a file's items lie data, trailer, next head (~700 bytes), data...
+MAX_GAP = 64 << 10
+#: the bytes of one ``preadv`` at most (a file's reads are split over the threads)
+BATCH_BYTES = 32 << 20
+#: the buffers of one ``preadv`` at most (Linux's IOV_MAX)
+MAX_BUFFERS = 1024
+
+
+@dataclasses.dataclass
+class _Batch:
+    """Reads of one file that lie close together, made by one ``preadv`` from ``offset``:
+    each part is a buffer to fill or, an int, a gap of that many bytes (read into a
+    scratch buffer: the items' heads and trailers between their data)."""
+
+    fd: int
+    path: str
+    offset: int
+    parts: list[memoryview | int]
 
 
 class _Copies:
-    """Reads of byte ranges of files into memory, gathered while the caller parses, made by
-    ``run`` (and when the ``with`` is left): on ``threads`` threads (a ``pread`` lets go of
-    the GIL) where there is enough to copy; the first one's error is raised. The files'
-    descriptors handed over (``adopt``) are closed once their reads are made."""
+    """Reads of byte ranges of files into memory, gathered while the caller parses: once a
+    file's are all gathered (``adopt``), each run of them that lies close together is one
+    ``preadv`` (``_Batch``: one system call, and one release of the GIL, for hundreds of
+    items), started on ``threads`` threads as soon as there is enough to copy, while the
+    caller parses the next file (a read per item waited for the GIL behind the parsing at
+    every item: slower than copying after, which is why copies are gathered at all).
+    ``run`` waits for every read and raises the first error; the files' descriptors handed
+    over are closed once their reads are made."""
 
     #: descriptors kept open at most: more files than this, and the reads are made first
     MAX_OPEN = 64
 
     def __init__(self, threads: int) -> None:
         self._threads = threads
-        self._reads: list[tuple[int, str, memoryview, int]] = []
-        self._bytes = 0
+        self._reads: dict[int, list[tuple[memoryview, int]]] = {}  # per fd, not yet batched
+        self._paths: dict[int, str] = {}
+        self._bytes = 0  # gathered since the last run
+        self._batches: list[_Batch] = []  # made, not yet started
+        self._started: list[Future[None]] = []
+        self._pool: ThreadPoolExecutor | None = None
         self._fds: list[int] = []
 
     def add(self, fd: int, path: str, into: memoryview, offset: int) -> None:
+        reads = self._reads.setdefault(fd, [])
+        self._paths[fd] = path
         for at in range(0, len(into), PIECE_BYTES):
-            self._reads.append((fd, path, into[at : at + PIECE_BYTES], offset + at))
+            reads.append((into[at : at + PIECE_BYTES], offset + at))
         self._bytes += len(into)
 
     def adopt(self, fd: int) -> None:
-        """Close ``fd`` once the reads through it are made."""
+        """``fd``'s reads are all added: they start, and it is closed once they are made."""
         if len(self._fds) >= self.MAX_OPEN:
             self.run()
         self._fds.append(fd)
+        self._batch(fd)
+        self._start()
 
     def discard(self, fd: int) -> None:
-        """Forget the reads through ``fd`` (its file failed: the caller closes it)."""
-        self._reads = [r for r in self._reads if r[0] != fd]
+        """Forget the reads through ``fd`` not yet started (its file failed: the caller
+        closes it, after ``run`` or the ``with``'s end waited for any started)."""
+        self._reads.pop(fd, None)
+        self._batches = [b for b in self._batches if b.fd != fd]
 
     def run(self) -> None:
         """Make every read gathered, then close the descriptors adopted."""
-        reads, self._reads = self._reads, []
-        nbytes, self._bytes = self._bytes, 0
         try:
-            threads = self._threads if nbytes >= THREADED_BYTES else 1
-            if threads == 1:
-                _read_all(reads)
-            elif reads:
-                with ThreadPoolExecutor(threads, "ferry-load") as pool:
-                    for done in [pool.submit(_read_all, part) for part in _split(reads, threads)]:
-                        done.result()
+            for fd in list(self._reads):
+                self._batch(fd)
+            self._start()
+            for batch in self._batches:  # (too few bytes for threads: on this one)
+                _read_batch(batch)
         finally:
+            self._batches = []
+            started, self._started = self._started, []
+            concurrent.futures.wait(started)  # (all of them, before a descriptor closes)
             fds, self._fds = self._fds, []
             for fd in fds:
                 os.close(fd)
+            self._bytes = 0
+        for done in started:
+            if not done.cancelled():  # (cancelled: the load failed, its error is raised)
+                done.result()
+
+    def _batch(self, fd: int) -> None:
+        reads = self._reads.pop(fd, None)
+        if reads:
+            self._batches += _batches(fd, self._paths[fd], reads)
+
+    def _start(self) -> None:
+        """Hand the batches made to the threads, once there is enough to copy for them."""
+        if self._pool is None and self._threads > 1 and self._bytes >= THREADED_BYTES:
+            self._pool = ThreadPoolExecutor(self._threads, "ferry-load")
+        if self._pool is not None:
+            self._started += [self._pool.submit(_read_batch, b) for b in self._batches]
+            self._batches = []
 
     def __enter__(self) -> _Copies:
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
-        if exc_type is not None:
-            self._reads = []  # (the load failed: nothing more is copied)
-        self.run()
+        try:
+            if exc_type is not None:  # (the load failed: nothing more is copied)
+                self._reads, self._batches = {}, []
+                for done in self._started:
+                    done.cancel()
+            self.run()
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown()
 
 
-def _split(
-    reads: list[tuple[int, str, memoryview, int]], parts: int
-) -> list[list[tuple[int, str, memoryview, int]]]:
-    """``reads`` in ``parts`` runs of about as many bytes each, file order kept."""
-    total = sum(len(read[2]) for read in reads)
-    out: list[list[tuple[int, str, memoryview, int]]] = [[]]
-    filled = 0
-    for read in reads:
-        if filled >= total * len(out) / parts and len(out) < parts:
-            out.append([])
-        out[-1].append(read)
-        filled += len(read[2])
+def _batches(fd: int, path: str, reads: list[tuple[memoryview, int]]) -> list[_Batch]:
+    """``reads`` of one file as the fewest ``preadv``s: in file order, a batch goes on
+    over gaps of up to MAX_GAP bytes, to BATCH_BYTES and MAX_BUFFERS (two reads of the
+    same bytes, or far apart, start another)."""
+    out: list[_Batch] = []
+    batch: _Batch | None = None
+    end = nbytes = 0
+    for into, offset in sorted(reads, key=lambda r: r[1]):
+        gap = offset - end
+        if (
+            batch is None
+            or not 0 <= gap <= MAX_GAP
+            or nbytes >= BATCH_BYTES
+            or len(batch.parts) + 2 > MAX_BUFFERS
+        ):
+            batch = _Batch(fd, path, offset, [])
+            out.append(batch)
+            nbytes = gap = 0
+        if gap:
+            batch.parts.append(gap)
+        batch.parts.append(into)
+        end, nbytes = offset + len(into), nbytes + len(into)
     return out
 
 
-def _read_all(reads: list[tuple[int, str, memoryview, int]]) -> None:
-    """Fill each buffer from its file at its offset."""
-    for fd, path, into, offset in reads:
-        pread_full(fd, path, into, offset)
+def _read_batch(batch: _Batch) -> None:
+    """Fill a batch's buffers from its file: one ``preadv``, more only after a short read."""
+    gaps = [p for p in batch.parts if isinstance(p, int)]
+    scratch = memoryview(bytearray(max(gaps, default=0)))
+    buffers = [scratch[:p] if isinstance(p, int) else p for p in batch.parts]
+    offset, first = batch.offset, 0
+    while first < len(buffers):
+        n = os.preadv(batch.fd, buffers[first:] if first else buffers, offset)
+        if n == 0:
+            raise FormatError(f"{batch.path}: ends at byte {offset}, inside an item")
+        offset += n
+        while first < len(buffers) and n >= len(buffers[first]):
+            n -= len(buffers[first])
+            first += 1
+        if n:  # (a short read, inside a buffer: the rest of it next)
+            buffers[first] = buffers[first][n:]
 
 
 @contextlib.contextmanager
