@@ -375,7 +375,8 @@ def test_plan_finds_youngs_interval(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["plan", "--save-seconds", "30", "--step-seconds", "2", "--mtbi-hours", "6"]
     assert ferry([*argv, "--interval-steps", "100", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert doc["optimal_interval_steps"] == 569  # sqrt(2 x 30 s x 6 h) = 1138 s = 569 steps
+    # the complete model's optimum, 1118.5 s = 559 steps (Young's sqrt(2 x 30 s x 6 h), 569)
+    assert doc["optimal_interval_steps"] == 559
     assert doc["optimal_badput"] < doc["current_badput"]
     # a newcomer's trial: "mtbi_seconds must be a positive finite number, got -21600.0"
     for flag, value in (("--mtbi-hours", "-6"), ("--step-seconds", "0"), ("--save-seconds", "nan")):

@@ -103,12 +103,22 @@ def cmd_plan(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     }
     line = (
         f"save every {best} steps ({best * args.step_seconds:.0f}s): badput "
-        f"{doc['optimal_badput']:.2%} of training time"
+        f"{_percent(doc['optimal_badput'])} of wall time"
     )
     if args.interval_steps:
         now = badput_fraction(
             args.save_seconds, args.interval_steps * args.step_seconds, mtbi, args.restart_seconds
         )
         doc["current_interval_steps"], doc["current_badput"] = args.interval_steps, now
-        line += f"; every {args.interval_steps} steps (now): {now:.2%}"
+        line += f"; every {args.interval_steps} steps (now): {_percent(now)}"
+    if doc["optimal_badput"] >= 0.5:
+        line += (
+            "; the save and restart are long against the time between interruptions: "
+            "shorten them (a faster tier, an async save) before tuning the interval"
+        )
     return doc, line
+
+
+def _percent(fraction: float) -> str:
+    """A badput as a percentage, never rounded up to 100% (it never is)."""
+    return ">99.99%" if fraction > 0.9999 else f"{fraction:.2%}"
