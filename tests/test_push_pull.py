@@ -8,6 +8,7 @@ import os
 import random
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -297,8 +298,20 @@ def test_an_interrupted_push_resumes_from_its_journaled_packs(
     assert not [k for k in store_objects(store_url) if k.startswith(MANIFESTS_PREFIX)]
     reused = sum(c.size for c in {c.id: c for c in log.packs}.values())
     raw = sum(len(b) for b in tree_bytes(src).values())
+    stored_before = len({c.id for c in log.packs})
     resumed = asyncio.run(attempt(die_after=None))
-    assert resumed.chunks_deduped > 0  # type: ignore[attr-defined]
+    # what the interrupted attempt stored is said to be that, not deduplicated (it was):
+    # the resumed push deduplicates what an uninterrupted push of the same files does
+    assert resumed.chunks_resumed == stored_before  # type: ignore[attr-defined]
+
+    async def uninterrupted() -> Any:
+        store = open_test_store(store_url)
+        try:
+            return await push(store, src, job="whole", step=1, node="n", options=opts)
+        finally:
+            await store.close()
+
+    assert resumed.chunks_deduped == asyncio.run(uninterrupted()).chunks_deduped  # type: ignore[attr-defined]
     assert resumed.bytes_transferred < raw - reused + (1 << 20)  # type: ignore[attr-defined]
 
     async def restore() -> None:

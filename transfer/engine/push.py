@@ -92,7 +92,9 @@ class PushResult:
     bytes_transferred: int
     chunks_total: int
     chunks_new: int
-    chunks_deduped: int
+    chunks_deduped: int  # found stored before this push: total - new - resumed
+    #: stored by an interrupted attempt of this push (its resume log), not sent again
+    chunks_resumed: int
     chunks_delta: int  # new chunks stored as a delta against the base
     chunks_raw: int  # new chunks stored on their own (raw or compressed): keyframes
     encode_seconds: float  # thread time spent delta-coding and compressing
@@ -149,8 +151,8 @@ async def push(
                 catalog, ckpt_dir, job=job, step=step, node=node, base_step=plan.base_step,
                 base_dir=base_dir,
             )  # fmt: skip
-        index = await _known_chunks(catalog, job, node, options, base, resume)
-        run = _PushRun(store, options, index, progress, base, resume)
+        index, resumed = await _known_chunks(catalog, job, node, options, base, resume)
+        run = _PushRun(store, options, index, progress, base, resume, resumed)
         with ThreadPoolExecutor(options.workers, thread_name_prefix="ferry-push") as pool:
             run.pool = pool
             run.resolver = ChunkResolver(store, index, pool, base.local_dir if base else None)
@@ -212,17 +214,22 @@ async def _known_chunks(
     options: TransferOptions,
     base: BasePlan | None,
     resume: ResumeLog | None,
-) -> ChunkIndex:
+) -> tuple[ChunkIndex, set[str]]:
     """What the push can reuse: the node's recent stored chunks (dedupe), the base's, and
-    those an interrupted attempt of this push left durable."""
+    those an interrupted attempt of this push left durable (their ids too, the last not
+    known otherwise: a resumed push says it sent them before, not that it deduplicated
+    them)."""
     store = catalog.store
     index = await ChunkIndex.load(catalog, job, node, options.dedupe_steps)
     if base is not None:
         index.add_manifest(base.manifest)
+    resumed: set[str] = set()
     if resume is not None:
         for chunk in await _still_stored(store, resume.chunks(), resume.parts()):
+            if index.get(chunk.id) is None:
+                resumed.add(chunk.id)
             index.add(chunk)
-    return index
+    return index, resumed
 
 
 def _manifest(
@@ -289,8 +296,12 @@ class _PushRun:
         progress: Progress,
         base: BasePlan | None,
         resume: ResumeLog | None = None,
+        resumed: set[str] | None = None,
     ) -> None:
         self.resume = resume
+        #: ids an interrupted attempt stored, not yet placed by this one (then counted)
+        self.resumed = resumed or set()
+        self.chunks_resumed = 0
         self.store = store
         self.options = options
         self.index = index
@@ -359,7 +370,8 @@ class _PushRun:
             bytes_transferred=self.bytes_stored,
             chunks_total=self.chunks_total,
             chunks_new=self.chunks_new,
-            chunks_deduped=self.chunks_total - self.chunks_new,
+            chunks_deduped=self.chunks_total - self.chunks_new - self.chunks_resumed,
+            chunks_resumed=self.chunks_resumed,
             chunks_delta=self.chunks_delta,
             chunks_raw=self.chunks_new - self.chunks_delta,
             encode_seconds=round(self.encode_seconds, 3),
@@ -518,6 +530,9 @@ class _PushRun:
         if known is None and chunk.id in self._pending:
             known = await self._pending[chunk.id]
         if known is not None:
+            if chunk.id in self.resumed:  # (its first position: a repeat is a dedupe)
+                self.resumed.discard(chunk.id)
+                self.chunks_resumed += 1
             return known
         future: asyncio.Future[StoredChunk] = asyncio.get_running_loop().create_future()
         self._pending[chunk.id] = future
