@@ -116,9 +116,8 @@ if spec is None:
 else:
     reader = FerryReader(spec["store"], spec["job"], spec["step"], base_dir=spec["base_dir"],
                          endpoint_url=spec["endpoint_url"])
-md = reader.read_metadata()
-if sd is None:
-    sd = state_of(md)
+if sd is None:  # (else .metadata is read once, by the load, as a training process's is)
+    sd = state_of(reader.read_metadata())
 dcp.load(sd, storage_reader=reader, no_dist=True)
 moved = -1 if spec is None else reader.bytes_fetched
 print(f"{time.monotonic() - t:.4f} {sum(x.numel() * x.element_size() for x in sd.values())}"

@@ -427,23 +427,31 @@ def test_a_planner_that_stages_its_tensors_has_each_committed_before_the_next(
 def test_the_collector_is_paused_for_the_read_and_left_as_it_was(
     step: tuple[Path, dict[str, Any]],
 ) -> None:
-    """Paused while the items are read (a full collection took up to a quarter of a warm
-    load), on again afterwards, and left off for a caller that had it off."""
+    """Paused while .metadata is unpickled and while the items are read (a full
+    collection took up to a quarter of a warm load), on again after each, and left off
+    for a caller that had it off."""
     import gc
 
+    import transfer.engine.dcplocal_torch as local
+
     path, saved = step
-    seen: list[bool] = []
-    read = LocalReader._read_data
+    seen: list[tuple[str, bool]] = []
+    read, unpickle = LocalReader._read_data, local.metadata_from
 
     def spy(self: Any, plan: Any, planner: Any) -> Any:
-        seen.append(gc.isenabled())
+        seen.append(("read", gc.isenabled()))
         return read(self, plan, planner)
+
+    def spy_metadata(*args: Any) -> Any:
+        seen.append(("metadata", gc.isenabled()))
+        return unpickle(*args)
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(LocalReader, "_read_data", spy)
+        patch.setattr(local, "metadata_from", spy_metadata)
         assert gc.isenabled()
         load_with(LocalReader(path), saved)
-        assert seen == [False] and gc.isenabled()
+        assert seen == [("metadata", False), ("read", False)] and gc.isenabled()
         gc.disable()
         try:
             load_with(LocalReader(path), saved)

@@ -59,8 +59,10 @@ class LocalReader(FileSystemReader):
             raw = file.read(MAX_METADATA_BYTES + 1)
         if len(raw) > MAX_METADATA_BYTES:
             raise FormatError(f"{path}: over the limit of {MAX_METADATA_BYTES:,} bytes")
-        metadata = metadata_from(raw, str(self.path), self.load_id)
-        return metadata
+        # (the collector paused, as for the read: the unpickle makes ~30 objects an item,
+        # and a full collection it set off took 0.10-0.15 s in a process holding torch)
+        with _collector_paused():
+            return metadata_from(raw, str(self.path), self.load_id)
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> torch.futures.Future[None]:
         # the cyclic collector paused while the items are read: a load allocates a few
