@@ -285,8 +285,14 @@ class Node:
         """What the agent is doing (SIGUSR1: every thread's and task's stack, agent/daemon/
         dump.py) and the log before it: the message of a test that found it stuck."""
         if self.proc is not None and self.proc.poll() is None:
+            before = self.logs(tail=10**9).count("asyncio tasks ---")
             self.proc.send_signal(signal.SIGUSR1)
-            time.sleep(1.0)
+            deadline = time.monotonic() + 10
+            while self.logs(tail=10**9).count("asyncio tasks ---") == before:
+                if time.monotonic() > deadline:  # (a blocked loop: the threads' stacks)
+                    break
+                time.sleep(0.05)
+            time.sleep(0.2)  # (the tasks' stacks are written in one piece; let them land)
         return self.logs(tail=60_000)
 
     def pushes(self) -> list[dict[str, Any]]:

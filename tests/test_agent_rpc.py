@@ -371,7 +371,7 @@ def test_the_printed_example_config_runs_as_printed(tmp_path: Path) -> None:
     assert "push job=quick step=1 tier=ckpt/store outcome=durable" in err
 
 
-def test_plan_finds_youngs_interval(capsys: pytest.CaptureFixture[str]) -> None:
+def test_plan_finds_the_interval_with_the_least_badput(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["plan", "--save-seconds", "30", "--step-seconds", "2", "--mtbi-hours", "6"]
     assert ferry([*argv, "--interval-steps", "100", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)

@@ -576,6 +576,15 @@ def test_optimal_interval_minimizes_badput(save: float, mtbi: float) -> None:
         assert at_best < badput_fraction(save, best * factor, mtbi, restart_seconds=30)
 
 
+def test_optimal_interval_at_the_extremes() -> None:
+    """A save far shorter than the MTBI: Young's to many digits (the search stopped at an
+    absolute step of the MTBI's size before: 466 s for 44.7); a save 10^3 MTBIs long: no
+    overflow (math.exp raised OverflowError; `ferry plan` printed a traceback)."""
+    assert optimal_interval(1e-9, 1e12) == pytest.approx((2 * 1e-9 * 1e12) ** 0.5, rel=1e-6)
+    assert 0 < optimal_interval(3600, 3.6) < 3.6
+    assert optimal_interval_steps(3600, 2.0, 3.6) == 1
+
+
 def test_optimal_interval_steps() -> None:
     # the complete model's optimum, 1570.2 s (Young's 1610 s): at 2 s per step 785.1 steps
     steps = optimal_interval_steps(60, 2.0, 21600)

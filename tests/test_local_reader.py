@@ -490,3 +490,30 @@ def test_reads_close_together_are_one_preadv_and_every_buffer_gets_its_own_bytes
         os.close(fd)
     for (at, n), (into, _) in zip(ranges, reads, strict=True):
         assert bytes(into) == data[at : at + n], (at, n)
+
+
+def test_copies_close_every_descriptor_and_keep_the_loads_own_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found in review: past MAX_OPEN, a file adopted while the reads before it failed was
+    never closed; and a load that failed had its own error replaced by a read's."""
+    import transfer.engine.dcplocal_torch as local
+
+    monkeypatch.setattr(local._Copies, "MAX_OPEN", 1)
+    for name in ("a", "b"):
+        (tmp_path / name).write_bytes(b"x" * 100)
+    fa, fb = (os.open(tmp_path / name, os.O_RDONLY) for name in ("a", "b"))
+    with pytest.raises(FormatError, match="a: ends at byte 100"), local._Copies(1) as copies:
+        copies.add(fa, str(tmp_path / "a"), memoryview(bytearray(10)), 95)  # past its end
+        copies.adopt(fa)
+        copies.adopt(fb)  # (past MAX_OPEN: the reads so far are made first, and fail)
+    for fd in (fa, fb):
+        with pytest.raises(OSError):
+            os.fstat(fd)  # closed
+    fa = os.open(tmp_path / "a", os.O_RDONLY)
+    with pytest.raises(ValueError, match="the load's own"), local._Copies(1) as copies:
+        copies.add(fa, str(tmp_path / "a"), memoryview(bytearray(10)), 95)
+        copies.adopt(fa)
+        raise ValueError("the load's own")
+    with pytest.raises(OSError):
+        os.fstat(fa)

@@ -168,9 +168,13 @@ class Driver:
                 pending.remove(pid)
 
     async def stuck(self, pending: list[str]) -> None:
-        """Fail with what each unfinished prefetch says and what the agent was doing."""
-        docs = [await self.call("GET", f"/v1/prefetch/{pid}") for pid in pending]
+        """Fail with what the agent was doing and what each unfinished prefetch says (the
+        dump first: with its loop blocked, the agent would not answer)."""
         dump = await asyncio.to_thread(self.node.dump)
+        docs = []
+        for pid in pending:
+            async with asyncio.timeout(5):
+                docs.append(await self.call("GET", f"/v1/prefetch/{pid}"))
         pytest.fail(f"prefetches unfinished after 60 s: {docs}\n{dump}")
 
     async def replicated(self, step: int) -> None:
@@ -572,14 +576,27 @@ def test_what_a_restore_looked_like_is_forgotten_once_it_is_evicted(tmp_path: Pa
     assert sorted(on.prefetcher._restored) == [(JOB, 7), (JOB, 8)]
 
 
-def test_prefetches_of_one_step_changed_since_its_restore_all_end(tmp_path: Path) -> None:
+def test_prefetches_of_one_step_changed_since_its_restore_all_end(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The soak's CI failure (one prefetch "queued" for good): prefetches of one step asked
     at once each checked, on its own thread, whether the step was still as restored; it
     was not (touched, or being evicted), so each forgot the restore's record, and the
-    second to forget it raised KeyError: its task died and its record stayed queued."""
+    second to forget it raised KeyError: its task died and its record stayed queued. (The
+    first two checks wait for each other, so the two are at once every time.)"""
+    import agent.node.prefetch as prefetch_module
+
+    check, both = prefetch_module.check_unchanged, threading.Barrier(2, timeout=10)
+    calls = itertools.count()
+
+    def checks_together(*args: Any, **kwargs: Any) -> None:
+        if next(calls) < 2:
+            both.wait()
+        check(*args, **kwargs)
 
     async def go() -> list[PrefetchJob]:
         on = await RestoredHere.make(tmp_path, stored=[1, 2], here=[1, 2])
+        monkeypatch.setattr(prefetch_module, "check_unchanged", checks_together)
         for p in (on.hot.step_path(JOB, 2)).iterdir():  # same bytes, another mtime
             os.utime(p, ns=(p.stat().st_atime_ns, p.stat().st_mtime_ns + 10**9))
         records = [on.prefetcher.submit(JOB, 2, None) for _ in range(6)]

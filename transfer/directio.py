@@ -138,7 +138,9 @@ def aligned(size: int) -> memoryview:
 
 #: a new buffer's pages made in the map's one system call (MAP_POPULATE), not faulted in
 #: one by one as a read fills it: 128 MiB read into, 0.091 s fresh, 0.063 s populated
-#: (this VM; a one-shot ``ferry pull`` makes all of its buffers fresh)
+#: (this VM; a one-shot ``ferry pull`` makes all of its buffers fresh). So ``take`` costs
+#: its pages' time: never call it on an event loop. Its memory counts in full at once
+#: (a buffer is made in whole MiB: at most one MiB more than asked, per buffer)
 _POPULATED = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
 
 

@@ -206,8 +206,8 @@ async def cmd_push(
         f"pushed {r.job} step {r.step} node {r.node}: {r.files} files, {human(r.bytes_raw)}, "
         f"wrote {human(r.bytes_transferred)} ({r.chunks_deduped}/{r.chunks_total} chunks "
         f"deduplicated, {r.chunks_delta} delta-coded"
-        + (f", {r.chunks_resumed} sent by the interrupted attempt" if r.chunks_resumed else "")
         + (f" against step {r.base_step}" if r.base_step is not None else "")
+        + (f", {r.chunks_resumed} sent by the interrupted attempt" if r.chunks_resumed else "")
         + f") in {r.seconds:.2f}s, {format_rate(r.bytes_raw, r.seconds)}{note}"
     )
     return r.to_dict(), line

@@ -80,15 +80,15 @@ async def serve(config: AgentConfig, token: str, ready: asyncio.Event | None = N
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    dump.install(loop)
-    for key, value, source in effective_config(config):
-        event(log, "config", key=key, value=value, source=source)
-    address = f"{'https' if config.tls_serving else 'http'}://{host}:{port}"
-    event(log, "listening", node=config.node, address=address)
-    print(f"ferry agent {config.node} listening on {address}", flush=True)
-    if ready is not None:
-        ready.set()
     try:
+        dump.install(loop)  # (before it says it listens: a SIGUSR1 then never kills it)
+        for key, value, source in effective_config(config):
+            event(log, "config", key=key, value=value, source=source)
+        address = f"{'https' if config.tls_serving else 'http'}://{host}:{port}"
+        event(log, "listening", node=config.node, address=address)
+        print(f"ferry agent {config.node} listening on {address}", flush=True)
+        if ready is not None:
+            ready.set()
         await stop.wait()
         print(f"ferry agent {config.node}: draining (up to {config.drain_seconds}s)", flush=True)
     finally:

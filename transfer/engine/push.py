@@ -92,7 +92,8 @@ class PushResult:
     bytes_transferred: int
     chunks_total: int
     chunks_new: int
-    chunks_deduped: int  # found stored before this push: total - new - resumed
+    #: total - new - resumed: stored before this push, or repeated within it
+    chunks_deduped: int
     #: stored by an interrupted attempt of this push (its resume log), not sent again
     chunks_resumed: int
     chunks_delta: int  # new chunks stored as a delta against the base
