@@ -136,14 +136,6 @@ def aligned(size: int) -> memoryview:
     return memoryview(mmap.mmap(-1, max(size, 1)))[:size]
 
 
-#: a new buffer's pages made in the map's one system call (MAP_POPULATE), not faulted in
-#: one by one as a read fills it: 128 MiB read into, 0.091 s fresh, 0.063 s populated
-#: (this VM; a one-shot ``ferry pull`` makes all of its buffers fresh). So ``take`` costs
-#: its pages' time: never call it on an event loop. Its memory counts in full at once
-#: (a buffer is made in whole MiB: at most one MiB more than asked, per buffer)
-_POPULATED = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
-
-
 class BufferPool:
     """Page-aligned buffers that threads and restores done with them hand back, given out
     again to the next: on a VM whose free memory goes back to its host, each fresh page
@@ -188,7 +180,11 @@ class BufferPool:
             freed = 0
             while self._free and freed < rounded:
                 freed += len(self._free.pop(0))  # (unmapped as its last reference goes)
-        return mmap.mmap(-1, rounded, flags=_POPULATED)
+        return self._new(rounded)
+
+    def _new(self, size: int) -> mmap.mmap:
+        """Fresh memory: the one place the pool makes any (what its tests count)."""
+        return mmap.mmap(-1, size)
 
     def give(self, buf: mmap.mmap) -> None:
         """Hand ``buf`` back: nothing may write into it or read from it any more."""

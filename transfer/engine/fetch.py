@@ -441,8 +441,7 @@ class _Fetch:
                     r = current
                     need = longest if room else r.end - r.start
                     if len(buf) < need:  # (a raw chunk's payload is written from it)
-                        # (off the loop: a new buffer's pages are made as it is mapped)
-                        taken.append(await asyncio.to_thread(directio.POOL.take, longest))
+                        taken.append(directio.POOL.take(longest))
                         buf = memoryview(taken[-1])[:longest]
                     job = pool.submit(self.read_and_finish, reader, r, buf[:need])
                     running.add(job)
