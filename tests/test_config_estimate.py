@@ -229,15 +229,15 @@ def test_wrong_types_rejected(tmp_path: Path, toml: str, env: dict[str, str], me
 @pytest.mark.parametrize(
     ("env", "message"),
     [
-        ({"FERRY_NODE": "../etc"}, "invalid node name"),
-        ({"FERRY_EXPECTED_NODES": "a,a"}, "duplicate"),
-        ({"FERRY_LISTEN": "7070"}, "listen"),
-        ({"FERRY_LISTEN": "host:70000"}, "listen"),
-        ({"FERRY_LISTEN": ":7070"}, "listen"),
-        ({"FERRY_PEERS": "10.0.0.2:7070"}, "peers"),
-        ({"FERRY_TIERS": "gs://bucket"}, "tiers"),
-        ({"FERRY_COMMIT_MARKER": "a/b"}, "commit_marker"),
-        ({"FERRY_PREFETCH_CONCURRENCY": "0"}, "prefetch_concurrency"),
+        ({"FERRY_NODE": "../etc"}, "invalid FERRY_NODE name"),  # (the variable, not the key)
+        ({"FERRY_EXPECTED_NODES": "a,a"}, "FERRY_EXPECTED_NODES: duplicate"),
+        ({"FERRY_LISTEN": "7070"}, "FERRY_LISTEN: expected HOST:PORT"),
+        ({"FERRY_LISTEN": "host:70000"}, "FERRY_LISTEN: expected HOST:PORT"),
+        ({"FERRY_LISTEN": ":7070"}, "FERRY_LISTEN: expected HOST:PORT"),
+        ({"FERRY_PEERS": "10.0.0.2:7070"}, "FERRY_PEERS: expected an http"),
+        ({"FERRY_TIERS": "gs://bucket"}, "FERRY_TIERS: unsupported store URL"),
+        ({"FERRY_COMMIT_MARKER": "a/b"}, "FERRY_COMMIT_MARKER: expected a file name"),
+        ({"FERRY_PREFETCH_CONCURRENCY": "0"}, "FERRY_PREFETCH_CONCURRENCY: must be at least 1"),
         ({"FERRY_TRANSFER_PART_SIZE_MIB": "1"}, "part_size must be at least chunk_size"),
     ],
 )

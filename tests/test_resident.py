@@ -229,7 +229,8 @@ def test_standby_memory_is_auto_a_size_or_zero(tmp_path: Path) -> None:
     for wrong in ('"lots"', "0.5", '"512KB"', "-1"):  # (0.5 was read as 0: never)
         with pytest.raises(ConfigError, match="standby_memory"):
             memory(wrong)
-    with pytest.raises(ConfigError, match="standby_memory: invalid size 'lots'"):
+    # (from the environment, the message names the variable: what the operator set)
+    with pytest.raises(ConfigError, match="FERRY_STANDBY_MEMORY: invalid size 'lots'"):
         load_config(None, env={"FERRY_STANDBY_MEMORY": "lots", "FERRY_HOT_DIR": str(tmp_path)})
 
 

@@ -622,8 +622,11 @@ def load_config(
         )
     # the declared defaults, overlaid with what the operator set, each value checked
     top: dict[str, Any] = {k.name: k.default for k in agent_keys() if k.default is not MISSING}
-    for key, value in given.items():
-        top[key] = _CHECKS.get(key, _as_given)(key, value)
+    for key, value in given.items():  # (a message names what the operator set: the
+        # variable, for a value from the environment)
+        came = sources.get(key, "")
+        said = came.removeprefix("env ").split(",")[0] if came.startswith("env ") else key
+        top[key] = _CHECKS.get(key, _as_given)(said, value)
     if "node" not in given:  # computed: the host name
         top["node"] = _name("node", _host_name())
     if top["tls_cert_file"] is not None:  # this agent serves TLS: its fleet does too
@@ -966,29 +969,29 @@ def _fraction(key: str, value: object) -> float:
     return value
 
 
-def _parse_listen(listen: str) -> tuple[str, int]:
+def _parse_listen(listen: str, key: str = "listen") -> tuple[str, int]:
     host, sep, port = listen.rpartition(":")
     host = host[1:-1] if host.startswith("[") and host.endswith("]") else host  # [::1]:7070
     if not sep or not host or not port.isdigit() or int(port) > 65535:
-        raise ConfigError(f"listen: expected HOST:PORT with a port in 0..65535, got {listen!r}")
+        raise ConfigError(f"{key}: expected HOST:PORT with a port in 0..65535, got {listen!r}")
     return host, int(port)
 
 
-def _commit_marker(value: object) -> str:
+def _commit_marker(value: object, key: str = "commit_marker") -> str:
     """A file name, or "" (no marker: a step directory is committed once its files are
     quiet; for the nodes of a node-local multi-node save that never hold .metadata)."""
     marker = str(value)
     if "/" in marker or marker in (".", ".."):
-        raise ConfigError(f'commit_marker: expected a file name or "", got {marker!r}')
+        raise ConfigError(f'{key}: expected a file name or "", got {marker!r}')
     return marker
 
 
-def _tier_url(url: str) -> str:
+def _tier_url(url: str, key: str = "tiers") -> str:
     # A light syntax check only: opening the store would touch the network.
     parts = urlsplit(url)
     bad_s3 = parts.scheme == "s3" and not parts.netloc
     if not url or parts.scheme not in ("", "file", "s3") or bad_s3:
-        raise ConfigError(f"tiers: unsupported store URL {url!r} (a path, file://, s3://bucket)")
+        raise ConfigError(f"{key}: unsupported store URL {url!r} (a path, file://, s3://bucket)")
     return url
 
 
@@ -999,10 +1002,10 @@ def _http_url(key: str, url: object) -> str:
     return str(url)
 
 
-def _expected_nodes(names: list[str]) -> tuple[str, ...]:
+def _expected_nodes(names: list[str], key: str = "expected_nodes") -> tuple[str, ...]:
     nodes = tuple(_name("expected node", n) for n in names)
     if len(set(nodes)) != len(nodes):
-        raise ConfigError(f"expected_nodes: duplicate names in {list(nodes)}")
+        raise ConfigError(f"{key}: duplicate names in {list(nodes)}")
     return nodes
 
 
@@ -1034,7 +1037,7 @@ def _as_given(key: str, value: object) -> object:
 
 
 def _listen(key: str, value: str) -> str:
-    _parse_listen(value)
+    _parse_listen(value, key)
     return value
 
 
@@ -1045,10 +1048,10 @@ _CHECKS: dict[str, Callable[[str, Any], object]] = {
     "hot_dir": _path,
     "listen": _listen,
     "token_file": _path,
-    "commit_marker": lambda key, marker: _commit_marker(marker),
-    "tiers": lambda key, urls: tuple(_tier_url(u) for u in urls),
+    "commit_marker": lambda key, marker: _commit_marker(marker, key),
+    "tiers": lambda key, urls: tuple(_tier_url(u, key) for u in urls),
     "peers": lambda key, urls: tuple(_http_url(key, u).rstrip("/") for u in urls),
-    "expected_nodes": lambda key, names: _expected_nodes(names),
+    "expected_nodes": lambda key, names: _expected_nodes(names, key),
     "endpoint_url": _http_url,
     "max_body_bytes": lambda key, n: _int_at_least(key, n, 1),
     "prefetch_concurrency": lambda key, n: _int_at_least(key, n, 1),
