@@ -285,10 +285,10 @@ class Node:
         """What the agent is doing (SIGUSR1: every thread's and task's stack, agent/daemon/
         dump.py) and the log before it: the message of a test that found it stuck."""
         if self.proc is not None and self.proc.poll() is None:
-            before = self.logs(tail=10**9).count("asyncio tasks ---")
+            before = self.logs(tail=10**9).count("end of the asyncio tasks ---")
             self.proc.send_signal(signal.SIGUSR1)
             deadline = time.monotonic() + 10
-            while self.logs(tail=10**9).count("asyncio tasks ---") == before:
+            while self.logs(tail=10**9).count("end of the asyncio tasks ---") == before:
                 if time.monotonic() > deadline:  # (a blocked loop: the threads' stacks)
                     break
                 time.sleep(0.05)

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -313,6 +314,10 @@ def test_ferry_agent_process_serves_and_stops_on_sigterm(
         assert ferry([*argv, "--gpu-hour-price", "3", "--json"]) == 0
         est = json.loads(capsys.readouterr().out)
         assert est["bytes_missing"] > 0 and est["cost"] == pytest.approx(est["seconds"] / 300)
+        # the line: a cost under a cent is no "0.00" (a newcomer's trial), with its unit
+        assert ferry([*argv, "--gpu-hour-price", "3"]) == 0
+        said = re.search(r"cost ([\d.,]+) at 3 per GPU-hour", capsys.readouterr().out)
+        assert said is not None and float(said.group(1).replace(",", "")) > 0
         assert ferry(["estimate", url, "--token-file", str(tmp_path / "a" / "x"), "--job", "llm"])
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0

@@ -177,6 +177,10 @@ def test_sigusr1_dumps_every_thread_and_task_and_the_agent_serves_on(
         assert get_json(node.url + "/healthz", token=None)["ok"] is True
     assert "asyncio tasks ---" in dumped, dumped[-2000:]
     assert "task " in dumped and "Current thread" in dumped, dumped[-2000:]
-    # the agent's main task, waiting for its stop, with where it waits
+    # the agent's main task, waiting for its stop, with where it waits; a service, with the
+    # whole chain it awaits (its guard's frame, then the watcher's own: Task.print_stack
+    # gave the guard's alone)
     tasks = dumped.split("asyncio tasks ---", 1)[1]
     assert "coro=<serve()" in tasks and "agent/daemon/run.py" in tasks, tasks
+    watcher = tasks.split("task hot-dir-watcher:", 1)[1].split("\ntask ", 1)[0]
+    assert "in _guarded" in watcher and "in watch_hot_dir" in watcher, watcher

@@ -424,7 +424,7 @@ def test_repush_with_different_content_is_refused(
     src = pushed(local_url, tmp_path, capsys)
     packs = [k for k in store_objects(local_url) if k.startswith(PACKS_PREFIX)]
     (src / "__0_0.distcp").write_bytes(b"different")
-    err = ferry_fails(capsys, "push", str(src), local_url, "--job", "j", "--node", "n")
+    err = ferry_fails(capsys, "push", str(src), local_url, "--job", "j", "--node", "n", *SMALL)
     assert "already committed with different content" in err
     assert [k for k in store_objects(local_url) if k.startswith(PACKS_PREFIX)] == packs
 
@@ -978,3 +978,29 @@ def test_retention_keeps_the_step_before_a_newest_step_that_lost_a_pack(
     dest = tmp_path / "pulled"
     assert ferry(["pull", local_url, str(dest), "--job", "g", "--step", "10"]) == 0
     assert tree_bytes(dest) == tree_bytes(first)
+
+
+def test_repush_cut_in_other_chunks_says_it_cannot_compare(
+    local_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A newcomer's trial: the same bytes pushed again with another chunk size were called
+    "different content" (chunk ids of two cuts never match): now it says what differs."""
+    src = pushed(local_url, tmp_path, capsys)
+    err = ferry_fails(capsys, "push", str(src), local_url, "--job", "j", "--node", "n",
+                      "--chunk-size-mib", "2")  # fmt: skip
+    assert "cut in chunks of 1,048,576 bytes, and this push cut 2,097,152" in err, err
+    assert "different content" not in err
+
+
+def test_estimate_with_a_file_that_holds_no_token_names_the_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A newcomer's trial: the agent's config given as --token-file failed with aiohttp's
+    "Forbidden control character detected in headers. Potential header injection attack."
+    (the file's lines went into the Authorization header), naming neither."""
+    config = tmp_path / "ferry.toml"
+    config.write_text('hot_dir = "ckpt/hot"\nnode = "a"\n')
+    err = ferry_fails(capsys, "estimate", "http://127.0.0.1:1", "--token-file", str(config),
+                      "--job", "j", "--gpus", "1", "--gpu-hour-price", "1")  # fmt: skip
+    assert f"--token-file {config}: not a bearer token" in err, err
+    assert "header" not in err

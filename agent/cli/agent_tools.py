@@ -71,11 +71,15 @@ def add_demo(sub: Commands) -> None:
 async def cmd_estimate(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
     import aiohttp
 
-    from agent.rpc.client import FerryClient, RpcError
+    from agent.rpc.client import BadTokenError, FerryClient, RpcError
 
     token = args.token_file.read_text().strip()
     tls = {"ca_file": args.ca_file, "cert_file": args.cert_file, "key_file": args.key_file}
-    async with FerryClient(args.agent_url, token, **tls) as client:
+    try:
+        agent = FerryClient(args.agent_url, token, **tls)
+    except BadTokenError as exc:
+        raise FerryError(f"--token-file {args.token_file}: {exc}") from None
+    async with agent as client:
         try:
             doc: dict[str, Any] = await client.estimate(
                 args.job, args.step, gpus=args.gpus, gpu_hour_price=args.gpu_hour_price
@@ -83,9 +87,11 @@ async def cmd_estimate(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         except (RpcError, aiohttp.ClientError, TimeoutError) as exc:
             raise FerryError(f"{client.base_url}: {str(exc) or type(exc).__name__}") from None
     line = (
-        f"{doc['node']}: {args.job} step {doc['step']}: {human(doc['bytes_missing'])} missing "
-        f"of {human(doc['bytes_total'])}, ~{doc['seconds']:.1f}s, cost {doc['cost']:.2f} "
-        f"({args.gpus} GPUs); recommended scale-down cooldown {doc['cooldown_seconds']:.0f}s"
+        f"{doc['node']}: {args.job} step {doc['step']}: {human(doc['bytes_missing'])} to move "
+        f"(stored bytes) for {human(doc['bytes_total'])} of checkpoint, ~{doc['seconds']:.1f}s "
+        f"({doc.get('seconds_low', 0):.1f}-{doc.get('seconds_high', 0):.1f}s), cost "
+        f"{_money(doc['cost'])} at {args.gpu_hour_price:g} per GPU-hour ({args.gpus} GPUs); "
+        f"recommended scale-down cooldown {doc['cooldown_seconds']:.0f}s"
     )
     return doc, line
 
@@ -102,7 +108,8 @@ def cmd_plan(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
         ),
     }
     line = (
-        f"save every {best} steps ({best * args.step_seconds:.0f}s): badput "
+        f"save every {best:,} step{'s' if best != 1 else ''} "
+        f"({_duration(best * args.step_seconds)}): badput "
         f"{_percent(doc['optimal_badput'])} of wall time"
     )
     if args.interval_steps:
@@ -117,6 +124,23 @@ def cmd_plan(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
             "shorten them (a faster tier, an async save) before tuning the interval"
         )
     return doc, line
+
+
+def _duration(seconds: float) -> str:
+    """``6.6 ms``, ``42 s``, ``18.6 min``, ``3.2 h``: never "0s" for an interval of 6 ms."""
+    if seconds < 1:
+        return f"{seconds * 1000:.2g} ms"
+    if seconds < 120:
+        return f"{seconds:.3g} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def _money(amount: float) -> str:
+    """A cost in the unit of --gpu-hour-price: cents where it is 1 or more, else the first
+    two significant digits (0.0029, never "0.00" for a cost that is not nothing)."""
+    return f"{amount:,.2f}" if amount >= 1 or amount == 0 else f"{amount:.2g}"
 
 
 def _percent(fraction: float) -> str:

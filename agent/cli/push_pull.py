@@ -208,7 +208,7 @@ async def cmd_push(
         f"deduplicated, {r.chunks_delta} delta-coded"
         + (f" against step {r.base_step}" if r.base_step is not None else "")
         + (f", {r.chunks_resumed} sent by the interrupted attempt" if r.chunks_resumed else "")
-        + f") in {r.seconds:.2f}s, {format_rate(r.bytes_raw, r.seconds)}{note}"
+        + f") in {r.seconds:.2f}s ({format_rate(r.bytes_raw, r.seconds)} of checkpoint){note}"
     )
     return r.to_dict(), line
 
@@ -309,7 +309,13 @@ async def cmd_pull(
             if r.base_dir
             else ""
         )
-        + f" in {r.seconds:.2f}s, {format_rate(r.bytes_raw, r.seconds)}, every chunk verified"
+        + (
+            f", {r.chunks_resumed} chunks found written by an interrupted pull"
+            if r.chunks_resumed
+            else ""
+        )
+        + f" in {r.seconds:.2f}s ({format_rate(r.bytes_raw, r.seconds)} of checkpoint), "
+        "every chunk verified"
     )
     return r.to_dict(), line
 

@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import faulthandler
 import io
 import signal
 import sys
+import traceback
+from types import FrameType
 from typing import TextIO
 
 
@@ -32,16 +35,34 @@ def uninstall(loop: asyncio.AbstractEventLoop) -> None:
 
 
 def dump_tasks() -> None:
-    """Every task of the running loop: its name, state and stack, innermost frame last."""
+    """Every task of the running loop: its name, state and where it waits, the whole chain
+    of coroutines it awaits, innermost last (``Task.print_stack`` gives a suspended task's
+    outermost frame alone: every service showed only its guard's ``await coro``)."""
     out = io.StringIO()
     tasks = sorted(asyncio.all_tasks(), key=lambda t: t.get_name())
-    print(f"--- {len(tasks)} asyncio tasks ---", file=out)
+    now = datetime.datetime.now(datetime.UTC).isoformat(timespec="milliseconds")
+    print(f"--- SIGUSR1 at {now}: {len(tasks)} asyncio tasks ---", file=out)
     for task in tasks:
         print(f"task {task.get_name()}: {task!r:.300}", file=out)
-        task.print_stack(limit=12, file=out)
+        frames = _awaited(task.get_coro())
+        out.writelines(traceback.StackSummary.extract((f, f.f_lineno) for f in frames).format())
+    print("--- end of the asyncio tasks ---", file=out)
     if sys.stderr is not None:
         sys.stderr.write(out.getvalue())
         sys.stderr.flush()
+
+
+def _awaited(coro: object, most: int = 40) -> list[FrameType]:
+    """The frames of ``coro`` and of what it awaits, down to the innermost (a coroutine's
+    ``cr_await``, a generator's ``gi_yieldfrom``); a future ends the chain."""
+    frames: list[FrameType] = []
+    while coro is not None and len(frames) < most:
+        frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+        if frame is None:  # (finished, or not a coroutine: a future)
+            break
+        frames.append(frame)
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+    return frames
 
 
 def _real_stderr() -> TextIO | None:

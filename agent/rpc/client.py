@@ -19,6 +19,10 @@ from agent.rpc.tls import client_context
 LONG_POLL_SECONDS = 20.0
 
 
+class BadTokenError(ValueError):
+    """The token given is no bearer token (a config file read as the token file?)."""
+
+
 class RpcError(Exception):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(f"HTTP {status}: {message}")
@@ -54,6 +58,13 @@ class FerryClient:
             base_url = f"{'https' if ca_file or cert_file else 'http'}://{base_url}"
         if not base_url.startswith(("http://", "https://")):
             raise ValueError(f"agent URL {base_url!r} is not http:// or https://")
+        if not token or not token.isprintable() or any(c.isspace() for c in token):
+            # (a config file given as the token file: aiohttp's "Forbidden control character
+            # detected in headers. Potential header injection attack." named neither)
+            raise BadTokenError(
+                "not a bearer token (one word of printable characters): is it the agent's "
+                "token_file, holding the token alone?"
+            )
         self.base_url = base_url.rstrip("/")
         verify: ssl.SSLContext | bool = True
         if self.base_url.startswith("https://"):

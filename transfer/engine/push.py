@@ -280,6 +280,13 @@ async def _commit(store: Store, manifest: Manifest, run: _PushRun) -> bool:
         if existing.same_content(manifest):
             return True  # (then it may reference the packs we just wrote: keep them)
         await run.writer_abort()  # our new packs are referenced by nobody
+        if existing.chunk_size != manifest.chunk_size:  # (ids of other cuts never match)
+            raise FerryError(
+                f"{job} step {step} node {node} is already committed, cut in chunks of "
+                f"{existing.chunk_size:,} bytes, and this push cut {manifest.chunk_size:,}: "
+                "the two cannot be compared (the bytes may well be the same); push again "
+                "with the committed chunk size to check, or under a new step"
+            ) from None
         raise FerryError(
             f"{job} step {step} node {node} is already committed with different content; "
             "push it under a new step"
