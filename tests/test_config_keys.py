@@ -3,6 +3,7 @@ what load_config reads, its defaults, the example config and docs/CONFIG.md foll
 
 from __future__ import annotations
 
+import logging
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 
@@ -169,3 +170,26 @@ def test_an_unknown_key_like_a_known_one_is_named_with_it(tmp_path: Path) -> Non
     (tmp_path / "ferry.toml").write_text(f'hot_dir = "{tmp_path}"\nzzz = 1\n')
     with pytest.raises(ConfigError, match=r"unknown config key 'zzz'$"):
         load_config(tmp_path / "ferry.toml", env={})
+
+
+def test_a_ferry_variable_the_agent_never_reads_is_named_in_a_warning(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A newcomer's trial: FERRY_QUIET_SECOND=5 and FERRY_HOTDIR=/x changed nothing and
+    said nothing (a typo in the file is refused with a suggestion)."""
+    env = {
+        "FERRY_HOT_DIR": "/x",
+        "FERRY_QUIET_SECOND": "5",
+        "FERRY_HOTDIR": "/y",
+        "FERRY_RETENTION_HOT_KEEP_LAST": "3",  # (read: a setting, as every one the agent has)
+        "FERRY_TRANSFER_WORKERS": "2",
+    }
+    with caplog.at_level(logging.WARNING, logger="agent.daemon.config"):
+        config = load_config(None, env=env)
+    assert config.quiet_seconds != 5 and config.hot_dir == Path("/x")
+    said = [r.getMessage() for r in caplog.records if "not a setting" in r.getMessage()]
+    assert said == [
+        "FERRY_HOTDIR is not a setting of the agent: ignored (did you mean 'FERRY_HOT_DIR'?)",
+        "FERRY_QUIET_SECOND is not a setting of the agent: ignored "
+        "(did you mean 'FERRY_QUIET_SECONDS'?)",
+    ]

@@ -19,7 +19,7 @@ import socket
 import stat
 import textwrap
 import tomllib
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any, TypeVar
@@ -606,6 +606,7 @@ def load_config(
     ``create_token``: a token_file that does not exist yet is created with a random token
     (``ferry agent``: the example config then runs as printed)."""
     raw = _read_toml(path) if path is not None else {}
+    env = _Asked(env)  # (what it was asked for: a FERRY_ variable never asked is a typo)
     retention_raw = raw.pop("retention", None)
     transfer_raw = raw.pop("transfer", {})
     store_raw = raw.pop("store", {})
@@ -657,7 +658,39 @@ def load_config(
                 "(it is good for chunk reads only)"
             )
         _warn_if_shared(config.peer_token_file, "peer_token_file")
+    _warn_unread(env)
     return config
+
+
+class _Asked(Mapping[str, str]):
+    """The environment, remembering the names asked for with ``get`` (the config's one way
+    of reading a variable; a look over all of them, ``items``, asks for none)."""
+
+    def __init__(self, env: Mapping[str, str]) -> None:
+        self._env, self.asked = env, set[str]()
+
+    def get(self, key: str, default: Any = None) -> Any:
+        self.asked.add(key)
+        return self._env.get(key, default)
+
+    def __getitem__(self, key: str) -> str:
+        return self._env[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._env)
+
+    def __len__(self) -> int:
+        return len(self._env)
+
+
+def _warn_unread(env: _Asked) -> None:
+    """A ``FERRY_`` variable the config never read (``FERRY_QUIET_SECOND``, ``FERRY_HOTDIR``)
+    changes nothing: a typo in the file is refused, one here was silent. Warned, not
+    refused: other tools of a deployment may share the prefix."""
+    known = [name for name in env.asked if name.startswith(ENV_PREFIX)]
+    for name in sorted(n for n in env if n.startswith(ENV_PREFIX) and n not in env.asked):
+        log.warning("%s is not a setting of the agent: ignored%s", name,
+                    _did_you_mean(name, known))  # fmt: skip
 
 
 def _check_security(top: Mapping[str, object]) -> None:
