@@ -1004,3 +1004,16 @@ def test_estimate_with_a_file_that_holds_no_token_names_the_file(
                       "--job", "j", "--gpus", "1", "--gpu-hour-price", "1")  # fmt: skip
     assert f"--token-file {config}: not a bearer token" in err, err
     assert "header" not in err
+
+
+def test_a_pull_of_a_step_or_job_not_there_names_what_is(
+    local_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A newcomer's trial: `ferry verify --step 999` said which steps are there, `ferry pull`
+    only that there was none."""
+    pushed(local_url, tmp_path, capsys)
+    err = ferry_fails(capsys, "pull", local_url, str(tmp_path / "o"), "--job", "j", "--step", "9")
+    assert f"no step 9 of job 'j' in {local_url} (steps there: 7)" in err, err
+    err = ferry_fails(capsys, "pull", local_url, str(tmp_path / "o"), "--job", "k")
+    assert f"no checkpoint of job 'k' in {local_url} (jobs there: j)" in err, err
+    assert not (tmp_path / "o").exists()

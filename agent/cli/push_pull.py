@@ -263,33 +263,40 @@ async def cmd_pull(
     expected = tuple(check_name("node", n) for n in args.expected_nodes.split(",") if n)
     import contextlib
 
+    from transfer.engine.catalog import nothing_matches
     from transfer.engine.parts import drop_common_index
     from transfer.engine.share import base_dir_parts
     from transfer.engine.stepparts import index_chunks
-    from transfer.errors import FerryError, IntegrityError
+    from transfer.errors import CheckpointNotFoundError, FerryError, IntegrityError
 
     stale: IntegrityError | None = None  # what a chunk the common index supplied did
-    for use_index in (True, False):  # (no index: a chunk it supplied failed)
-        manifests, share = await _share_of(store, args, step, expected, use_index)
-        base_manifests = None
-        if share is not None:  # of the base step too, only the parts holding the share's files
-            base_manifests = await base_dir_parts(
-                store, args.job, manifests, args.base_dir, use_index
-            )
-        indexed = index_chunks(manifests or ())
-        plan = PullPlan(args.job, step, args.node, manifests, share=share, fsync=args.fsync,
-                        expected_nodes=expected)  # fmt: skip
-        sources = Sources(base_dir=args.base_dir, base_manifests=base_manifests)
-        try:
-            r = await pull(
-                store, args.dest_dir, plan, sources, PullEvents(progress=progress),
-                transfer_options(args),
-            )  # fmt: skip
-            break
-        except IntegrityError as exc:  # (a pack gone, or not what it names: IntegrityError)
-            if not set(exc.bad_chunks) & indexed:
-                raise
-            stale = exc  # the parts then say: the chunk lost, or the index stale
+    try:
+        for use_index in (True, False):  # (no index: a chunk it supplied failed)
+            manifests, share = await _share_of(store, args, step, expected, use_index)
+            base_manifests = None
+            if share is not None:  # of the base step too, only the parts holding its files
+                base_manifests = await base_dir_parts(
+                    store, args.job, manifests, args.base_dir, use_index
+                )
+            indexed = index_chunks(manifests or ())
+            plan = PullPlan(args.job, step, args.node, manifests, share=share, fsync=args.fsync,
+                            expected_nodes=expected)  # fmt: skip
+            sources = Sources(base_dir=args.base_dir, base_manifests=base_manifests)
+            try:
+                r = await pull(
+                    store, args.dest_dir, plan, sources, PullEvents(progress=progress),
+                    transfer_options(args),
+                )  # fmt: skip
+                break
+            except IntegrityError as exc:  # (a pack gone, or not what it names)
+                if not set(exc.bad_chunks) & indexed:
+                    raise
+                stale = exc  # the parts then say: the chunk lost, or the index stale
+    except CheckpointNotFoundError:
+        if args.node is not None:
+            raise
+        # what the store holds instead, as ferry verify says it (one listing, only now)
+        raise await nothing_matches(store, args.job, step) from None
     if stale is not None and manifests:  # (the parts held what the index did not)
         print(f"ferry pull: {stale}, where the step's common index put it, but not where its "
               "part does: the index was stale (a repack by an older agent?); dropped",
