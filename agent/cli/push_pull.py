@@ -293,9 +293,10 @@ async def cmd_pull(
                     raise
                 stale = exc  # the parts then say: the chunk lost, or the index stale
     except CheckpointNotFoundError:
-        if args.node is not None:
+        # a job or step the store lacks: what it holds instead, as ferry verify says it (a
+        # listing, on this path only); a step there but not whole keeps its own reason
+        if args.node is not None or await _listed(store, args.job, step):
             raise
-        # what the store holds instead, as ferry verify says it (one listing, only now)
         raise await nothing_matches(store, args.job, step) from None
     if stale is not None and manifests:  # (the parts held what the index did not)
         print(f"ferry pull: {stale}, where the step's common index put it, but not where its "
@@ -325,6 +326,14 @@ async def cmd_pull(
         "every chunk verified"
     )
     return r.to_dict(), line
+
+
+async def _listed(store: Store, job: str, step: int | None) -> bool:
+    """Whether the store's listing has a part of ``job`` (of ``step``, if one is named)."""
+    from transfer.engine.catalog import list_checkpoints
+
+    found = await list_checkpoints(store)
+    return any(c.job == job and step in (None, c.step) for c in found)
 
 
 async def _share_of(
