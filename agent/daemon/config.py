@@ -684,13 +684,17 @@ class _Asked(Mapping[str, str]):
 
 
 def _warn_unread(env: _Asked) -> None:
-    """A ``FERRY_`` variable the config never read (``FERRY_QUIET_SECOND``, ``FERRY_HOTDIR``)
-    changes nothing: a typo in the file is refused, one here was silent. Warned, not
-    refused: other tools of a deployment may share the prefix."""
-    known = [name for name in env.asked if name.startswith(ENV_PREFIX)]
+    """A ``FERRY_`` variable the config never read that is like a setting of it
+    (``FERRY_QUIET_SECOND``, ``FERRY_HOTDIR``: a typo) changes nothing: a typo in the file
+    is refused, one here was silent. Warned, not refused, and only when like a setting:
+    other tools share the prefix (this project's own scripts set ``FERRY_WITH_TORCH``).
+    Compared without the prefix, which every name shares."""
+    known = [n.removeprefix(ENV_PREFIX) for n in env.asked if n.startswith(ENV_PREFIX)]
     for name in sorted(n for n in env if n.startswith(ENV_PREFIX) and n not in env.asked):
-        log.warning("%s is not a setting of the agent: ignored%s", name,
-                    _did_you_mean(name, known))  # fmt: skip
+        like = difflib.get_close_matches(name.removeprefix(ENV_PREFIX), known, n=1, cutoff=0.75)
+        if like:
+            log.warning("%s is not a setting of the agent: ignored (did you mean %s?)", name,
+                        ENV_PREFIX + like[0])  # fmt: skip
 
 
 def _check_security(top: Mapping[str, object]) -> None:
