@@ -263,7 +263,7 @@ async def cmd_pull(
     expected = tuple(check_name("node", n) for n in args.expected_nodes.split(",") if n)
     import contextlib
 
-    from transfer.engine.catalog import nothing_matches
+    from transfer.engine.catalog import missing
     from transfer.engine.parts import drop_common_index
     from transfer.engine.share import base_dir_parts
     from transfer.engine.stepparts import index_chunks
@@ -295,9 +295,9 @@ async def cmd_pull(
     except CheckpointNotFoundError:
         # a job or step the store lacks: what it holds instead, as ferry verify says it (a
         # listing, on this path only); a step there but not whole keeps its own reason
-        if args.node is not None or await _listed(store, args.job, step):
+        if args.node is not None or (lacking := await missing(store, args.job, step)) is None:
             raise
-        raise await nothing_matches(store, args.job, step) from None
+        raise lacking from None
     if stale is not None and manifests:  # (the parts held what the index did not)
         print(f"ferry pull: {stale}, where the step's common index put it, but not where its "
               "part does: the index was stale (a repack by an older agent?); dropped",
@@ -326,14 +326,6 @@ async def cmd_pull(
         "every chunk verified"
     )
     return r.to_dict(), line
-
-
-async def _listed(store: Store, job: str, step: int | None) -> bool:
-    """Whether the store's listing has a part of ``job`` (of ``step``, if one is named)."""
-    from transfer.engine.catalog import list_checkpoints
-
-    found = await list_checkpoints(store)
-    return any(c.job == job and step in (None, c.step) for c in found)
 
 
 async def _share_of(

@@ -339,7 +339,22 @@ async def resolve_manifests(
 async def nothing_matches(store: Store, job: str | None, step: int | None) -> FerryError:
     """The error for a job or step a store lacks, naming what it has instead (a typo'd
     job is seen at once): one listing of the store's manifests."""
+    return _nothing_matches(store, await list_checkpoints(store), job, step)
+
+
+async def missing(store: Store, job: str, step: int | None) -> FerryError | None:
+    """``nothing_matches``'s error when the store's listing has no part of ``job`` (of
+    ``step``, if one is named), else None (a step listed but not whole: its own reason
+    says more). One listing."""
     found = await list_checkpoints(store)
+    if any(c.job == job and step in (None, c.step) for c in found):
+        return None
+    return _nothing_matches(store, found, job, step)
+
+
+def _nothing_matches(
+    store: Store, found: list[CheckpointInfo], job: str | None, step: int | None
+) -> FerryError:
     jobs = sorted({c.job for c in found})
     if not found:
         return CheckpointNotFoundError(f"{store.url} holds no checkpoints")

@@ -392,10 +392,5 @@ def bytes_of(tensor: torch.Tensor) -> memoryview:
 
 
 def pread_full(fd: int, path: str, into: memoryview, offset: int) -> None:
-    """Fill ``into`` from ``fd`` at ``offset``."""
-    done, nbytes = 0, len(into)
-    while done < nbytes:
-        n = os.preadv(fd, [into[done:]], offset + done)
-        if n == 0:
-            raise FormatError(f"{path}: ends at byte {offset + done}, inside an item")
-        done += n
+    """Fill ``into`` from ``fd`` at ``offset`` (a batch of one read)."""
+    _read_batch(_Batch(fd, path, offset, [into]))
