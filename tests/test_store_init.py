@@ -46,7 +46,10 @@ def test_a_push_into_a_directory_that_is_no_store_fails_and_writes_nothing_there
     before = entries(target)
     err = one_line_error(capsys, "push", str(src), str(target), "--job", "j", "--node", "n")
     assert f"{target} is not a ckpt-ferry store" in err
-    assert f"create it with `ferry init {target}` (or pass --init)" in err
+    if what == "an empty mount point":
+        assert f"create it with `ferry init {target}` (or pass --init)" in err
+    else:  # (init would refuse it: not offered, the URL is most likely wrong)
+        assert "holds other files: check the URL" in err and "--init" not in err, err
     assert entries(target) == before  # no packs/, manifests/, locks/, heads/, descriptor
 
 
@@ -60,11 +63,33 @@ def test_a_push_into_an_s3_prefix_that_is_no_store_fails_and_writes_nothing_ther
 
     # a prefix that holds something else: refused by a push, by init and by push --init
     put_object(empty_s3_url, "data/part-0000.parquet", b"not a checkpoint")
-    one_line_error(capsys, "push", str(src), empty_s3_url, "--job", "j", "--node", "n")
+    err = one_line_error(capsys, "push", str(src), empty_s3_url, "--job", "j", "--node", "n")
+    assert "holds other files: check the URL" in err and "create it with" not in err, err
     err = one_line_error(capsys, "init", empty_s3_url)
     assert "is not empty and is not a ckpt-ferry store" in err
     one_line_error(capsys, "push", str(src), empty_s3_url, "--job", "j", "--init")
     assert store_objects(empty_s3_url) == ["data/part-0000.parquet"]
+
+
+def test_a_checkpoint_given_as_the_store_is_named_as_one_by_push_pull_and_ls(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Arguments swapped or a wrong path: the commands say the URL is a DCP checkpoint and
+    offer no `ferry init` (which would refuse it); a pull does not call it merely empty
+    of checkpoints; nothing is written there."""
+    src = make_checkpoint(tmp_path / "src" / "step_000010")
+    wrong = make_checkpoint(tmp_path / "ckpt" / "step_000020")
+    before = entries(wrong)
+    want = "(a DCP checkpoint: it has .metadata): check the URL"
+    for argv in (
+        ["push", str(src), str(wrong), "--job", "j", "--node", "n"],
+        ["pull", str(wrong), str(tmp_path / "out"), "--job", "j"],
+        ["ls", str(wrong)],
+    ):
+        err = one_line_error(capsys, *argv)
+        assert f"{wrong} is not a ckpt-ferry store" in err and want in err, err
+        assert "create it with" not in err, err
+    assert entries(wrong) == before and not (tmp_path / "out").exists()
 
 
 def test_init_makes_a_store_once_and_refuses_a_directory_in_use(

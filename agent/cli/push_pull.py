@@ -295,6 +295,7 @@ async def cmd_pull(
     except CheckpointNotFoundError:
         # a job or step the store lacks: what it holds instead, as ferry verify says it (a
         # listing, on this path only); a step there but not whole keeps its own reason
+        await require_store(store)  # (not a store at all: say so, not "no checkpoints")
         if args.node is not None or (lacking := await missing(store, args.job, step)) is None:
             raise
         raise lacking from None

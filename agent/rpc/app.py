@@ -56,7 +56,7 @@ from agent.rpc.routes import route_modules
 from agent.rpc.services import Services
 from agent.rpc.tls import AgentTls
 from transfer.directio import KEPT_BUFFERS_MAX, POOL
-from transfer.engine.catalog import not_a_store, open_catalog
+from transfer.engine.catalog import require_store
 from transfer.engine.orphans import abort_orphaned_uploads
 from transfer.errors import FerryError, NotAStoreError, StoreError
 from transfer.store import StoreOptions, open_store
@@ -247,12 +247,11 @@ async def _check_tier(url: str, store: Store) -> None:
     cannot be asked now (down, denied, its directory or bucket missing: an NFS mount not
     there yet) does not stop the agent: it is logged, and the other tiers serve."""
     try:
-        if await open_catalog(store, create=False):
-            return
+        await require_store(store)
+    except NotAStoreError as exc:
+        raise NotAStoreError(f"tier {exc}") from None
     except StoreError as exc:
         log.warning("could not check that tier %s is a ckpt-ferry store: %s", url, exc)
-        return
-    raise NotAStoreError(f"tier {not_a_store(url)}")
 
 
 async def _abort_orphaned_uploads(config: AgentConfig, tiers: list[tuple[str, Store]]) -> None:

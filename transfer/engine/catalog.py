@@ -59,9 +59,18 @@ async def open_catalog(store: Store, *, create: bool) -> bool:
 
 async def require_store(store: Store, *, hint: str = "") -> None:
     """Raise NotAStoreError (naming ``ferry init``; ``hint`` appended) unless ``store``
-    holds a store descriptor."""
-    if not await open_catalog(store, create=False):
+    holds a store descriptor. A URL that holds other objects is not offered ``ferry init``
+    (which refuses it): it is most likely the wrong URL, a checkpoint given as the store."""
+    if await open_catalog(store, create=False):
+        return
+    if not await store.holds_objects():
         raise not_a_store(store.url, hint)
+    looks = " (a DCP checkpoint: it has .metadata)" if await store.exists(METADATA) else ""
+    raise NotAStoreError(
+        f"{store.url} is not a ckpt-ferry store (no {layout.STORE_DESCRIPTOR_KEY}) and holds "
+        f"other files{looks}: check the URL (`ferry init` makes a store only in an empty "
+        "directory or prefix)"
+    )
 
 
 def not_a_store(url: str, hint: str = "") -> NotAStoreError:
