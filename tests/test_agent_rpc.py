@@ -373,6 +373,8 @@ def test_the_printed_example_config_runs_as_printed(tmp_path: Path) -> None:
     assert "created token_file ferry.token" in err
     assert f'config key=listen value=127.0.0.1:{port} source="env FERRY_LISTEN' in err
     assert "config key=hot_dir value=ckpt/hot source=file" in err
+    assert "config key=token_file value=ferry.token source=file" in err
+    assert re.search(r"config key=endpoint_url value=\S+ source=", err), err  # unset: (none)
     assert "push job=quick step=1 tier=ckpt/store outcome=durable" in err
 
 

@@ -161,7 +161,7 @@ def test_retention_table_is_validated(tmp_path: Path) -> None:
             load(bad)
 
 
-def test_env_overrides_file(tmp_path: Path) -> None:
+def test_env_overrides_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     env = {
         "FERRY_NODE": "node-09",
         "FERRY_LISTEN": "0.0.0.0:8080",
@@ -179,7 +179,16 @@ def test_env_overrides_file(tmp_path: Path) -> None:
     assert config.sources["transfer.window"] == "env FERRY_TRANSFER_WINDOW, over the file's"
     effective = {key: (value, source) for key, value, source in effective_config(config)}
     assert effective["node"] == ("node-09", "env FERRY_NODE, over the file's")
-    assert effective["endpoint_url"] == (None, "default")
+    # the S3 tiers' endpoint when endpoint_url is not set: botocore's variables, named
+    monkeypatch.delenv("AWS_ENDPOINT_URL_S3", raising=False)
+    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
+    assert dict((k, (v, s)) for k, v, s in effective_config(config))["endpoint_url"] == (
+        None,
+        "default",
+    )
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://10.0.0.5:9000")
+    effective = {key: (value, source) for key, value, source in effective_config(config)}
+    assert effective["endpoint_url"] == ("http://10.0.0.5:9000", "env AWS_ENDPOINT_URL")
     assert config.node == "node-09"
     assert config.listen_port == 8080
     assert config.hot_dir == Path("/other")

@@ -782,7 +782,13 @@ def effective_config(config: AgentConfig) -> list[tuple[str, object, str]]:
     rows: list[tuple[str, object, str]] = []
     for key in _TOP_KEYS:
         value = getattr(config, key)  # (token_file: the path, never the token)
-        rows.append((key, _plain(value), config.sources.get(key, "default")))
+        source = config.sources.get(key, "default")
+        if key == "endpoint_url" and value is None:  # the S3 tiers' endpoint then
+            from transfer.store.url import endpoint_from_env
+
+            value, variable = endpoint_from_env()
+            source = f"env {variable}" if variable else source
+        rows.append((key, _plain(value), source))
     for table, settings in (("transfer", config.transfer), ("store", config.store)):
         for knob in knobs(type(settings)):
             key = f"{table}.{knob.name}"

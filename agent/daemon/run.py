@@ -83,7 +83,8 @@ async def serve(config: AgentConfig, token: str, ready: asyncio.Event | None = N
     try:
         dump.install(loop)  # (before it says it listens: a SIGUSR1 then never kills it)
         for key, value, source in effective_config(config):
-            event(log, "config", key=key, value=value, source=source)
+            # (event leaves None out: an unset key would show no value at all)
+            event(log, "config", key=key, value="(none)" if value is None else value, source=source)
         address = f"{'https' if config.tls_serving else 'http'}://{host}:{port}"
         event(log, "listening", node=config.node, address=address)
         print(f"ferry agent {config.node} listening on {address}", flush=True)

@@ -53,14 +53,19 @@ def open_store(url: str, options: StoreOptions | None = None) -> Store:
     return SCHEMES.get(parsed.scheme, _fsspec_store)(url, parsed, options)
 
 
+def endpoint_from_env() -> tuple[str | None, str | None]:
+    """(S3 endpoint, the variable it came from) where none is configured: botocore's
+    order, the service-specific variable first; (None, None) without either."""
+    for name in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"):
+        if value := os.environ.get(name):
+            return value, name
+    return None, None
+
+
 def _s3_store(url: str, parsed: ParseResult, options: StoreOptions) -> Store:
     if not parsed.netloc:
         raise ValueError(f"store URL {url!r} names no bucket (s3://bucket/prefix)")
-    endpoint = _checked_endpoint(
-        options.endpoint_url
-        or os.environ.get("AWS_ENDPOINT_URL_S3")
-        or os.environ.get("AWS_ENDPOINT_URL")
-    )
+    endpoint = _checked_endpoint(options.endpoint_url or endpoint_from_env()[0])
     # imported only for an s3:// URL: its clients take a while to import, more than a
     # whole pull of a small local checkpoint
     from transfer.store.s3 import S3Store
