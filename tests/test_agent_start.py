@@ -184,3 +184,32 @@ def test_sigusr1_dumps_every_thread_and_task_and_the_agent_serves_on(
     assert "coro=<serve()" in tasks and "agent/daemon/run.py" in tasks, tasks
     watcher = tasks.split("task hot-dir-watcher:", 1)[1].split("\ntask ", 1)[0]
     assert "in _guarded" in watcher and "in watch_hot_dir" in watcher, watcher
+
+
+def test_a_hot_dir_that_was_not_there_is_made_and_said_so_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A typo'd hot_dir is watched, empty, while training saves elsewhere: the agent that
+    had to make it says so (a warning naming it); one that finds it there says nothing."""
+    store = init_test_store(str(tmp_path / "store"))
+    hot = tmp_path / "nvme" / "hot"  # (its parent missing too, as in a typo)
+    env = {"FERRY_NODE": "a", "FERRY_HOT_DIR": str(hot), "FERRY_TIERS": store,
+           "FERRY_STATE_DIR": str(tmp_path / "state"), "FERRY_LISTEN": "127.0.0.1:0"}  # fmt: skip
+    config = load_config(None, env)
+
+    async def start_and_stop() -> None:
+        ready = asyncio.Event()
+        task = asyncio.create_task(serve(config, TOKEN, ready))
+        await asyncio.wait_for(ready.wait(), 30)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    warned = f"hot_dir {hot} did not exist: made it"
+    with caplog.at_level("WARNING"):
+        asyncio.run(start_and_stop())
+    assert hot.is_dir() and warned in caplog.text, caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        asyncio.run(start_and_stop())
+    assert "did not exist" not in caplog.text, caplog.text

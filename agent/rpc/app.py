@@ -105,7 +105,11 @@ async def _hot_dir_lock(app: web.Application):  # type: ignore[no-untyped-def]
     opens a store or the journal or touches the hot dir (agent/node/hotdir.py's AgentLock)."""
     config = app[CONFIG]
     holder = f"pid {os.getpid()}, node {config.node}, listening on {config.listen}"
+    made = not await asyncio.to_thread(config.hot_dir.is_dir)
     lock = await asyncio.to_thread(AgentLock.acquire, config.hot_dir, holder)
+    if made:  # (a typo'd path would be watched, empty, while training saves elsewhere)
+        log.warning("hot_dir %s did not exist: made it (training must save there: is the "
+                    "path right?)", config.hot_dir)  # fmt: skip
     try:
         yield
     finally:
