@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+import pytest
 from aiohttp import web
 
 from agent.cli.run import _store_options, build_parser
@@ -13,6 +14,7 @@ from agent.daemon.config import load_config
 from agent.rpc.app import _tiers
 from agent.rpc.appkeys import CONFIG, TIERS
 from transfer.engine.catalog import init_store
+from transfer.options import MiB, TransferOptions
 from transfer.store import open_store
 
 #: 40 parts configured; 512 MiB with one worker leaves (512 - 8 - 3 x 2 x 4) / (2 x 8) = 30
@@ -50,3 +52,15 @@ def test_the_agent_pool_follows_the_window_memory_mib_leaves(tmp_path: Path) -> 
             await tiers.aclose()
 
     assert asyncio.run(tier_threads()) == 30 + 4  # one per pooled connection; not 40 + 4
+
+
+def test_a_budget_too_small_says_the_least_that_fits() -> None:
+    """The refusal names the smallest budget that would run, and that budget runs (one
+    part in flight); a MiB less is refused with the same figure."""
+    options = TransferOptions(workers=2)
+    with pytest.raises(ValueError, match=r"need at least (\d+) MiB") as refused:
+        options.within_budget(10 * MiB)
+    least = int(refused.value.args[0].rsplit("at least ", 1)[1].split()[0])
+    assert options.within_budget(least * MiB).window == 1
+    with pytest.raises(ValueError, match=f"at least {least} MiB"):
+        options.within_budget((least - 1) * MiB)

@@ -71,9 +71,11 @@ class TransferOptions:
         fixed = self.part_size + 3 * (self.workers + 1) * self.chunk_size
         window = (budget - fixed) // (2 * self.part_size)
         if window < 1:
+            least = -(-(fixed + 2 * self.part_size) // MiB)
             raise ValueError(
-                f"a memory budget of {budget >> 20} MiB is too small for "
-                f"{self.part_size >> 20} MiB parts and {self.workers} workers"
+                f"a memory budget (memory_mib) of {budget >> 20} MiB is too small for "
+                f"{self.part_size >> 20} MiB parts and {self.workers} workers: they need "
+                f"at least {least} MiB"
             )
         return dataclasses.replace(self, window=min(window, self.window))
 
