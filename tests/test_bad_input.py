@@ -1017,3 +1017,20 @@ def test_a_pull_of_a_step_or_job_not_there_names_what_is(
     err = ferry_fails(capsys, "pull", local_url, str(tmp_path / "o"), "--job", "k")
     assert f"no checkpoint of job 'k' in {local_url} (jobs there: j)" in err, err
     assert not (tmp_path / "o").exists()
+
+
+def test_a_failure_with_json_prints_one_object_naming_it_and_a_usage_error_none(
+    local_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """README's shape: a script reading stdout gets ``ok: false``, the stderr line's reason
+    and the error's class; a usage error prints nothing on stdout."""
+    pushed(local_url, tmp_path, capsys)
+    assert ferry(["pull", local_url, str(tmp_path / "out"), "--job", "typo", "--json"]) == 1
+    out, err = capsys.readouterr()
+    doc = json.loads(out)
+    assert doc == {"ok": False, "error": doc["error"], "error_type": "CheckpointNotFoundError"}
+    assert err.strip() == f"ferry pull: error: {doc['error']}"
+    assert "no checkpoint of job 'typo'" in doc["error"]
+    with pytest.raises(SystemExit) as exc:
+        ferry(["pull", local_url, "--json"])
+    assert exc.value.code == 2 and capsys.readouterr().out == ""
