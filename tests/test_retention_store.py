@@ -522,7 +522,8 @@ def test_du_accounts_for_every_byte(
     assert ferry(["du", local_url, "--job", JOB]) == 0
     out = capsys.readouterr().out
     assert "500.0 KB" in out and "22 B in 1 unreferenced packs" in out
-    assert "retention keep_last=1:" in out
+    # (the policies are store-wide under --job too: said so)
+    assert "retention keep_last=1 in every job: the store " in out
     assert ferry(["du", local_url, "--job", "nope"]) == 1
     assert "no checkpoint of job 'nope'" in capsys.readouterr().err
 

@@ -132,8 +132,10 @@ async def cmd_du(store: Store, args: argparse.Namespace) -> tuple[dict[str, Any]
             f"{size(r.own_bytes):>10} {size(r.shared_bytes):>10} {size(r.frees_bytes):>10}  "
             f"{note}".rstrip()
         )
+    # (store-wide, also under --job: a policy applies to every job, and packs are shared)
+    scope = " in every job: the store" if args.job else ":"
     lines += [
-        f"retention {e.policy}: {size(e.bytes_after)} left, frees {size(e.frees_bytes)}"
+        f"retention {e.policy}{scope} {size(e.bytes_after)} left, frees {size(e.frees_bytes)}"
         for e in u.policies
     ]
     return u.to_dict(), "\n".join(lines)
