@@ -427,3 +427,42 @@ def test_cli_push_to_a_directory_sigkilled_then_rerun_leaves_no_temp_file(
     assert rerun.returncode == 0, rerun.stderr
     assert not list(store.rglob(".*.tmp-*")), "the rerun removed the dead writer's temp files"
     assert_all_verify(local_url, {10})
+
+
+def test_cli_push_interrupted_by_ctrl_c_resumes_as_much_as_after_a_kill(
+    s3_url: str, s3_proxy: FaultProxy, tmp_path: Path
+) -> None:
+    """Ctrl-C (SIGINT) of ``ferry push`` to S3 while its one pack's upload is half sent:
+    the interrupted push used to abort that upload, so the same command again sent every
+    byte again (a newcomer's trial: kill -9 kept more than Ctrl-C). It now leaves the
+    upload as a kill does, and the rerun completes it with the parts that landed."""
+    src = write_checkpoint(tmp_path / "step_000010", SEED + 7)
+    one_pack = ["--chunk-size-mib", "1", "--part-size-mib", "5", "--pack-size-mib", "200"]
+    cmd = [sys.executable, "-m", "agent", "push", str(src), s3_url, "--job", JOB, "--node", "n",
+           "--endpoint-url", s3_proxy.url, "--window", str(WINDOW), *one_pack]  # fmt: skip
+    env = {**os.environ, "XDG_STATE_HOME": str(tmp_path / "xdg-state")}
+    start = s3_proxy.stats.bytes_up
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        wait_for(
+            lambda: proc.poll() is not None or s3_proxy.stats.bytes_up - start >= sum(SHARDS) // 2,
+            120,
+            "half the checkpoint sent",
+        )
+        proc.send_signal(signal.SIGINT)
+    finally:
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err  # (interrupted: not finished first)
+    assert b"interrupted" in err and 10 not in committed(s3_url)
+    before = s3_proxy.stats.bytes_up - start
+    assert pending_uploads(s3_url), "the interrupted push left its upload for the rerun"
+    rerun = subprocess.run(
+        [*cmd, "--json"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
+    assert rerun.returncode == 0, rerun.stderr
+    doc = json.loads(rerun.stdout)
+    resent = before + (s3_proxy.stats.bytes_up - start - before) - sum(SHARDS)
+    assert doc["chunks_resumed"] > 0, doc
+    assert resent <= (WINDOW + 2) * 5 * MiB, (resent, doc)  # what was in flight, at most
+    assert pending_uploads(s3_url) == [], "the rerun completed the upload"
+    assert_all_verify(s3_url, {10})

@@ -93,7 +93,8 @@ class PackWriter:
         self._on_bytes_stored = on_bytes_stored
         self._current: _OpenPack | None = None
         self._closing: list[asyncio.Task[None]] = []
-        self._uploads: list[asyncio.Task[Upload]] = []
+        self._uploads: dict[str, asyncio.Task[Upload]] = {}  # by pack id
+        self._reported: set[str] = set()  # packs whose chunks on_pack_durable was told
         # the final write of each pack runs shielded from cancellation, so that after a
         # failure abort() knows for sure which packs exist and can delete them
         self._commits: dict[str, asyncio.Future[None]] = {}
@@ -126,21 +127,30 @@ class PackWriter:
             await task
         return self.completed_packs
 
-    async def abort(self, *, keep_reported: bool = True) -> None:
-        """Best effort after a failure: drop pending uploads, and packs nobody references
-        (durable packs were reported to ``on_pack_durable``, whose journal may resume them,
-        so those are kept unless ``keep_reported`` is false; a commit that was still running
-        when we failed is dropped)."""
-        for task in self._uploads:
+    async def abort(self, *, keep_reported: bool = True, interrupted: bool = False) -> None:
+        """Best effort after a failure: drop pending uploads, and packs nobody references.
+        Packs reported to ``on_pack_durable``, whose journal may resume them, are kept
+        unless ``keep_reported`` is false (a pack whose final write landed after the failure
+        too, where it had been reported); the rest are deleted. ``interrupted`` (Ctrl-C, a
+        drain: the same push runs again): an unfinished upload the journal knows is left as
+        a kill leaves it, where the store can salvage what landed (``salvages_uploads``),
+        so the next attempt completes it instead of sending its parts again."""
+        keep = keep_reported and self._on_pack_durable is not None
+        leave = (
+            keep and interrupted and self._store.salvages_uploads and bool(self._on_part_receipt)
+        )
+        for pack_id, task in self._uploads.items():
+            if leave and pack_id in self._reported:
+                continue
             if task.done() and not task.cancelled() and task.exception() is None:
                 await task.result().abort()
-        await asyncio.gather(*self._commits.values(), return_exceptions=True)
-        keep = keep_reported and self._on_pack_durable is not None
-        reported = set(self.completed_packs) if keep else set()
-        for pack_id in self._commits:
-            if pack_id not in reported:
-                with contextlib.suppress(Exception):
-                    await self._store.delete(pack_key(pack_id))
+        landed = await asyncio.gather(*self._commits.values(), return_exceptions=True)
+        for pack_id, outcome in zip(self._commits, landed, strict=True):
+            # durable (some after the failure: their writes are shielded) and journaled
+            if keep and not isinstance(outcome, BaseException) and pack_id in self._reported:
+                continue
+            with contextlib.suppress(Exception):
+                await self._store.delete(pack_key(pack_id))
 
     async def _flush_part(self, pack: _OpenPack, nbytes: int | None = None) -> None:
         """Send the first ``nbytes`` pending bytes (all of them by default) as the next part."""
@@ -150,7 +160,7 @@ class PackWriter:
         pack.flushed += len(data)
         if pack.upload is None:
             pack.upload = self._tasks.create_task(self._store.begin_upload(pack_key(pack.pack_id)))
-            self._uploads.append(pack.upload)
+            self._uploads[pack.pack_id] = pack.upload
         self._report(pack)  # before the upload can begin: a kill never hides one from us
         await self._slots.acquire()
         pack.parts.append(self._tasks.create_task(self._send_part(pack, number, offset, data)))
@@ -192,6 +202,7 @@ class PackWriter:
         if self._on_pack_durable is not None and pack.reported < len(pack.members):
             self._on_pack_durable(pack.pack_id, pack.members[pack.reported :])
             pack.reported = len(pack.members)
+            self._reported.add(pack.pack_id)
 
     async def _put_whole(self, pack: _OpenPack, data: bytes) -> None:
         try:

@@ -430,7 +430,8 @@ class _PushRun:
                 self.new_packs = await self._writer.finish()
         except BaseException as exc:
             if self._writer is not None:
-                await asyncio.shield(self._writer.abort())
+                stopped = isinstance(exc, (asyncio.CancelledError, KeyboardInterrupt))
+                await asyncio.shield(self._writer.abort(interrupted=stopped))
             raise first_error(exc) from None
         return [[c for c in file_slots if c is not None] for file_slots in slots]
 

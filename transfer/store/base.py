@@ -151,6 +151,9 @@ class Store(ABC):
     url: str
     #: smallest allowed part except the last (S3: 5 MiB); the engine sizes parts above it
     min_part_size: int = 1
+    #: whether ``salvage_upload`` can keep the parts an unfinished upload landed (S3: it
+    #: lists them): an interrupted push then leaves its uploads for the next attempt
+    salvages_uploads: bool = False
 
     @abstractmethod
     async def check(self) -> None:

@@ -177,6 +177,7 @@ class _S3Ranges(RangeReader):
 
 class S3Store(Store):
     min_part_size = MIN_PART_SIZE
+    salvages_uploads = True
 
     def __init__(
         self,
