@@ -117,6 +117,8 @@ def test_saves_the_watcher_would_never_push_are_named_with_why(
     loose = _step(tmp_path, ".", 160)  # right in the hot dir
     spaced = _step(tmp_path, "my job", 160).parent
     latest = _step(tmp_path, "llama", 180).rename(tmp_path / "llama" / "latest")
+    # a save written under a temporary name, renamed to its step's once whole: no warning
+    _step(tmp_path, "llama", 200).rename(tmp_path / "llama" / "step_000200.tmp")
     found = dict(hot.misplaced())
     assert set(found) == {loose.resolve(), spaced, latest}
     assert "a save right in the hot dir" in found[loose.resolve()]

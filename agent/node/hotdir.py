@@ -27,6 +27,9 @@ from transfer.format.share import SHARE_MARKER
 
 EVICTING_MARK = ".evicting-"  # in a step dir's hidden name while an eviction deletes it
 AGENT_LOCK = ".ferry-agent.lock"  # in the hot dir: flocked by the one agent running on it
+#: names a trainer saves under before renaming the save to its step's name
+#: (``step_000020.tmp``): not warned about as saves under a name that names no step
+IN_PROGRESS_SUFFIXES = (".tmp", ".partial", ".incomplete", ".inprogress", ".writing")
 
 
 class HotDirInUseError(FerryError):
@@ -136,7 +139,9 @@ class HotDir:
                 continue
             for inner in _visible_dirs(path):
                 named = step_from_dirname(inner.name, strict=True) is not None
-                if not named and self._holds_a_save(Path(inner.path)):
+                if named or inner.name.lower().endswith(IN_PROGRESS_SUFFIXES):
+                    continue  # (a save being written under a temporary name, renamed next)
+                if self._holds_a_save(Path(inner.path)):
                     found.append((Path(inner.path), "a save under a name that names no step "
                                   "(step_000120, checkpoint-120): not pushed"))  # fmt: skip
         return found
