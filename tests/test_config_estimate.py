@@ -189,6 +189,9 @@ def test_env_overrides_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://10.0.0.5:9000")
     effective = {key: (value, source) for key, value, source in effective_config(config)}
     assert effective["endpoint_url"] == ("http://10.0.0.5:9000", "env AWS_ENDPOINT_URL")
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "https://me:s3cret@s3.internal:9000")  # (wins)
+    effective = {key: (value, source) for key, value, source in effective_config(config)}
+    assert effective["endpoint_url"] == ("https://***@s3.internal:9000", "env AWS_ENDPOINT_URL_S3")
     assert config.node == "node-09"
     assert config.listen_port == 8080
     assert config.hot_dir == Path("/other")

@@ -4,11 +4,12 @@ committed. Every module that looks at the hot dir goes through it."""
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
 
-from agent.node.hotdir import HotDir, step_dir_name
+from agent.node.hotdir import IN_PROGRESS_SECONDS, HotDir, step_dir_name
 from transfer.errors import FormatError
 
 
@@ -117,9 +118,14 @@ def test_saves_the_watcher_would_never_push_are_named_with_why(
     loose = _step(tmp_path, ".", 160)  # right in the hot dir
     spaced = _step(tmp_path, "my job", 160).parent
     latest = _step(tmp_path, "llama", 180).rename(tmp_path / "llama" / "latest")
-    # a save written under a temporary name, renamed to its step's once whole: no warning
+    # a save written under a temporary name, renamed to its step's once whole: no warning,
+    # unless it has sat there whole for ten minutes (a crash before the rename)
     _step(tmp_path, "llama", 200).rename(tmp_path / "llama" / "step_000200.tmp")
+    stuck = _step(tmp_path, "llama", 220).rename(tmp_path / "llama" / "step_000220.partial")
+    long_ago = time.time() - IN_PROGRESS_SECONDS - 5
+    os.utime(stuck / ".metadata", (long_ago, long_ago))
     found = dict(hot.misplaced())
+    assert "whole for 10 minutes and not renamed" in found.pop(stuck)
     assert set(found) == {loose.resolve(), spaced, latest}
     assert "a save right in the hot dir" in found[loose.resolve()]
     assert "not a job name" in found[spaced] and "names no step" in found[latest]

@@ -73,8 +73,8 @@ class TransferOptions:
         if window < 1:
             least = -(-(fixed + 2 * self.part_size) // MiB)
             raise ValueError(
-                f"a memory budget (memory_mib) of {budget >> 20} MiB is too small for "
-                f"{self.part_size >> 20} MiB parts and {self.workers} workers: they need "
+                f"a memory budget (--memory-mib, memory_mib) of {budget >> 20} MiB is too small "
+                f"for {self.part_size >> 20} MiB parts and {self.workers} workers: they need "
                 f"at least {least} MiB"
             )
         return dataclasses.replace(self, window=min(window, self.window))

@@ -130,8 +130,9 @@ class _Terminated(Exception):
 
 def _run_terminable(command: Coroutine[Any, Any, S]) -> S:
     """``asyncio.run``, with SIGTERM cancelling the command the way Ctrl-C does, so its
-    cleanups run (a push releases its lease and aborts its unfinished uploads) instead of
-    the process vanishing mid-write and leaving them behind."""
+    cleanups run (a push releases its lease, removes a local store's temp files and leaves
+    its S3 uploads for the same push to complete) instead of the process vanishing
+    mid-write."""
     import asyncio
     import signal
 
@@ -168,7 +169,8 @@ def _after_stop(command: str) -> str:
         return ""
     return (
         ": the step is committed only if `ferry ls` lists it; the same push again "
-        "finishes it, or says it is committed already"
+        "finishes it, or says it is committed already (an S3 upload it began is kept for "
+        "that: `ferry retention` aborts one never finished)"
     )
 
 

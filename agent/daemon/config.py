@@ -783,17 +783,31 @@ def effective_config(config: AgentConfig) -> list[tuple[str, object, str]]:
     for key in _TOP_KEYS:
         value = getattr(config, key)  # (token_file: the path, never the token)
         source = config.sources.get(key, "default")
-        if key == "endpoint_url" and value is None:  # the S3 tiers' endpoint then
-            from transfer.store.url import endpoint_from_env
+        if key == "endpoint_url":
+            if value is None:  # the S3 tiers' endpoint then
+                from transfer.store.url import endpoint_from_env
 
-            value, variable = endpoint_from_env()
-            source = f"env {variable}" if variable else source
+                value, variable = endpoint_from_env()
+                source = f"env {variable}" if variable else source
+            value = _without_password(value)
         rows.append((key, _plain(value), source))
     for table, settings in (("transfer", config.transfer), ("store", config.store)):
         for knob in knobs(type(settings)):
             key = f"{table}.{knob.name}"
             rows.append((key, getattr(settings, knob.name), config.sources.get(key, "default")))
     return rows
+
+
+def _without_password(url: str | None) -> str | None:
+    """``url`` with any ``user:password@`` in it shown as ``***@`` (it goes to the log)."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    if url is None:
+        return None
+    parts = urlsplit(url)
+    if "@" not in parts.netloc:
+        return url
+    return urlunsplit(parts._replace(netloc="***@" + parts.netloc.rpartition("@")[2]))
 
 
 def _plain(value: object) -> object:

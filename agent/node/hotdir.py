@@ -18,6 +18,7 @@ import fcntl
 import os
 import secrets
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,8 +29,10 @@ from transfer.format.share import SHARE_MARKER
 EVICTING_MARK = ".evicting-"  # in a step dir's hidden name while an eviction deletes it
 AGENT_LOCK = ".ferry-agent.lock"  # in the hot dir: flocked by the one agent running on it
 #: names a trainer saves under before renaming the save to its step's name
-#: (``step_000020.tmp``): not warned about as saves under a name that names no step
+#: (``step_000020.tmp``): such a save is warned about only once it has sat there, whole,
+#: for IN_PROGRESS_SECONDS (a crash between the save and its rename)
 IN_PROGRESS_SUFFIXES = (".tmp", ".partial", ".incomplete", ".inprogress", ".writing")
+IN_PROGRESS_SECONDS = 600.0
 
 
 class HotDirInUseError(FerryError):
@@ -138,16 +141,29 @@ class HotDir:
                     found.append((path, f"not a job name ({exc}): its saves are not pushed"))
                 continue
             for inner in _visible_dirs(path):
-                named = step_from_dirname(inner.name, strict=True) is not None
-                if named or inner.name.lower().endswith(IN_PROGRESS_SUFFIXES):
-                    continue  # (a save being written under a temporary name, renamed next)
-                if self._holds_a_save(Path(inner.path)):
-                    found.append((Path(inner.path), "a save under a name that names no step "
+                save = Path(inner.path)
+                if step_from_dirname(inner.name, strict=True) is not None:
+                    continue
+                if inner.name.lower().endswith(IN_PROGRESS_SUFFIXES):
+                    if self._whole_for(save, IN_PROGRESS_SECONDS):  # (else: renamed next)
+                        found.append((save, f"a save under a temporary name, whole for "
+                                      f"{IN_PROGRESS_SECONDS / 60:.0f} minutes and not renamed "
+                                      "to its step's name: not pushed"))  # fmt: skip
+                elif self._holds_a_save(save):
+                    found.append((save, "a save under a name that names no step "
                                   "(step_000120, checkpoint-120): not pushed"))  # fmt: skip
         return found
 
     def _holds_a_save(self, path: Path) -> bool:
         return bool(self.commit_marker) and os.path.isfile(path / self.commit_marker)
+
+    def _whole_for(self, path: Path, seconds: float) -> bool:
+        """A save whose commit marker was written at least ``seconds`` ago."""
+        try:
+            written = os.stat(path / self.commit_marker).st_mtime if self.commit_marker else None
+        except OSError:
+            return False
+        return written is not None and time.time() - written >= seconds
 
     def is_committed(self, step_dir: Path) -> bool:
         """A save that is whole here: its commit marker is there, and it is not a partial

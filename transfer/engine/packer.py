@@ -98,6 +98,7 @@ class PackWriter:
         # the final write of each pack runs shielded from cancellation, so that after a
         # failure abort() knows for sure which packs exist and can delete them
         self._commits: dict[str, asyncio.Future[None]] = {}
+        self._packs: dict[str, _OpenPack] = {}  # the packs of those writes
         self.completed_packs: list[str] = []
 
     async def add(self, payload: bytes, tag: object = None) -> PackLocation:
@@ -129,25 +130,32 @@ class PackWriter:
 
     async def abort(self, *, keep_reported: bool = True, interrupted: bool = False) -> None:
         """Best effort after a failure: drop pending uploads, and packs nobody references.
-        Packs reported to ``on_pack_durable``, whose journal may resume them, are kept
-        unless ``keep_reported`` is false (a pack whose final write landed after the failure
-        too, where it had been reported); the rest are deleted. ``interrupted`` (Ctrl-C, a
-        drain: the same push runs again): an unfinished upload the journal knows is left as
-        a kill leaves it, where the store can salvage what landed (``salvages_uploads``),
-        so the next attempt completes it instead of sending its parts again."""
+        Each pack's final write runs shielded, so it is waited for first: a pack that
+        became durable (before the failure or after) is kept unless ``keep_reported`` is
+        false or there is no journal (``on_pack_durable``, told of it now if it was not yet:
+        its resume reuses it); the rest are deleted. ``interrupted`` (Ctrl-C, SIGTERM, a
+        drain: the same push is meant to run again): an unfinished upload the journal
+        knows is left as a kill leaves it, where the store can salvage what landed
+        (``salvages_uploads``), so the next attempt completes it instead of sending its
+        parts again (retention aborts it if none does)."""
         keep = keep_reported and self._on_pack_durable is not None
         leave = (
             keep and interrupted and self._store.salvages_uploads and bool(self._on_part_receipt)
         )
+        outcomes = await asyncio.gather(*self._commits.values(), return_exceptions=True)
+        landed = {
+            p
+            for p, o in zip(self._commits, outcomes, strict=True)
+            if not isinstance(o, BaseException)
+        }
         for pack_id, task in self._uploads.items():
-            if leave and pack_id in self._reported:
+            if pack_id in landed or (leave and pack_id in self._reported):
                 continue
             if task.done() and not task.cancelled() and task.exception() is None:
                 await task.result().abort()
-        landed = await asyncio.gather(*self._commits.values(), return_exceptions=True)
-        for pack_id, outcome in zip(self._commits, landed, strict=True):
-            # durable (some after the failure: their writes are shielded) and journaled
-            if keep and not isinstance(outcome, BaseException) and pack_id in self._reported:
+        for pack_id in self._commits:
+            if keep and pack_id in landed:
+                self._report(self._packs[pack_id])  # (a landed whole PUT was not told yet)
                 continue
             with contextlib.suppress(Exception):
                 await self._store.delete(pack_key(pack_id))
@@ -190,9 +198,10 @@ class PackWriter:
             await self._flush_part(pack)
         self._closing.append(self._tasks.create_task(self._complete(pack)))
 
-    def _commit(self, pack_id: str, write: Awaitable[None]) -> Awaitable[None]:
-        self._commits[pack_id] = asyncio.ensure_future(write)
-        return asyncio.shield(self._commits[pack_id])
+    def _commit(self, pack: _OpenPack, write: Awaitable[None]) -> Awaitable[None]:
+        self._packs[pack.pack_id] = pack
+        self._commits[pack.pack_id] = asyncio.ensure_future(write)
+        return asyncio.shield(self._commits[pack.pack_id])
 
     def _durable(self, pack: _OpenPack) -> None:
         self.completed_packs.append(pack.pack_id)
@@ -206,7 +215,7 @@ class PackWriter:
 
     async def _put_whole(self, pack: _OpenPack, data: bytes) -> None:
         try:
-            await self._commit(pack.pack_id, self._store.put(pack_key(pack.pack_id), data))
+            await self._commit(pack, self._store.put(pack_key(pack.pack_id), data))
             self._on_bytes_stored(len(data))
             self._durable(pack)
         finally:
@@ -217,5 +226,5 @@ class PackWriter:
         upload = await pack.upload
         for part in pack.parts:
             await part
-        await self._commit(pack.pack_id, upload.complete())
+        await self._commit(pack, upload.complete())
         self._durable(pack)
