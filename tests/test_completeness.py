@@ -11,10 +11,18 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import make_checkpoint
-from transfer.engine import push
-from transfer.engine.catalog import is_complete, step_is_complete
+from tests.fake_dcp import dcp_metadata
+from transfer.engine import PushPlan, push
+from transfer.engine.catalog import (
+    complete_steps,
+    is_complete,
+    latest_complete_step,
+    step_is_complete,
+)
 from transfer.format import layout
 from transfer.retention.inventory import take_inventory
+from transfer.retention.plan import kept_steps
+from transfer.retention.policy import TierPolicy
 from transfer.store.local import LocalStore
 
 
@@ -66,3 +74,51 @@ def test_the_catalog_and_retention_agree_on_a_real_store(tmp_path: Path) -> None
         ("multi", 30, ()): True,
         ("single", 10, ()): True,
     }
+
+
+def test_a_torn_step_with_every_expected_part_is_whole_nowhere(tmp_path: Path) -> None:
+    """A newcomer's trial: node b wrote one file late, and its agent pushed its part
+    without it; the agent that found the step torn wrote no marker, but every expected
+    node's part was in, so the listing, "latest" and retention took the step for whole
+    (retention keeping only it would expire the last loadable step). Now each confirms a
+    step no marker vouches for by its files: the torn step is whole nowhere, the step
+    before it is "latest" and is kept."""
+    files = {"__0_0.distcp": 40_000, "__1_0.distcp": 40_000}
+    meta = dcp_metadata(files)
+
+    def part(root: Path, names: tuple[str, ...], with_meta: bool) -> Path:
+        root.mkdir(parents=True)
+        for name in names:
+            (root / name).write_bytes(bytes([len(name)]) * files[name])
+        if with_meta:
+            (root / ".metadata").write_bytes(meta)
+        return root
+
+    store = LocalStore(tmp_path / "store")
+    (tmp_path / "store").mkdir()
+    expected = ("a", "b")
+
+    async def go() -> tuple[bool, bool, set[int], int, dict[int, bool], list[int]]:
+        for step, b_files in ((10, ("__1_0.distcp",)), (20, ())):  # step 20: b's file late
+            a = part(tmp_path / f"a{step}", ("__0_0.distcp",), True)
+            b = part(tmp_path / f"b{step}", b_files, False)
+            if not b_files:
+                (b / "notes.txt").write_text("b's part, pushed before __1_0.distcp landed")
+            for node, root in (("a", a), ("b", b)):
+                await push(store, root, job="j", step=step, node=node, plan=PushPlan(part=True))
+        inventory = await take_inventory(store, now=time.time(), expected_nodes=expected)
+        kept, _ = kept_steps(inventory, TierPolicy(keep_last=1), time.time(), ())
+        return (
+            await is_complete(store, "j", 10, expected),
+            await is_complete(store, "j", 20, expected),
+            await complete_steps(store, "j", expected),
+            await latest_complete_step(store, "j", expected),
+            {step: e.complete for (_, step), e in inventory.steps.items()},
+            sorted(step for _, step in kept),
+        )
+
+    whole10, whole20, listed, latest, taken_as_whole, kept = asyncio.run(go())
+    assert (whole10, whole20) == (True, False)
+    assert listed == {10} and latest == 10
+    assert taken_as_whole == {10: True, 20: False}
+    assert 10 in kept  # keep_last=1: the last loadable step stays

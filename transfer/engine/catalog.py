@@ -6,6 +6,7 @@ import asyncio
 import json
 import logging
 import shlex
+import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, replace
 
@@ -415,24 +416,30 @@ async def completion_markers(store: Store, job: str) -> set[int]:
 
 async def complete_steps(store: Store, job: str, expected_nodes: Sequence[str]) -> set[int]:
     """The steps of ``job`` in ``store`` that are whole by step_is_complete, from one listing
-    of its parts and one of its completion markers (every step: the listing's question)."""
+    of its parts and one of its completion markers (every step: the listing's question); a
+    step whole only by its expected nodes' parts is confirmed by its files (whole_by_files)."""
     parts: dict[int, set[str]] = {}
     for c in await list_checkpoints(store, job):
         parts.setdefault(c.step, set()).add(c.node)
     markers = await completion_markers(store, job)
+    catalog = Catalog(store)
     return {
         step
         for step, nodes in parts.items()
         if step_is_complete(nodes, step in markers, expected_nodes, bool(markers))
+        and (step in markers or await whole_by_files(catalog, job, step, nodes))
     }
 
 
 async def is_complete(store: Store, job: str, step: int, expected_nodes: Sequence[str]) -> bool:
     """Whether (job, step) is whole in ``store`` (step_is_complete), from the job's markers
-    and one listing of the step's parts."""
+    and one listing of the step's parts; without its marker, confirmed by its files
+    (whole_by_files)."""
     markers = await completion_markers(store, job)
     nodes = {c.node for c in await list_parts(store, job, step)}
-    return bool(nodes) and step_is_complete(nodes, step in markers, expected_nodes, bool(markers))
+    if not nodes or not step_is_complete(nodes, step in markers, expected_nodes, bool(markers)):
+        return False
+    return step in markers or await whole_by_files(Catalog(store), job, step, nodes)
 
 
 async def latest_complete_step(
@@ -440,10 +447,10 @@ async def latest_complete_step(
 ) -> int:
     """The newest step of ``job`` that is complete in ``store``: an incomplete multi-node
     checkpoint (a node still uploading, or dead) is never "latest". Walks back from the
-    newest step, one listing of parts per step walked (usually one or two); with no nodes
-    named and no markers, the step's parts are read, and its ``.metadata``: a step whose
-    parts lack it (parts_lack_metadata) or lack a file it names is
-    skipped (_shards_whole)."""
+    newest step, one listing of parts per step walked (usually one or two); a step no
+    marker vouches for is confirmed by its files (whole_by_files: its parts and its
+    ``.metadata`` read), and skipped where its parts lack ``.metadata``
+    (parts_lack_metadata) or a file it names."""
     markers = await completion_markers(store, job)
     catalog = catalog or Catalog(store)
     for step in reversed(await catalog.steps(job)):
@@ -451,27 +458,47 @@ async def latest_complete_step(
             return step
         nodes = {c.node for c in await catalog.parts(job, step)}
         if nodes and step_is_complete(nodes, False, expected_nodes, bool(markers)):
-            if expected_nodes:
-                return step
-            manifests = await catalog.manifests(job, step)
-            if parts_lack_metadata(manifests):
+            if not expected_nodes and parts_lack_metadata(await catalog.manifests(job, step)):
                 continue
-            if await _shards_whole(catalog, job, step):
+            if await whole_by_files(catalog, job, step, nodes):
                 return step
     raise CheckpointNotFoundError(f"no complete checkpoint of job {job!r} in {store.url}")
 
 
-async def _shards_whole(catalog: Catalog, job: str, step: int) -> bool:
-    """Parts that hold ``.metadata`` but no marker says are all in (a multi-node job pushed
-    by hand): whole when they hold every file ``.metadata`` names (one read of it), so
-    "latest" is never a step a pull would then refuse as torn."""
+#: whole_by_files's answers, by (store, job, step, its parts), for WHOLE_BY_FILES_SECONDS:
+#: a torn step stays torn (committed parts are create-only), so every listing, standby
+#: poll and retention run need not read all its manifests again; the answer is read anew
+#: after a while all the same (a step expired and pushed again under the same name)
+_WHOLE_BY_FILES: dict[tuple[str, str, int, frozenset[str]], tuple[bool, float]] = {}
+WHOLE_BY_FILES_SECONDS = 60.0
+
+
+async def whole_by_files(catalog: Catalog, job: str, step: int, nodes: Collection[str]) -> bool:
+    """Whether a step no completion marker vouches for is whole by its files: its parts
+    hold every file its ``.metadata`` names at full length (check_step_whole: the parts'
+    manifests and one read of it). Every expected node's part being in is not enough: a
+    node that wrote one file late pushed its part without it (a newcomer's trial), and
+    the agent whose check found it torn wrote no marker, while the listing, "latest" and
+    retention took the step for whole (retention could then expire the last loadable
+    step). So "latest" is never a step a pull would refuse as torn."""
     from transfer.engine.parts import check_step_whole  # (parts reads chunks: it imports this)
 
+    key = (catalog.store.url, job, step, frozenset(nodes))
+    now = time.monotonic()
+    known = _WHOLE_BY_FILES.get(key)
+    if known is not None and now - known[1] < WHOLE_BY_FILES_SECONDS:
+        return known[0]
     try:
         await check_step_whole(catalog, job, step)
-    except IncompleteStepError:
-        return False
-    return True
+        whole = True
+    except (IncompleteStepError, FormatError):
+        whole = False
+    for stale in [
+        k for k, (_, at) in _WHOLE_BY_FILES.items() if now - at >= WHOLE_BY_FILES_SECONDS
+    ]:
+        del _WHOLE_BY_FILES[stale]
+    _WHOLE_BY_FILES[key] = (whole, now)
+    return whole
 
 
 def parts_lack_metadata(manifests: Sequence[Manifest]) -> bool:

@@ -10,10 +10,12 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from transfer.engine.catalog import (
+    Catalog,
     list_checkpoints,
     load_manifest,
     parts_lack_metadata,
     step_is_complete,
+    whole_by_files,
 )
 from transfer.errors import FerryError, FormatError
 from transfer.format import layout
@@ -216,6 +218,7 @@ async def _mark_complete(
     multi_node |= {
         e.job for e in steps.values() if any(m.extra.get(PART_EXTRA) for m in e.manifests.values())
     }
+    catalog = Catalog(store)
     for entry in steps.values():
         entry.has_marker = entry.key in markers
         read = list(entry.manifests.values())  # (every part's, but on a second look: known)
@@ -224,6 +227,10 @@ async def _mark_complete(
             entry.parts, entry.has_marker, expected_nodes, entry.job in multi_node,
             without_metadata=lacks,
         )  # fmt: skip
+        if entry.complete and not entry.has_marker and expected_nodes:
+            # every expected node's part, no marker: whole only if its files say so (a torn
+            # newest step kept as "whole" would let the last loadable one expire)
+            entry.complete = await whole_by_files(catalog, entry.job, entry.step, entry.parts)
 
 
 async def read_pins(store: Store, *, now: float) -> dict[Key, float]:
