@@ -4,15 +4,20 @@ durable step before the scheduler asks, and a prefetch then finds it at once."""
 from __future__ import annotations
 
 import asyncio
+import re
 import shutil
 import time
 from pathlib import Path
 from typing import Any
 
+import aiohttp
+
 from agent.rpc.client import FerryClient
 from tests.conftest import adamw_series, prefetched, tree_bytes
 from tests.harness import TOKEN, agent, push_series
+from transfer.engine import PushPlan, push
 from transfer.engine.ratelimit import RateLimit
+from transfer.store import open_store
 
 FAST = {"FERRY_STANDBY_POLL_SECONDS": "0.1", "FERRY_STANDBY_MAX_RATE": "0"}
 
@@ -136,3 +141,47 @@ def test_rate_limit_spaces_reservations() -> None:
     limit = RateLimit(1000.0)
     waits = [limit.reserve(500) for _ in range(3)]  # each waits for its own bytes too
     assert 0.45 < waits[0] <= 0.5 and 0.95 < waits[1] <= 1.0 and 1.45 < waits[2] <= 1.5
+
+
+def test_a_step_that_cannot_be_replicated_is_retried_later_not_at_once(
+    local_url: str, tmp_path: Path
+) -> None:
+    """A newcomer's trial: a standby whose newest step failed to restore tried it again the
+    moment the failure ended, 43 times in 35 s (1.6 GB from a peer), until unregistered.
+    Now each failure of the same step doubles the wait (a poll, then 2, 4, ... up to 10
+    min), said in ``retry_in_seconds``; a newer step is tried at once."""
+    k20, k40 = adamw_series(tmp_path / "src", 2, seed=23)
+
+    async def failed(url: str) -> int:
+        auth = {"Authorization": f"Bearer {TOKEN}"}
+        async with aiohttp.ClientSession(headers=auth) as s, s.get(f"{url}/metrics") as r:
+            text = await r.text()
+        found = re.search(r'ferry_prefetch_total\{state="failed"\} (\d+)', text)
+        return int(found.group(1)) if found else 0
+
+    async def go() -> tuple[int, dict[str, Any]]:
+        # step 20: one node's part without .metadata (rank 0's part never came): listed,
+        # never whole, so every replication of it fails
+        part = tmp_path / "part" / "step_000020"
+        part.mkdir(parents=True)
+        shutil.copy(k20 / "__0_0.distcp", part)
+        store = open_store(local_url)
+        try:
+            await push(store, part, job="llm", step=20, node="n1", plan=PushPlan(part=True))
+        finally:
+            await store.close()
+        async with (
+            agent(tmp_path / "b", [local_url], "b", extra_env=FAST) as url_b,
+            FerryClient(url_b, TOKEN) as b,
+        ):
+            await b._call("PUT", "/v1/standby/llm")
+            await asyncio.sleep(2.0)  # 20 polls of 0.1 s: 0.1 + 0.2 + 0.4 + 0.8 s of waits
+            tries = await failed(url_b)
+            entry = next(e for e in (await b._call("GET", "/v1/standby"))["jobs"])
+            await push_series(local_url, [k40])  # a newer step: tried at once, and whole
+            await _replicated(b, "llm", 40)
+            return tries, entry
+
+    tries, entry = asyncio.run(go())
+    assert 2 <= tries <= 5, tries
+    assert entry["last_error"] and entry["retry_in_seconds"] is not None, entry

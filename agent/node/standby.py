@@ -41,6 +41,9 @@ from transfer.store.base import Store
 
 log = logging.getLogger(__name__)
 
+#: the longest wait before a standby tries again a step whose replication keeps failing
+MAX_RETRY_SECONDS = 600.0
+
 
 @dataclass
 class StandbyJob:
@@ -57,6 +60,12 @@ class StandbyJob:
     running: PrefetchJob | None = None
     last: PrefetchJob | None = None
     last_error: str | None = None
+    #: the step whose replication failed last, how many times in a row, and when it is
+    #: tried again (monotonic): a step that cannot be restored (torn, its tier down) is
+    #: retried with a growing wait, not again the moment its failure wakes the loop
+    failed_step: int | None = None
+    failures: int = 0
+    retry_at: float = 0.0
 
     def to_dict(self, resident: Resident | None = None) -> dict[str, Any]:
         running = self.running
@@ -69,6 +78,9 @@ class StandbyJob:
             "replicating": running.to_dict() if running and running.state not in FINAL else None,
             "last_replication": self.last.to_dict() if self.last else None,
             "last_error": self.last_error,
+            "retry_in_seconds": (
+                round(max(0.0, self.retry_at - time.monotonic()), 1) if self.failures else None
+            ),
             "in_memory": None if resident is None else resident.to_dict(),
         }
 
@@ -168,11 +180,15 @@ class Standby:
                     # so that a scheduler seeing the step replicated sees where it is too)
                     await self.resident.keep(entry.job, running.step, Path(running.dest))
                 entry.replicated_step, entry.last_error = running.step, None
+                entry.failed_step, entry.failures = None, 0
             else:
                 entry.last_error = running.error
+                self._back_off(entry, running.step)
         newest = await self._newest_durable(entry.job)
         if newest is None or (entry.replicated_step or -1) >= newest:
             return
+        if newest == entry.failed_step and time.monotonic() < entry.retry_at:
+            return  # (a newer step is tried at once)
         held = {c.step for c in self.hot_dir.checkpoints(entry.job)}
         if newest in held and not self.prefetcher.is_replica(entry.job, newest):
             entry.replicated_step = newest  # training wrote it here: nothing to replicate
@@ -180,6 +196,16 @@ class Standby:
         entry.running = self.prefetcher.submit(
             entry.job, newest, None, background=True, layout=entry.layout
         )
+
+    def _back_off(self, entry: StandbyJob, step: int | None) -> None:
+        """After a failed replication of ``step``: wait a poll, then twice as long after
+        each further failure of the same step, up to MAX_RETRY_SECONDS."""
+        entry.failures = entry.failures + 1 if step == entry.failed_step else 1
+        entry.failed_step = step
+        wait = min(self.poll_seconds * 2 ** (entry.failures - 1), MAX_RETRY_SECONDS)
+        entry.retry_at = time.monotonic() + wait
+        event(log, "standby", job=entry.job, step=step, action="retry_later",
+              failures=entry.failures, retry_in=round(wait, 1))  # fmt: skip
 
     async def _newest_durable(self, job: str) -> int | None:
         """The newest complete step of ``job`` in the first tier that answers."""
