@@ -14,6 +14,9 @@ import sys
 from collections.abc import Callable
 from dataclasses import astuple
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from agent.node.hotdir import HotDir
 from agent.node.journal import Journal
@@ -23,7 +26,7 @@ from tests.conftest import init_test_store, random_bytes, tree_bytes, write_file
 from tests.harness import MARKER, POLL, make_queue, save, tier_states, until
 from tests.harness import QUEUE_OPTS as OPTS
 from tests.harness import queue_agent as agent
-from transfer.engine import PullPlan, pull
+from transfer.engine import PullPlan, pull, push
 from transfer.engine.catalog import is_complete
 from transfer.store import open_store
 from transfer.store.local import LocalStore
@@ -138,6 +141,10 @@ def test_committed_checkpoints_reach_every_tier_and_pull_back_identical(tmp_path
 def test_a_failing_tier_is_reported_and_retried_while_the_other_becomes_durable(
     tmp_path: Path,
 ) -> None:
+    """A tier whose mount is missing is retried for as long as it is (a newcomer's trial:
+    a tier down for two minutes was given up after three attempts, ~98 s, and the step
+    was pushed there only after a restart), while the other tier becomes durable; once
+    mounted, the step lands there too."""
     hot = tmp_path / "hot"
     missing = str(tmp_path / "not-mounted")  # a store directory that does not exist
     (good,) = tiers_in(tmp_path, "good")
@@ -146,20 +153,47 @@ def test_a_failing_tier_is_reported_and_retried_while_the_other_becomes_durable(
         queue, _ = make_queue([missing, good], tmp_path / "state", max_attempts=3)
         async with agent(queue, hot):
             save(hot / "job1" / "step_000010", {"__0_0.distcp": random_bytes(100_000)})
-            await until(lambda: len(queue.states()) == 2 and queue.idle)
+            await until(lambda: tier_states(queue, "job1", 10).get(missing, {}).get(
+                "attempts", 0) >= 5)  # fmt: skip
             rows = tier_states(queue, "job1", 10)
             assert rows[good]["state"] == "durable" and rows[good]["attempts"] == 1
-            assert rows[missing]["state"] == "failed"
-            assert rows[missing]["attempts"] == 3  # retried, then left failed
+            assert rows[missing]["state"] == "failed" and rows[missing]["will_retry"]
             assert "not-mounted" in str(rows[missing]["error"])
-            assert queue.stats.tiers[missing].pushes_failed == 3
             # what a restart would resume
             assert queue.journal.pending([missing, good]) == [
                 ("job1", 10, hot / "job1" / "step_000010")
             ]
             assert queue.journal.pending([good]) == []
+            await asyncio.to_thread(init_test_store, missing)  # mounted at last
+            await until(lambda: tier_states(queue, "job1", 10)[missing]["state"] == "durable")
 
     asyncio.run(go())
+
+
+def test_a_tier_that_refuses_the_push_is_given_up_after_its_attempts_and_said_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Not a tier that does not answer: one that answers no (here, the step is committed
+    there under this node with other content) is tried max_attempts times, then left
+    failed with an ERROR line."""
+    hot = tmp_path / "hot"
+    (tier,) = tiers_in(tmp_path, "tier")
+    plain = Path(tier)
+    other = save(tmp_path / "other" / "step_000010", {"__0_0.distcp": random_bytes(1000, 9)})
+
+    async def go() -> dict[str, Any]:
+        queue, stores = make_queue([tier], tmp_path / "state", max_attempts=3)
+        await push(stores[0], other, job="job1", step=10, node="n1", options=OPTS)
+        async with agent(queue, hot):
+            save(hot / "job1" / "step_000010", {"__0_0.distcp": random_bytes(1000)})
+            await until(lambda: len(queue.states()) == 1 and queue.idle)
+            return tier_states(queue, "job1", 10)[str(plain)]
+
+    with caplog.at_level("ERROR"):
+        row = asyncio.run(go())
+    assert (row["state"], row["attempts"], row["will_retry"]) == ("failed", 3, False)
+    said = [r.__dict__["ferry_fields"] for r in caplog.records if r.levelname == "ERROR"]
+    assert [f["outcome"] for f in said] == ["gave_up"], said  # (agent/daemon/logs.py's event)
 
 
 class StuckManifestStore(LocalStore):

@@ -35,6 +35,11 @@ class NotFoundError(StoreError):
     """The object, bucket or directory does not exist."""
 
 
+class StoreMissingError(NotFoundError):
+    """The store itself is not there (its directory: an NFS mount not mounted yet, or its
+    bucket): maybe for now, unlike a missing object of a store that is there."""
+
+
 class RangeNotSatisfiableError(StoreError):
     """A ranged read reaches past the end of the object (a truncated pack)."""
 

@@ -6,8 +6,11 @@ node's uplink and disk, and one push already keeps ``window`` parts in flight. T
 independent (each push reads the local directory), so a failing tier does not stop the next.
 
 Every outcome is in the journal (``states()``), not only in a log. A failed tier is retried
-with exponential backoff, ``max_attempts`` attempts in all; then it stays ``failed`` until
-the agent restarts (``resume_pending``) while newer checkpoints carry on normally.
+with exponential backoff (at most MAX_RETRY_SECONDS apart): for as long as it cannot be
+reached (down, its mount or bucket missing: ``tier_unreachable``), since an outage of a
+few minutes must not leave a step pushed nowhere; after any other failure ``max_attempts``
+attempts in all, and then it stays ``failed`` (an ERROR line says so) until the agent
+restarts (``resume_pending``), while newer checkpoints carry on normally.
 
 Multi-node jobs: after a push to a tier, when every node of ``expected_nodes`` has a
 manifest for the step there, a completion marker ``complete/<job>/<step:018d>.json`` is
@@ -44,12 +47,17 @@ from transfer.errors import (
     FormatError,
     IncompleteStepError,
     SourceChangedError,
+    StoreError,
+    StoreMissingError,
 )
 from transfer.format.layout import completion_key
 from transfer.format.names import check_name
 from transfer.store.base import Store
 
 log = logging.getLogger(__name__)
+
+#: the longest wait between two tries of a push that keeps failing
+MAX_RETRY_SECONDS = 600.0
 
 JOURNAL_FILE = "journal.sqlite3"
 
@@ -259,7 +267,7 @@ class PushQueue:
             self._queued.discard(key)  # its directory is other nodes' data now
             return
         durable = self.journal.durable_tiers(item.job, item.step)
-        failed = False
+        failed, unreachable = False, True  # (every failure so far: a tier that did not answer)
         try:
             await self._check_quiet(item)
         except _NotQuiet as exc:
@@ -281,9 +289,11 @@ class PushQueue:
                 return
             except Exception as exc:  # every failure must reach the journal, whatever its type
                 error = " ".join(str(exc).split()) or type(exc).__name__
+                unreachable = unreachable and tier_unreachable(exc)
+                attempts = "until it answers" if tier_unreachable(exc) else self.max_attempts
                 event(log, "push", level=logging.WARNING, job=item.job, step=item.step,
-                      tier=name, outcome="failed", attempt=item.attempt,
-                      attempts=self.max_attempts, error=error)  # fmt: skip
+                      tier=name, outcome="failed", attempt=item.attempt, attempts=attempts,
+                      error=error)  # fmt: skip
                 self.journal.record_failed(item.job, item.step, name, error)
                 self.stats.tiers[name].pushes_failed += 1
                 failed = True
@@ -291,12 +301,17 @@ class PushQueue:
             finally:
                 self._current = None
             self._record_durable(name, item, result)
-        if failed and item.attempt < self.max_attempts and not self._closing:
-            delay = self.retry_seconds * 2 ** (item.attempt - 1)
+        retrying = item.attempt < self.max_attempts or unreachable
+        if failed and retrying and not self._closing:
+            backoff = self.retry_seconds * 2 ** min(item.attempt - 1, 16)
             retry = _Item(item.job, item.step, item.path, item.attempt + 1)
             loop = asyncio.get_running_loop()
-            self._timers[key] = loop.call_later(delay, self._retry, retry)
+            self._timers[key] = loop.call_later(min(backoff, MAX_RETRY_SECONDS), self._retry, retry)
             return
+        if failed and not self._closing:
+            event(log, "push", level=logging.ERROR, job=item.job, step=item.step,
+                  outcome="gave_up", attempts=item.attempt,
+                  reason="failed every attempt: not retried until the agent restarts")  # fmt: skip
         self._queued.discard(key)
         if self.on_pushed is not None:
             self.on_pushed()
@@ -412,6 +427,16 @@ class PushQueue:
             log, "step_complete", job=job, step=step, tier=store.url, nodes=",".join(sorted(nodes))
         )
         return True
+
+
+def tier_unreachable(exc: BaseException) -> bool:
+    """A failure of a tier that did not answer (every retry of a request failed on the
+    network or the server: a plain StoreError; its directory or bucket missing: a mount
+    not there yet), worth retrying for as long as it lasts, unlike a refusal (access
+    denied, not a store, other content committed) or a bad checkpoint."""
+    if isinstance(exc, (StoreMissingError, ConnectionError, TimeoutError)):
+        return True
+    return type(exc) is StoreError
 
 
 class _NotQuiet(SourceChangedError):

@@ -28,7 +28,13 @@ from typing import TypeVar
 
 from transfer.directio import open_direct, write_at
 from transfer.durable import fsync_dir
-from transfer.errors import AccessDeniedError, AlreadyExistsError, NotFoundError, StoreError
+from transfer.errors import (
+    AccessDeniedError,
+    AlreadyExistsError,
+    NotFoundError,
+    StoreError,
+    StoreMissingError,
+)
 from transfer.store.base import (
     ObjectInfo,
     PartReceipt,
@@ -257,7 +263,7 @@ class LocalStore(Store):
     async def check(self) -> None:
         self._refuse_a_file()
         if not self.root.is_dir():
-            raise NotFoundError(
+            raise StoreMissingError(
                 f"store directory {self.root} does not exist (make a store there with "
                 f"`ferry init {shlex.quote(str(self.root))}`, or check the mount)"
             )

@@ -19,7 +19,7 @@ import zlib
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from transfer.errors import AccessDeniedError, NotFoundError, StoreError
+from transfer.errors import AccessDeniedError, NotFoundError, StoreError, StoreMissingError
 from transfer.options import CHECKSUMS, StoreSettings
 from transfer.store.base import (
     ObjectInfo,
@@ -235,7 +235,7 @@ class S3Store(Store):
         try:  # a list of the store's own prefix: needs only the permission reads need
             await self.on_thread(lambda: self.client.check(self.full_key_prefix(), what))
         except NotFoundError as exc:
-            raise NotFoundError(f"bucket {self.bucket!r} does not exist") from exc
+            raise StoreMissingError(f"bucket {self.bucket!r} does not exist") from exc
 
     async def holds_objects(self) -> bool:
         full = self.full_key_prefix()
