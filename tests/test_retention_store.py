@@ -588,6 +588,10 @@ def test_ferry_pin_keeps_a_step_from_retention_until_unpinned(
     store = open_test_store(local_url)
     run(_push_steps(store, tmp_path, {1: 1, 2: 2, 3: 3}))
     where = [local_url, "--job", JOB]
+    with pytest.raises(SystemExit) as too_long:  # a usage error, as --ttl 0 is
+        ferry(["pin", *where, "--step", "1", "--ttl", "30d"])
+    assert too_long.value.code == 2
+    assert "a pin lasts at most 7 days, got '30d'" in capsys.readouterr().err
     assert ferry(["pin", *where, "--step", "1", "--ttl", "1d", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["pinned"] and doc["holder"].startswith("cli-")

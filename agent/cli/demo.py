@@ -125,6 +125,8 @@ async def _scale_down(
 async def run_demo(workdir: Path) -> bool:
     store, hot_a, hot_b = workdir / "store", workdir / "node-a", workdir / "node-b"
     await _init_store(store)  # `ferry init STORE`: agents write only into a store made so
+    for hot in (hot_a, hot_b):  # (as a node's disk is there before its agent starts)
+        hot.mkdir(parents=True, exist_ok=True)
     port_a, port_b = _free_port(), _free_port()
     runner_a = await _start_agent("node-a", hot_a, store, port_a, port_b)
     runner_b = await _start_agent("node-b", hot_b, store, port_b, port_a)

@@ -24,6 +24,18 @@ if TYPE_CHECKING:
     from transfer.store.base import Store
 
 
+def _pin_ttl(text: str) -> float:
+    """--ttl: a duration of at most a pin's longest (a usage error, as a zero one is)."""
+    from transfer.retention.pins import MAX_PIN_SECONDS
+
+    ttl = _duration(text)
+    if ttl > MAX_PIN_SECONDS:
+        raise argparse.ArgumentTypeError(
+            f"a pin lasts at most {MAX_PIN_SECONDS / 86400:.0f} days, got {text!r}"
+        )
+    return ttl
+
+
 def add_retention(sub: Commands) -> None:
     p = sub.add_parser(
         "retention", help="apply a retention policy to a store: expire, demote, collect garbage"
@@ -78,7 +90,7 @@ def add_pins(sub: Commands) -> None:
         )
         if name == "pin":
             p.add_argument(
-                "--ttl", type=_duration, default=7 * 86400.0, help="how long (default and most: 7d)"
+                "--ttl", type=_pin_ttl, default=7 * 86400.0, help="how long (default and most: 7d)"
             )
         add_store_args(p)
 

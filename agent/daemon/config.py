@@ -314,9 +314,11 @@ class AgentConfig:
 
     node: str = field(
         metadata=_key(
-            "This node's name in store keys; name it in containers.",
+            "This node's name in store keys; name it in containers (a file copied to several "
+            "nodes with this set would push them all as one node).",
             str,
             example="node-a",
+            commented=True,
             default_text="the host name",
         )
     )
@@ -790,6 +792,8 @@ def effective_config(config: AgentConfig) -> list[tuple[str, object, str]]:
                 value, variable = endpoint_from_env()
                 source = f"env {variable}" if variable else source
             value = _without_password(value)
+        if key == "standby_memory" and value is None:
+            value = "auto"  # (what the node can spare: None in the config object)
         rows.append((key, _plain(value), source))
     for table, settings in (("transfer", config.transfer), ("store", config.store)):
         for knob in knobs(type(settings)):

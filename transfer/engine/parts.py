@@ -221,5 +221,6 @@ def check_files_whole(metadata: bytes, sizes: dict[str, int], what: str, parts: 
             held = "no part holds it" if have is None else f"its part holds {have} bytes"
             raise IncompleteStepError(
                 f"{what} is not whole: {METADATA} names {path} ({length} bytes) and {held} "
-                f"({parts} parts in; a node's part still to come? pull --node for one part)"
+                f"({parts} part{'s' if parts != 1 else ''} in; a node's part still to come? "
+                "pull --node for one part)"
             )

@@ -23,7 +23,10 @@ async def pin(store: Store, job: str, step: int, holder: str, ttl_s: float) -> f
     """Pin (job, step) for ``ttl_s`` seconds on behalf of ``holder``; returns the expiry.
     Pinning again moves the expiry (to extend a pin, or to shorten it)."""
     if not 0 < ttl_s <= MAX_PIN_SECONDS:
-        raise ValueError(f"a pin lasts 0..{MAX_PIN_SECONDS:.0f} s, got {ttl_s!r}")
+        raise ValueError(
+            f"a pin lasts more than 0 s and at most {MAX_PIN_SECONDS / 86400:.0f} days "
+            f"({MAX_PIN_SECONDS:.0f} s); asked {ttl_s:,.0f} s ({ttl_s / 86400:.3g} days)"
+        )
     expires = time.time() + ttl_s
     doc = {"job": job, "step": step, "holder": holder, "expires_at": expires}
     await store.put(layout.pin_key(job, step, holder), json.dumps(doc).encode())
