@@ -428,3 +428,35 @@ def test_push_resume_log_survives_a_torn_tail(tmp_path: Path) -> None:
     again = cli_push_journal(*args)
     assert again.resume("llm", 10, "s3://b/p").chunks() == []
     again.close()
+
+
+def test_a_file_that_comes_after_the_push_is_said_to_be_in_no_tier(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A newcomer's trial: a node without .metadata (its files are its part, pushed once
+    quiet) wrote its second shard 6 s after its first; the part was pushed without it,
+    and nothing on that node ever said so. Its files are now looked at again after the
+    push, and a file that came or grew since is named in an ERROR line."""
+    from agent.node import pushqueue
+
+    monkeypatch.setattr(pushqueue, "RECHECK_SECONDS", (0.5,))
+    hot = tmp_path / "hot"
+    (tier,) = tiers_in(tmp_path, "tier")
+    step = save(hot / "job1" / "step_000010", {"__4_0.distcp": random_bytes(1000, 4)})
+
+    async def go() -> None:
+        queue, _ = make_queue([tier], tmp_path / "state", quiet_seconds=0.1)
+        await queue.start()
+        assert queue.enqueue("job1", 10, step)
+        await until(lambda: tier_states(queue, "job1", 10)[tier]["state"] == "durable")
+        (step / "__5_0.distcp").write_bytes(random_bytes(1000, 5))  # the late shard
+        await asyncio.sleep(1.0)
+        await queue.drain(0)
+        queue.close()
+
+    with caplog.at_level("ERROR"):
+        asyncio.run(go())
+    said = [r.__dict__["ferry_fields"] for r in caplog.records if r.levelname == "ERROR"]
+    assert [(f["outcome"], f["files"]) for f in said] == [
+        ("changed_after_push", "__5_0.distcp")
+    ], said

@@ -58,6 +58,8 @@ log = logging.getLogger(__name__)
 
 #: the longest wait between two tries of a push that keeps failing
 MAX_RETRY_SECONDS = 600.0
+#: when a pushed step's files are looked at again (a file that came late is in no tier)
+RECHECK_SECONDS = (30.0, 300.0)
 
 JOURNAL_FILE = "journal.sqlite3"
 
@@ -121,6 +123,9 @@ class PushQueue:
         self._queue: asyncio.Queue[_Item] = asyncio.Queue()
         self._queued: set[tuple[str, int]] = set()  # queued, in flight or waiting to retry
         self._timers: dict[tuple[str, int], asyncio.TimerHandle] = {}  # retries
+        #: second looks at pushed steps' files (_watch_after_push), and those running
+        self._recheck_timers: list[asyncio.TimerHandle] = []
+        self._recheck_tasks: set[asyncio.Future[None]] = set()
         self._current: tuple[str, int, str] | None = None  # (job, step, tier) being pushed
         self._worker: asyncio.Task[None] | None = None
         self._closing = False
@@ -236,9 +241,11 @@ class PushQueue:
         """Stop taking work, let the push in flight finish for up to ``seconds``, then cancel
         it. Whatever did not finish stays ``staged`` in the journal for the next start."""
         self._closing = True
-        for timer in self._timers.values():
+        for timer in [*self._timers.values(), *self._recheck_timers]:
             timer.cancel()
         self._timers.clear()
+        for task in list(self._recheck_tasks):
+            task.cancel()
         worker, self._worker = self._worker, None
         if worker is None:
             return
@@ -313,8 +320,45 @@ class PushQueue:
                   outcome="gave_up", attempts=item.attempt,
                   reason="failed every attempt: not retried until the agent restarts")  # fmt: skip
         self._queued.discard(key)
+        if not failed and item.seen is not None and not self._closing:
+            self._watch_after_push(item)
         if self.on_pushed is not None:
             self.on_pushed()
+
+    def _watch_after_push(self, item: _Item) -> None:
+        """Look at a pushed step's files again later (RECHECK_SECONDS after): one that came
+        or grew after the push is in no tier, and the part is committed without it for good
+        (its writer paused longer than ``quiet_seconds``: a newcomer's trial wrote a node's
+        second shard 6 s after its first). Said in an ERROR line naming the files."""
+        loop = asyncio.get_running_loop()
+        now = loop.time()  # (the timers that fired already are dropped as new ones come)
+        self._recheck_timers = [t for t in self._recheck_timers if t.when() > now]
+        for delay in RECHECK_SECONDS:
+            timer = loop.call_later(delay, lambda: self._spawn_recheck(item))
+            self._recheck_timers.append(timer)
+
+    def _spawn_recheck(self, item: _Item) -> None:
+        task = asyncio.ensure_future(self._recheck(item))
+        self._recheck_tasks.add(task)
+        task.add_done_callback(self._recheck_tasks.discard)
+
+    async def _recheck(self, item: _Item) -> None:
+        own = self._own_files(item.job, item.step)
+        try:
+            if own is None:
+                now = await asyncio.to_thread(scan_checkpoint, item.path)
+            else:
+                now = await asyncio.to_thread(scan_files, item.path, own)
+        except (FerryError, OSError):
+            return  # gone (evicted, deleted): nothing to say
+        pushed = {path: size for path, size, _, _ in item.seen or ()}
+        late = sorted(f.path for f in now if pushed.get(f.path) != f.size)
+        if late and item.path.is_dir():
+            event(log, "push", level=logging.ERROR, job=item.job, step=item.step,
+                  outcome="changed_after_push", files=",".join(late[:8]),
+                  reason=f"{len(late)} file(s) came or changed after this node's part was "
+                  f"pushed (quiet_seconds {self.quiet_seconds:g} too short for this writer?): "
+                  "no tier holds them, and the step there is torn")  # fmt: skip
 
     async def _push_to(self, name: str, store: Store, item: _Item) -> PushResult:
         """One push of the step to one tier, resuming what the journal says an earlier
