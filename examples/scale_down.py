@@ -69,6 +69,7 @@ from agent.cli.args import (  # the CLI's own parsers
 )
 from agent.rpc.client import FerryClient, RpcError
 from agent.rpc.tls import TlsError
+from transfer.units import format_size
 
 FINAL = ("ready", "failed", "cancelled")
 #: Errors of one RPC: an HTTP error answer, a connection problem, or a request timeout.
@@ -97,11 +98,8 @@ class Abort(Exception):
 
 
 def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
+    """Decimal units, as every ``ferry`` command prints them (transfer/units.py)."""
+    return format_size(n)
 
 
 def _step(value: str) -> int | str:
@@ -219,14 +217,16 @@ async def estimate_all(survivors: list[Survivor], args: argparse.Namespace) -> i
 
 def print_estimates(survivors: list[Survivor], job: str, step: int) -> None:
     print(f"job {job} step {step}: estimates of the survivors")
-    rows = [["node", "bytes missing", "predicted s", "cost", "cooldown s"]]
+    # (to move may exceed the step: a delta-coded step onto a node without its base moves
+    # the base's chunks too)
+    rows = [["node", "to move / step", "predicted s", "cost", "cooldown s"]]
     for s in survivors:
         e = s.estimate
         ranks = "" if s.layout is None else f" (ranks {s.layout[1][0]}-{s.layout[1][-1]})"
         rows.append(
             [
                 s.name + ranks,
-                f"{_human(e['bytes_missing'])} of {_human(e['bytes_total'])}",
+                f"{_human(e['bytes_missing'])} / {_human(e['bytes_total'])}",
                 f"{e['seconds']:.2f}",
                 f"{e['cost']:.4f}",
                 str(math.ceil(e["cooldown_seconds"])),
