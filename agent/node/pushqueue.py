@@ -343,6 +343,8 @@ class PushQueue:
         task.add_done_callback(self._recheck_tasks.discard)
 
     async def _recheck(self, item: _Item) -> None:
+        if self._closing or not self.journal.pushable(item.job, item.step):
+            return  # (restored here since: the directory holds other nodes' data now)
         own = self._own_files(item.job, item.step)
         try:
             if own is None:

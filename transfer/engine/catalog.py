@@ -417,7 +417,8 @@ async def completion_markers(store: Store, job: str) -> set[int]:
 async def complete_steps(store: Store, job: str, expected_nodes: Sequence[str]) -> set[int]:
     """The steps of ``job`` in ``store`` that are whole by step_is_complete, from one listing
     of its parts and one of its completion markers (every step: the listing's question); a
-    step whole only by its expected nodes' parts is confirmed by its files (whole_by_files)."""
+    step whole only by its expected nodes' parts is confirmed by its files (whole_by_files:
+    read only for such steps, which a marker soon vouches for unless they are torn)."""
     parts: dict[int, set[str]] = {}
     for c in await list_checkpoints(store, job):
         parts.setdefault(c.step, set()).add(c.node)
@@ -427,19 +428,23 @@ async def complete_steps(store: Store, job: str, expected_nodes: Sequence[str]) 
         step
         for step, nodes in parts.items()
         if step_is_complete(nodes, step in markers, expected_nodes, bool(markers))
-        and (step in markers or await whole_by_files(catalog, job, step, nodes))
+        and (
+            step in markers or not expected_nodes or await whole_by_files(catalog, job, step, nodes)
+        )
     }
 
 
 async def is_complete(store: Store, job: str, step: int, expected_nodes: Sequence[str]) -> bool:
     """Whether (job, step) is whole in ``store`` (step_is_complete), from the job's markers
-    and one listing of the step's parts; without its marker, confirmed by its files
-    (whole_by_files)."""
+    and one listing of the step's parts; whole only by its expected nodes' parts, confirmed
+    by its files (whole_by_files)."""
     markers = await completion_markers(store, job)
     nodes = {c.node for c in await list_parts(store, job, step)}
     if not nodes or not step_is_complete(nodes, step in markers, expected_nodes, bool(markers)):
         return False
-    return step in markers or await whole_by_files(Catalog(store), job, step, nodes)
+    if step in markers or not expected_nodes:
+        return True
+    return await whole_by_files(Catalog(store), job, step, nodes)
 
 
 async def latest_complete_step(
