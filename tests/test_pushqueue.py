@@ -450,13 +450,13 @@ def test_a_file_that_comes_after_the_push_is_said_to_be_in_no_tier(
         assert queue.enqueue("job1", 10, step)
         await until(lambda: tier_states(queue, "job1", 10)[tier]["state"] == "durable")
         (step / "__5_0.distcp").write_bytes(random_bytes(1000, 5))  # the late shard
-        await asyncio.sleep(1.0)
+        await until(lambda: any(r.levelname == "ERROR" for r in caplog.records), within=10)
         await queue.drain(0)
         queue.close()
 
     with caplog.at_level("ERROR"):
         asyncio.run(go())
     said = [r.__dict__["ferry_fields"] for r in caplog.records if r.levelname == "ERROR"]
-    assert [(f["outcome"], f["files"]) for f in said] == [
-        ("changed_after_push", "__5_0.distcp")
-    ], said
+    assert [(f["outcome"], f["files"]) for f in said] == [("changed_after_push", "__5_0.distcp")], (
+        said
+    )

@@ -15,9 +15,7 @@ import aiohttp
 from agent.rpc.client import FerryClient
 from tests.conftest import adamw_series, prefetched, tree_bytes
 from tests.harness import TOKEN, agent, push_series
-from transfer.engine import PushPlan, push
 from transfer.engine.ratelimit import RateLimit
-from transfer.store import open_store
 
 FAST = {"FERRY_STANDBY_POLL_SECONDS": "0.1", "FERRY_STANDBY_MAX_RATE": "0"}
 
@@ -160,25 +158,20 @@ def test_a_step_that_cannot_be_replicated_is_retried_later_not_at_once(
         return int(found.group(1)) if found else 0
 
     async def go() -> tuple[int, dict[str, Any]]:
-        # step 20: one node's part without .metadata (rank 0's part never came): listed,
-        # never whole, so every replication of it fails
-        part = tmp_path / "part" / "step_000020"
-        part.mkdir(parents=True)
-        shutil.copy(k20 / "__0_0.distcp", part)
-        store = open_store(local_url)
-        try:
-            await push(store, part, job="llm", step=20, node="n1", plan=PushPlan(part=True))
-        finally:
-            await store.close()
+        await push_series(local_url, [k20])
+        hot = tmp_path / "b"
+        hot.mkdir()
+        (hot / "llm").write_text("a file where the job's directory goes: no restore lands")
         async with (
-            agent(tmp_path / "b", [local_url], "b", extra_env=FAST) as url_b,
+            agent(hot, [local_url], "b", extra_env=FAST) as url_b,
             FerryClient(url_b, TOKEN) as b,
         ):
             await b._call("PUT", "/v1/standby/llm")
             await asyncio.sleep(2.0)  # 20 polls of 0.1 s: 0.1 + 0.2 + 0.4 + 0.8 s of waits
             tries = await failed(url_b)
             entry = next(e for e in (await b._call("GET", "/v1/standby"))["jobs"])
-            await push_series(local_url, [k40])  # a newer step: tried at once, and whole
+            (hot / "llm").unlink()
+            await push_series(local_url, [k40])  # a newer step: tried at once, and lands
             await _replicated(b, "llm", 40)
             return tries, entry
 

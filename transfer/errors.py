@@ -35,6 +35,11 @@ class NotFoundError(StoreError):
     """The object, bucket or directory does not exist."""
 
 
+class StoreUnavailableError(StoreError):
+    """Every try of a request failed as a store that is down or unreachable fails (the
+    network, a server error, a flaky mount): worth trying again later, unlike a refusal."""
+
+
 class StoreMissingError(NotFoundError):
     """The store itself is not there (its directory: an NFS mount not mounted yet, or its
     bucket): maybe for now, unlike a missing object of a store that is there."""

@@ -414,7 +414,7 @@ class AgentConfig:
         metadata=_key(
             "A committed step is pushed once none of its files changed for this long (a commit "
             "marker copied in before the shards, by cp -r or rsync, does not make a torn step "
-            "durable). On a node without the commit marker (commit_marker = \"\") it is the "
+            'durable). On a node without the commit marker (commit_marker = "") it is the '
             "only sign that a save is done: a file that comes later is in no tier (an ERROR "
             "line, outcome=changed_after_push, names it); raise it for a writer that pauses.",
             float,

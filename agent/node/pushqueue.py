@@ -47,8 +47,8 @@ from transfer.errors import (
     FormatError,
     IncompleteStepError,
     SourceChangedError,
-    StoreError,
     StoreMissingError,
+    StoreUnavailableError,
 )
 from transfer.format.layout import completion_key
 from transfer.format.names import check_name
@@ -126,6 +126,7 @@ class PushQueue:
         #: second looks at pushed steps' files (_watch_after_push), and those running
         self._recheck_timers: list[asyncio.TimerHandle] = []
         self._recheck_tasks: set[asyncio.Future[None]] = set()
+        self._said_late: set[tuple[str, int, tuple[str, ...]]] = set()
         self._current: tuple[str, int, str] | None = None  # (job, step, tier) being pushed
         self._worker: asyncio.Task[None] | None = None
         self._closing = False
@@ -355,7 +356,9 @@ class PushQueue:
             return  # gone (evicted, deleted): nothing to say
         pushed = {path: size for path, size, _, _ in item.seen or ()}
         late = sorted(f.path for f in now if pushed.get(f.path) != f.size)
-        if late and item.path.is_dir():
+        said = (item.job, item.step, tuple(late))
+        if late and item.path.is_dir() and said not in self._said_late:
+            self._said_late.add(said)  # (once: the later look finds the same files)
             event(log, "push", level=logging.ERROR, job=item.job, step=item.step,
                   outcome="changed_after_push", files=",".join(late[:8]),
                   reason=f"{len(late)} file(s) came or changed after this node's part was "
@@ -476,13 +479,12 @@ class PushQueue:
 
 
 def tier_unreachable(exc: BaseException) -> bool:
-    """A failure of a tier that did not answer (every retry of a request failed on the
-    network or the server: a plain StoreError; its directory or bucket missing: a mount
-    not there yet), worth retrying for as long as it lasts, unlike a refusal (access
-    denied, not a store, other content committed) or a bad checkpoint."""
-    if isinstance(exc, (StoreMissingError, ConnectionError, TimeoutError)):
-        return True
-    return type(exc) is StoreError
+    """A failure of a tier that did not answer (every try of a request failed on the
+    network, the server or a flaky mount; its directory or bucket missing: a mount not
+    there yet), worth retrying for as long as it lasts, unlike a refusal (access denied,
+    not a store, no space left, other content committed) or a bad checkpoint."""
+    unavailable = (StoreUnavailableError, StoreMissingError, ConnectionError, TimeoutError)
+    return isinstance(exc, unavailable)
 
 
 class _NotQuiet(SourceChangedError):

@@ -33,7 +33,6 @@ from agent.node.hotdir import HotDir
 from agent.node.prefetch import FINAL, Prefetcher, PrefetchJob, State
 from agent.node.resident import Resident, ResidentReplicas
 from agent.rpc.services import wait_for_any
-from transfer.engine import list_checkpoints
 from transfer.engine.catalog import latest_complete_step
 from transfer.errors import FerryError
 from transfer.format.names import check_name
@@ -208,13 +207,11 @@ class Standby:
               failures=entry.failures, retry_in=round(wait, 1))  # fmt: skip
 
     async def _newest_durable(self, job: str) -> int | None:
-        """The newest complete step of ``job`` in the first tier that answers."""
+        """The newest complete step of ``job`` in the first tier that answers (what a
+        prefetch of "latest" restores: never a step still landing, or torn)."""
         for _, store in self.tiers:
             try:
-                if self.expected_nodes:
-                    return await latest_complete_step(store, job, self.expected_nodes)
-                steps = [c.step for c in await list_checkpoints(store, job)]
-                return max(steps) if steps else None
-            except FerryError:
+                return await latest_complete_step(store, job, self.expected_nodes)
+            except FerryError:  # (none whole there, or it did not answer: the next tier)
                 continue
         return None

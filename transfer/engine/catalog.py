@@ -17,8 +17,10 @@ from transfer.errors import (
     FerryError,
     FormatError,
     IncompleteStepError,
+    IntegrityError,
     NotAStoreError,
     NotFoundError,
+    RangeNotSatisfiableError,
     StoreNotEmptyError,
 )
 from transfer.format import layout
@@ -470,37 +472,45 @@ async def latest_complete_step(
     raise CheckpointNotFoundError(f"no complete checkpoint of job {job!r} in {store.url}")
 
 
-#: whole_by_files's answers, by (store, job, step, its parts), for WHOLE_BY_FILES_SECONDS:
+#: whole_by_files's answers, by (store, job, step, its parts), with when each was found:
 #: a torn step stays torn (committed parts are create-only), so every listing, standby
-#: poll and retention run need not read all its manifests again; the answer is read anew
+#: poll and retention run need not read all its manifests again; an answer is read anew
 #: after a while all the same (a step expired and pushed again under the same name)
 _WHOLE_BY_FILES: dict[tuple[str, str, int, frozenset[str]], tuple[bool, float]] = {}
-WHOLE_BY_FILES_SECONDS = 60.0
+WHOLE_SECONDS, TORN_SECONDS = 60.0, 600.0
 
 
-async def whole_by_files(catalog: Catalog, job: str, step: int, nodes: Collection[str]) -> bool:
+async def whole_by_files(
+    catalog: Catalog,
+    job: str,
+    step: int,
+    nodes: Collection[str],
+    manifests: list[Manifest] | None = None,
+) -> bool:
     """Whether a step no completion marker vouches for is whole by its files: its parts
     hold every file its ``.metadata`` names at full length (check_step_whole: the parts'
-    manifests and one read of it). Every expected node's part being in is not enough: a
-    node that wrote one file late pushed its part without it (a newcomer's trial), and
-    the agent whose check found it torn wrote no marker, while the listing, "latest" and
-    retention took the step for whole (retention could then expire the last loadable
-    step). So "latest" is never a step a pull would refuse as torn."""
+    manifests, unless given, and one read of it). Every expected node's part being in is
+    not enough: a node that wrote one file late pushed its part without it (a newcomer's
+    trial), and the agent whose check found it torn wrote no marker, while the listing,
+    "latest" and retention took the step for whole (retention could then expire the last
+    loadable step). A step whose ``.metadata`` cannot be read (a pack lost or short, a
+    chunk corrupt) is not whole either, and is asked again next time; a store that does
+    not answer raises."""
     from transfer.engine.parts import check_step_whole  # (parts reads chunks: it imports this)
 
     key = (catalog.store.url, job, step, frozenset(nodes))
     now = time.monotonic()
     known = _WHOLE_BY_FILES.get(key)
-    if known is not None and now - known[1] < WHOLE_BY_FILES_SECONDS:
+    if known is not None and now - known[1] < (WHOLE_SECONDS if known[0] else TORN_SECONDS):
         return known[0]
     try:
-        await check_step_whole(catalog, job, step)
+        await check_step_whole(catalog, job, step, manifests)
         whole = True
     except (IncompleteStepError, FormatError):
         whole = False
-    for stale in [
-        k for k, (_, at) in _WHOLE_BY_FILES.items() if now - at >= WHOLE_BY_FILES_SECONDS
-    ]:
+    except (NotFoundError, RangeNotSatisfiableError, IntegrityError):
+        return False  # damaged, or a part gone since it was listed: said elsewhere
+    for stale in [k for k, (w, at) in _WHOLE_BY_FILES.items() if now - at >= TORN_SECONDS]:
         del _WHOLE_BY_FILES[stale]
     _WHOLE_BY_FILES[key] = (whole, now)
     return whole

@@ -83,13 +83,17 @@ class WholeStep:
     metadata: bytes | None
 
 
-async def check_step_whole(catalog: Catalog, job: str, step: int) -> WholeStep:
+async def check_step_whole(
+    catalog: Catalog, job: str, step: int, manifests: list[Manifest] | None = None
+) -> WholeStep:
     """The step's parts, when together they are the whole save: they merge, and every file
     the step's ``.metadata`` names is in some part at the length its ranges need. Raises
     IncompleteStepError naming the first file missing or short (a torn shard on a node
     whose part could not check it: it had no ``.metadata``), FormatError when the parts
-    clash. A step without DCP metadata is whole once its parts merge."""
-    manifests = await catalog.manifests(job, step)
+    clash. A step without DCP metadata is whole once its parts merge. ``manifests``: the
+    step's parts, where the caller holds them already (not read again)."""
+    if manifests is None:
+        manifests = await catalog.manifests(job, step)
     merged = {f.path: (f, m) for f, m in merge_parts(manifests)}
     if METADATA not in merged or merged[METADATA][0].size > MAX_METADATA_BYTES:
         return WholeStep(manifests, None)

@@ -229,8 +229,15 @@ async def _mark_complete(
         )  # fmt: skip
         if entry.complete and not entry.has_marker and expected_nodes:
             # every expected node's part, no marker: whole only if its files say so (a torn
-            # newest step kept as "whole" would let the last loadable one expire)
-            entry.complete = await whole_by_files(catalog, entry.job, entry.step, entry.parts)
+            # newest step kept as "whole" would let the last loadable one expire); the
+            # manifests this inventory read are not read again
+            entry.complete = await whole_by_files(
+                catalog,
+                entry.job,
+                entry.step,
+                entry.parts,
+                read if len(read) == len(entry.parts) else None,
+            )
 
 
 async def read_pins(store: Store, *, now: float) -> dict[Key, float]:

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
-from transfer.errors import StoreError
+from transfer.errors import StoreError, StoreUnavailableError
 from transfer.options import StoreSettings
 
 #: A file system's failures worth another try: what an NFS mount answers while its server
@@ -116,5 +116,8 @@ def run_retried(
             ):
                 if isinstance(exc, StoreError):
                     raise
-                raise errors.mapped(exc, what, tried, where) from exc
+                mapped = errors.mapped(exc, what, tried, where)
+                if type(mapped) is StoreError and errors.transient(exc):  # (tries used up)
+                    mapped = StoreUnavailableError(str(mapped))
+                raise mapped from exc
     raise AssertionError("unreachable")
