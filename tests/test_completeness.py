@@ -19,6 +19,7 @@ from transfer.engine.catalog import (
     latest_complete_step,
     step_is_complete,
 )
+from transfer.errors import FerryError
 from transfer.format import layout
 from transfer.retention.inventory import take_inventory
 from transfer.retention.plan import kept_steps
@@ -122,3 +123,36 @@ def test_a_torn_step_with_every_expected_part_is_whole_nowhere(tmp_path: Path) -
     assert listed == {10} and latest == 10
     assert taken_as_whole == {10: True, 20: False}
     assert 10 in kept  # keep_last=1: the last loadable step stays
+
+
+def test_a_step_whose_metadata_cannot_be_read_is_not_whole_and_fails_nothing(
+    tmp_path: Path,
+) -> None:
+    """Every expected part in, no marker, and the pack holding ``.metadata`` lost: the
+    listing and retention take the step for not whole (retention's inventory says the rest)
+    instead of failing on it, and "latest", as a pull asks it, names the lost pack."""
+    files = {"__0_0.distcp": 40_000}
+    store = LocalStore(tmp_path / "store")
+    (tmp_path / "store").mkdir()
+    src = tmp_path / "a"
+    src.mkdir()
+    (src / "__0_0.distcp").write_bytes(b"w" * files["__0_0.distcp"])
+    (src / ".metadata").write_bytes(dcp_metadata(files))
+    empty = tmp_path / "b"
+    empty.mkdir()
+    (empty / "notes.txt").write_text("b's part holds no shard")
+
+    async def go() -> tuple[set[int], dict[int, bool], str]:
+        for node, root in (("a", src), ("b", empty)):
+            await push(store, root, job="j", step=10, node=node, plan=PushPlan(part=True))
+        for pack in (tmp_path / "store" / "packs").rglob("*.pack"):
+            pack.unlink()
+        listed = await complete_steps(store, "j", ("a", "b"))
+        inventory = await take_inventory(store, now=time.time(), expected_nodes=("a", "b"))
+        with pytest.raises(FerryError) as refused:
+            await latest_complete_step(store, "j", ("a", "b"))
+        return listed, {s: e.complete for (_, s), e in inventory.steps.items()}, str(refused.value)
+
+    listed, taken_as_whole, said = asyncio.run(go())
+    assert listed == set() and taken_as_whole == {10: False}
+    assert "not found" in said or "missing" in said, said

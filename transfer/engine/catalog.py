@@ -7,7 +7,7 @@ import json
 import logging
 import shlex
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Awaitable, Collection, Sequence
 from dataclasses import dataclass, replace
 
 from transfer.engine.dcp import METADATA, lacks_metadata
@@ -431,7 +431,9 @@ async def complete_steps(store: Store, job: str, expected_nodes: Sequence[str]) 
         for step, nodes in parts.items()
         if step_is_complete(nodes, step in markers, expected_nodes, bool(markers))
         and (
-            step in markers or not expected_nodes or await whole_by_files(catalog, job, step, nodes)
+            step in markers
+            or not expected_nodes
+            or await unless_damaged(whole_by_files(catalog, job, step, nodes))
         )
     }
 
@@ -446,7 +448,7 @@ async def is_complete(store: Store, job: str, step: int, expected_nodes: Sequenc
         return False
     if step in markers or not expected_nodes:
         return True
-    return await whole_by_files(Catalog(store), job, step, nodes)
+    return await unless_damaged(whole_by_files(Catalog(store), job, step, nodes))
 
 
 async def latest_complete_step(
@@ -493,9 +495,9 @@ async def whole_by_files(
     not enough: a node that wrote one file late pushed its part without it (a newcomer's
     trial), and the agent whose check found it torn wrote no marker, while the listing,
     "latest" and retention took the step for whole (retention could then expire the last
-    loadable step). A step whose ``.metadata`` cannot be read (a pack lost or short, a
-    chunk corrupt) is not whole either, and is asked again next time; a store that does
-    not answer raises."""
+    loadable step). Where ``.metadata`` cannot be read (a pack lost or short, a chunk
+    corrupt) that error is raised, as a pull of the step would say it (``unless_damaged``
+    takes such a step for not whole instead)."""
     from transfer.engine.parts import check_step_whole  # (parts reads chunks: it imports this)
 
     key = (catalog.store.url, job, step, frozenset(nodes))
@@ -506,14 +508,23 @@ async def whole_by_files(
     try:
         await check_step_whole(catalog, job, step, manifests)
         whole = True
-    except (IncompleteStepError, FormatError):
+    except IncompleteStepError:
         whole = False
-    except (NotFoundError, RangeNotSatisfiableError, IntegrityError):
-        return False  # damaged, or a part gone since it was listed: said elsewhere
     for stale in [k for k, (w, at) in _WHOLE_BY_FILES.items() if now - at >= TORN_SECONDS]:
         del _WHOLE_BY_FILES[stale]
     _WHOLE_BY_FILES[key] = (whole, now)
     return whole
+
+
+async def unless_damaged(whole: Awaitable[bool]) -> bool:
+    """``whole``'s answer, False where the step is damaged (a pack lost or short, a chunk
+    corrupt or undecodable, parts that clash, a part gone since it was listed): for the
+    questions that must not fail on one bad step (the listing, retention's inventory, which
+    says more of it), unlike a pull, which names the damage."""
+    try:
+        return await whole
+    except (FormatError, IntegrityError, NotFoundError, RangeNotSatisfiableError):
+        return False
 
 
 def parts_lack_metadata(manifests: Sequence[Manifest]) -> bool:

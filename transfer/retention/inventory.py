@@ -15,6 +15,7 @@ from transfer.engine.catalog import (
     load_manifest,
     parts_lack_metadata,
     step_is_complete,
+    unless_damaged,
     whole_by_files,
 )
 from transfer.errors import FerryError, FormatError
@@ -231,12 +232,9 @@ async def _mark_complete(
             # every expected node's part, no marker: whole only if its files say so (a torn
             # newest step kept as "whole" would let the last loadable one expire); the
             # manifests this inventory read are not read again
-            entry.complete = await whole_by_files(
-                catalog,
-                entry.job,
-                entry.step,
-                entry.parts,
-                read if len(read) == len(entry.parts) else None,
+            whole_read = read if len(read) == len(entry.parts) else None
+            entry.complete = await unless_damaged(
+                whole_by_files(catalog, entry.job, entry.step, entry.parts, whole_read)
             )
 
 
