@@ -784,7 +784,8 @@ def effective_config(config: AgentConfig) -> list[tuple[str, object, str]]:
     """(key, value, source) of every top-level, [transfer] and [store] key, for the start-up
     log."""
     rows: list[tuple[str, object, str]] = []
-    for key in _TOP_KEYS:
+    for agent_key in agent_keys():
+        key = agent_key.name
         value = getattr(config, key)  # (token_file: the path, never the token)
         source = config.sources.get(key, "default")
         if key == "endpoint_url":
@@ -794,8 +795,8 @@ def effective_config(config: AgentConfig) -> list[tuple[str, object, str]]:
                 value, variable = endpoint_from_env()
                 source = f"env {variable}" if variable else source
             value = _without_password(value)
-        if key == "standby_memory" and value is None:
-            value = "auto"  # (what the node can spare: None in the config object)
+        elif value is None and agent_key.default_text:  # (standby_memory's None: "auto")
+            value = agent_key.default_text
         rows.append((key, _plain(value), source))
     for table, settings in (("transfer", config.transfer), ("store", config.store)):
         for knob in knobs(type(settings)):

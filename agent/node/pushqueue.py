@@ -40,7 +40,7 @@ from agent.rpc.services import Spawn, own_task
 from transfer.engine import PushPlan, PushResult, TransferOptions, push
 from transfer.engine.catalog import Catalog, step_is_complete
 from transfer.engine.parts import check_step_whole, completion_doc
-from transfer.engine.scan import scan_checkpoint, scan_files
+from transfer.engine.scan import SourceFile, scan_checkpoint, scan_files
 from transfer.errors import (
     AlreadyExistsError,
     FerryError,
@@ -53,6 +53,7 @@ from transfer.errors import (
 from transfer.format.layout import completion_key
 from transfer.format.names import check_name
 from transfer.store.base import Store
+from transfer.store.retry import doubling_wait
 
 log = logging.getLogger(__name__)
 
@@ -311,10 +312,10 @@ class PushQueue:
             self._record_durable(name, item, result)
         retrying = item.attempt < self.max_attempts or unreachable
         if failed and retrying and not self._closing:
-            backoff = self.retry_seconds * 2 ** min(item.attempt - 1, 16)
+            wait = doubling_wait(self.retry_seconds, item.attempt, MAX_RETRY_SECONDS)
             retry = _Item(item.job, item.step, item.path, item.attempt + 1)
             loop = asyncio.get_running_loop()
-            self._timers[key] = loop.call_later(min(backoff, MAX_RETRY_SECONDS), self._retry, retry)
+            self._timers[key] = loop.call_later(wait, self._retry, retry)
             return
         if failed and not self._closing:
             event(log, "push", level=logging.ERROR, job=item.job, step=item.step,
@@ -346,12 +347,8 @@ class PushQueue:
     async def _recheck(self, item: _Item) -> None:
         if self._closing or not self.journal.pushable(item.job, item.step):
             return  # (restored here since: the directory holds other nodes' data now)
-        own = self._own_files(item.job, item.step)
         try:
-            if own is None:
-                now = await asyncio.to_thread(scan_checkpoint, item.path)
-            else:
-                now = await asyncio.to_thread(scan_files, item.path, own)
+            now = await self._scan_own(item)
         except (FerryError, OSError):
             return  # gone (evicted, deleted): nothing to say
         pushed = {path: size for path, size, _, _ in item.seen or ()}
@@ -402,11 +399,7 @@ class PushQueue:
         alone would not do (``cp -p`` and ``rsync -a`` set old ones while they copy)."""
         if self.quiet_seconds <= 0:
             return
-        own = self._own_files(item.job, item.step)
-        if own is None:
-            sources = await asyncio.to_thread(scan_checkpoint, item.path)
-        else:  # (what a prefetch moves in beside them is not this node's to wait for)
-            sources = await asyncio.to_thread(scan_files, item.path, own)
+        sources = await self._scan_own(item)
         seen = tuple((f.path, f.size, f.mtime_ns, f.inode) for f in sources)
         now = time.monotonic()
         if seen != item.seen:
@@ -423,6 +416,13 @@ class PushQueue:
             raise _NotQuiet(
                 "waiting for its files to be quiet", self.quiet_seconds - (now - item.seen_at)
             )
+
+    async def _scan_own(self, item: _Item) -> list[SourceFile]:
+        """This node's files of the step (what a prefetch moved in beside them is not)."""
+        own = self._own_files(item.job, item.step)
+        if own is None:
+            return await asyncio.to_thread(scan_checkpoint, item.path)
+        return await asyncio.to_thread(scan_files, item.path, own)
 
     def _own_files(self, job: str, step: int) -> frozenset[str] | None:
         """This node's own files of a step a prefetch added to; None: the directory's."""

@@ -37,6 +37,7 @@ from transfer.engine.catalog import latest_complete_step
 from transfer.errors import FerryError
 from transfer.format.names import check_name
 from transfer.store.base import Store
+from transfer.store.retry import doubling_wait
 
 log = logging.getLogger(__name__)
 
@@ -201,7 +202,7 @@ class Standby:
         each further failure of the same step, up to MAX_RETRY_SECONDS."""
         entry.failures = entry.failures + 1 if step == entry.failed_step else 1
         entry.failed_step = step
-        wait = min(self.poll_seconds * 2 ** (entry.failures - 1), MAX_RETRY_SECONDS)
+        wait = doubling_wait(self.poll_seconds, entry.failures, MAX_RETRY_SECONDS)
         entry.retry_at = time.monotonic() + wait
         event(log, "standby", job=entry.job, step=step, action="retry_later",
               failures=entry.failures, retry_in=round(wait, 1))  # fmt: skip

@@ -62,8 +62,15 @@ class RetryPolicy:
             raise ValueError("attempts must be at least 1")
 
     def backoff_seconds(self, tried: int) -> float:
-        cap = min(self.max_backoff, self.first_backoff * 2 ** (tried - 1))
+        cap = doubling_wait(self.first_backoff, tried, self.max_backoff)
         return random.uniform(cap / 2, cap)
+
+
+def doubling_wait(first: float, failures: int, most: float) -> float:
+    """The wait after the ``failures``-th failure in a row: ``first``, doubled after each
+    further one, at most ``most`` (a request's retries here; a push's or a standby's copy
+    in the agent)."""
+    return min(first * float(2 ** min(max(failures, 1) - 1, 32)), most)
 
 
 #: per thread: an event that, once set, ends ``run_retried``'s tries (``no_retries_after``)
