@@ -116,8 +116,9 @@ async def cmd_du(store: Store, args: argparse.Namespace) -> tuple[dict[str, Any]
         f"{u.unreferenced_packs} unreferenced packs, {size(u.manifest_bytes)} of manifests"
         + (
             f"; and {size(u.unfinished_upload_bytes)} in {u.unfinished_uploads} unfinished "
-            "pack uploads (a running push's, or left by a stopped one for its rerun to "
-            "complete: retention aborts those)"
+            "pack uploads (a running push's, or a stopped one's: its rerun completes an S3 "
+            "upload with the parts that landed and removes a directory's temp file; retention "
+            "aborts those no push finishes)"
             if u.unfinished_uploads
             else ""
         ),
