@@ -1,37 +1,60 @@
 """SIGUSR1: what the agent is doing, written to stderr (its log) while it goes on serving:
 every thread's stack and every asyncio task's. A prefetch that stays queued, a push that
 never ends: the dump says which task waits where (``kill -USR1 <pid>``). Plain text, not
-JSON, whatever ``log_format`` says: it is for a person reading a stuck agent's log."""
+JSON, whatever ``log_format`` says: it is for a person reading a stuck agent's log.
+
+The threads are read by a Python-level handler, under the GIL (``sys._current_frames``),
+not by ``faulthandler``'s C handler: that one walks the other threads' frames while they
+run, and under load it crashed the agent (SIGSEGV, 2 dumps in 29 with the CPU busy) that
+the operator only meant to look at."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import datetime
-import faulthandler
 import io
+import os
 import signal
 import sys
+import threading
 import traceback
 from types import FrameType
-from typing import TextIO
 
 
 def install(loop: asyncio.AbstractEventLoop) -> None:
-    """The loop's handler (tasks can only be read from the loop) and, chained after it at
-    the C level, faulthandler's (threads, written from the signal itself: even while the
-    loop is blocked, which is when it matters most) where stderr is a real file (an agent
-    served in-process under a test's captured stderr dumps its tasks alone)."""
-    loop.add_signal_handler(signal.SIGUSR1, dump_tasks)
-    out = _real_stderr()
-    if out is not None:
-        faulthandler.register(signal.SIGUSR1, file=out, all_threads=True, chain=True)
+    """A Python-level handler: it runs on the main thread at its next bytecode, also while
+    the loop is blocked by a coroutine that never yields (when a dump matters most), and
+    writes the threads' stacks at once; the tasks', which only the loop may read, are
+    written by the loop when it next runs."""
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        _write(threads_text())
+        with contextlib.suppress(RuntimeError):  # (a closed loop: the threads are written)
+            loop.call_soon_threadsafe(dump_tasks)
+
+    signal.signal(signal.SIGUSR1, on_signal)
 
 
 def uninstall(loop: asyncio.AbstractEventLoop) -> None:
-    """Undo ``install`` (or as much of it as was done)."""
-    faulthandler.unregister(signal.SIGUSR1)
-    loop.remove_signal_handler(signal.SIGUSR1)
+    """Undo ``install``."""
+    signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+
+
+def threads_text() -> str:
+    """Every thread's stack, innermost last, with its name (``Thread.name``) and whether it
+    is the one the signal interrupted."""
+    out = io.StringIO()
+    names = {t.ident: t.name for t in threading.enumerate()}
+    frames = sys._current_frames()
+    current = threading.get_ident()
+    print(f"--- SIGUSR1 at {_now()}: {len(frames)} threads ---", file=out)
+    for ident, frame in frames.items():
+        which = " (current thread)" if ident == current else ""
+        print(f"thread {names.get(ident, '?')} {ident:#x}{which}:", file=out)
+        out.writelines(traceback.format_stack(frame))
+    print("--- end of the threads ---", file=out)
+    return out.getvalue()
 
 
 def dump_tasks() -> None:
@@ -40,16 +63,13 @@ def dump_tasks() -> None:
     outermost frame alone: every service showed only its guard's ``await coro``)."""
     out = io.StringIO()
     tasks = sorted(asyncio.all_tasks(), key=lambda t: t.get_name())
-    now = datetime.datetime.now(datetime.UTC).isoformat(timespec="milliseconds")
-    print(f"--- SIGUSR1 at {now}: {len(tasks)} asyncio tasks ---", file=out)
+    print(f"--- SIGUSR1 at {_now()}: {len(tasks)} asyncio tasks ---", file=out)
     for task in tasks:
         print(f"task {task.get_name()}: {task!r:.300}", file=out)
         frames = _awaited(task.get_coro())
         out.writelines(traceback.StackSummary.extract((f, f.f_lineno) for f in frames).format())
     print("--- end of the asyncio tasks ---", file=out)
-    if sys.stderr is not None:
-        sys.stderr.write(out.getvalue())
-        sys.stderr.flush()
+    _write(out.getvalue())
 
 
 def _awaited(coro: object, most: int = 40) -> list[FrameType]:
@@ -65,10 +85,23 @@ def _awaited(coro: object, most: int = 40) -> list[FrameType]:
     return frames
 
 
-def _real_stderr() -> TextIO | None:
-    """stderr, or the process's own, where it has a file descriptor; else None."""
-    for stream in (sys.stderr, sys.__stderr__):
-        with contextlib.suppress(AttributeError, OSError, ValueError):
-            if stream is not None and stream.fileno() >= 0:
-                return stream
-    return None
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec="milliseconds")
+
+
+def _write(text: str) -> None:
+    """To stderr's file descriptor where it has one: a signal handler that went through
+    ``sys.stderr`` while the interrupted code was writing a log line there would raise (a
+    buffered stream is not reentrant; stderr is line-buffered, so at most a part of a line
+    is held back). Else (stderr captured by a test) to ``sys.stderr``."""
+    if sys.stderr is None:
+        return
+    data = text.encode(errors="replace")
+    try:
+        fd = sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):
+        sys.stderr.write(text)
+        return
+    with contextlib.suppress(OSError):  # (a log that is gone: nothing to say it to)
+        while data:
+            data = data[os.write(fd, data) :]

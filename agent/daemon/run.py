@@ -68,20 +68,21 @@ async def serve(config: AgentConfig, token: str, ready: asyncio.Event | None = N
         config = dataclasses.replace(config, listen=f"{config.listen.rpartition(':')[0]}:{port}")
     app = create_app(config, token)
     runner = web.AppRunner(app, handle_signals=False)
-    try:
-        await runner.setup()
-        site = web.SockSite(runner, sock, ssl_context=app[TLS].server_context())  # HTTPS only
-        await site.start()
-    except BaseException:
-        sock.close()
-        await runner.cleanup()
-        raise
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    # Before it answers anything: a SIGUSR1 or SIGTERM sent once /healthz answers then never
+    # kills it (SIGUSR1's default action ends the process).
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    dump.install(loop)
     try:
-        dump.install(loop)  # (before it says it listens: a SIGUSR1 then never kills it)
+        try:
+            await runner.setup()
+            site = web.SockSite(runner, sock, ssl_context=app[TLS].server_context())  # HTTPS only
+            await site.start()
+        except BaseException:
+            sock.close()
+            raise
         for key, value, source in effective_config(config):
             # (event leaves None out: an unset key would show no value at all)
             event(log, "config", key=key, value="(none)" if value is None else value, source=source)
