@@ -755,6 +755,33 @@ def test_the_command_as_run_flushes_its_output_and_keeps_its_exit_codes(
     assert len(failed.stderr.splitlines()) == 1 and "nope" in failed.stderr, failed.stderr
 
 
+@pytest.mark.parametrize("command", [["demo"], ["agent"], ["pull", "x", "y", "--job", "j"]])
+def test_a_clone_whose_c_extension_was_never_built_says_so_in_one_line(
+    command: list[str], tmp_path: Path
+) -> None:
+    """``python -m agent`` in a clone run before its install (a newcomer's first command):
+    the C extension is missing. Each command said it with a traceback; now one line naming
+    the install, exit 1. (The extension hidden in the child, as a missing file would be.)"""
+    import subprocess
+    import sys
+
+    hide = "import sys; sys.modules['transfer.codec._planes'] = None; "
+    run = "from agent.cli import main; raise SystemExit(main(sys.argv[1:]))"
+    env = {**os.environ, "FERRY_HOT_DIR": str(tmp_path / "hot"), "FERRY_NODE": "a",
+           "FERRY_TIERS": str(tmp_path / "store"), "FERRY_LISTEN": "127.0.0.1:0",
+           "FERRY_STATE_DIR": str(tmp_path / "state")}  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", hide + run, *command],
+        capture_output=True, text=True, timeout=60, env=env, cwd=tmp_path,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.endswith(
+        "C extension (transfer/codec/_planes.c) is not built: install it first "
+        "(`source scripts/env.sh`, or `pip install -e .`)\n"
+    ), proc.stderr
+    assert len(proc.stderr.splitlines()) == 1, proc.stderr
+
+
 @pytest.mark.parametrize("command", [["ls"], ["du"], ["du", "--json"]])
 def test_output_cut_short_by_its_reader_ends_quietly(
     command: list[str], local_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]

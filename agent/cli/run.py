@@ -113,9 +113,14 @@ async def _run(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
 
 def main(argv: list[str] | None = None) -> int:
     """The ``ferry`` command. Its one broken-pipe rule: output cut short by its reader
-    (``ferry ls | head -1``) ends the command quietly, as a tool killed by SIGPIPE does."""
+    (``ferry ls | head -1``) ends the command quietly, as a tool killed by SIGPIPE does. A
+    ``FerryError`` no command's own handler said (``ferry demo`` or ``ferry agent`` in a
+    clone never installed) is one line too."""
     try:
         return _main(argv)
+    except FerryError as exc:  # (one no command's own handler said: the C extension not built)
+        print(f"ferry: error: {exc}", file=sys.stderr)
+        return 1
     except BrokenPipeError:
         # what is still buffered would fail again at exit: send it nowhere
         devnull = os.open(os.devnull, os.O_WRONLY)

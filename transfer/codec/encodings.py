@@ -18,11 +18,18 @@ from collections.abc import Callable, Sequence
 
 import zstandard
 
-from transfer.codec._planes import join, join_planes, split
 from transfer.codec.transforms import Buffer
 from transfer.directio import ThreadBuffers
-from transfer.errors import FormatError, UnknownEncodingError
+from transfer.errors import FerryError, FormatError, UnknownEncodingError
 from transfer.format.manifest import needs_base
+
+try:
+    from transfer.codec._planes import join, join_planes, split
+except ModuleNotFoundError:  # a clone run where it lies, never installed: one line, not a trace
+    raise FerryError(
+        "ckpt-ferry's C extension (transfer/codec/_planes.c) is not built: install it first "
+        "(`source scripts/env.sh`, or `pip install -e .`)"
+    ) from None
 
 RAW = "raw"
 ZSTD = "zstd"
