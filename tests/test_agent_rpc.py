@@ -321,7 +321,9 @@ def test_ferry_agent_process_serves_and_stops_on_sigterm(
         assert ferry(["estimate", url, "--token-file", str(tmp_path / "a" / "x"), "--job", "llm"])
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
-        assert proc.stdout is not None and "draining" in proc.stdout.read()
+        assert proc.stdout is not None
+        said = proc.stdout.read()  # (the drain said, then its end, the last line)
+        assert "draining" in said and said.endswith("ferry agent proc: stopped\n"), said[-500:]
     finally:
         if proc.poll() is None:
             proc.kill()

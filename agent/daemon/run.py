@@ -98,3 +98,6 @@ async def serve(config: AgentConfig, token: str, ready: asyncio.Event | None = N
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
         dump.uninstall(loop)
+    # (after the drain: an operator's `systemctl stop` ends on a line that says it ended)
+    event(log, "stopped", node=config.node)
+    print(f"ferry agent {config.node}: stopped", flush=True)
