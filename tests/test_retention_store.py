@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import (
+    init_test_store,
     make_checkpoint,
     open_test_store,
     random_bytes,
@@ -38,6 +39,7 @@ from transfer.retention import (
     gc_lease,
     make_plan,
     pin,
+    take_inventory,
     unpin,
 )
 from transfer.retention.repack import RepackPolicy
@@ -266,6 +268,35 @@ def test_demotion_copies_first_and_never_loses_the_only_copy(
             await _assert_pulls(hot, dirs, tmp_path)
         finally:
             await cold.close()
+
+    run(go())
+
+
+def test_the_colder_tier_forecasts_the_steps_demoted_into_it(
+    local_url: str, tmp_path: Path
+) -> None:
+    """A dry run with a colder tier said "0 B -> 0 B once done" for a colder store about to
+    receive two steps: its forecast now counts them (the packs they reference above, copied
+    whole), and it is what the real run leaves there; a step it holds already is not
+    counted again (demoting it only expires it above)."""
+
+    cold_url = init_test_store(str(tmp_path / "cold"))
+
+    async def go() -> None:
+        hot, cold = open_test_store(local_url), open_test_store(cold_url)
+        dirs = await _push_steps(hot, tmp_path, {1: 1, 2: 2, 3: 3})
+        await push(cold, dirs[1], job=JOB, step=1, node=NODE)  # 1 is there already
+        tiers = [Tier(hot, TierPolicy(keep_last=1)), Tier(cold, TierPolicy())]
+        before = (await take_inventory(cold, now=time.time())).total_bytes()
+        dry = await _retention(tiers, dry_run=True)
+        colder = dry.tiers[1]
+        assert (colder.steps_demoted_in, colder.bytes_demoted_in > 0) == (1, True)
+        assert colder.bytes_after == before + colder.bytes_demoted_in
+        assert "1 step demoted in" in dry.table() and colder.gc is not None
+        assert colder.gc.bytes_stored is None and colder.bytes_stored is None  # nothing measured
+        done = await _retention(tiers)
+        assert await _steps(cold) == [1, 2]
+        assert done.tiers[1].bytes_stored == colder.bytes_after
 
     run(go())
 

@@ -71,8 +71,8 @@ class GcResult:
     #: push leases that lapsed (a killed push's, its part never pushed again), removed
     lapsed_leases: int = 0
     #: packs and manifests the store holds once this sweep is done (the inventory's count;
-    #: 0 in a dry run, whose repacking writes nothing: the plan's ``bytes_after`` says it)
-    bytes_stored: int = 0
+    #: None in a dry run, which changes nothing: the plan's ``bytes_after`` forecasts it)
+    bytes_stored: int | None = None
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)
@@ -166,7 +166,7 @@ async def collect_garbage(
         freed_bytes=freed,
         dry_run=dry_run,
         running_pushes=pushes,
-        bytes_stored=0 if dry_run else fresh.total_bytes() - freed,
+        bytes_stored=None if dry_run else fresh.total_bytes() - freed,
         aborted_uploads=len(stale),
         aborted_upload_bytes=sum(u.size or 0 for u in stale),
         pending_uploads=len(fresh.uploads) - len(stale),

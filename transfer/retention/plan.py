@@ -81,6 +81,11 @@ class TierPlan:
     #: unreferenced packs waiting out the grace period (a later run deletes them)
     bytes_stored: int | None = None
     bytes_awaiting_gc: int = 0
+    #: steps the tier above demotes into this one (not here yet), and the bytes their copy
+    #: writes (packs are copied whole: the tier above's packs they reference); both are in
+    #: ``bytes_after``
+    steps_demoted_in: int = 0
+    bytes_demoted_in: int = 0
 
     def count(self, action: str) -> int:
         return sum(a.action == action for a in self.actions)
@@ -115,7 +120,13 @@ class RetentionPlan:
                 f"{t.url}  [{t.policy}]  {steps}: keep {t.count(KEEP)}, "
                 f"demote {t.count(DEMOTE)}, expire {t.count(EXPIRE)}; "
                 f"{format_size(t.bytes_before)} -> {format_size(t.bytes_after)} once done "
-                f"({format_size(t.dead_bytes_after)} of it in packs kept for other chunks)"
+                f"({format_size(t.dead_bytes_after)} of it in packs kept for other chunks"
+                + (
+                    f"; {t.steps_demoted_in} step{'' if t.steps_demoted_in == 1 else 's'} "
+                    f"demoted in, {format_size(t.bytes_demoted_in)})"
+                    if t.steps_demoted_in
+                    else ")"
+                )
                 + ("  (OVER BUDGET: only protected steps left)" if t.over_budget else "")
             )
             if t.bytes_stored is not None:
@@ -212,7 +223,8 @@ async def make_plan(
         await take_inventory(t.store, now=now, expected_nodes=expected_nodes) for t in tiers
     ]
     all_pins = set(pins).union(*(inv.pins for inv in inventories))
-    plans = []
+    plans: list[TierPlan] = []
+    incoming: list[Key] = []  # what the tier above demotes into this one
     for i, (tier, inv) in enumerate(zip(tiers, inventories, strict=True)):
         kept, over = kept_steps(inv, tier.policy, now, all_pins, repacking=repacking)
         wanted_next: dict[Key, str] = {}
@@ -232,18 +244,25 @@ async def make_plan(
                 StepAction(*key, action, reason, sorted(entry.parts), entry.complete, entry.created)
             )
         space = space_after(inv, kept, repacking)
+        bytes_in = inventories[i - 1].bytes_of(incoming) if incoming else 0
         plans.append(
             TierPlan(
                 tier.url,
                 tier.policy.describe(),
                 inv.total_bytes(),
-                space.bytes_after,
+                space.bytes_after + bytes_in,
                 actions,
                 dead_bytes_after=space.dead_bytes_after,
                 bytes_rewritten=space.bytes_rewritten,
                 over_budget=over,
+                steps_demoted_in=len(incoming),
+                bytes_demoted_in=bytes_in,
             )
         )
+        # (a step the next tier holds already is not copied: demoting it only expires it here)
+        nxt = inventories[i + 1].steps if i + 1 < len(tiers) else {}
+        incoming = [(a.job, a.step) for a in actions if a.action == DEMOTE]
+        incoming = [key for key in incoming if key not in nxt]
     return RetentionPlan(plans, now, inventories, repacking)
 
 
