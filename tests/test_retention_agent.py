@@ -332,6 +332,25 @@ def test_a_run_asked_as_a_dry_run_changes_nothing(local_url: str, tmp_path: Path
     asyncio.run(go())
 
 
+def test_a_run_asked_of_an_agent_without_retention_is_a_conflict(
+    local_url: str, tmp_path: Path
+) -> None:
+    """An agent with no ``[retention]`` table asked to run it: a 409 that says so (it was a
+    404 typed CheckpointNotFoundError); its report says it is not enabled."""
+    hot = tmp_path / "hot"
+    hot.mkdir()
+
+    async def go() -> None:
+        async with agent(hot, [local_url]) as url, FerryClient(url, TOKEN) as client:
+            assert await client._call("GET", "/v1/retention") == {"enabled": False}
+            with pytest.raises(RpcError) as refused:
+                await client._call("POST", "/v1/retention/run", json={})
+            assert refused.value.status == 409, refused.value
+            assert "retention is not configured on this agent" in str(refused.value)
+
+    asyncio.run(go())
+
+
 def test_every_tier_label_is_a_configured_tier(
     local_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -173,6 +173,13 @@ def test_agent_prefetches_a_share_then_completes_it_in_place(
                 with pytest.raises(RpcError) as refused:
                     await c._call("GET", "/v1/estimate", params=params)
                 assert refused.value.status == status, refused.value
+            # the same share in a prefetch is refused as it is asked for (it was 202, then
+            # the prefetch failed when it ran)
+            with pytest.raises(RpcError) as refused:
+                await c.prefetch("drill", STEP, layout=(4, [1, 4]))
+            assert refused.value.status == 404 and "4 is not a rank of a world of 4" in str(
+                refused.value
+            ), refused.value
             for layout in ((4, [0, 1]), (4, [1]), None):
                 done.append(await c.wait_prefetch(await c.prefetch("drill", STEP, layout=layout)))
                 if layout == (4, [1]):

@@ -167,8 +167,9 @@ MAX_WORLD = 1 << 20
 
 def parse_layout(value: object) -> dict[str, Any] | None:
     """A request's ``layout``, ``{"world_size": W, "ranks": [ranks this node runs]}``, in
-    the spec's shape (whether the ranks fit the world is the share planner's to say), or
-    None."""
+    the spec's shape (else a 400), or None. A rank outside the world is a share that cannot
+    exist: a 404 (the spec's shape cannot say it, so no 400), as in ``GET /v1/estimate``;
+    it was accepted, 202, and the prefetch failed when it ran."""
     if value is None:
         return None
     if not isinstance(value, dict) or set(value) != {"world_size", "ranks"}:
@@ -183,6 +184,12 @@ def parse_layout(value: object) -> dict[str, Any] | None:
         wholes
     ):
         raise ValueError(f"layout.ranks must be distinct whole numbers in 0..{MAX_WORLD - 1}")
+    outside = [r for r in wholes if r is not None and r >= world]
+    if outside:  # (the shape is right, the share cannot exist: a 404, as the estimate's)
+        raise CheckpointNotFoundError(
+            f"no such share: layout.ranks: {outside[0]} is not a rank of a world of {world} "
+            f"(0..{world - 1})"
+        )
     return {"world_size": world, "ranks": wholes}
 
 

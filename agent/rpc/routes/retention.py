@@ -8,7 +8,6 @@ from aiohttp import web
 
 from agent.rpc.appkeys import RETENTION
 from agent.rpc.middleware import json_body
-from transfer.errors import CheckpointNotFoundError
 
 log = logging.getLogger(__name__)
 
@@ -34,8 +33,10 @@ async def post_retention_run(request: web.Request) -> web.Response:
     if not isinstance(body.get("dry_run", False), bool):
         raise ValueError('the body must be empty or {"dry_run": true|false}')
     runner = request.app.get(RETENTION)
-    if runner is None:
-        raise CheckpointNotFoundError("retention is not configured ([retention] in the config)")
+    if runner is None:  # (a 409: the agent's config is in the way; it was a 404 whose error
+        # type said a checkpoint was not found)
+        raise web.HTTPConflict(reason="retention is not configured on this agent ([retention] "
+                               "in its config)")  # fmt: skip
     return web.json_response(await runner.run_once(dry_run=body.get("dry_run", False)))
 
 
