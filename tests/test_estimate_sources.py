@@ -6,8 +6,10 @@ saves; each estimate is checked against the prefetch that follows it."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import itertools
+import json
 import os
 import shutil
 from pathlib import Path
@@ -18,9 +20,15 @@ import pytest
 from agent.node.estimate import PREFETCH_START_SECONDS
 from agent.rpc.client import FerryClient
 from bench._measure import BLKIO, throttled_disk
-from tests.conftest import adamw_series, prefetched
-from tests.harness import TOKEN, agent, peer_agent, push_series
+from tests.conftest import adamw_series, prefetched, random_bytes, write_file
+from tests.fake_dcp import dcp_metadata
+from tests.harness import OPTS, TOKEN, agent, peer_agent, push_series
+from transfer.engine import PushPlan, push
+from transfer.engine.catalog import Catalog
+from transfer.engine.parts import check_step_whole, completion_doc
 from transfer.format.chunkid import chunk_id
+from transfer.format.layout import completion_key
+from transfer.store import open_store
 
 
 def test_the_estimate_names_the_peer_that_will_serve_and_probes_it_first(
@@ -59,6 +67,60 @@ def test_the_estimate_names_the_peer_that_will_serve_and_probes_it_first(
             # here, not restored, so its prefetch re-hashes it
             assert (await b.estimate("llm", 20))["rate_basis"] == "measured"
             assert (await prefetched(b, 20))["satisfied_by"] == "held"
+
+    asyncio.run(go())
+
+
+def test_in_an_n_node_job_the_estimate_counts_every_peer_that_holds_a_part(
+    local_url: str, tmp_path: Path
+) -> None:
+    """Three nodes each hold their own part of a step; a fourth, holding nothing, has them
+    as peers. No one peer holds every chunk it lacks: the estimate asked each peer for a
+    whole sample, none served it all, and it named the tier for a prefetch the peers then
+    served whole (a newcomer's three-node trial). It asks as the prefetch does now, each
+    chunk of the first peer that has it: a peer named, the peers' bytes, within 25% of what
+    the prefetch then moves from them."""
+    nodes, step = ("n0", "n1", "n2"), 20
+    sizes = {f"__{r}_0.distcp": 3 << 20 for r in range(len(nodes))}
+    parts = []
+    for r, node in enumerate(nodes):
+        part = tmp_path / node / "llm" / f"step_{step:06d}"
+        write_file(part / f"__{r}_0.distcp", random_bytes(3 << 20, seed=r))
+        if r == 0:
+            write_file(part / ".metadata", dcp_metadata(sizes))
+        parts.append(part)
+    (tmp_path / "e").mkdir()
+
+    async def go() -> None:
+        store = open_store(local_url)
+        try:
+            for node, part in zip(nodes, parts, strict=True):
+                plan = PushPlan(part=True)
+                await push(store, part, job="llm", step=step, node=node, options=OPTS, plan=plan)
+            whole = await check_step_whole(Catalog(store), "llm", step)
+            doc = completion_doc("llm", step, whole)
+            await store.put(completion_key("llm", step), json.dumps(doc).encode())
+        finally:
+            await store.close()
+        async with contextlib.AsyncExitStack() as stack:
+            # (the nodes without .metadata say so, as a multi-node deployment configures
+            # them: their files are their part)
+            marker = [None, 'commit_marker = ""\n', 'commit_marker = ""\n']
+            urls = [
+                await stack.enter_async_context(agent(tmp_path / n, [local_url], n, config_text=c))
+                for n, c in zip(nodes, marker, strict=True)
+            ]
+            url_e = await stack.enter_async_context(
+                peer_agent(tmp_path / "e", [local_url], urls, "e")
+            )
+            e = await stack.enter_async_context(FerryClient(url_e, TOKEN))
+            est = await e.estimate("llm", step)
+            done = await prefetched(e, step)
+        moved = sum(done["bytes_by_source"].values())
+        assert done["bytes_by_source"]["peer"] > 0.9 * moved, done  # the peers served it
+        assert est["source"] in {f"peer:{url}" for url in urls}, est
+        assert set(est["bytes_by_source"]) == {"peer"}, est
+        assert abs(est["bytes_missing"] - moved) <= 0.25 * moved, (est, moved)
 
     asyncio.run(go())
 
@@ -256,7 +318,7 @@ def test_a_peer_probe_opens_the_sources_connections_before_it_times_anything() -
     asks PEER_THREADS chunks first, untimed, and times only the rest (timed, the openings
     made the peer's first-contact estimate up to +38% slow)."""
     from agent.peers.chunks import PEER_THREADS
-    from agent.peers.probe import probe_peer
+    from agent.peers.probe import probe_peers
     from transfer.engine.chunkindex import StoredChunk
 
     chunks = [
@@ -268,18 +330,18 @@ def test_a_peer_probe_opens_the_sources_connections_before_it_times_anything() -
     lands: set[object] = set()
 
     class Peers:  # stands in for PeerSource: the order of the asks is what is checked
-        async def ask(
-            self, peer: str, chunk: StoredChunk, base: object, *, land: object = None
-        ) -> tuple[None, int]:
+        async def __call__(
+            self, chunk: StoredChunk, base: object, land: object = None
+        ) -> tuple[None, int, str]:
             asked.append(chunks.index(chunk))
             lands.add(land)
             await asyncio.sleep(0)
-            return None, chunk.stored
+            return None, chunk.stored, "peer:http://peer"
 
-    got = asyncio.run(probe_peer(Peers(), "http://peer", chunks, {}))  # type: ignore[arg-type]
-    assert got is not None
+    got = asyncio.run(probe_peers(Peers(), chunks, {}))  # type: ignore[arg-type]
+    assert got is not None and (got.served, got.peer) == (1.0, "http://peer")
     assert sorted(asked[:PEER_THREADS]) == list(range(PEER_THREADS))  # the openers first
-    assert got.raw == sum(c.size for c in chunks[PEER_THREADS:])  # only the rest timed
+    assert got.probe.raw == sum(c.size for c in chunks[PEER_THREADS:])  # only the rest timed
     # every chunk decoded into the source's reused buffers and verified, as a restore lands
     # it (into fresh memory of its own, unhashed, the corpus's first contact through a peer
     # was +18..+30%)

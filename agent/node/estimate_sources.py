@@ -156,9 +156,10 @@ class PrefetchEstimator:
         wanted: set[str] | None = None,
     ) -> Sourcing:
         """Where a prefetch would get the chunks this node lacks and what it would move
-        from there: the first peer that serves a sample of them (as deltas against what
-        this node holds at their positions, as a prefetch asks), else the tier. A source
-        the meter has not measured yet is probed (agent/peers/probe.py)."""
+        from there: the peers, each chunk of a sample asked of them in turn (as deltas
+        against what this node holds at its position, as a prefetch asks), and the tier
+        for the fraction of the sample no peer served. A source the meter has not measured
+        yet is probed (agent/peers/probe.py)."""
         held_ids = {c.id for parts in held.values() for m in parts for c in m.all_chunks()}
         index = ChunkIndex()
         for m in manifests:
@@ -179,17 +180,23 @@ class PrefetchEstimator:
         meter, peers = self.meter, self.prefetcher.fanout_client
         content, bases_moved = _to_move(index, needed, held_ids)
         budget = probe.budget(content + bases_moved)
+        source = f"tier:{tier}"
         if self.config.peers and peers is not None and needed:
             picked = probe.sample(index, needed, bases, budget=budget)
-            for peer in peers.peers:
-                got = await probe.probe_peer(peers, peer, picked, bases)
-                if got is not None:
-                    basis = "measured" if meter.measured("peer") else "probe"
-                    if basis == "probe":
-                        meter.record("peer", got.moved, got.seconds, provisional=True)
-                    raw = sum(c.size for cid in needed if (c := index.get(cid)) is not None)
-                    return Sourcing(f"peer:{peer}", {"peer": round(raw * got.ratio)}, 0, basis)
-        source = f"tier:{tier}"
+            served = await probe.probe_peers(peers, picked, bases)
+            if served is not None:
+                basis = "measured" if meter.measured("peer") else "probe"
+                timed = served.probe
+                if basis == "probe":
+                    meter.record("peer", timed.moved, timed.seconds, provisional=True)
+                raw = sum(c.size for cid in needed if (c := index.get(cid)) is not None)
+                moving = {"peer": round(raw * served.served * timed.ratio)}
+                rest = round((content + bases_moved) * (1 - served.served))
+                if rest:  # what no peer served: from the tier, as the prefetch would
+                    moving[source] = rest
+                # (named by the peer that serves most of it; bytes_by_source has the split)
+                named = f"peer:{served.peer}" if moving["peer"] >= rest else source
+                return Sourcing(named, moving, 0, basis)
         basis = "measured" if meter.measured(source) else "default"
         if basis == "default" and needed:
             picked = probe.sample(index, needed, bases, run_bytes=probe.RUN_BYTES, budget=budget)

@@ -173,19 +173,33 @@ async def probe_tier(
     return Probe(sum(c.stored for c in done), sum(c.size for c in done), took)
 
 
-async def probe_peer(
-    peers: PeerSource,
-    peer: str,
-    chunks: list[StoredChunk],
-    bases: dict[str, LocalBase],
-) -> Probe | None:
-    """Ask ``peer`` for ``chunks`` (as deltas against what this node holds at their
-    positions, as a prefetch would); None unless it serves every one of them.
+@dataclass(frozen=True)
+class PeersProbe:
+    """What the peers served of a sample, asked as a prefetch asks: ``probe`` times the
+    chunks some peer served (the asks of peers that lacked one included, as a prefetch pays
+    them too); ``served`` is the fraction of the sample's raw bytes some peer served (the
+    rest a prefetch fetches from the tier), ``peer`` the one that served the most."""
+
+    probe: Probe
+    served: float
+    peer: str
+
+
+async def probe_peers(
+    peers: PeerSource, chunks: list[StoredChunk], bases: dict[str, LocalBase]
+) -> PeersProbe | None:
+    """Ask the live peers for ``chunks`` (as deltas against what this node holds at their
+    positions), each from the first peer that has it, as a prefetch would: in an N-node job
+    the chunks a node lacks are spread over the others' parts, and one peer rarely holds
+    them all (asking each peer for the whole sample named the tier for a prefetch the peers
+    then served whole). None if no peer served any.
 
     First up to PEER_THREADS of them (a quarter of the sample at most), at once, untimed:
     each of the peer source's threads opens its keep-alive connection on its first ask, as
     a restore finds them open (timed, the opening made the peer's first-contact estimate
     +14..+38% slow on the 289 MB save, measured 0.66-0.72 s against 0.82-0.97 predicted)."""
+    if not chunks:
+        return None
     n_warm = min(PEER_THREADS, max(1, len(chunks) // 4))
     warm, timed = chunks[:n_warm], chunks[n_warm:] or chunks
 
@@ -193,20 +207,27 @@ async def probe_peer(
         # decoded into the peer source's reused buffers, verified and dropped, as a restore's
         # chunks land: decoded into fresh memory of its own, each chunk paid its pages' first
         # touch (~1.6 ms per MiB here), and was never hashed
-        return peers.ask(peer, c, bases.get(c.id), land=_dropped)
+        return peers(c, bases.get(c.id), land=_dropped)
 
-    if not chunks or await ask(chunks[0]) is None:
-        return None  # (one first: a peer that is down costs one request, not n_warm)
-    opened = await asyncio.gather(*(ask(c) for c in warm[1:]))
-    if any(g is None for g in opened):
-        return None
+    opened = await asyncio.gather(*(ask(c) for c in warm))
     began = time.monotonic()
     got = await asyncio.gather(*(ask(c) for c in timed))
     took = time.monotonic() - began
-    if any(g is None for g in got):
+    answers = list(zip(timed, got, strict=True))
+    if timed is not chunks:  # (a sample too small to split is asked twice, counted once)
+        answers += zip(warm, opened, strict=True)
+    served = [(c, g) for c, g in answers if g is not None]
+    timed_served = [(c, g) for c, g in zip(timed, got, strict=True) if g is not None]
+    if not timed_served:
         return None
-    moved = sum(g[1] for g in got if g is not None)
-    return Probe(moved, sum(c.size for c in timed), took)
+    by_peer: dict[str, int] = {}
+    for c, g in served:
+        by_peer[g[2]] = by_peer.get(g[2], 0) + c.size
+    moved = sum(g[1] for _, g in timed_served)
+    raw = sum(c.size for c, _ in timed_served)
+    fraction = sum(c.size for c, _ in served) / sum(c.size for c, _ in answers)
+    peer = max(by_peer, key=lambda p: by_peer[p]).removeprefix("peer:")
+    return PeersProbe(Probe(moved, raw, took), fraction, peer)
 
 
 def _dropped(chunk: StoredChunk, data: Buffer) -> bool:
