@@ -58,6 +58,17 @@ def test_the_declared_defaults_are_what_load_config_gives() -> None:
         assert config.sources.get(key.name) is None, key.name
 
 
+def test_an_empty_commit_marker_in_the_environment_is_the_no_marker_mode() -> None:
+    """``FERRY_COMMIT_MARKER=""``, as a pod spec sets it on a node without .metadata, is the
+    value "" (an empty variable was taken for unset: the node waited for .metadata that never
+    came); another key's empty variable is still unset."""
+    env = {"FERRY_HOT_DIR": "/x", "FERRY_COMMIT_MARKER": "", "FERRY_NODE": ""}
+    config = load_config(None, env=env)
+    assert config.commit_marker == ""
+    assert config.sources.get("commit_marker") == "env FERRY_COMMIT_MARKER"
+    assert config.sources.get("node") is None
+
+
 def test_the_declared_defaults_pass_their_own_checks() -> None:
     """Set explicitly (as their TOML value), the defaults load as the defaults."""
     for key in agent_keys():

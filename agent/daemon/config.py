@@ -853,13 +853,20 @@ def _typed(
     for key, kind in schema.items():
         name = env_prefix + key.upper()
         text = env.get(name)
-        if text is None or (text == "" and kind is not list):
+        if text is None or (text == "" and kind is not list and key not in _EMPTY_IS_A_VALUE):
             continue
         out[key] = _from_env(name, text, kind)
         where[key_prefix + key] = f"env {name}" + (", over the file's" if key in raw else "")
     if sources is not None:
         sources.update(where)
     return out
+
+
+#: keys whose empty value means something, also in the environment (an empty variable
+#: is otherwise unset): ``FERRY_COMMIT_MARKER=""`` on a node without .metadata was ignored,
+#: so a fleet configured by environment (a Kubernetes pod spec) waited for a marker that
+#: never came on every node but rank 0's
+_EMPTY_IS_A_VALUE = frozenset({"commit_marker"})
 
 
 def _retention(raw: object, env: Mapping[str, str], n_tiers: int) -> RetentionSettings | None:
