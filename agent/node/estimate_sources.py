@@ -24,7 +24,14 @@ from transfer.engine.chunkindex import ChunkIndex
 from transfer.engine.dcpshare import Layout, parse_ranks
 from transfer.engine.pull import local_bases, share_chunk_ids
 from transfer.engine.pullplan import merged_files
-from transfer.engine.share import Share, base_parts, covers, read_record, resolve_share
+from transfer.engine.share import (
+    Share,
+    base_parts,
+    covers,
+    held_chunks,
+    read_record,
+    resolve_share,
+)
 from transfer.errors import CheckpointNotFoundError, FerryError, StoreError
 from transfer.format.manifest import FileEntry, Manifest
 from transfer.store.base import Store
@@ -137,14 +144,19 @@ class PrefetchEstimator:
             return await self._held_sourcing(job, step, here, total)  # stat, a copy re-hashed
         files = merged_files(manifests)  # (once: the bases' positions reuse it)
         wanted = None
+        copy = self.config.hot.step_path(job, step)
+        partial = self.config.hot.is_share(copy)
         if share is not None:
-            copy = self.config.hot.step_path(job, step)
-            if self.config.hot.is_share(copy) and covers(read_record(copy) or {}, share):
+            if partial and covers(read_record(copy) or {}, share):
                 return Sourcing("local", {"local": 0}, 0, "default")  # held: nothing to do
             wanted = share_chunk_ids(files, share)
+        # a partial copy here (a share, beside this node's own part): a prefetch of more of
+        # the step keeps what it holds in place (counted missing, the whole step's estimate
+        # after a share was 2.5x what the prefetch then moved)
+        in_place = (await asyncio.to_thread(held_chunks, copy, files))[0] if partial else set()
         entries = None if share is None else [f for m in manifests for f in m.files]
         held = await self._held_manifests(store, job, step, entries)
-        return await self._source_of(tier, store, manifests, files, held, wanted)
+        return await self._source_of(tier, store, manifests, files, held, wanted, in_place)
 
     async def _source_of(
         self,
@@ -154,6 +166,7 @@ class PrefetchEstimator:
         files: list[FileEntry] | None,
         held: dict[LocalCheckpoint, list[Manifest]],
         wanted: set[str] | None = None,
+        in_place: set[str] | frozenset[str] = frozenset(),
     ) -> Sourcing:
         """Where a prefetch would get the chunks this node lacks and what it would move
         from there: the peers, each chunk of a sample asked of them in turn (as deltas
@@ -161,6 +174,7 @@ class PrefetchEstimator:
         for the fraction of the sample no peer served. A source the meter has not measured
         yet is probed (agent/peers/probe.py)."""
         held_ids = {c.id for parts in held.values() for m in parts for c in m.all_chunks()}
+        held_ids |= in_place
         index = ChunkIndex()
         for m in manifests:
             index.add_manifest(m)

@@ -344,6 +344,27 @@ def recorded_ranges(record: dict[str, object]) -> Ranges:
     return merge_ranges(i for i in items if isinstance(i[0], str) and i[2] > 0)
 
 
+def held_chunks(copy: Path, files: Iterable[FileEntry]) -> tuple[set[str], int]:
+    """The chunks a partial copy holds whole, and their bytes: every chunk of a file it has
+    whose ranges its record does not name (this node's own part, held whole), and those
+    wholly inside the ranges it records of the others: what a prefetch of more of the step
+    keeps in place. Nothing, for a copy without a record."""
+    record = read_record(copy)
+    if record is None:
+        return set(), 0
+    ranges = recorded_ranges(record)
+    held: dict[str, int] = {}
+    for f in files:
+        if not (copy / f.path).is_file():
+            continue
+        spans = ranges.get(f.path)
+        for offset, c in f.chunk_offsets():
+            end = offset + c.size
+            if spans is None or overlaps(spans, offset, end) == [(offset, end)]:
+                held[c.id] = c.size
+    return set(held), sum(held.values())
+
+
 def covers(record: dict[str, object], share: Share) -> bool:
     """Whether the copy ``record`` describes holds every byte of ``share``."""
     held = recorded_ranges(record)
