@@ -113,6 +113,9 @@ def test_a_typo_in_a_body_field_is_a_400_naming_it_not_a_default(
                     assert doc["error"].startswith(f"unknown body field {named}"), doc
             async with s.post(f"{url}/v1/prefetch", json={"step": 20}) as r:
                 assert (r.status, (await r.json())["error"]) == (400, "missing body field 'job'")
+            async with s.get(f"{url}/v1/estimate", params={"step": "1"}) as r:  # ("None")
+                want = (400, "missing query parameter 'job'")
+                assert (r.status, (await r.json())["error"]) == want
             async with s.get(f"{url}/metrics") as r:
                 assert "ferry_prefetch_started_total" not in await r.text()  # (none started)
 

@@ -543,7 +543,7 @@ def test_a_url_no_store_can_be_made_of_fails_in_one_line(
 @pytest.mark.parametrize(
     ("flags", "says"),
     [
-        (["--chunk-size-mib", "0"], "--chunk-size-mib must be within 4 KiB..64 MiB"),
+        (["--chunk-size-mib", "0"], "--chunk-size-mib must be within 1..64"),
         (["--window", "0"], "--window and --workers must be positive"),
         (["--zstd-level", "99"], "--zstd-level must be at most 22"),
         (["--part-size-mib", "1", "--chunk-size-mib", "4"], "--part-size-mib must be at least"),
@@ -753,6 +753,24 @@ def test_the_command_as_run_flushes_its_output_and_keeps_its_exit_codes(
     failed = run("pull", local_url, str(tmp_path / "dest"), "--job", "nope", "--json")
     assert failed.returncode == 1 and json.loads(failed.stdout)["ok"] is False
     assert len(failed.stderr.splitlines()) == 1 and "nope" in failed.stderr, failed.stderr
+
+
+@pytest.mark.parametrize(
+    ("share", "said"),
+    [
+        (["--world-size", "0", "--ranks", "0"], "world size: expected an integer in 1.."),
+        (["--world-size", "2", "--ranks", "5"], "ranks: 5 is not a rank of a world of 2"),
+    ],
+)
+def test_a_share_that_cannot_exist_is_a_usage_error(
+    share: list[str], said: str, local_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--world-size 0`` or a rank outside the world: exit 2 and "see --help", as the other
+    flags' mistakes are (it was exit 1), and nothing written."""
+    pushed(local_url, tmp_path, capsys)
+    out = tmp_path / "out"
+    err = ferry_misused(capsys, "pull", local_url, str(out), "--job", "j", *share)
+    assert said in err and "(see ferry pull --help)" in err and not out.exists(), err
 
 
 @pytest.mark.parametrize("command", [["demo"], ["agent"], ["pull", "x", "y", "--job", "j"]])

@@ -252,7 +252,16 @@ def test_wrong_types_rejected(tmp_path: Path, toml: str, env: dict[str, str], me
         ({"FERRY_TIERS": "gs://bucket"}, "FERRY_TIERS: unsupported store URL"),
         ({"FERRY_COMMIT_MARKER": "a/b"}, "FERRY_COMMIT_MARKER: expected a file name"),
         ({"FERRY_PREFETCH_CONCURRENCY": "0"}, "FERRY_PREFETCH_CONCURRENCY: must be at least 1"),
-        ({"FERRY_TRANSFER_PART_SIZE_MIB": "1"}, "part_size must be at least chunk_size"),
+        # (named as the [transfer] table's keys, in their unit: it said "chunk_size must be
+        # within 4 KiB..64 MiB", a key that does not exist and a size that cannot be set)
+        (
+            {"FERRY_TRANSFER_PART_SIZE_MIB": "1"},
+            r"^\[transfer\] part_size_mib must be at least chunk_size_mib$",
+        ),
+        (
+            {"FERRY_TRANSFER_CHUNK_SIZE_MIB": "0"},
+            r"^\[transfer\] chunk_size_mib must be within 1\.\.64$",
+        ),
     ],
 )
 def test_bad_values_rejected(env: dict[str, str], message: str) -> None:

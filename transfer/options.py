@@ -214,6 +214,8 @@ class TransferSettings:
 
     def to_options(self) -> TransferOptions:
         """Raises ValueError when the combination is invalid (e.g. parts smaller than chunks)."""
+        if not 1 <= self.chunk_size_mib <= 64:  # (in its own unit: "4 KiB" cannot be set here)
+            raise ValueError("chunk_size_mib must be within 1..64")
         options = TransferOptions(
             chunk_size=self.chunk_size_mib * MiB,
             part_size=self.part_size_mib * MiB,

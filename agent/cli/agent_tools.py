@@ -86,11 +86,12 @@ async def cmd_estimate(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
             )
         except (RpcError, aiohttp.ClientError, TimeoutError) as exc:
             raise FerryError(f"{client.base_url}: {str(exc) or type(exc).__name__}") from None
+    gpus = f"{args.gpus} GPU" + ("" if args.gpus == 1 else "s")  # ("1 GPUs")
     line = (
         f"{doc['node']}: {args.job} step {doc['step']}: {human(doc['bytes_missing'])} to move "
         f"(stored bytes) for {human(doc['bytes_total'])} of checkpoint, ~{doc['seconds']:.1f}s "
         f"({doc.get('seconds_low', 0):.1f}-{doc.get('seconds_high', 0):.1f}s), cost "
-        f"{_money(doc['cost'])} at {args.gpu_hour_price:g} per GPU-hour ({args.gpus} GPUs); "
+        f"{_money(doc['cost'])} at {args.gpu_hour_price:g} per GPU-hour ({gpus}); "
         f"recommended scale-down cooldown {doc['cooldown_seconds']:.0f}s"
     )
     return doc, line

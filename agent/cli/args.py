@@ -77,6 +77,7 @@ def add_tls_args(p: argparse.ArgumentParser) -> None:
 
 #: the options' field names as their messages give them -> the flags that set them
 _FLAG_OF = {
+    "chunk_size_mib": "--chunk-size-mib",
     "chunk_size": "--chunk-size-mib",
     "part_size": "--part-size-mib",
     "pack_size": "--pack-size-mib",

@@ -351,6 +351,7 @@ async def _share_of(
 
     from transfer.engine.dcpshare import Layout, parse_ranks
     from transfer.engine.share import resolve_shares
+    from transfer.errors import FerryError
 
     items = layout = None
     if args.items is not None:
@@ -359,7 +360,12 @@ async def _share_of(
         except (OSError, ValueError) as exc:
             raise UsageError(f"--items {args.items}: {exc}") from None
     else:
-        layout = Layout(args.world_size, parse_ranks(args.ranks))
+        try:  # (a usage error, as the other flags' are: it exited 1, without "see --help")
+            layout = Layout(args.world_size, parse_ranks(args.ranks))
+        except FerryError as exc:
+            raise UsageError(
+                f"--world-size {args.world_size} --ranks {args.ranks}: {exc}"
+            ) from None
     manifests, shares = await resolve_shares(
         store, args.job, step, expected, {None: (layout, items)}, None, use_index
     )

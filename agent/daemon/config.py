@@ -14,6 +14,7 @@ import difflib
 import json
 import logging
 import os
+import re
 import secrets
 import socket
 import stat
@@ -736,8 +737,9 @@ def _transfer_settings(
     transfer = _settings_table(TransferSettings, "transfer", raw, env, sources)
     try:
         transfer.to_options()
-    except ValueError as exc:
-        raise ConfigError(f"transfer: {exc}") from exc
+    except ValueError as exc:  # (named as the table's keys are: the options say part_size)
+        text = re.sub(r"\b(chunk|part|pack)_size\b(?!_)", r"\1_size_mib", str(exc))
+        raise ConfigError(f"[transfer] {text}") from exc
     return transfer
 
 

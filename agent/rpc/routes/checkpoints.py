@@ -10,7 +10,7 @@ from aiohttp import web
 from agent.node.estimate_sources import PrefetchEstimator
 from agent.node.listing import CheckpointListing
 from agent.rpc.appkeys import CONFIG, METER, PART_SIZES, PINS, PREFETCHER, PUSHQUEUE, TIERS
-from agent.rpc.middleware import parse_step_arg
+from agent.rpc.middleware import parse_step_arg, required
 from transfer.format.names import check_name
 
 
@@ -30,7 +30,7 @@ async def get_pushes(request: web.Request) -> web.Response:
 
 async def get_estimate(request: web.Request) -> web.Response:
     query = request.query
-    job = check_name("job", query.get("job"))
+    job = check_name("job", required(query, "job", "query parameter"))
     step = parse_step_arg(query.get("step", "latest"))
     try:  # ("invalid literal for int() with base 10: 'abc'" named neither parameter)
         gpus = int(query.get("gpus", "1"))
