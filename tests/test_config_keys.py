@@ -181,6 +181,10 @@ def test_an_unknown_key_like_a_known_one_is_named_with_it(tmp_path: Path) -> Non
     (tmp_path / "ferry.toml").write_text(f'hot_dir = "{tmp_path}"\nzzz = 1\n')
     with pytest.raises(ConfigError, match=r"unknown config key 'zzz'$"):
         load_config(tmp_path / "ferry.toml", env={})
+    # a mistyped table too (it was named without a hint)
+    (tmp_path / "ferry.toml").write_text(f'hot_dir = "{tmp_path}"\n[retentoin]\nkeep_last = 2\n')
+    with pytest.raises(ConfigError, match=r"'retentoin' \(did you mean 'retention'\?\)$"):
+        load_config(tmp_path / "ferry.toml", env={})
 
 
 def test_a_ferry_variable_the_agent_never_reads_is_named_in_a_warning(

@@ -303,6 +303,8 @@ def table_keys(settings: type) -> tuple[TableKey, ...]:
 
 #: AgentConfig's fields that are not top-level keys: its tables and the keys' provenance
 _NOT_TOP_KEYS = frozenset({"transfer", "store", "retention", "sources"})
+#: the config file's tables
+_TABLES = ("transfer", "store", "retention")
 
 
 @dataclass(frozen=True)
@@ -845,11 +847,11 @@ def _typed(
     each key set by the operator came from ("file", or "env FERRY_..."; the env wins)."""
     out: dict[str, object] = {}
     where: dict[str, str] = {}
+    # (at the top level a key may be a mistyped table: "[retentoin]" is named with it)
+    known = [*schema, *(_TABLES if not key_prefix else ())]
     for key, value in raw.items():
         if key not in schema:
-            raise ConfigError(
-                f"unknown config key {key_prefix + key!r}{_did_you_mean(key, schema)}"
-            )
+            raise ConfigError(f"unknown config key {key_prefix + key!r}{_did_you_mean(key, known)}")
         out[key] = _check(f"{key_prefix}{key}", value, schema[key])
         where[key_prefix + key] = "file"
     for key, kind in schema.items():
