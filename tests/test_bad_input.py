@@ -755,6 +755,25 @@ def test_the_command_as_run_flushes_its_output_and_keeps_its_exit_codes(
     assert len(failed.stderr.splitlines()) == 1 and "nope" in failed.stderr, failed.stderr
 
 
+def test_ferry_estimate_says_what_it_could_not_reach_in_words(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A token file that is not there and an agent that is not up: one line each, in words
+    (they were "[Errno 2] No such file or directory: 'nope.token'" and aiohttp's "Cannot
+    connect to host 127.0.0.1:7199 ssl:default [Connect call failed ...]")."""
+    from tests.harness import reserve_port
+
+    url = f"http://127.0.0.1:{reserve_port()}"  # (held, never listening: refused)
+    missing = tmp_path / "nope.token"
+    err = ferry_fails(capsys, "estimate", url, "--token-file", str(missing), "--job", "j")
+    assert err == f"ferry estimate: error: --token-file {missing}: No such file or directory\n"
+    (tmp_path / "token").write_text("t\n")
+    err = ferry_fails(
+        capsys, "estimate", url, "--token-file", str(tmp_path / "token"), "--job", "j"
+    )
+    assert err == f"ferry estimate: error: {url}: cannot reach the agent (Connection refused)\n"
+
+
 @pytest.mark.parametrize(
     ("share", "said"),
     [

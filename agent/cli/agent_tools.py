@@ -6,6 +6,7 @@ flags to agent.daemon and ``ferry demo``'s to demo.py."""
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -73,7 +74,10 @@ async def cmd_estimate(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
 
     from agent.rpc.client import BadTokenError, FerryClient, RpcError
 
-    token = args.token_file.read_text().strip()
+    try:
+        token = args.token_file.read_text().strip()
+    except OSError as exc:  # (it said "[Errno 2] No such file or directory: 'nope.token'")
+        raise FerryError(f"--token-file {args.token_file}: {exc.strerror or exc}") from None
     tls = {"ca_file": args.ca_file, "cert_file": args.cert_file, "key_file": args.key_file}
     try:
         agent = FerryClient(args.agent_url, token, **tls)
@@ -84,6 +88,10 @@ async def cmd_estimate(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
             doc: dict[str, Any] = await client.estimate(
                 args.job, args.step, gpus=args.gpus, gpu_hour_price=args.gpu_hour_price
             )
+        except aiohttp.ClientConnectionError as exc:  # (aiohttp's own text named "ssl:default")
+            err = getattr(exc, "os_error", None)
+            why = os.strerror(err.errno) if err is not None and err.errno else type(exc).__name__
+            raise FerryError(f"{client.base_url}: cannot reach the agent ({why})") from None
         except (RpcError, aiohttp.ClientError, TimeoutError) as exc:
             raise FerryError(f"{client.base_url}: {str(exc) or type(exc).__name__}") from None
     gpus = f"{args.gpus} GPU" + ("" if args.gpus == 1 else "s")  # ("1 GPUs")
