@@ -20,25 +20,35 @@ import sys
 import threading
 import traceback
 from types import FrameType
+from typing import Any
 
 
 def install(loop: asyncio.AbstractEventLoop) -> None:
     """A Python-level handler: it runs on the main thread at its next bytecode, also while
     the loop is blocked by a coroutine that never yields (when a dump matters most), and
     writes the threads' stacks at once; the tasks', which only the loop may read, are
-    written by the loop when it next runs."""
+    written by the loop when it next runs. (A main thread stuck inside one C call that
+    never returns to Python is not dumped until it does.)"""
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
-        _write(threads_text())
-        with contextlib.suppress(RuntimeError):  # (a closed loop: the threads are written)
+        # (whatever goes wrong here would be raised in the code the signal interrupted: the
+        # event loop itself, maybe; a dump is never worth the agent)
+        with contextlib.suppress(Exception):
+            _write(threads_text())
             loop.call_soon_threadsafe(dump_tasks)
 
-    signal.signal(signal.SIGUSR1, on_signal)
+    _previous.append(signal.signal(signal.SIGUSR1, on_signal))
+    signal.siginterrupt(signal.SIGUSR1, False)  # (system calls restart, as they did)
+
+
+#: the SIGUSR1 handlers ``install`` replaced, restored by ``uninstall``
+_previous: list[Any] = []  # (signal.signal's handler type is private to typeshed)
 
 
 def uninstall(loop: asyncio.AbstractEventLoop) -> None:
-    """Undo ``install``."""
-    signal.signal(signal.SIGUSR1, signal.SIG_DFL)
+    """Undo ``install``: the handler before it again."""
+    previous = _previous.pop() if _previous else None  # (None: not set from Python)
+    signal.signal(signal.SIGUSR1, signal.SIG_DFL if previous is None else previous)
 
 
 def threads_text() -> str:

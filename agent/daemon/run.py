@@ -70,10 +70,9 @@ async def serve(config: AgentConfig, token: str, ready: asyncio.Event | None = N
     runner = web.AppRunner(app, handle_signals=False)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    # Before it answers anything: a SIGUSR1 or SIGTERM sent once /healthz answers then never
-    # kills it (SIGUSR1's default action ends the process).
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    # before it answers anything: a SIGUSR1 sent once /healthz answers never kills it (its
+    # default action ends the process); SIGTERM and SIGINT keep theirs until it serves, so
+    # a stop during a slow start (a tier's retries, a hung mount) ends it at once
     dump.install(loop)
     try:
         try:
@@ -83,6 +82,8 @@ async def serve(config: AgentConfig, token: str, ready: asyncio.Event | None = N
         except BaseException:
             sock.close()
             raise
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
         for key, value, source in effective_config(config):
             # (event leaves None out: an unset key would show no value at all)
             event(log, "config", key=key, value="(none)" if value is None else value, source=source)
