@@ -301,6 +301,38 @@ def test_the_colder_tier_forecasts_the_steps_demoted_into_it(
     run(go())
 
 
+def test_the_forecast_leaves_out_packs_an_earlier_demotion_copied(
+    local_url: str, tmp_path: Path
+) -> None:
+    """Steps sharing a file (deduped into one pack) demoted in two runs: the second copies
+    only the packs the colder tier lacks, and its forecast says so (it counted every pack
+    the step references: 2.10 MB forecast, 1.20 MB stored, a review's trial)."""
+    cold_url = init_test_store(str(tmp_path / "cold"))
+    shared = random_bytes(600_000, 7)
+
+    def save(step: int) -> Path:
+        d = tmp_path / f"save_{step}"
+        write_file(d / "__0_0.distcp", shared)  # the same in every step: one pack, deduped
+        write_file(d / "__1_0.distcp", random_bytes(300_017, step))
+        write_file(d / ".metadata", b"m%d" % step)
+        return d
+
+    async def go() -> None:
+        hot, cold = open_test_store(local_url), open_test_store(cold_url)
+        tiers = [Tier(hot, TierPolicy(keep_last=2)), Tier(cold, TierPolicy())]
+        for step in (1, 2, 3):
+            await push(hot, save(step), job=JOB, step=step, node=NODE)
+        await _retention(tiers)  # step 1 goes down, with the shared pack
+        await push(hot, save(4), job=JOB, step=4, node=NODE)
+        dry = (await _retention(tiers, dry_run=True)).tiers[1]
+        assert dry.steps_demoted_in == 1
+        done = await _retention(tiers)
+        assert await _steps(cold) == [1, 2]
+        assert done.tiers[1].bytes_stored == dry.bytes_after
+
+    run(go())
+
+
 def test_demotion_to_an_unreachable_tier_keeps_the_step(local_url: str, tmp_path: Path) -> None:
     async def go() -> None:
         hot = open_test_store(local_url)

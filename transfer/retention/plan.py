@@ -82,8 +82,8 @@ class TierPlan:
     bytes_stored: int | None = None
     bytes_awaiting_gc: int = 0
     #: steps the tier above demotes into this one (not here yet), and the bytes their copy
-    #: writes (packs are copied whole: the tier above's packs they reference); both are in
-    #: ``bytes_after``
+    #: writes (packs are copied whole: the packs they reference that this tier lacks, and
+    #: their manifests); both are in ``bytes_after``
     steps_demoted_in: int = 0
     bytes_demoted_in: int = 0
 
@@ -244,7 +244,7 @@ async def make_plan(
                 StepAction(*key, action, reason, sorted(entry.parts), entry.complete, entry.created)
             )
         space = space_after(inv, kept, repacking)
-        bytes_in = inventories[i - 1].bytes_of(incoming) if incoming else 0
+        bytes_in = _copied_in(inventories[i - 1], inv, incoming) if incoming else 0
         plans.append(
             TierPlan(
                 tier.url,
@@ -264,6 +264,15 @@ async def make_plan(
         incoming = [(a.job, a.step) for a in actions if a.action == DEMOTE]
         incoming = [key for key in incoming if key not in nxt]
     return RetentionPlan(plans, now, inventories, repacking)
+
+
+def _copied_in(above: Inventory, here: Inventory, keys: list[Key]) -> int:
+    """What demoting ``keys`` from ``above`` writes ``here``: the packs they reference that
+    this tier does not hold yet (copy.py skips those it has: an earlier demotion of a step
+    they share chunks with copied them), each once, and their manifests."""
+    packs = above.referenced(keys) - set(here.pack_sizes)
+    manifests = sum(sum(above.steps[k].manifest_bytes.values()) for k in keys)
+    return sum(above.pack_sizes.get(p, 0) for p in packs) + manifests
 
 
 async def apply_plan(
