@@ -150,13 +150,16 @@ class PrefetchEstimator:
             if partial and covers(read_record(copy) or {}, share):
                 return Sourcing("local", {"local": 0}, 0, "default")  # held: nothing to do
             wanted = share_chunk_ids(files, share)
-        # a partial copy here (a share, beside this node's own part): a prefetch of more of
-        # the step keeps what it holds in place (counted missing, the whole step's estimate
-        # after a share was 2.5x what the prefetch then moved)
-        in_place = (await asyncio.to_thread(held_chunks, copy, files))[0] if partial else set()
+        if partial:  # a partial copy here (a share, beside this node's own part): a
+            # prefetch of more of the step keeps what it holds in place and restores the
+            # rest against it alone, not against an earlier step here (prefetch._pull_share:
+            # counted missing, the whole step's estimate after a share was 2.5x what the
+            # prefetch then moved)
+            in_place = (await asyncio.to_thread(held_chunks, copy, files))[0]
+            return await self._source_of(tier, store, manifests, files, {}, wanted, in_place)
         entries = None if share is None else [f for m in manifests for f in m.files]
         held = await self._held_manifests(store, job, step, entries)
-        return await self._source_of(tier, store, manifests, files, held, wanted, in_place)
+        return await self._source_of(tier, store, manifests, files, held, wanted)
 
     async def _source_of(
         self,

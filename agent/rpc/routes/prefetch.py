@@ -53,8 +53,9 @@ async def post_prefetch(request: web.Request) -> web.Response:
 def _share(layout: object, items: object) -> tuple[dict[str, Any] | None, list[Any] | None]:
     """``layout: {"world_size": W, "ranks": [...]}`` (the share those ranks read) or
     ``items: [{path, offset, length}, ...]`` (an explicit one), in the shape the spec gives;
-    (None, None): the whole step. What the shape cannot say (a rank outside the world, a
-    bad path) fails the prefetch when it runs, as the spec says of every other failure."""
+    (None, None): the whole step. A rank outside the world is a 404 now (parse_layout);
+    what else the shape cannot say (an item's bad path) fails the prefetch when it runs, as
+    the spec says of every other failure."""
     if layout is not None and items is not None:
         raise ValueError("give layout or items, not both: items names the share itself")
     if items is not None and not isinstance(items, list):
