@@ -90,6 +90,7 @@ def test_in_an_n_node_job_the_estimate_counts_every_peer_that_holds_a_part(
             write_file(part / ".metadata", dcp_metadata(sizes))
         parts.append(part)
     (tmp_path / "e").mkdir()
+    (tmp_path / "f").mkdir()
 
     async def go() -> None:
         store = open_store(local_url)
@@ -116,11 +117,21 @@ def test_in_an_n_node_job_the_estimate_counts_every_peer_that_holds_a_part(
             e = await stack.enter_async_context(FerryClient(url_e, TOKEN))
             est = await e.estimate("llm", step)
             done = await prefetched(e, step)
+            # a node that knows two of the three as peers: the third part from the tier
+            url_f = await stack.enter_async_context(
+                peer_agent(tmp_path / "f", [local_url], urls[:2], "f")
+            )
+            f = await stack.enter_async_context(FerryClient(url_f, TOKEN))
+            split = await f.estimate("llm", step)
+            split_done = await prefetched(f, step)
         moved = sum(done["bytes_by_source"].values())
         assert done["bytes_by_source"]["peer"] > 0.9 * moved, done  # the peers served it
         assert est["source"] in {f"peer:{url}" for url in urls}, est
         assert set(est["bytes_by_source"]) == {"peer"}, est
         assert abs(est["bytes_missing"] - moved) <= 0.25 * moved, (est, moved)
+        assert set(split["bytes_by_source"]) == set(split_done["bytes_by_source"]), split
+        for where, nbytes in split_done["bytes_by_source"].items():
+            assert abs(split["bytes_by_source"][where] - nbytes) <= 0.25 * nbytes, (split, where)
 
     asyncio.run(go())
 

@@ -198,29 +198,37 @@ class PrefetchEstimator:
         content, bases_moved = _to_move(index, needed, held_ids)
         budget = probe.budget(content + bases_moved)
         source = f"tier:{tier}"
+        moving: dict[str, int] = {}
+        served_fraction, peer, peer_basis = 0.0, "", "default"
         if self.config.peers and peers is not None and needed:
             picked = probe.sample(index, needed, bases, budget=budget)
             served = await probe.probe_peers(peers, picked, bases)
             if served is not None:
-                basis = "measured" if meter.measured("peer") else "probe"
+                peer_basis = "measured" if meter.measured("peer") else "probe"
                 timed = served.probe
-                if basis == "probe":
+                if peer_basis == "probe":
                     meter.record("peer", timed.moved, timed.seconds, provisional=True)
                 raw = sum(c.size for cid in needed if (c := index.get(cid)) is not None)
-                moving = {"peer": round(raw * served.served * timed.ratio)}
-                rest = round((content + bases_moved) * (1 - served.served))
-                if rest:  # what no peer served: from the tier, as the prefetch would
-                    moving[source] = rest
-                # (named by the peer that serves most of it; bytes_by_source has the split)
-                named = f"peer:{served.peer}" if moving["peer"] >= rest else source
-                return Sourcing(named, moving, 0, basis)
+                moving["peer"] = round(raw * served.served * timed.ratio)
+                served_fraction, peer = served.served, served.peer
+        # what no peer served comes from the tier, as in the prefetch (bases included)
+        rest = round((content + bases_moved) * (1 - served_fraction))
+        bases_rest = round(bases_moved * (1 - served_fraction))
         basis = "measured" if meter.measured(source) else "default"
-        if basis == "default" and needed:
-            picked = probe.sample(index, needed, bases, run_bytes=probe.RUN_BYTES, budget=budget)
-            got = await probe.probe_tier(store, picked, bases)
-            if got is not None and meter.record(source, got.moved, got.seconds, provisional=True):
-                basis = "probe"
-        return Sourcing(source, {source: content + bases_moved}, bases_moved, basis)
+        if rest or not moving:
+            moving[source] = rest
+            if basis == "default" and needed:
+                picked = probe.sample(
+                    index, needed, bases, run_bytes=probe.RUN_BYTES, budget=budget
+                )
+                got = await probe.probe_tier(store, picked, bases)
+                if got is not None and meter.record(
+                    source, got.moved, got.seconds, provisional=True
+                ):
+                    basis = "probe"
+        if peer and moving["peer"] >= rest:  # (named by the source of most of the bytes)
+            return Sourcing(f"peer:{peer}", moving, bases_rest, peer_basis)
+        return Sourcing(source, moving, bases_rest, basis)
 
     async def _held_sourcing(self, job: str, step: int, here: str, total: int) -> Sourcing:
         """A step held here: a replica is checked by stat (nothing to rate), a copy is
