@@ -33,7 +33,7 @@ from transfer.directio import ThreadBuffers
 from transfer.engine.catalog import Catalog
 from transfer.engine.chunkindex import StoredChunk
 from transfer.engine.resolver import read_file_into, read_file_verified
-from transfer.engine.share import read_record, recorded_ranges
+from transfer.engine.share import copy_holds
 from transfer.engine.sources import Land, LocalBase, Location, Supplied
 from transfer.engine.stepparts import Needs, parts_for
 from transfer.errors import FerryError
@@ -133,12 +133,9 @@ async def _parts_held(catalog: Catalog, job: str, step: int, path: Path) -> list
 
 
 def _held_needs(files: StepFiles, path: Path) -> Needs:
-    """What the copy at ``path`` holds of each file of the step: a share copy, the ranges
-    its record names of the storage files (files it holds and the record does not name
-    are held whole); a whole copy, every file it has."""
-    record = read_record(path)
-    ranges = {} if record is None else recorded_ranges(record)
-    return {p: ranges.get(p) for p in files.files if (path / p).is_file()}
+    """What the copy at ``path`` holds of each file of the step (share.copy_holds: a share
+    copy, the ranges its record names; a whole copy, every file it has)."""
+    return copy_holds(path, files.files)
 
 
 def read_verified(where: Location, cid: str) -> bytearray | None:

@@ -344,20 +344,25 @@ def recorded_ranges(record: dict[str, object]) -> Ranges:
     return merge_ranges(i for i in items if isinstance(i[0], str) and i[2] > 0)
 
 
-def held_chunks(copy: Path, files: Iterable[FileEntry]) -> tuple[set[str], int]:
-    """The chunks a partial copy holds whole, and their bytes: every chunk of a file it has
-    whose ranges its record does not name (this node's own part, held whole), and those
-    wholly inside the ranges it records of the others: what a prefetch of more of the step
-    keeps in place. Nothing, for a copy without a record."""
+def copy_holds(copy: Path, paths: Iterable[str]) -> dict[str, tuple[tuple[int, int], ...] | None]:
+    """What the copy at ``copy`` holds of each of ``paths`` it has: the ranges its share
+    record names of that file, or None for a file held whole (one the record does not name,
+    this node's own part; every file of a copy without a record)."""
     record = read_record(copy)
-    if record is None:
-        return set(), 0
-    ranges = recorded_ranges(record)
+    ranges = {} if record is None else recorded_ranges(record)
+    return {p: ranges.get(p) for p in paths if (copy / p).is_file()}
+
+
+def held_chunks(copy: Path, files: Iterable[FileEntry]) -> tuple[set[str], int]:
+    """The chunks a copy holds whole (``copy_holds``: a chunk inside the ranges held of its
+    file), and their bytes: what a prefetch of more of the step keeps in place."""
+    files = list(files)
+    holds = copy_holds(copy, (f.path for f in files))
     held: dict[str, int] = {}
     for f in files:
-        if not (copy / f.path).is_file():
+        if f.path not in holds:
             continue
-        spans = ranges.get(f.path)
+        spans = holds[f.path]
         for offset, c in f.chunk_offsets():
             end = offset + c.size
             if spans is None or overlaps(spans, offset, end) == [(offset, end)]:
