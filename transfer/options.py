@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from dataclasses import dataclass, field, fields
 from typing import Any, cast
 
@@ -160,6 +161,23 @@ def knobs(settings: type) -> list[Knob]:
         )
         for f in fields(settings)
     ]
+
+
+#: the options' field names as their messages give them -> the TransferSettings key that
+#: sets each (a flag and a config key are named from it: --chunk-size-mib, chunk_size_mib)
+SETTING_OF_FIELD = {
+    "chunk_size": "chunk_size_mib",
+    "part_size": "part_size_mib",
+    "pack_size": "pack_size_mib",
+    **{k: k for k in ("chunk_size_mib", "zstd_level", "max_chain", "dedupe_steps")},
+    **{k: k for k in ("delta_min_saving", "max_cold_cost")},
+}
+
+
+def named_as_settings(text: str) -> str:
+    """An options error with its field names given as the settings' keys (``part_size must
+    be at least chunk_size`` -> ``part_size_mib must be at least chunk_size_mib``)."""
+    return re.sub(r"\b[a-z]+_[a-z_]+\b", lambda m: SETTING_OF_FIELD.get(m[0], m[0]), text)
 
 
 @dataclass(frozen=True)

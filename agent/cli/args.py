@@ -11,7 +11,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 from transfer.format.names import MAX_STEP
-from transfer.options import StoreSettings, TransferOptions, TransferSettings, knobs
+from transfer.options import (
+    SETTING_OF_FIELD,
+    StoreSettings,
+    TransferOptions,
+    TransferSettings,
+    knobs,
+)
 
 if TYPE_CHECKING:
     from transfer.store import StoreOptions
@@ -76,17 +82,7 @@ def add_tls_args(p: argparse.ArgumentParser) -> None:
 
 
 #: the options' field names as their messages give them -> the flags that set them
-_FLAG_OF = {
-    "chunk_size_mib": "--chunk-size-mib",
-    "chunk_size": "--chunk-size-mib",
-    "part_size": "--part-size-mib",
-    "pack_size": "--pack-size-mib",
-    "zstd_level": "--zstd-level",
-    "max_chain": "--max-chain",
-    "delta_min_saving": "--delta-min-saving",
-    "max_cold_cost": "--max-cold-cost",
-    "dedupe_steps": "--dedupe-steps",
-}
+_FLAG_OF = {field: "--" + key.replace("_", "-") for field, key in SETTING_OF_FIELD.items()}
 
 #: what some messages open with (no field name) -> the flags that set it
 _SUBJECT_FLAGS = {

@@ -14,7 +14,6 @@ import difflib
 import json
 import logging
 import os
-import re
 import secrets
 import socket
 import stat
@@ -29,7 +28,13 @@ from urllib.parse import urlsplit
 from agent.node.hotdir import HotDir
 from transfer.errors import FerryError, FormatError
 from transfer.format.names import check_name
-from transfer.options import StoreSettings, TransferOptions, TransferSettings, knobs
+from transfer.options import (
+    StoreSettings,
+    TransferOptions,
+    TransferSettings,
+    knobs,
+    named_as_settings,
+)
 from transfer.retention import TierPolicy, parse_duration, parse_size
 from transfer.retention.repack import RepackPolicy
 
@@ -740,8 +745,7 @@ def _transfer_settings(
     try:
         transfer.to_options()
     except ValueError as exc:  # (named as the table's keys are: the options say part_size)
-        text = re.sub(r"\b(chunk|part|pack)_size\b(?!_)", r"\1_size_mib", str(exc))
-        raise ConfigError(f"[transfer] {text}") from exc
+        raise ConfigError(f"[transfer] {named_as_settings(str(exc))}") from exc
     return transfer
 
 
