@@ -23,10 +23,16 @@ from transfer.directio import ThreadBuffers
 from transfer.errors import FerryError, FormatError, UnknownEncodingError
 from transfer.format.manifest import needs_base
 
+
+class NotBuiltError(FerryError, ImportError):
+    """The C extension is missing: a FerryError (the CLI says it in one line) and an
+    ImportError (as code that imports ckpt-ferry expects of a missing piece)."""
+
+
 try:
     from transfer.codec._planes import join, join_planes, split
 except ModuleNotFoundError:  # a clone run where it lies, never installed: one line, not a trace
-    raise FerryError(
+    raise NotBuiltError(
         "ckpt-ferry's C extension (transfer/codec/_planes.c) is not built: install it first "
         "(`source scripts/env.sh`, or `pip install -e .`)"
     ) from None
