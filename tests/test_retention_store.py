@@ -293,6 +293,7 @@ def test_the_colder_tier_forecasts_the_steps_demoted_into_it(
         assert (colder.steps_demoted_in, colder.bytes_demoted_in > 0) == (1, True)
         assert colder.bytes_after == before + colder.bytes_demoted_in
         assert "1 step demoted in" in dry.table() and colder.gc is not None
+        assert "would wait out the grace period" in dry.table()  # (a forecast, said as one)
         assert colder.gc.bytes_stored is None and colder.bytes_stored is None  # nothing measured
         done = await _retention(tiers)
         assert await _steps(cold) == [1, 2]

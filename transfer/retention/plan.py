@@ -151,7 +151,10 @@ class RetentionPlan:
             if t.gc is not None:
                 g = t.gc
                 verb = "would delete" if g.dry_run else "deleted"
-                waiting = "wait out the grace period"
+                # (a dry run's are those its expiries and demotions would leave unreferenced)
+                waiting = (
+                    "would wait out the grace period" if g.dry_run else "wait out the grace period"
+                )
                 if g.running_pushes:
                     waiting += f" ({g.running_pushes} pushes running: without grace, none goes)"
                 lines.append(
