@@ -88,9 +88,11 @@ async def cmd_estimate(args: argparse.Namespace) -> tuple[dict[str, Any], str]:
             doc: dict[str, Any] = await client.estimate(
                 args.job, args.step, gpus=args.gpus, gpu_hour_price=args.gpu_hour_price
             )
-        except aiohttp.ClientConnectionError as exc:  # (aiohttp's own text named "ssl:default")
-            err = getattr(exc, "os_error", None)
-            why = os.strerror(err.errno) if err is not None and err.errno else type(exc).__name__
+        except aiohttp.ClientSSLError as exc:  # (its text names the certificate's problem)
+            raise FerryError(f"{client.base_url}: {exc}") from None
+        except aiohttp.ClientConnectorError as exc:  # (aiohttp's own text named "ssl:default")
+            err = exc.os_error
+            why = os.strerror(err.errno) if err.errno else type(exc).__name__
             raise FerryError(f"{client.base_url}: cannot reach the agent ({why})") from None
         except (RpcError, aiohttp.ClientError, TimeoutError) as exc:
             raise FerryError(f"{client.base_url}: {str(exc) or type(exc).__name__}") from None
