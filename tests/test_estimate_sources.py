@@ -24,7 +24,8 @@ from tests.conftest import adamw_series, prefetched, random_bytes, write_file
 from tests.fake_dcp import dcp_metadata
 from tests.harness import OPTS, TOKEN, agent, peer_agent, push_series
 from transfer.engine import PushPlan, push
-from transfer.engine.catalog import Catalog
+from transfer.engine.catalog import Catalog, resolve_manifests
+from transfer.engine.chunkindex import ChunkIndex
 from transfer.engine.parts import check_step_whole, completion_doc
 from transfer.format.chunkid import chunk_id
 from transfer.format.layout import completion_key
@@ -124,6 +125,7 @@ def test_in_an_n_node_job_the_estimate_counts_every_peer_that_holds_a_part(
             f = await stack.enter_async_context(FerryClient(url_f, TOKEN))
             split = await f.estimate("llm", step)
             split_done = await prefetched(f, step)
+            asked = await asks_per_chunk(urls, local_url, step)
         moved = sum(done["bytes_by_source"].values())
         assert done["bytes_by_source"]["peer"] > 0.9 * moved, done  # the peers served it
         assert est["source"] in {f"peer:{url}" for url in urls}, est
@@ -132,8 +134,38 @@ def test_in_an_n_node_job_the_estimate_counts_every_peer_that_holds_a_part(
         assert set(split["bytes_by_source"]) == set(split_done["bytes_by_source"]), split
         for where, nbytes in split_done["bytes_by_source"].items():
             assert abs(split["bytes_by_source"][where] - nbytes) <= 0.25 * nbytes, (split, where)
+        # each chunk asked of its owner's peer alone: one request, not one per peer before it
+        assert asked == {1}, asked
 
     asyncio.run(go())
+
+
+async def asks_per_chunk(urls: list[str], store_url: str, step: int) -> set[int]:
+    """How many peers a prefetch's chunk source asks for each chunk of the step, the step's
+    owners known from its manifests and the peers' nodes from their /healthz."""
+    from agent.peers.chunks import PeerSource, chunk_owners
+
+    class Counting(PeerSource):
+        async def ask(self, peer, chunk, base, *, wait=0.0, land=None):  # type: ignore[no-untyped-def]
+            self.asked[chunk.id] = self.asked.get(chunk.id, 0) + 1
+            return await super().ask(peer, chunk, base, wait=wait, land=land)
+
+    store, peers = open_store(store_url), Counting(tuple(urls), TOKEN)
+    peers.asked = {}  # type: ignore[attr-defined]
+    try:
+        manifests = await resolve_manifests(store, "llm", step)
+        index = ChunkIndex()
+        for m in manifests:
+            index.add_manifest(m)
+        await peers.learn_nodes()
+        source = peers.owners_first(chunk_owners(manifests))
+        for cid in chunk_owners(manifests):
+            chunk = index.get(cid)
+            assert chunk is not None and await source(chunk, None) is not None, cid
+    finally:
+        await peers.close()
+        await store.close()
+    return set(peers.asked.values())  # type: ignore[attr-defined]
 
 
 def test_a_tier_seen_for_the_first_time_is_probed_then_measured_by_transfers(

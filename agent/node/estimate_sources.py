@@ -18,6 +18,7 @@ from agent.node.estimate import BandwidthMeter, estimate_migration
 from agent.node.hotdir import LocalCheckpoint
 from agent.node.prefetch import Prefetcher
 from agent.peers import probe
+from agent.peers.chunks import chunk_owners
 from agent.rpc.middleware import MAX_LAYOUT_RANKS
 from transfer.engine.catalog import Catalog, resolve_checkpoint
 from transfer.engine.chunkindex import ChunkIndex
@@ -202,7 +203,10 @@ class PrefetchEstimator:
         served_fraction, peer, peer_basis = 0.0, "", "default"
         if self.config.peers and peers is not None and needed:
             picked = probe.sample(index, needed, bases, budget=budget)
-            served = await probe.probe_peers(peers, picked, bases)
+            await peers.learn_nodes()  # (asked as its prefetch will ask: owners first)
+            served = await probe.probe_peers(
+                peers.owners_first(chunk_owners(manifests)), picked, bases
+            )
             if served is not None:
                 peer_basis = "measured" if meter.measured("peer") else "probe"
                 timed = served.probe

@@ -32,7 +32,7 @@ from agent.node.drain import drain_tasks
 from agent.node.estimate import BandwidthMeter
 from agent.node.hotdir import HotDir, LocalCheckpoint, path_in_step_dir
 from agent.node.protected import StepHolds
-from agent.peers.chunks import PeerSource
+from agent.peers.chunks import PeerSource, chunk_owners
 from agent.peers.fanout import FanoutSource, Landing
 from agent.rpc.services import Spawn, own_task
 from transfer.durable import fsync_dir
@@ -902,7 +902,7 @@ class Prefetcher:
         source = f"tier:{name}"
         record.bytes_by_source.setdefault(source, 0)  # named even when it sends nothing
         record.eta_rate = self.meter.rate(source)
-        peers = (self.chunk_source,) if self.chunk_source is not None else ()
+        peers = await self._peers_for(plan.manifests)
         base_parts = await self._base_parts(record, store, plan, base)
         sources = Sources(base, base_parts, peers)
         # what this restore will land here: members asking for it are held until it does
@@ -937,6 +937,18 @@ class Prefetcher:
         # bytes_by_source / bytes_by_peer were counted live by _count_moved
         record.chunks_local = result.chunks_local
         record.chunks_resumed = result.chunks_resumed
+
+    async def _peers_for(self, manifests: list[Manifest]) -> tuple[ChunkSource, ...]:
+        """The chunk source of a restore from the peers: each chunk asked first of the peer
+        whose node's part holds it (the step's manifests say whose; the peers' /healthz
+        which node each is), then the others in turn."""
+        source = self.chunk_source
+        if source is None:
+            return ()
+        if not isinstance(source, PeerSource):
+            return (source,)
+        await source.learn_nodes()
+        return (source.owners_first(chunk_owners(manifests)),)
 
     async def _fanout_source(
         self, record: PrefetchJob, store: Store, plan: PullPlan

@@ -15,9 +15,10 @@ instead of raw. On a full fine-tune every chunk changes, so raw chunks from a pe
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import http.client
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -34,7 +35,7 @@ from transfer.engine.catalog import Catalog
 from transfer.engine.chunkindex import StoredChunk
 from transfer.engine.resolver import read_file_into, read_file_verified
 from transfer.engine.share import copy_holds
-from transfer.engine.sources import Land, LocalBase, Location, Supplied
+from transfer.engine.sources import ChunkSource, Land, LocalBase, Location, Supplied
 from transfer.engine.stepparts import Needs, parts_for
 from transfer.errors import FerryError
 from transfer.format.manifest import Manifest
@@ -120,6 +121,16 @@ class HotIndex:
         return False
 
 
+def chunk_owners(manifests: Iterable[Manifest]) -> dict[str, str]:
+    """Chunk id -> the node whose part of the step holds it (the first, where several do)."""
+    owners: dict[str, str] = {}
+    for m in manifests:
+        for f in m.files:
+            for c in f.chunks:
+                owners.setdefault(c.id, m.node)
+    return owners
+
+
 async def _parts_held(catalog: Catalog, job: str, step: int, path: Path) -> list[Manifest]:
     """The parts of (job, step) describing what ``path`` holds: by the step's marker, only
     those (a node's own part of an N-node step: 1 manifest, not N; a survivor's share:
@@ -185,6 +196,8 @@ class PeerSource:
         self.down_seconds = down_seconds
         self._tls = tls or AgentTls()
         self._down_until: dict[str, float] = {}
+        #: node name -> peer URL, as each peer's /healthz names its node (owners_first)
+        self._peer_of_node: dict[str, str] = {}
         self._session: aiohttp.ClientSession | None = None  # health checks
         self._wire = PeerWire(self.token, tls=self._tls.client_context)
         self._buffers = ThreadBuffers()  # each receiving thread's decode buffer
@@ -217,6 +230,15 @@ class PeerSource:
 
     async def alive(self, peer: str, within: float = 2.0) -> bool:
         """Whether ``peer``'s agent answers its health check (marked down if not)."""
+        if await self._health(peer, within) == 200:
+            return True
+        self._down_until[peer] = time.monotonic() + self.down_seconds
+        return False
+
+    async def _health(self, peer: str, within: float) -> int | None:
+        """The status of ``peer``'s /healthz, None if it cannot be reached (then it is
+        marked down: a peer partitioned away costs one wait, not one per prefetch); the
+        node it names is remembered (owners_first)."""
         url = f"{self._tls.origin(peer)}/healthz"
         verify = self._tls.client_context() if url.startswith("https://") else True
         try:
@@ -224,11 +246,44 @@ class PeerSource:
                 url, timeout=aiohttp.ClientTimeout(total=within), ssl=verify
             ) as resp:
                 if resp.status == 200:
-                    return True
+                    with contextlib.suppress(ValueError, aiohttp.ContentTypeError):
+                        doc = await resp.json()
+                        if isinstance(doc, dict) and isinstance(node := doc.get("node"), str):
+                            self._peer_of_node[node] = peer
+                return resp.status
         except (aiohttp.ClientError, TimeoutError, OSError):
-            pass
-        self._down_until[peer] = time.monotonic() + self.down_seconds
-        return False
+            self._down_until[peer] = time.monotonic() + self.down_seconds
+            return None
+
+    async def learn_nodes(self, within: float = 2.0) -> None:
+        """Ask each live peer whose node is not known yet which node it is (its /healthz):
+        one request per peer, not per chunk. One that answers without saying is asked in
+        turn, as before."""
+        known = set(self._peer_of_node.values())
+        todo = [p for p in self._live() if p not in known]
+        if todo:
+            await asyncio.gather(*(self._health(p, within) for p in todo))
+
+    def owners_first(self, owners: Mapping[str, str]) -> ChunkSource:
+        """A chunk source asking first the peer whose node's part holds the chunk
+        (``owners``: chunk id -> node, from the step's manifests), then the others in turn.
+        Asked in turn alone, a chunk held by the k-th of N peers cost k requests: N/2 per
+        chunk on average, N x chunks per restore from an N-node job's peers."""
+
+        async def ask(
+            chunk: StoredChunk, base: LocalBase | None, land: Land | None = None
+        ) -> Supplied | None:
+            owner = self._peer_of_node.get(owners.get(chunk.id, ""))
+            if owner is not None:
+                got = await self.ask(owner, chunk, base, land=land)
+                if got is not None:
+                    return got
+            for peer in self._live():
+                if peer != owner and (got := await self.ask(peer, chunk, base, land=land)):
+                    return got
+            return None
+
+        return ask
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None:

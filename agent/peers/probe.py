@@ -28,12 +28,12 @@ from collections.abc import Awaitable
 from dataclasses import dataclass
 from pathlib import Path
 
-from agent.peers.chunks import PEER_THREADS, PeerSource
+from agent.peers.chunks import PEER_THREADS
 from transfer.codec.transforms import Buffer
 from transfer.engine.chunkindex import ChunkIndex, StoredChunk
 from transfer.engine.ranges import coalesce
 from transfer.engine.resolver import decode_verified, read_file_hashed
-from transfer.engine.sources import LocalBase, Supplied
+from transfer.engine.sources import ChunkSource, LocalBase, Supplied
 from transfer.errors import FerryError
 from transfer.format.chunkid import chunk_id
 from transfer.format.layout import pack_key
@@ -186,13 +186,14 @@ class PeersProbe:
 
 
 async def probe_peers(
-    peers: PeerSource, chunks: list[StoredChunk], bases: dict[str, LocalBase]
+    peers: ChunkSource, chunks: list[StoredChunk], bases: dict[str, LocalBase]
 ) -> PeersProbe | None:
-    """Ask the live peers for ``chunks`` (as deltas against what this node holds at their
-    positions), each from the first peer that has it, as a prefetch would: in an N-node job
-    the chunks a node lacks are spread over the others' parts, and one peer rarely holds
-    them all (asking each peer for the whole sample named the tier for a prefetch the peers
-    then served whole). None if no peer served any.
+    """Ask the peers for ``chunks`` (as deltas against what this node holds at their
+    positions) through ``peers``, the chunk source a prefetch would use (PeerSource.
+    owners_first: the owner's peer first, then the others): in an N-node job the chunks a
+    node lacks are spread over the others' parts, and one peer rarely holds them all
+    (asking each peer for the whole sample named the tier for a prefetch the peers then
+    served whole). None if no peer served any.
 
     First up to PEER_THREADS of them (a quarter of the sample at most), at once, untimed:
     each of the peer source's threads opens its keep-alive connection on its first ask, as
