@@ -358,9 +358,10 @@ class AgentConfig:
         metadata=_key(
             "A step directory is complete once this file exists (PyTorch DCP writes it last). In "
             "a multi-node job saving to each node's own disk, only rank 0's node gets .metadata: "
-            'on the others set "" (a step is pushed once its files are quiet; the step is judged '
-            "whole, against .metadata, by the node that finds the last part in, before it writes "
-            "the completion marker).",
+            'on the others set "" (FERRY_COMMIT_MARKER="" too: an empty variable is otherwise '
+            "unset; a step is pushed once its files are quiet; the step is judged whole, against "
+            ".metadata, by the node that finds the last part in, before it writes the completion "
+            "marker).",
             str,
         ),
     )
