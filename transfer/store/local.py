@@ -62,7 +62,13 @@ def _create(final: Path, create: Callable[[], T]) -> T:
     remove that directory as it empties it (LocalStore.delete) between the two, so the
     directory is made again and the file tried again when it vanished."""
     for attempt in range(_CREATE_TRIES):
-        final.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            final.parent.mkdir(parents=True, exist_ok=True)
+        except FileExistsError:  # (pathlib: the directory was there when mkdir tried, and
+            # gone when it checked that it is a directory; a delete emptied it: CI saw it)
+            if attempt == _CREATE_TRIES - 1:
+                raise
+            continue
         try:
             return create()
         except FileNotFoundError:
