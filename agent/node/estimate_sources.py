@@ -18,7 +18,6 @@ from agent.node.estimate import BandwidthMeter, estimate_migration
 from agent.node.hotdir import LocalCheckpoint
 from agent.node.prefetch import Prefetcher
 from agent.peers import probe
-from agent.peers.chunks import chunk_owners
 from agent.rpc.middleware import MAX_LAYOUT_RANKS
 from transfer.engine.catalog import Catalog, resolve_checkpoint
 from transfer.engine.chunkindex import ChunkIndex
@@ -156,7 +155,7 @@ class PrefetchEstimator:
             # rest against it alone, not against an earlier step here (prefetch._pull_share:
             # counted missing, the whole step's estimate after a share was 2.5x what the
             # prefetch then moved)
-            in_place = (await asyncio.to_thread(held_chunks, copy, files))[0]
+            in_place = await asyncio.to_thread(held_chunks, copy, files)
             return await self._source_of(tier, store, manifests, files, {}, wanted, in_place)
         entries = None if share is None else [f for m in manifests for f in m.files]
         held = await self._held_manifests(store, job, step, entries)
@@ -203,10 +202,8 @@ class PrefetchEstimator:
         served_fraction, peer, peer_basis = 0.0, "", "default"
         if self.config.peers and peers is not None and needed:
             picked = probe.sample(index, needed, bases, budget=budget)
-            await peers.learn_nodes()  # (asked as its prefetch will ask: owners first)
-            served = await probe.probe_peers(
-                peers.owners_first(chunk_owners(manifests)), picked, bases
-            )
+            # (asked as its prefetch will ask: owners first)
+            served = await probe.probe_peers(await peers.for_step(manifests), picked, bases)
             if served is not None:
                 peer_basis = "measured" if meter.measured("peer") else "probe"
                 timed = served.probe

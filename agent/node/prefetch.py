@@ -32,7 +32,7 @@ from agent.node.drain import drain_tasks
 from agent.node.estimate import BandwidthMeter
 from agent.node.hotdir import HotDir, LocalCheckpoint, path_in_step_dir
 from agent.node.protected import StepHolds
-from agent.peers.chunks import PeerSource, chunk_owners
+from agent.peers.chunks import PeerSource
 from agent.peers.fanout import FanoutSource, Landing
 from agent.rpc.services import Spawn, own_task
 from transfer.durable import fsync_dir
@@ -947,8 +947,7 @@ class Prefetcher:
             return ()
         if not isinstance(source, PeerSource):
             return (source,)
-        await source.learn_nodes()
-        return (source.owners_first(chunk_owners(manifests)),)
+        return (await source.for_step(manifests),)
 
     async def _fanout_source(
         self, record: PrefetchJob, store: Store, plan: PullPlan

@@ -264,6 +264,12 @@ class PeerSource:
         if todo:
             await asyncio.gather(*(self._health(p, within) for p in todo))
 
+    async def for_step(self, manifests: Iterable[Manifest]) -> ChunkSource:
+        """The chunk source a restore of the step ``manifests`` describe asks (and its
+        estimate's probe): owners first (``owners_first``), the peers' nodes learnt."""
+        await self.learn_nodes()
+        return self.owners_first(chunk_owners(manifests))
+
     def owners_first(self, owners: Mapping[str, str]) -> ChunkSource:
         """A chunk source asking first the peer whose node's part holds the chunk
         (``owners``: chunk id -> node, from the step's manifests), then the others in turn.

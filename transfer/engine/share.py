@@ -353,12 +353,12 @@ def copy_holds(copy: Path, paths: Iterable[str]) -> dict[str, tuple[tuple[int, i
     return {p: ranges.get(p) for p in paths if (copy / p).is_file()}
 
 
-def held_chunks(copy: Path, files: Iterable[FileEntry]) -> tuple[set[str], int]:
+def held_chunks(copy: Path, files: Iterable[FileEntry]) -> set[str]:
     """The chunks a copy holds whole (``copy_holds``: a chunk inside the ranges held of its
-    file), and their bytes: what a prefetch of more of the step keeps in place."""
+    file): what a prefetch of more of the step keeps in place."""
     files = list(files)
     holds = copy_holds(copy, (f.path for f in files))
-    held: dict[str, int] = {}
+    held: set[str] = set()
     for f in files:
         if f.path not in holds:
             continue
@@ -366,8 +366,8 @@ def held_chunks(copy: Path, files: Iterable[FileEntry]) -> tuple[set[str], int]:
         for offset, c in f.chunk_offsets():
             end = offset + c.size
             if spans is None or overlaps(spans, offset, end) == [(offset, end)]:
-                held[c.id] = c.size
-    return set(held), sum(held.values())
+                held.add(c.id)
+    return held
 
 
 def covers(record: dict[str, object], share: Share) -> bool:
