@@ -34,6 +34,12 @@ compare with these, S3 bytes with the stored ones), the share's raw bytes
 outside the share is punched out: about the share), and its prefetch's seconds.
 Requests the agents make while starting are not counted. All agents share this machine's
 cores: the times say how the group copes, not what real nodes take.
+
+``--survivors-hold``: a scale-down's survivors, as after one: agent i is node ``n<i>`` of the
+save and its hot dir holds that node's part of the step (its own ranks' files, as training
+wrote them; ``commit_marker = ""``, so a part without ``.metadata`` counts as one), so a
+prefetch adds to it what it lacks ("filled_in"). The S3 bytes then say what the group reads
+of what none of its members holds.
 """
 
 from __future__ import annotations
@@ -54,6 +60,7 @@ from typing import Any
 
 from aiohttp import web
 
+from agent.node.hotdir import HotDir
 from bench._env import machine_info, source_info
 from bench._loopback import agent, run_main
 from bench.fleet import CountingProxy, Tally, mark_step_complete
@@ -217,6 +224,12 @@ def prefetch_args(name: str, urls: list[str], layouts: list[AgentLayout], i: int
     return {"fanout": (urls, me)}
 
 
+def hold_parts(hot_root: Path, parts: Sequence[Path]) -> None:
+    """Agent i's hot dir holds node i's part of the step (``parts``: the save's node dirs)."""
+    for i, part in enumerate(parts):
+        shutil.copytree(part, HotDir(hot_root / f"a{i:02d}", "").step_path(JOB, STEP))
+
+
 async def run_round(
     name: str,
     hot_root: Path,
@@ -224,11 +237,18 @@ async def run_round(
     layouts: list[AgentLayout],
     proxy: RangeProxy,
     within_s: float,
+    held: Sequence[Path] = (),
 ) -> Round:
-    """A fresh agent per layout, every prefetch posted at once, waited for together."""
+    """A fresh agent per layout, every prefetch posted at once, waited for together;
+    with ``held``, agent i is node n<i> and holds that node's part (hold_parts)."""
+    env = {"FERRY_COMMIT_MARKER": "", "FERRY_QUIET_SECONDS": "3600"} if held else {}
+    if held:
+        hold_parts(hot_root, held[: len(layouts)])
     async with contextlib.AsyncExitStack() as stack:
         clients = [
-            await stack.enter_async_context(agent(f"a{i:02d}", hot_root / f"a{i:02d}", tier))
+            await stack.enter_async_context(
+                agent(f"n{i}" if held else f"a{i:02d}", hot_root / f"a{i:02d}", tier, **env)
+            )
             for i in range(len(layouts))
         ]
         urls = [c.base_url for c in clients]
@@ -310,12 +330,14 @@ def scratch_dir(prefix: str) -> Path:
 
 
 async def prepare(args: argparse.Namespace, ep: S3Endpoint, tier: str, work: Path) -> StepFacts:
-    """Save, split and push the step; its facts for the agents' layouts."""
+    """Save, split and push the step (its node dirs kept under ``work``/nodes with
+    ``--survivors-hold``); its facts for the agents' layouts."""
     began = time.monotonic()
     nodes = await asyncio.to_thread(save_on_nodes, work, args.save_ranks, args.width)
     saved = time.monotonic()
     await push_nodes(tier, ep.url, nodes, args.chunk_size_kib << 10)
-    shutil.rmtree(work / "nodes", ignore_errors=True)
+    if not args.survivors_hold:
+        shutil.rmtree(work / "nodes", ignore_errors=True)
     facts = await step_facts(tier, ep.url, layouts_of(args.agents, args.ranks_per_agent))
     pushed = time.monotonic() - saved
     print(
@@ -334,13 +356,14 @@ async def run_all(args: argparse.Namespace, ep: S3Endpoint, work: Path) -> dict[
     proxy = RangeProxy(ep.url, ep.bucket)
     proxy.start()
     rounds = []
+    held = [work / "nodes" / f"node{k}" for k in range(args.agents)] if args.survivors_hold else []
     try:
         with endpoint_env(proxy.url):
             for name in args.rounds:
                 hot_root = scratch_dir("ferry-share-fanout-")
                 try:
                     rounds.append(
-                        await run_round(name, hot_root, tier, layouts, proxy, args.timeout)
+                        await run_round(name, hot_root, tier, layouts, proxy, args.timeout, held)
                     )
                 finally:
                     shutil.rmtree(hot_root, ignore_errors=True)
@@ -349,8 +372,11 @@ async def run_all(args: argparse.Namespace, ep: S3Endpoint, work: Path) -> dict[
         proxy.stop()
     config = {
         k: getattr(args, k)
-        for k in ("agents", "ranks_per_agent", "save_ranks", "width", "chunk_size_kib", "timeout")
-    }
+        for k in (
+            "agents", "ranks_per_agent", "save_ranks", "width", "chunk_size_kib", "timeout",
+            "survivors_hold",
+        )
+    }  # fmt: skip
     config["layouts"] = layouts
     return {"config": config, "step": asdict(facts), "rounds": [asdict(r) for r in rounds]}
 
@@ -447,9 +473,10 @@ def problems(doc: dict[str, Any]) -> list[str]:
     whose health probes of the others time out, as on a loop too busy to answer in 2 s,
     leaves them out of its split while they count it in)."""
     out = []
+    expected = "filled_in" if doc["config"].get("survivors_hold") else "restored"
     for r in doc["rounds"]:
         for i, a in enumerate(r["agents"]):
-            if a["state"] != "ready" or a.get("satisfied_by") != "restored":
+            if a["state"] != "ready" or a.get("satisfied_by") != expected:
                 out.append(
                     f"- {r['name']}, agent {i}: {a['state']} "
                     f"({a.get('satisfied_by')}): {a.get('error')}"
@@ -501,12 +528,19 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=list(ROUNDS),
         help="comma-separated, of: " + ", ".join(ROUNDS),
     )
+    ap.add_argument(
+        "--survivors-hold",
+        action="store_true",
+        help="agent i is node n<i> of the save and holds its part of the step",
+    )
     ap.add_argument("--json", type=Path, default=None, help="write the raw numbers here")
     args = ap.parse_args(argv)
     if min(args.agents, args.ranks_per_agent, args.width, args.chunk_size_kib) < 1:
         ap.error("--agents, --ranks-per-agent, --width and --chunk-size-kib must be positive")
     if args.save_ranks < RANKS_PER_NODE or args.save_ranks % RANKS_PER_NODE:
         ap.error(f"--save-ranks must be a multiple of {RANKS_PER_NODE}")
+    if args.survivors_hold and args.agents > args.save_ranks // RANKS_PER_NODE:
+        ap.error("--survivors-hold: --agents must not exceed the save's nodes (--save-ranks / 2)")
     return args
 
 

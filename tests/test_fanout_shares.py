@@ -104,17 +104,20 @@ def test_a_member_adding_its_share_to_its_own_part_serves_that_part_to_the_group
 ) -> None:
     """n4 holds its own part (rank 4's file), not yet in tier A; its share of world 3
     (rank 2: old ranks 4 and 5) lacks rank 5's file, which it adds in place. Member m's
-    share (world 2, rank 1: old ranks 3-5) covers rank 4's file too: for the positions
-    there that n4 owns, m asks n4, which serves them from its part, every one."""
+    share (world 2, rank 1: old ranks 3-5) covers rank 4's file too: n4 holds that file
+    and so owns every position of it (both learn whose node each member is from its
+    /healthz), and m asks n4 for every chunk of it, which serves them from its part. By
+    rendezvous hashing of the positions alone, as before, m read some of them from the
+    tiers (all of them in about 1 run in 16, by the members' ports)."""
     for t in "ab":
         (tmp_path / t).mkdir()
     a, b = open_test_store(str(tmp_path / "a")), open_test_store(str(tmp_path / "b"))
-    asks: list[tuple[str, str, bool]] = []  # (peer, chunk id, served)
+    asks: list[tuple[str, str, bool, float]] = []  # (peer, chunk id, served, wait)
     ask = PeerSource.ask
 
     async def counted(self: PeerSource, peer: str, chunk: Any, *args: Any, **kw: Any) -> Any:
         got = await ask(self, peer, chunk, *args, **kw)
-        asks.append((peer, chunk.id, got is not None))
+        asks.append((peer, chunk.id, got is not None, kw.get("wait", 0.0)))
         return got
 
     monkeypatch.setattr(PeerSource, "ask", counted)
@@ -131,7 +134,7 @@ def test_a_member_adding_its_share_to_its_own_part_serves_that_part_to_the_group
     env = {"FERRY_EXPECTED_NODES": ",".join(NODES), "FERRY_QUIET_SECONDS": "600"}
     urls = [str(tmp_path / t.lower()) for t in tiers]
 
-    async def go() -> tuple[dict[str, Any], dict[str, Any], set[str]]:
+    async def go() -> tuple[dict[str, Any], dict[str, Any], set[str], set[str]]:
         await push_sharded(b, tmp_path / "src", 10)
         await push_sharded(a, tmp_path / "src", 10, skip="n4")
         own.mkdir(parents=True)
@@ -153,13 +156,16 @@ def test_a_member_adding_its_share_to_its_own_part_serves_that_part_to_the_group
             ]
             waits = (c.wait_prefetch(i, 120) for c, i in zip((c4, cm), ids, strict=True))
             d4, dm = await asyncio.gather(*waits)
-            return d4, dm, {cid for peer, cid, _ in asks if peer == u4 and cid in own_ids}
+            return d4, dm, own_ids, {cid for peer, cid, *_ in asks if peer == u4}
 
-    d4, dm, asked_of_own = asyncio.run(go())
+    d4, dm, own_ids, asked_of_n4 = asyncio.run(go())
     asyncio.run(a.close())
     asyncio.run(b.close())
     assert d4["state"] == dm["state"] == "ready", (d4, dm)
     assert d4["satisfied_by"] == "filled_in"  # the share added to its own part
-    assert asked_of_own  # m counted on n4 for chunks of n4's own file ...
-    served = {cid for _, cid, ok in asks if ok}
+    asked_of_own = asked_of_n4 & own_ids
+    assert asked_of_own == own_ids  # m counted on n4 for every chunk of n4's own file ...
+    # ... without a wait (a holder serves from its part at once, or lost it: the tiers)
+    assert {wait for peer, cid, _, wait in asks if cid in own_ids} == {0.0}
+    served = {cid for _, cid, ok, _ in asks if ok}
     assert asked_of_own <= served, len(asked_of_own - served)  # ... and got every one

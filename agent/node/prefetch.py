@@ -32,7 +32,7 @@ from agent.node.drain import drain_tasks
 from agent.node.estimate import BandwidthMeter
 from agent.node.hotdir import HotDir, LocalCheckpoint, path_in_step_dir
 from agent.node.protected import StepHolds
-from agent.peers.chunks import PeerSource
+from agent.peers.chunks import PeerSource, file_holders
 from agent.peers.fanout import FanoutSource, Landing
 from agent.rpc.services import Spawn, own_task
 from transfer.durable import fsync_dir
@@ -965,8 +965,13 @@ class Prefetcher:
             files = await asyncio.to_thread(merged_files, manifests)
             plan = dataclasses.replace(plan, files=files)
         positions = await asyncio.to_thread(chunk_positions, files, plan.share)
+        holders = file_holders(manifests)
         if not record.fanout_layouts:  # every member wants the step: owners by chunk id
-            return FanoutSource(self.fanout_client, *record.fanout), list(positions), plan
+            # (its holder's, a chunk of a member's own part)
+            fan = FanoutSource(
+                self.fanout_client, *record.fanout, positions=positions, holders=holders
+            )
+            return fan, list(positions), plan
         me = record.fanout[1]
         others = record.group_shares
         if others is None:  # resolved from every part: a whole-step member
@@ -974,7 +979,7 @@ class Prefetcher:
             asks.pop(me, None)
             others = dict(await plan_shares(Catalog(store), manifests, asks))
         shares = {**others, me: plan.share}  # (its own: what this pull writes; None: all)
-        fan = FanoutSource(self.fanout_client, *record.fanout, shares, positions)
+        fan = FanoutSource(self.fanout_client, *record.fanout, shares, positions, holders)
         return fan, list(positions), plan
 
 

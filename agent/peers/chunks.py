@@ -103,22 +103,36 @@ class HotIndex:
                 self._unpublished[key] = now
 
     async def _add(self, job: str, step: int, path: Path) -> bool:
+        """Index what ``path`` holds of (job, step), by the parts of every tier that has
+        them: a node's own part may be in a colder tier only (not pushed to the first
+        yet, or the first lost it), whose files the first tier's parts do not describe."""
+        found = False
         for _, store in self.tiers:
             try:
                 manifests = await _parts_held(Catalog(store), job, step, path)
             except FerryError:
                 continue
-            if not manifests:
-                continue
+            found = found or bool(manifests)
             for m in manifests:
                 for f in m.files:
                     if (path / f.path).is_file():
                         for offset, c in f.chunk_offsets():
                             self._where.setdefault(c.id, (path / f.path, offset, c.size))
+        if found:
             self._known.add((job, step))
             self._unpublished.pop((job, step), None)
-            return True
-        return False
+        return found
+
+
+def file_holders(manifests: Iterable[Manifest]) -> dict[str, str]:
+    """File path -> the node whose part of the step holds the file (the first by name,
+    where several do: the same whichever of the parts a member read): the node that wrote
+    it, which still holds it after a scale-down."""
+    holders: dict[str, str] = {}
+    for m in manifests:
+        for f in m.files:
+            holders[f.path] = min(holders.get(f.path, m.node), m.node)
+    return holders
 
 
 def chunk_owners(manifests: Iterable[Manifest]) -> dict[str, str]:
@@ -190,14 +204,18 @@ class PeerSource:
         *,
         down_seconds: float = 10.0,
         tls: AgentTls | None = None,
+        node: str | None = None,
     ) -> None:
         self.peers = [p.rstrip("/") for p in peers]
+        #: this agent's node (a fan-out member tells its own part from the others' by it)
+        self.node = node
         self.token = token if callable(token) else (lambda: token)
         self.down_seconds = down_seconds
         self._tls = tls or AgentTls()
         self._down_until: dict[str, float] = {}
         #: node name -> peer URL, as each peer's /healthz names its node (owners_first)
         self._peer_of_node: dict[str, str] = {}
+        self._node_of_peer: dict[str, str] = {}  # (the other way: a fan-out's members)
         self._session: aiohttp.ClientSession | None = None  # health checks
         self._wire = PeerWire(self.token, tls=self._tls.client_context)
         self._buffers = ThreadBuffers()  # each receiving thread's decode buffer
@@ -250,10 +268,16 @@ class PeerSource:
                         doc = await resp.json()
                         if isinstance(doc, dict) and isinstance(node := doc.get("node"), str):
                             self._peer_of_node[node] = peer
+                            self._node_of_peer[peer] = node
                 return resp.status
         except (aiohttp.ClientError, TimeoutError, OSError):
             self._down_until[peer] = time.monotonic() + self.down_seconds
             return None
+
+    def node_of(self, peer: str) -> str | None:
+        """The node ``peer``'s /healthz named when it was last checked (None: not yet,
+        or it did not say)."""
+        return self._node_of_peer.get(peer)
 
     async def learn_nodes(self, within: float = 2.0) -> None:
         """Ask each live peer whose node is not known yet which node it is (its /healthz):

@@ -20,6 +20,12 @@ of its first one, who owns that position and so fetches the chunk itself, or hol
 (its own part of the step, which it serves from there): no member waits on one that waits in
 turn. Each member thus plans from its own share's parts (the step's
 file map finds them), not from every part of the step.
+
+A member holding a file of the step (the part its node wrote: each part's manifest names the
+node, each member's /healthz names its own) owns every chunk of it, in either split, whether
+its share covers the chunk or not: after a scale-down the group reads from the tiers only the
+parts no survivor holds. It is asked without a wait (it serves from its part at once, or has
+lost it, and then the asker reads the chunk from the tiers).
 """
 
 from __future__ import annotations
@@ -136,6 +142,7 @@ class FanoutSource:
         me: str,
         shares: Mapping[str, Share | None] | None = None,
         positions: Positions | None = None,
+        holders: Mapping[str, str] | None = None,
     ) -> None:
         self.peers = peers
         self.members = members
@@ -147,17 +154,41 @@ class FanoutSource:
         #: chunk about once from the tiers in all
         self.shares = shares or {}
         self.positions = positions or {}
+        #: file path -> the node whose part holds it (chunks.file_holders): the member on
+        #: that node owns the file's chunks (it holds them: nothing to read from the tiers)
+        self.holders = holders or {}
         self._owners: dict[str, str] = {}
+        self._held: set[str] = set()  # chunks whose owner holds them (asked without a wait)
 
     async def probe(self) -> None:
         others = [m for m in self.members if m != self.me]
         up = await asyncio.gather(*(self.peers.alive(m) for m in others))
         down = {m for m, ok in zip(others, up, strict=True) if not ok}
         self.live = tuple(m for m in self.members if m not in down)
+        held = self._held_by_members()
         if self.shares:  # (off the loop: a large share has many positions)
             self._owners = await asyncio.to_thread(
-                position_owners, self.positions, self.shares, self.live, self.me
+                position_owners, self.positions, self.shares, self.live, self.me, held
             )
+        holders = first_holders(self.positions, held)
+        if not self.shares:  # every member wants the step: a chunk a member holds is its own
+            self._owners = holders
+        self._held = {cid for cid, owner in self._owners.items() if holders.get(cid) == owner}
+
+    def _held_by_members(self) -> dict[str, str]:
+        """File path -> the live member holding it: whose node's part the file is (each
+        other member's node as its /healthz named it in the probe, this one's by its
+        config). Every member learns the same names, so all agree on the owners."""
+        member_of_node: dict[str, str] = {}
+        for member in sorted(self.live):
+            node = self.peers.node if member == self.me else self.peers.node_of(member)
+            if node is not None:
+                member_of_node.setdefault(node, member)
+        return {
+            path: member_of_node[node]
+            for path, node in self.holders.items()
+            if node in member_of_node
+        }
 
     def owner(self, cid: str) -> str:
         return self._owners.get(cid) or owner_of(cid, self.live)
@@ -171,18 +202,39 @@ class FanoutSource:
         owner = self.owner(chunk.id)
         if owner == self.me:
             return None
-        return await self.peers.ask(owner, chunk, base, wait=WAIT_SECONDS, land=land)
+        # a holder serves the chunk from its part at once, or does not have it (its part
+        # is gone from its disk): then the tiers, not a wait for a chunk it will not fetch
+        wait = 0.0 if chunk.id in self._held else WAIT_SECONDS
+        return await self.peers.ask(owner, chunk, base, wait=wait, land=land)
+
+
+def first_holders(positions: Positions, held: Mapping[str, str]) -> dict[str, str]:
+    """Chunk id -> the member holding the file of its first position held by one (``held``:
+    file path -> member), for the chunks some member holds."""
+    owners = {}
+    for cid, where in positions.items():
+        holder = next((held[path] for path, _, _ in where if path in held), None)
+        if holder is not None:
+            owners[cid] = holder
+    return owners
 
 
 def position_owners(
-    positions: Positions, shares: Mapping[str, Share | None], live: tuple[str, ...], me: str
+    positions: Positions,
+    shares: Mapping[str, Share | None],
+    live: tuple[str, ...],
+    me: str,
+    held: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
     """The owner of each of this member's chunks (``positions``): this member, where it
     owns one of the chunk's positions, else the owner of the first. A position's owner is
     chosen among the live members whose share covers it (a member whose share is None,
     or that ``shares`` does not name, wants the whole step; a file outside DCP's storage
     is whole in every share), by rendezvous hashing of the position; every member computes
-    the same for the positions it shares with another."""
+    the same for the positions it shares with another. A position in a file a live member
+    holds (``held``: file path -> member; its own part, after a scale-down) is that
+    member's, covered by its share or not: it serves the chunk from its part."""
+    held = held or {}
     whole = [m for m in live if shares.get(m) is None]
     storage = next((s.storage for s in shares.values() if s is not None), frozenset())
     spans: dict[str, list[tuple[int, int, str]]] = defaultdict(list)
@@ -198,16 +250,22 @@ def position_owners(
     for path, here in mine.items():
         if path not in storage:
             for at, _, _ in here:
-                owner_at[(path, at)] = owner_of(f"{path}@{at}", live)
+                owner_at[(path, at)] = _owner_at(path, at, live, held)
             continue
         for at, wanting in _covering(sorted(here), spans[path]):
             group = (*whole, *wanting) or (me,)  # (me: a position of a wider ask, mine alone)
-            owner_at[(path, at)] = owner_of(f"{path}@{at}", group)
+            owner_at[(path, at)] = _owner_at(path, at, group, held)
     owners = {}
     for cid, where in positions.items():
         owned = [owner_at[(path, at)] for path, at, _ in where]
         owners[cid] = me if me in owned else owned[0]
     return owners
+
+
+def _owner_at(path: str, at: int, group: tuple[str, ...], held: Mapping[str, str]) -> str:
+    """The owner of a position: the member holding its file, whether or not its share
+    covers it (it reads nothing to serve it), else one of ``group`` by rendezvous hashing."""
+    return held.get(path) or owner_of(f"{path}@{at}", group)
 
 
 def _covering(

@@ -147,7 +147,9 @@ async def _peers(app: web.Application):  # type: ignore[no-untyped-def]
     the index of this node's hot chunks that peers ask for."""
     config = app[CONFIG]
     app[HOT_INDEX] = HotIndex(config.hot, app[TIERS])
-    app[PEERS] = PeerSource(config.peers, app[CREDENTIALS].for_peers, tls=app[TLS])
+    app[PEERS] = PeerSource(
+        config.peers, app[CREDENTIALS].for_peers, tls=app[TLS], node=config.node
+    )
     try:
         yield
     finally:
