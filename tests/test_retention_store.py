@@ -295,6 +295,7 @@ def test_the_colder_tier_forecasts_the_steps_demoted_into_it(
         assert "1 step demoted in" in dry.table() and colder.gc is not None
         assert "would wait out the grace period" in dry.table()  # (a forecast, said as one)
         assert colder.gc.bytes_stored is None and colder.bytes_stored is None  # nothing measured
+        assert colder.bytes_awaiting_gc is None  # (was 0 where the text counted packs waiting)
         done = await _retention(tiers)
         assert await _steps(cold) == [1, 2]
         assert done.tiers[1].bytes_stored == colder.bytes_after

@@ -78,9 +78,10 @@ class TierPlan:
     repack: RepackResult | None = None
     done: list[StepAction] = field(default_factory=list)
     #: measured once a real run is done: what the tier stores now, and how much of it is
-    #: unreferenced packs waiting out the grace period (a later run deletes them)
+    #: unreferenced packs waiting out the grace period (a later run deletes them); both
+    #: None in a dry run (its forecast: ``bytes_after``, and the sweep's ``marked_bytes``)
     bytes_stored: int | None = None
-    bytes_awaiting_gc: int = 0
+    bytes_awaiting_gc: int | None = None
     #: steps the tier above demotes into this one (not here yet), and the bytes their copy
     #: writes (packs are copied whole: the packs they reference that this tier lacks, and
     #: their manifests); both are in ``bytes_after``

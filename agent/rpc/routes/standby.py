@@ -6,8 +6,11 @@ import logging
 
 from aiohttp import web
 
-from agent.rpc.appkeys import CONFIG, STANDBY
+from agent.rpc.appkeys import CONFIG, STANDBY, TIERS
 from agent.rpc.middleware import json_body, parse_layout
+from transfer.engine.catalog import Catalog
+from transfer.errors import FerryError
+from transfer.store.base import Store
 
 log = logging.getLogger(__name__)
 
@@ -24,8 +27,28 @@ async def put_standby(request: web.Request) -> web.Response:
     (with a ``layout`` body, only the share those ranks will read)."""
     body = await json_body(request, ("layout",)) if request.can_read_body else {}
     layout = parse_layout(body.get("layout"))
-    entry = request.app[STANDBY].register(request.match_info["job"], layout=layout)
-    return web.json_response(entry.to_dict())
+    job = request.match_info["job"]
+    entry = request.app[STANDBY].register(job, layout=layout)
+    doc = entry.to_dict()
+    if not await _any_step(request.app[TIERS], job):  # a typo, or a job yet to save
+        doc["warning"] = (
+            f"no step of job {job!r} in any tier yet: it is watched for its first "
+            "(check the name if the job has saved)"
+        )
+        log.warning("standby %s: %s", job, doc["warning"])
+    return web.json_response(doc)
+
+
+async def _any_step(tiers: list[tuple[str, Store]], job: str) -> bool:
+    """Whether some tier holds a step of ``job`` (one listing per tier, until one does);
+    a tier that cannot be listed counts as holding one (no warning on a guess)."""
+    for _, store in tiers:
+        try:
+            if await Catalog(store).steps(job):
+                return True
+        except (FerryError, OSError):
+            return True
+    return False
 
 
 async def delete_standby(request: web.Request) -> web.Response:
