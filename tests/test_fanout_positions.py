@@ -42,7 +42,6 @@ def random_share(rng: random.Random, files: list[FileEntry]) -> Share:
 
 
 def test_every_member_agrees_and_no_ask_waits_on_another() -> None:
-    """Random steps, shares, members down and files held by members."""
     for seed in range(40):
         rng = random.Random(seed)
         files = step_files(rng, rng.randint(1, 5), repeats=rng.randint(0, 4))
@@ -51,27 +50,23 @@ def test_every_member_agrees_and_no_ask_waits_on_another() -> None:
         if rng.random() < 0.3:
             shares[members[-1]] = None  # a member prefetching the whole step
         live = tuple(m for m in members if m == members[0] or rng.random() < 0.9)
-        # some files held by a live member (its own part of the step), the rest by nobody
-        held = {f.path: rng.choice(live) for f in files if rng.random() < 0.5}
         owners = {}
         for me in live:
             mine = chunk_positions(files, shares[me])
-            owners[me] = position_owners(mine, shares, live, me, held)
+            owners[me] = position_owners(mine, shares, live, me)
             assert set(owners[me]) == set(mine)
-        every = chunk_positions(files, None)
-        holds = {cid: {held[p] for p, _, _ in where if p in held} for cid, where in every.items()}
         fetchers: Counter[str] = Counter()
         for me in live:
             for cid, owner in owners[me].items():
                 assert owner in live, (seed, cid, owner)
                 if owner == me:
-                    fetchers[cid] += not holds[cid]  # (one held here is read from the part)
-                elif owner not in holds[cid]:  # asked: it fetches the chunk itself, it
-                    assert owners[owner][cid] == owner, (seed, me, cid, owner)  # waits on nobody
-        for cid, positions in every.items():
+                    fetchers[cid] += 1
+                else:  # asked: it fetches the chunk itself, it waits on nobody
+                    assert owners[owner][cid] == owner, (seed, me, cid, owner)
+        for cid, positions in chunk_positions(files, None).items():
             wanted_by = [m for m in live if cid in owners[m]]
-            if len(positions) == 1 and wanted_by:  # one position: one fetch in the group,
-                assert fetchers[cid] == (not holds[cid]), (seed, cid, wanted_by)  # none if held
+            if len(positions) == 1 and wanted_by:  # one position: one fetch in the group
+                assert fetchers[cid] == 1, (seed, cid, wanted_by)
 
 
 def test_a_position_is_owned_by_a_member_whose_share_covers_it() -> None:
@@ -104,26 +99,3 @@ def test_a_dead_member_owns_nothing_and_files_outside_storage_are_everyones() ->
     owners = position_owners(positions, shares, ("a", "b"), "a")  # c is down
     assert set(owners.values()) == {"a", "b"}
     assert owners["meta"] == owner_of(".metadata@0", ("a", "b"))
-
-
-def test_a_member_holding_a_file_owns_every_position_of_it() -> None:
-    """b holds the file (its own part after a scale-down) and its share covers the second
-    half: every chunk there is b's, in a's view and in b's, where rendezvous hashing gave
-    some to a (which would have read them from the tiers); so is every chunk of the first
-    half, outside b's share (b serves them from its part), which was a's alone."""
-    (f,) = step_files(random.Random(1), 1, repeats=0)
-    half = f.size // 2
-    shares: dict[str, Share | None] = {
-        "a": Share({f.path: ((0, f.size),)}, frozenset([f.path]), None),
-        "b": Share({f.path: ((half, f.size),)}, frozenset([f.path]), None),
-    }
-    held = {f.path: "b"}
-    mine_a = position_owners(chunk_positions([f], shares["a"]), shares, ("a", "b"), "a", held)
-    mine_b = position_owners(chunk_positions([f], shares["b"]), shares, ("a", "b"), "b", held)
-    second = [(at, c.id) for at, c in f.chunk_offsets() if at >= half]
-    hashed = {owner_of(f"{f.path}@{at}", ("a", "b")) for at, _ in second}
-    assert hashed == {"a", "b"}  # (without the holder, a would fetch some)
-    assert all(mine_a[cid] == mine_b[cid] == "b" for _, cid in second)
-    assert all(mine_a[c.id] == "b" for at, c in f.chunk_offsets() if at + CHUNK <= half)
-    alone = position_owners(chunk_positions([f], shares["a"]), shares, ("a", "b"), "a")
-    assert all(alone[c.id] == "a" for at, c in f.chunk_offsets() if at + CHUNK <= half)

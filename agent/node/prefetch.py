@@ -965,9 +965,8 @@ class Prefetcher:
             files = await asyncio.to_thread(merged_files, manifests)
             plan = dataclasses.replace(plan, files=files)
         positions = await asyncio.to_thread(chunk_positions, files, plan.share)
-        holders = file_holders(manifests)
+        holders = file_holders(manifests)  # (a chunk another member holds: asked of it first)
         if not record.fanout_layouts:  # every member wants the step: owners by chunk id
-            # (its holder's, a chunk of a member's own part)
             fan = FanoutSource(
                 self.fanout_client, *record.fanout, positions=positions, holders=holders
             )

@@ -274,6 +274,22 @@ class PeerSource:
             self._down_until[peer] = time.monotonic() + self.down_seconds
             return None
 
+    async def holds(self, peer: str, cid: str, within: float = 2.0) -> bool:
+        """Whether ``peer`` holds chunk ``cid`` now (a HEAD: it reads nothing to say so);
+        False when it cannot be asked."""
+        if self.is_down(peer):
+            return False
+        url = f"{self._tls.origin(peer)}/v1/chunks/{cid}"
+        verify = self._tls.client_context() if url.startswith("https://") else True
+        headers = {"Authorization": f"Bearer {self.token()}"}
+        try:
+            async with self._client().head(
+                url, headers=headers, timeout=aiohttp.ClientTimeout(total=within), ssl=verify
+            ) as resp:
+                return resp.status == 200
+        except (aiohttp.ClientError, TimeoutError, OSError):
+            return False
+
     def node_of(self, peer: str) -> str | None:
         """The node ``peer``'s /healthz named when it was last checked (None: not yet,
         or it did not say)."""
@@ -317,7 +333,7 @@ class PeerSource:
 
     def _client(self) -> aiohttp.ClientSession:
         if self._session is None:
-            self._session = aiohttp.ClientSession(  # (/healthz: no token)
+            self._session = aiohttp.ClientSession(  # (health checks, holds: small replies)
                 timeout=aiohttp.ClientTimeout(total=60, sock_connect=2)
             )
         return self._session

@@ -21,11 +21,15 @@ of its first one, who owns that position and so fetches the chunk itself, or hol
 turn. Each member thus plans from its own share's parts (the step's
 file map finds them), not from every part of the step.
 
-A member holding a file of the step (the part its node wrote: each part's manifest names the
-node, each member's /healthz names its own) owns every chunk of it, in either split, whether
-its share covers the chunk or not: after a scale-down the group reads from the tiers only the
-parts no survivor holds. It is asked without a wait (it serves from its part at once, or has
-lost it, and then the asker reads the chunk from the tiers).
+Before any of that, a chunk in a file another live member holds (the part its node wrote:
+each part's manifest names the node, each member's /healthz its own) is asked of that
+member, without a wait: after a scale-down the survivors still hold their own parts, which
+the split alone would read from the tiers again. The probe asks each such member whether it
+holds the file (a HEAD of one of its chunks, once per member and file): a member named as
+a part's node may have lost it (a wiped disk, hot retention), and a chunk this member owns
+must then go to the tiers at once, not after the chunks it waits for from the others (who
+may be waiting for it). The split itself is unchanged: a member need not know what another
+holds for all to agree on it, and a holder that fails later costs a chunk the split's way.
 """
 
 from __future__ import annotations
@@ -154,36 +158,43 @@ class FanoutSource:
         #: chunk about once from the tiers in all
         self.shares = shares or {}
         self.positions = positions or {}
-        #: file path -> the node whose part holds it (chunks.file_holders): the member on
-        #: that node owns the file's chunks (it holds them: nothing to read from the tiers)
+        #: file path -> the node whose part holds it (chunks.file_holders)
         self.holders = holders or {}
         self._owners: dict[str, str] = {}
-        self._held: set[str] = set()  # chunks whose owner holds them (asked without a wait)
+        #: chunk id -> (member, file): another live member holding a file the chunk is in
+        self._held_by: dict[str, tuple[str, str]] = {}
+        self._not_held: set[tuple[str, str]] = set()  # (member, file): asked, not there
 
     async def probe(self) -> None:
         others = [m for m in self.members if m != self.me]
         up = await asyncio.gather(*(self.peers.alive(m) for m in others))
         down = {m for m, ok in zip(others, up, strict=True) if not ok}
         self.live = tuple(m for m in self.members if m not in down)
-        held = self._held_by_members()
         if self.shares:  # (off the loop: a large share has many positions)
             self._owners = await asyncio.to_thread(
-                position_owners, self.positions, self.shares, self.live, self.me, held
+                position_owners, self.positions, self.shares, self.live, self.me
             )
-        holders = first_holders(self.positions, held)
-        if not self.shares:  # every member wants the step: a chunk a member holds is its own
-            self._owners = holders
-        self._held = {cid for cid, owner in self._owners.items() if holders.get(cid) == owner}
+        self._held_by = await self._confirmed(
+            held_elsewhere(self.positions, self._holding_members(), self.me)
+        )
 
-    def _held_by_members(self) -> dict[str, str]:
-        """File path -> the live member holding it: whose node's part the file is (each
-        other member's node as its /healthz named it in the probe, this one's by its
-        config). Every member learns the same names, so all agree on the owners."""
-        member_of_node: dict[str, str] = {}
-        for member in sorted(self.live):
-            node = self.peers.node if member == self.me else self.peers.node_of(member)
-            if node is not None:
-                member_of_node.setdefault(node, member)
+    async def _confirmed(self, held: dict[str, tuple[str, str]]) -> dict[str, tuple[str, str]]:
+        """Of ``held``, the chunks whose holder says it holds their file: one of the file's
+        chunks asked of it (a HEAD: nothing read or sent), once per (member, file). A
+        member named as the node that wrote a part may not hold it (a wiped disk, hot
+        retention): a chunk left to the split must be fetched by its owner at once, not
+        after asking a holder that does not have it."""
+        sample = {pair: cid for cid, pair in held.items()}
+        pairs = list(sample)
+        answers = await asyncio.gather(*(self.peers.holds(m, sample[(m, f)]) for m, f in pairs))
+        holding = {pair for pair, yes in zip(pairs, answers, strict=True) if yes}
+        return {cid: pair for cid, pair in held.items() if pair in holding}
+
+    def _holding_members(self) -> dict[str, str]:
+        """File path -> the live member on the node whose part holds it (the others' nodes
+        as their /healthz named them in the probe, this one's by its config)."""
+        nodes = {m: self.peers.node if m == self.me else self.peers.node_of(m) for m in self.live}
+        member_of_node = {node: m for m, node in nodes.items() if node is not None}
         return {
             path: member_of_node[node]
             for path, node in self.holders.items()
@@ -194,47 +205,51 @@ class FanoutSource:
         return self._owners.get(cid) or owner_of(cid, self.live)
 
     def mine(self, cid: str) -> bool:
-        return self.owner(cid) == self.me
+        """This member reads the chunk from the tiers at once (no member holds it)."""
+        return self.owner(cid) == self.me and self._holder(cid) is None
+
+    def _holder(self, cid: str) -> tuple[str, str] | None:
+        held = self._held_by.get(cid)
+        return None if held is None or held in self._not_held else held
 
     async def __call__(
         self, chunk: StoredChunk, base: LocalBase | None, land: Land | None = None
     ) -> Supplied | None:
+        if (held := self._holder(chunk.id)) is not None:
+            # it serves the chunk from its part at once, or does not have the file
+            got = await self.peers.ask(held[0], chunk, base, land=land)
+            if got is not None:
+                return got
+            self._not_held.add(held)
         owner = self.owner(chunk.id)
         if owner == self.me:
             return None
-        # a holder serves the chunk from its part at once, or does not have it (its part
-        # is gone from its disk): then the tiers, not a wait for a chunk it will not fetch
-        wait = 0.0 if chunk.id in self._held else WAIT_SECONDS
-        return await self.peers.ask(owner, chunk, base, wait=wait, land=land)
+        return await self.peers.ask(owner, chunk, base, wait=WAIT_SECONDS, land=land)
 
 
-def first_holders(positions: Positions, held: Mapping[str, str]) -> dict[str, str]:
-    """Chunk id -> the member holding the file of its first position held by one (``held``:
-    file path -> member), for the chunks some member holds."""
-    owners = {}
+def held_elsewhere(
+    positions: Positions, holding: Mapping[str, str], me: str
+) -> dict[str, tuple[str, str]]:
+    """Chunk id -> (member, file) for each chunk in a file another member holds
+    (``holding``: file path -> member), the first such position's; none for a chunk in a
+    file this member holds (it reads it from its own part)."""
+    held: dict[str, tuple[str, str]] = {}
     for cid, where in positions.items():
-        holder = next((held[path] for path, _, _ in where if path in held), None)
-        if holder is not None:
-            owners[cid] = holder
-    return owners
+        members = [(holding[path], path) for path, _, _ in where if path in holding]
+        if members and all(member != me for member, _ in members):
+            held[cid] = members[0]
+    return held
 
 
 def position_owners(
-    positions: Positions,
-    shares: Mapping[str, Share | None],
-    live: tuple[str, ...],
-    me: str,
-    held: Mapping[str, str] | None = None,
+    positions: Positions, shares: Mapping[str, Share | None], live: tuple[str, ...], me: str
 ) -> dict[str, str]:
     """The owner of each of this member's chunks (``positions``): this member, where it
     owns one of the chunk's positions, else the owner of the first. A position's owner is
     chosen among the live members whose share covers it (a member whose share is None,
     or that ``shares`` does not name, wants the whole step; a file outside DCP's storage
     is whole in every share), by rendezvous hashing of the position; every member computes
-    the same for the positions it shares with another. A position in a file a live member
-    holds (``held``: file path -> member; its own part, after a scale-down) is that
-    member's, covered by its share or not: it serves the chunk from its part."""
-    held = held or {}
+    the same for the positions it shares with another."""
     whole = [m for m in live if shares.get(m) is None]
     storage = next((s.storage for s in shares.values() if s is not None), frozenset())
     spans: dict[str, list[tuple[int, int, str]]] = defaultdict(list)
@@ -250,22 +265,16 @@ def position_owners(
     for path, here in mine.items():
         if path not in storage:
             for at, _, _ in here:
-                owner_at[(path, at)] = _owner_at(path, at, live, held)
+                owner_at[(path, at)] = owner_of(f"{path}@{at}", live)
             continue
         for at, wanting in _covering(sorted(here), spans[path]):
             group = (*whole, *wanting) or (me,)  # (me: a position of a wider ask, mine alone)
-            owner_at[(path, at)] = _owner_at(path, at, group, held)
+            owner_at[(path, at)] = owner_of(f"{path}@{at}", group)
     owners = {}
     for cid, where in positions.items():
         owned = [owner_at[(path, at)] for path, at, _ in where]
         owners[cid] = me if me in owned else owned[0]
     return owners
-
-
-def _owner_at(path: str, at: int, group: tuple[str, ...], held: Mapping[str, str]) -> str:
-    """The owner of a position: the member holding its file, whether or not its share
-    covers it (it reads nothing to serve it), else one of ``group`` by rendezvous hashing."""
-    return held.get(path) or owner_of(f"{path}@{at}", group)
 
 
 def _covering(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 
 from aiohttp import web
 
@@ -46,6 +47,10 @@ async def _serve(
     where = landing.where(cid) or await request.app[HOT_INDEX].locate(cid)
     if where is None and wait:
         where = await landing.wait(cid, wait)
+    if request.method == "HEAD":  # whether it is here (a fan-out's probe): nothing read
+        if where is None or not await asyncio.to_thread(os.path.isfile, where[0]):
+            raise web.HTTPNotFound(reason="this node does not hold that chunk")
+        return web.Response()
     found = await encode_for_peer(request.app[HOT_INDEX], cid, base, level, enc, where)
     if found is None:
         raise web.HTTPNotFound(reason="this node does not hold that chunk")
