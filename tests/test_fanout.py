@@ -193,7 +193,7 @@ def test_members_holding_their_parts_serve_them_and_a_lost_part_costs_no_read_mo
     one_copy = sum(f.stat().st_size for d in parts.values() for f in d.iterdir())
     keep = {"FERRY_COMMIT_MARKER": "", "FERRY_QUIET_SECONDS": "600"}  # (parts, not pushed)
 
-    async def group(tag: str, holding: set[str]) -> list[dict]:  # type: ignore[type-arg]
+    async def group(tag: str, holding: set[str], stagger: float) -> list[dict]:  # type: ignore[type-arg]
         async with contextlib.AsyncExitStack() as stack:
             urls = []
             for node in PARTS:
@@ -204,14 +204,16 @@ def test_members_holding_their_parts_serve_them_and_a_lost_part_costs_no_read_mo
                 member = agent(hot, [s3_url], node, extra_env=env)
                 urls.append(await stack.enter_async_context(member))
             clients = [await stack.enter_async_context(FerryClient(u, TOKEN)) for u in urls]
-            pairs = zip(clients, urls, strict=True)
-            ids = [await c.prefetch(JOB, 10, fanout=(urls, u)) for c, u in pairs]
+            ids = []
+            for c, u in zip(clients, urls, strict=True):  # about the same time, not at once:
+                ids.append(await c.prefetch(JOB, 10, fanout=(urls, u)))  # one has begun when
+                await asyncio.sleep(stagger)  # the next probes it
             waits = (c.wait_prefetch(i, within_s=120) for c, i in zip(clients, ids, strict=True))
             return list(await asyncio.gather(*waits))
 
-    def read_while(tag: str, holding: set[str]) -> float:
+    def read_while(tag: str, holding: set[str], stagger: float = 0.0) -> float:
         before = s3_proxy.stats.bytes_down
-        for status in asyncio.run(group(tag, holding)):
+        for status in asyncio.run(group(tag, holding, stagger)):
             print(
                 "DBG",
                 tag,
@@ -231,3 +233,7 @@ def test_members_holding_their_parts_serve_them_and_a_lost_part_costs_no_read_mo
     held = read_while("held", {"n0", "n1"})
     assert held <= unheld + 0.1, (held, unheld)
     assert read_while("lost", set()) <= 1.3
+    # the first member's restore has begun as the others probe it: what it has fetched is
+    # not taken for its part (HEAD answers from the hot data alone), so nobody counts on it
+    # for a file it does not hold (a review's repro: 30 s waits, 0.6x more from S3)
+    assert read_while("lost, staggered", set(), stagger=0.3) <= 1.3

@@ -910,7 +910,9 @@ class Prefetcher:
         if record.fanout is not None and self.fanout_client is not None:
             fan, wanted, plan = await self._fanout_source(record, store, plan)
             await fan.probe()
-            sources = Sources(base, base_parts, chain=(fan,), store_first=fan.mine)
+            sources = Sources(
+                base, base_parts, chain=(fan,), store_first=fan.mine, ask_first=fan.held
+            )
         began = time.monotonic()
         self.landing.expect(wanted)
         rate_limit = self.background_limit if record.background else None

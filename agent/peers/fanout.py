@@ -51,6 +51,8 @@ from transfer.engine.sources import Land, LocalBase, Location, Supplied
 WAIT_SECONDS = 30.0
 _POLL_SECONDS = 0.02
 _GRACE_SECONDS = 3.0
+#: the probe's HEADs in flight at once (a peer counts a client's chunk requests: 32 at most)
+HOLDS_AT_ONCE = 8
 
 
 def owner_of(cid: str, members: tuple[str, ...]) -> str:
@@ -186,7 +188,13 @@ class FanoutSource:
         after asking a holder that does not have it."""
         sample = {pair: cid for cid, pair in held.items()}
         pairs = list(sample)
-        answers = await asyncio.gather(*(self.peers.holds(m, sample[(m, f)]) for m, f in pairs))
+        gate = asyncio.Semaphore(HOLDS_AT_ONCE)
+
+        async def holds(member: str, cid: str) -> bool:
+            async with gate:
+                return await self.peers.holds(member, cid)
+
+        answers = await asyncio.gather(*(holds(m, sample[(m, f)]) for m, f in pairs))
         holding = {pair for pair, yes in zip(pairs, answers, strict=True) if yes}
         return {cid: pair for cid, pair in held.items() if pair in holding}
 
@@ -207,6 +215,10 @@ class FanoutSource:
     def mine(self, cid: str) -> bool:
         """This member reads the chunk from the tiers at once (no member holds it)."""
         return self.owner(cid) == self.me and self._holder(cid) is None
+
+    def held(self, cid: str) -> bool:
+        """Another member holds the chunk: asked of it first, answered without a wait."""
+        return self._holder(cid) is not None
 
     def _holder(self, cid: str) -> tuple[str, str] | None:
         held = self._held_by.get(cid)

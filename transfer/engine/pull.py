@@ -14,7 +14,7 @@ import shutil
 import threading
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cache
@@ -467,6 +467,7 @@ class _Remote:
         self.run = run
         self.source: ChunkSource | None = sources.ask if sources.chain else None
         self.own_share = sources.store_first if sources.chain else None
+        self.ask_first = sources.ask_first
         self.rate_limit = rate_limit
         self.held = held
         self.sourced: dict[str, int] = {}  # chunk id -> bytes the chunk source moved for it
@@ -477,25 +478,35 @@ class _Remote:
         # a fan-out member's own share goes to the store at once, beside the source
         mine = [index[cid] for cid in todo if self.own_share(cid)] if self.own_share else []
         sourced: dict[str, int] = {}
+        now: list[StoredChunk] = []  # not supplied, then this member's: from the store at once
+
+        async def unsupplied(chunk: StoredChunk) -> None:
+            if self.own_share is not None and self.own_share(chunk.id):
+                await run.from_store([chunk], limit)
+                now.append(chunk)
+
         if self.source is not None:
             root, taken = run.resolver.local_root, {c.id for c in mine}
+            ids = [cid for cid in todo if cid not in taken]
+            if self.ask_first is not None:
+                ids.sort(key=lambda cid: not self.ask_first(cid))  # type: ignore[misc]
             async with one_error(), asyncio.TaskGroup() as both:
                 both.create_task(run.from_store(mine, limit))
                 sourced = await _from_source(
                     self.source,
                     run.resolver,
                     index,
-                    [cid for cid in todo if cid not in taken],
+                    ids,
                     run.write,
                     run.options.window,
                     lambda cid: _local_base(root, self.held, run.hints[cid], cid),
-                    _Pace(limit, run.events.moved),
+                    _Pace(limit, run.events.moved, unsupplied),
                 )
-        done = {c.id for c in mine} | set(sourced)
+        done = {c.id for c in mine} | set(sourced) | {c.id for c in now}
         rest = [index[cid] for cid in todo if cid not in done]
         await run.from_store(rest, limit)
         self.sourced.update(sourced)
-        self.fetched += mine + rest
+        self.fetched += mine + now + rest
 
 
 async def manifests_named_by(store: Store, job: str, base_dir: Path) -> list[Manifest] | None:
@@ -526,6 +537,8 @@ class _Pace:
 
     rate_limit: RateLimit | None = None
     moved: Callable[[str, int], None] = _no_moves
+    #: told of each chunk the source did not supply (it may fetch it from the store now)
+    unsupplied: Callable[[StoredChunk], Awaitable[None]] | None = None
 
 
 async def _from_source(
@@ -568,6 +581,8 @@ async def _from_source(
             assert chunk is not None
             got = await source(chunk, local_base(cid), check_and_write)
             if got is None:
+                if pace.unsupplied is not None:
+                    await pace.unsupplied(chunk)
                 continue
             data, nbytes, origin = got
             if rate_limit is not None:

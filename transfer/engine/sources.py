@@ -63,12 +63,17 @@ class Sources:
     ``chain``: asked in order for every chunk neither base_dir nor a repeat supplies; what
     one returns is used only when it hashes to the chunk id. ``store_first(id)``: chunks
     no source of the chain will have (in a fan-out, those this member reads for the
-    others): fetched from the store at once, beside the chain, rather than after it."""
+    others): fetched from the store at once, beside the chain, rather than after it; a
+    chunk the chain did not supply that ``store_first`` then says is this member's is
+    fetched at once too, not after the chain's other asks (which may wait on members
+    waiting for it). ``ask_first(id)``: chunks the chain answers without waiting (in a
+    fan-out, those another member holds), asked before the others."""
 
     base_dir: Path | None = None
     base_manifests: list[Manifest] | None = None
     chain: tuple[ChunkSource, ...] = ()
     store_first: Callable[[str], bool] | None = None
+    ask_first: Callable[[str], bool] | None = None
 
     async def ask(
         self, chunk: StoredChunk, base: LocalBase | None, land: Land | None = None

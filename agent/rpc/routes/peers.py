@@ -44,19 +44,27 @@ async def _serve(
 ) -> web.StreamResponse:
     level = request.app[CONFIG].transfer_options().zstd_level
     landing = request.app[LANDING]  # a restore running here (fan-out: agent/peers/fanout.py)
+    if request.method == "HEAD":  # (a fan-out's probe) whether its hot data holds it
+        return await _holds(request, cid)
     where = landing.where(cid) or await request.app[HOT_INDEX].locate(cid)
     if where is None and wait:
         where = await landing.wait(cid, wait)
-    if request.method == "HEAD":  # whether it is here (a fan-out's probe): nothing read
-        if where is None or not await asyncio.to_thread(os.path.isfile, where[0]):
-            raise web.HTTPNotFound(reason="this node does not hold that chunk")
-        return web.Response()
     found = await encode_for_peer(request.app[HOT_INDEX], cid, base, level, enc, where)
     if found is None:
         raise web.HTTPNotFound(reason="this node does not hold that chunk")
     enc, payload = found
     request.app[METRICS].inc("ferry_bytes_total", len(payload), direction="out", source="peer")
     return await _send(request, payload, enc)
+
+
+async def _holds(request: web.Request, cid: str) -> web.Response:
+    """200 when a file of this node's hot data holds the chunk (nothing read), else 404.
+    Not what a restore here has landed: the asker takes a 200 to mean the whole file it
+    sampled is here, which a chunk fetched a moment ago does not say."""
+    where = await request.app[HOT_INDEX].locate(cid)
+    if where is None or not await asyncio.to_thread(os.path.isfile, where[0]):
+        raise web.HTTPNotFound(reason="this node does not hold that chunk")
+    return web.Response()
 
 
 _PIECE = 1 << 20
