@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from agent.node.hotdir import HotDir
-from agent.peers.fanout import WAIT_SECONDS, owner_of
+from agent.peers import fanout
+from agent.peers.fanout import WAIT_SECONDS, Landing, owner_of
 from agent.rpc.client import FerryClient
 from tests.conftest import random_bytes, tree_bytes
 from tests.faultproxy import FaultProxy
@@ -237,3 +238,27 @@ def test_members_holding_their_parts_serve_them_and_a_lost_part_costs_no_read_mo
     # not taken for its part (HEAD answers from the hot data alone), so nobody counts on it
     # for a file it does not hold (a review's repro: 30 s waits, 0.6x more from S3)
     assert read_while("lost, staggered", set(), stagger=0.3) <= 1.3
+
+
+def test_an_ask_ends_when_the_restore_that_expected_the_chunk_ends(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An ask held for a chunk a restore here expects: the restore lands it and ends
+    (its last chunks land moments before it is renamed into place and releases them)
+    between two looks of the wait. The wait ends at the next look, not after the grace
+    for a restore yet to start (3 s, here made an hour: the old wait sat it out, so the
+    members asking for a restore's last chunks each stalled 3 s)."""
+    monkeypatch.setattr(fanout, "_GRACE_SECONDS", 3600.0)
+
+    async def go() -> None:
+        landing = Landing()
+        landing.begin()
+        landing.expect(["c1"])
+        asked = asyncio.create_task(landing.wait("c1", WAIT_SECONDS))
+        await asyncio.sleep(0.1)  # the wait has looked at least once, expected
+        landing.land("c1", ("/hot/llm/.staging/__0_0.distcp", 0, 4))
+        landing.release(["c1"])  # (renamed into place: the hot index has it now)
+        landing.end()
+        assert await asyncio.wait_for(asked, timeout=10) is None  # left to the hot index
+
+    asyncio.run(go())

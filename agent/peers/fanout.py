@@ -115,8 +115,11 @@ class Landing:
         """Where ``cid`` landed, waiting up to ``seconds`` while a restore here expects it
         (and, one not expected, up to ``_GRACE_SECONDS`` for a restore to start expecting
         it: the members of a group start at about the same time, not in lockstep, and an
-        asker may come before this member's own prefetch was even submitted)."""
+        asker may come before this member's own prefetch was even submitted). A restore that
+        expected it and has ended since ends the wait at once: it landed the chunk and was
+        renamed into place between two looks (its last chunks do), or never will."""
         began = time.monotonic()
+        was_expected = False
         while True:
             with self._lock:
                 where, expected = self._where.get(cid), cid in self._expected
@@ -124,9 +127,10 @@ class Landing:
             if (
                 where is not None
                 or waited >= seconds
-                or (not expected and waited >= _GRACE_SECONDS)
+                or (not expected and (was_expected or waited >= _GRACE_SECONDS))
             ):
                 return where
+            was_expected = was_expected or expected
             await asyncio.sleep(_POLL_SECONDS)
 
 
