@@ -245,9 +245,10 @@ def test_an_ask_ends_when_the_restore_that_expected_the_chunk_ends(
 ) -> None:
     """An ask held for a chunk a restore here expects: the restore lands it and ends
     (its last chunks land moments before it is renamed into place and releases them)
-    between two looks of the wait. The wait ends at the next look, not after the grace
-    for a restore yet to start (3 s, here made an hour: the old wait sat it out, so the
-    members asking for a restore's last chunks each stalled 3 s)."""
+    between two looks of the wait. The wait ends at the next look, or as soon as the hot
+    index finds the chunk in the step put in place, not after the grace for a restore yet
+    to start (3 s, here made an hour: the old wait sat it out, so the members asking for a
+    restore's last chunks each stalled 3 s)."""
     monkeypatch.setattr(fanout, "_GRACE_SECONDS", 3600.0)
 
     async def go() -> None:
@@ -259,6 +260,23 @@ def test_an_ask_ends_when_the_restore_that_expected_the_chunk_ends(
         landing.land("c1", ("/hot/llm/.staging/__0_0.distcp", 0, 4))
         landing.release(["c1"])  # (renamed into place: the hot index has it now)
         landing.end()
-        assert await asyncio.wait_for(asked, timeout=10) is None  # left to the hot index
+        assert await asyncio.wait_for(asked, timeout=10) is None  # no hot index to ask
+        # with the hot index: found there as the step is put in place, a moment later
+        looks = 0
+
+        async def locate() -> tuple[str, int, int] | None:
+            nonlocal looks
+            looks += 1
+            return ("/hot/llm/step_000010/__0_0.distcp", 0, 4) if looks > 2 else None
+
+        landing.begin()
+        landing.expect(["c2"])
+        asked = asyncio.create_task(landing.wait("c2", WAIT_SECONDS, locate))
+        await asyncio.sleep(0.1)
+        landing.land("c2", ("/hot/llm/.staging/__0_0.distcp", 0, 4))
+        landing.release(["c2"])
+        landing.end()
+        where = await asyncio.wait_for(asked, timeout=10)
+        assert where == ("/hot/llm/step_000010/__0_0.distcp", 0, 4) and looks == 3
 
     asyncio.run(go())

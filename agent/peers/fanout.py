@@ -40,7 +40,7 @@ import heapq
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 
 from agent.peers.chunks import PeerSource
 from transfer.engine.chunkindex import StoredChunk
@@ -111,27 +111,48 @@ class Landing:
         with self._lock:
             return self._where.get(cid)
 
-    async def wait(self, cid: str, seconds: float) -> Location | None:
+    async def wait(
+        self,
+        cid: str,
+        seconds: float,
+        locate: Callable[[], Awaitable[Location | None]] | None = None,
+    ) -> Location | None:
         """Where ``cid`` landed, waiting up to ``seconds`` while a restore here expects it
         (and, one not expected, up to ``_GRACE_SECONDS`` for a restore to start expecting
         it: the members of a group start at about the same time, not in lockstep, and an
-        asker may come before this member's own prefetch was even submitted). A restore that
-        expected it and has ended since ends the wait at once: it landed the chunk and was
-        renamed into place between two looks (its last chunks do), or never will."""
+        asker may come before this member's own prefetch was even submitted). Once a
+        restore that expected it has ended (its last chunks land moments before it ends,
+        often between two looks), where ``locate`` (the hot index) finds it as the step is
+        put in place, looked up every ``_POLL_SECONDS`` x 5, for up to the grace: the wait
+        sat the whole grace out, 3 s for each member asking for a restore's last chunks."""
         began = time.monotonic()
         was_expected = False
         while True:
             with self._lock:
                 where, expected = self._where.get(cid), cid in self._expected
             waited = time.monotonic() - began
-            if (
-                where is not None
-                or waited >= seconds
-                or (not expected and (was_expected or waited >= _GRACE_SECONDS))
-            ):
+            if where is not None or waited >= seconds:
                 return where
+            if not expected and was_expected:
+                return await self._placed(locate, min(_GRACE_SECONDS, seconds - waited))
+            if not expected and waited >= _GRACE_SECONDS:
+                return None
             was_expected = was_expected or expected
             await asyncio.sleep(_POLL_SECONDS)
+
+    @staticmethod
+    async def _placed(
+        locate: Callable[[], Awaitable[Location | None]] | None, seconds: float
+    ) -> Location | None:
+        """Where ``locate`` finds the chunk within ``seconds`` (None without one)."""
+        if locate is None:
+            return None
+        until = time.monotonic() + seconds
+        while True:
+            where = await locate()
+            if where is not None or time.monotonic() >= until:
+                return where
+            await asyncio.sleep(_POLL_SECONDS * 5)
 
 
 #: where a member writes each of its chunks: chunk id -> (path, offset, size) of each position

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 
@@ -48,7 +49,7 @@ async def _serve(
         return await _holds(request, cid)
     where = landing.where(cid) or await request.app[HOT_INDEX].locate(cid)
     if where is None and wait:
-        where = await landing.wait(cid, wait)
+        where = await landing.wait(cid, wait, functools.partial(request.app[HOT_INDEX].locate, cid))
     found = await encode_for_peer(request.app[HOT_INDEX], cid, base, level, enc, where)
     if found is None:
         raise web.HTTPNotFound(reason="this node does not hold that chunk")
