@@ -215,15 +215,6 @@ def test_members_holding_their_parts_serve_them_and_a_lost_part_costs_no_read_mo
     def read_while(tag: str, holding: set[str], stagger: float = 0.0) -> float:
         before = s3_proxy.stats.bytes_down
         for status in asyncio.run(group(tag, holding, stagger)):
-            print(
-                "DBG",
-                tag,
-                status["satisfied_by"],
-                status["seconds"],
-                status["bytes_by_source"],
-                status["bytes_by_peer"],
-                status["dest"],
-            )
             assert status["state"] == "ready", status
             assert status["seconds"] < WAIT_SECONDS, status  # nobody waited out a member
             whole = {k: v for d in parts.values() for k, v in tree_bytes(d).items()}

@@ -99,3 +99,24 @@ def test_a_dead_member_owns_nothing_and_files_outside_storage_are_everyones() ->
     owners = position_owners(positions, shares, ("a", "b"), "a")  # c is down
     assert set(owners.values()) == {"a", "b"}
     assert owners["meta"] == owner_of(".metadata@0", ("a", "b"))
+
+
+def test_the_common_index_is_nobodys_part() -> None:
+    """A share reads the step's common index (the items every rank reads, stored once)
+    beside its parts: its node name, "(common index)", sorts before every node's, and
+    was taken for the holder of each file it has items of (no member is that node: those
+    chunks went to the split) and for their owner (asked of every peer in turn)."""
+    from agent.peers.chunks import chunk_owners, file_holders
+    from transfer.format.manifest import Manifest
+    from transfer.format.stepcommon import COMMON_NODE
+
+    shared = ChunkRef("item", CHUNK, "raw", 0, 0, CHUNK)
+    own = ChunkRef("rows", CHUNK, "raw", 0, 0, CHUNK)
+
+    def part(node: str, *chunks: ChunkRef) -> Manifest:
+        entry = FileEntry("__3_0.distcp", CHUNK * len(chunks), 0o644, chunks)
+        return Manifest("llm", 10, node, "2026-12-07T00:00:00Z", CHUNK, (), (entry,))
+
+    parts = [part(COMMON_NODE, shared), part("n3", own, shared)]
+    assert file_holders(parts) == {"__3_0.distcp": "n3"}
+    assert chunk_owners(parts) == {"rows": "n3", "item": "n3"}

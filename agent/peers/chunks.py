@@ -39,6 +39,7 @@ from transfer.engine.sources import ChunkSource, Land, LocalBase, Location, Supp
 from transfer.engine.stepparts import Needs, parts_for
 from transfer.errors import FerryError
 from transfer.format.manifest import Manifest
+from transfer.format.stepcommon import COMMON_NODE
 from transfer.format.stepfiles import StepFiles
 from transfer.store.base import Store
 
@@ -103,9 +104,11 @@ class HotIndex:
                 self._unpublished[key] = now
 
     async def _add(self, job: str, step: int, path: Path) -> bool:
-        """Index what ``path`` holds of (job, step), by the parts of every tier that has
-        them: a node's own part may be in a colder tier only (not pushed to the first
-        yet, or the first lost it), whose files the first tier's parts do not describe."""
+        """Index what ``path`` holds of (job, step), by the parts of the first tier whose
+        parts describe a file here; a colder tier is read only when a warmer one's parts
+        describe none (a node's own part not pushed to the first tier yet, or lost there:
+        the first tier's parts are then the other nodes'). A colder tier is not read for
+        every step, under the lock every miss waits on."""
         found = False
         for _, store in self.tiers:
             try:
@@ -113,15 +116,23 @@ class HotIndex:
             except FerryError:
                 continue
             found = found or bool(manifests)
-            for m in manifests:
-                for f in m.files:
-                    if (path / f.path).is_file():
-                        for offset, c in f.chunk_offsets():
-                            self._where.setdefault(c.id, (path / f.path, offset, c.size))
+            if self._index_files(manifests, path):
+                break
         if found:
             self._known.add((job, step))
             self._unpublished.pop((job, step), None)
         return found
+
+    def _index_files(self, manifests: list[Manifest], path: Path) -> bool:
+        """Where each chunk of ``manifests``' files present at ``path`` is; whether any is."""
+        any_here = False
+        for m in manifests:
+            for f in m.files:
+                if (path / f.path).is_file():
+                    any_here = True
+                    for offset, c in f.chunk_offsets():
+                        self._where.setdefault(c.id, (path / f.path, offset, c.size))
+        return any_here
 
 
 def file_holders(manifests: Iterable[Manifest]) -> dict[str, str]:
@@ -130,6 +141,8 @@ def file_holders(manifests: Iterable[Manifest]) -> dict[str, str]:
     it, which still holds it after a scale-down."""
     holders: dict[str, str] = {}
     for m in manifests:
+        if m.node == COMMON_NODE:  # (the step's common index: items of files, no node's)
+            continue
         for f in m.files:
             holders[f.path] = min(holders.get(f.path, m.node), m.node)
     return holders
@@ -139,6 +152,8 @@ def chunk_owners(manifests: Iterable[Manifest]) -> dict[str, str]:
     """Chunk id -> the node whose part of the step holds it (the first, where several do)."""
     owners: dict[str, str] = {}
     for m in manifests:
+        if m.node == COMMON_NODE:  # (no node's: the part holding the file says whose)
+            continue
         for f in m.files:
             for c in f.chunks:
                 owners.setdefault(c.id, m.node)

@@ -29,7 +29,9 @@ holds the file (a HEAD of one of its chunks, once per member and file): a member
 a part's node may have lost it (a wiped disk, hot retention), and a chunk this member owns
 must then go to the tiers at once, not after the chunks it waits for from the others (who
 may be waiting for it). The split itself is unchanged: a member need not know what another
-holds for all to agree on it, and a holder that fails later costs a chunk the split's way.
+holds for all to agree on it. A holder that fails an ask later (it lost the file, or did not
+answer) is not asked for that file again: the rest of the file goes the split's way, this
+member's own chunks of it fetched from the tiers one by one.
 """
 
 from __future__ import annotations

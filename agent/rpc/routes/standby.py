@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from aiohttp import web
@@ -39,15 +40,21 @@ async def put_standby(request: web.Request) -> web.Response:
     return web.json_response(doc)
 
 
+#: how long the registration's check for a step of the job may take (the scheduler's
+#: client waits 30 s; a tier that does not answer is retried for longer than that)
+_CHECK_SECONDS = 5.0
+
+
 async def _any_step(tiers: list[tuple[str, Store]], job: str) -> bool:
     """Whether some tier holds a step of ``job`` (one listing per tier, until one does);
-    a tier that cannot be listed counts as holding one (no warning on a guess)."""
-    for _, store in tiers:
-        try:
-            if await Catalog(store).steps(job):
-                return True
-        except (FerryError, OSError):
-            return True
+    a tier that cannot be listed in time counts as holding one (no warning on a guess)."""
+    try:
+        async with asyncio.timeout(_CHECK_SECONDS):
+            for _, store in tiers:
+                if await Catalog(store).steps(job):
+                    return True
+    except (FerryError, OSError, TimeoutError):
+        return True
     return False
 
 
