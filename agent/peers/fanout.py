@@ -240,7 +240,8 @@ class FanoutSource:
         return self._owners.get(cid) or owner_of(cid, self.live)
 
     def mine(self, cid: str) -> bool:
-        """This member reads the chunk from the tiers at once (no member holds it)."""
+        """This member reads the chunk from the tiers at once (it owns the chunk, and no
+        other member holds it: or none that answered for it)."""
         return self.owner(cid) == self.me and self._holder(cid) is None
 
     def held(self, cid: str) -> bool:
