@@ -69,6 +69,27 @@ def test_an_empty_commit_marker_in_the_environment_is_the_no_marker_mode() -> No
     assert config.sources.get("node") is None
 
 
+def test_a_node_missing_from_its_own_expected_nodes_is_warned(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A typo in one node's expected_nodes (n2 lists "n-2") left every step it completed
+    without a marker and nothing said why (a newcomer's trial): said at start, with the
+    name it is like; a node in the list, or with no list, says nothing."""
+    env = {"FERRY_HOT_DIR": "/x", "FERRY_NODE": "n2", "FERRY_EXPECTED_NODES": "n0,n1,n-2"}
+    with caplog.at_level("WARNING"):
+        load_config(None, env=env)
+        said = [r.getMessage() for r in caplog.records if "expected_nodes" in r.getMessage()]
+        assert said == [
+            "node 'n2' is not in expected_nodes ['n0', 'n1', 'n-2'] (is 'n-2' this node?): if "
+            "it saves parts of the job, no step it saves is ever whole (the completion marker "
+            "is never written)"
+        ]
+        caplog.clear()
+        load_config(None, env={**env, "FERRY_EXPECTED_NODES": "n0,n1,n2"})
+        load_config(None, env={"FERRY_HOT_DIR": "/x", "FERRY_NODE": "n2"})
+        assert not [r for r in caplog.records if "expected_nodes" in r.getMessage()]
+
+
 def test_the_declared_defaults_pass_their_own_checks() -> None:
     """Set explicitly (as their TOML value), the defaults load as the defaults."""
     for key in agent_keys():

@@ -44,9 +44,11 @@ def test_a_standby_holds_each_new_step_before_the_scheduler_asks(
         ):
             registered = await b._call("PUT", "/v1/standby/llm")
             assert registered["job"] == "llm" and registered["source"] == "rpc"
-            assert "warning" not in registered
+            assert registered["warning"] is None
             typo = await b._call("PUT", "/v1/standby/lmm")  # registered, and said so
             assert typo["warning"].startswith("no step of job 'lmm' in any tier yet"), typo
+            listed = {e["job"]: e for e in (await b._call("GET", "/v1/standby"))["jobs"]}
+            assert listed["lmm"]["warning"] == typo["warning"]  # (a scheduler reads it later)
             assert (await b._call("DELETE", "/v1/standby/lmm"))["removed"]
             await _replicated(b, "llm", 20)
             await push_series(local_url, [k40])  # a new save becomes durable in the tier

@@ -658,6 +658,7 @@ def load_config(
             'commit_marker = "" needs quiet_seconds > 0: without a marker, files that stayed '
             "the same that long are the only sign a part is finished"
         )
+    _warn_if_not_expected(config.node, config.expected_nodes)
     if config.token_file is not None:
         if create_token:
             _create_token_file(config.token_file)
@@ -694,6 +695,19 @@ class _Asked(Mapping[str, str]):
 
     def __len__(self) -> int:
         return len(self._env)
+
+
+def _warn_if_not_expected(node: str, expected: tuple[str, ...]) -> None:
+    """A node that saves parts of the job but is not in its own ``expected_nodes`` (a typo
+    in one node's list) never sees a step whole: nobody writes the marker, and the tools
+    that need it say the step is not whole. Warned, not refused: a spare node that only
+    restores need not be in the list."""
+    if expected and node not in expected:
+        like = difflib.get_close_matches(node, expected, n=1, cutoff=0.6)
+        hint = f" (is {like[0]!r} this node?)" if like else ""
+        log.warning("node %r is not in expected_nodes %s%s: if it saves parts of the job, no "
+                    "step it saves is ever whole (the completion marker is never written)",
+                    node, list(expected), hint)  # fmt: skip
 
 
 def _warn_unread(env: _Asked) -> None:

@@ -66,6 +66,9 @@ class StandbyJob:
     failed_step: int | None = None
     failures: int = 0
     retry_at: float = 0.0
+    #: said when it was registered (no tier held a step of the job: a typo?), until a
+    #: step of it is replicated
+    warning: str | None = None
 
     def to_dict(self, resident: Resident | None = None) -> dict[str, Any]:
         running = self.running
@@ -82,6 +85,7 @@ class StandbyJob:
                 round(max(0.0, self.retry_at - time.monotonic()), 1) if self.failures else None
             ),
             "in_memory": None if resident is None else resident.to_dict(),
+            "warning": self.warning if self.replicated_step is None else None,
         }
 
 

@@ -30,14 +30,14 @@ async def put_standby(request: web.Request) -> web.Response:
     layout = parse_layout(body.get("layout"))
     job = request.match_info["job"]
     entry = request.app[STANDBY].register(job, layout=layout)
-    doc = entry.to_dict()
+    entry.warning = None
     if not await _any_step(request.app[TIERS], job):  # a typo, or a job yet to save
-        doc["warning"] = (
+        entry.warning = (
             f"no step of job {job!r} in any tier yet: it is watched for its first "
             "(check the name if the job has saved)"
         )
-        log.warning("standby %s: %s", job, doc["warning"])
-    return web.json_response(doc)
+        log.warning("standby %s: %s", job, entry.warning)
+    return web.json_response(entry.to_dict())
 
 
 #: how long the registration's check for a step of the job may take (the scheduler's
