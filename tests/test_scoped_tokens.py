@@ -19,6 +19,7 @@ import pytest
 import yaml
 
 from agent.daemon.config import ConfigError, load_config
+from agent.rpc.auth import Refusals
 from agent.rpc.client import FerryClient
 from tests.conftest import prefetched, random_bytes, tree_bytes
 from tests.harness import agent, push_series, save
@@ -160,6 +161,34 @@ def test_both_tokens_are_read_again_when_their_files_change_and_never_logged(
     assert "peer_token_file changed but cannot be used" in caplog.text
     for token in (MAIN, PEER, "main-2", "peer-2", "peer-3"):
         assert token not in caplog.text
+    # the refused calls are in the log (they were not at all), one line a minute per client
+    refused = [r.getMessage() for r in caplog.records if r.getMessage().startswith("refused")]
+    assert refused == ["refused GET /v1/checkpoints from 127.0.0.1: 401, missing or wrong "
+                       "bearer token"], refused  # fmt: skip
+
+
+def test_refused_calls_are_logged_a_line_per_client_a_minute(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A client trying tokens: its first refusal is logged, the next ones counted in the
+    line after the window, another client's logged at once."""
+    now = [0.0]
+    refusals = Refusals(window=60.0, clock=lambda: now[0])
+    wrong = "missing or wrong bearer token"
+    with caplog.at_level(logging.WARNING, logger="agent.rpc.auth"):
+        for _ in range(3):
+            refusals.refused("GET", "/v1/checkpoints", "10.0.0.1", 401, wrong)
+            now[0] += 1.0
+        refusals.refused("GET", "/v1/pins", "10.0.0.2", 403, "the peer token reads chunks only")
+        now[0] += 60.0
+        refusals.refused("POST", "/v1/prefetch", "10.0.0.1", 401, wrong)
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines == [
+        "refused GET /v1/checkpoints from 10.0.0.1: 401, missing or wrong bearer token",
+        "refused GET /v1/pins from 10.0.0.2: 403, the peer token reads chunks only",
+        "refused POST /v1/prefetch from 10.0.0.1: 401, missing or wrong bearer token "
+        "(2 more refused since the last line)",
+    ]
 
 
 def test_agents_present_the_peer_token_to_their_peers(local_url: str, tmp_path: Path) -> None:

@@ -42,13 +42,14 @@ from agent.rpc.appkeys import (
     PREFETCH_WAITERS,
     PREFETCHER,
     PUSHQUEUE,
+    REFUSALS,
     RETENTION,
     STANDBY,
     STOPPING,
     TIERS,
     TLS,
 )
-from agent.rpc.auth import Credentials, SecretFile
+from agent.rpc.auth import Credentials, Refusals, SecretFile
 from agent.rpc.limits import CHUNK_REQUESTS_PER_CLIENT, WAITS_PER_CLIENT, InFlight
 from agent.rpc.metrics import Metrics
 from agent.rpc.middleware import auth_middleware, error_middleware
@@ -75,6 +76,7 @@ def create_app(config: AgentConfig, token: str) -> web.Application:
     )
     app[CONFIG] = config
     app[CREDENTIALS] = _credentials(config, token)
+    app[REFUSALS] = Refusals()
     app[CHUNK_CLIENTS] = InFlight(CHUNK_REQUESTS_PER_CLIENT)
     app[PREFETCH_WAITERS] = InFlight(WAITS_PER_CLIENT)
     app[STOPPING] = asyncio.Event()

@@ -16,7 +16,7 @@ from agent.node.retention_loop import RetentionRunner
 from agent.node.standby import Standby
 from agent.peers.chunks import HotIndex, PeerSource
 from agent.peers.fanout import Landing
-from agent.rpc.auth import Credentials
+from agent.rpc.auth import Credentials, Refusals
 from agent.rpc.limits import InFlight
 from agent.rpc.metrics import Metrics
 from agent.rpc.tls import AgentTls
@@ -24,6 +24,9 @@ from agent.rpc.tls import AgentTls
 CONFIG = web.AppKey("config", AgentConfig)
 
 CREDENTIALS = web.AppKey("credentials", Credentials)
+
+#: calls refused for who made them, logged (agent/rpc/auth.py)
+REFUSALS = web.AppKey("refusals", Refusals)
 
 TLS = web.AppKey("tls", AgentTls)
 

@@ -18,8 +18,11 @@ from __future__ import annotations
 import enum
 import hmac
 import logging
+import math
 import os
 import threading
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 from agent.daemon.config import read_secret
@@ -104,3 +107,29 @@ def _stamp(path: Path) -> tuple[int, int, int] | None:
     except OSError:
         return None
     return st.st_mtime_ns, st.st_size, st.st_ino
+
+
+class Refusals:
+    """Calls refused for who made them (no or a wrong token, no client certificate, the
+    peer token on another route), logged: one line per client address per ``window``
+    seconds, with how many were not logged since; an operator sees them, a client trying
+    tokens does not flood the log. Never the token itself."""
+
+    #: addresses remembered at most (then forgotten all at once: a line more, no growth)
+    MAX_CLIENTS = 4096
+
+    def __init__(self, window: float = 60.0, clock: Callable[[], float] = time.monotonic) -> None:
+        self.window, self.clock = window, clock
+        self._last: dict[str, tuple[float, int]] = {}  # address -> (logged at, not since)
+
+    def refused(self, method: str, path: str, client: str, status: int, why: str) -> None:
+        now = self.clock()
+        logged_at, quiet = self._last.get(client, (-math.inf, 0))
+        if now - logged_at < self.window:
+            self._last[client] = (logged_at, quiet + 1)
+            return
+        if len(self._last) >= self.MAX_CLIENTS:
+            self._last.clear()
+        self._last[client] = (now, 0)
+        more = f" ({quiet} more refused since the last line)" if quiet else ""
+        log.warning("refused %s %s from %s: %d, %s%s", method, path, client, status, why, more)

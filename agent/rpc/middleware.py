@@ -14,7 +14,7 @@ from typing import Any
 from aiohttp import web
 
 from agent.rpc import limits
-from agent.rpc.appkeys import CONFIG, CREDENTIALS
+from agent.rpc.appkeys import CONFIG, CREDENTIALS, REFUSALS
 from agent.rpc.auth import PEER_ROUTES, Scope
 from transfer.errors import (
     AccessDeniedError,
@@ -42,15 +42,21 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
     routes peers call (agent/rpc/auth.py)."""
     if request.path != "/healthz":
         if request.app[CONFIG].tls_client_auth and not _client_certificate(request):
-            return error_response(401, "a client certificate is required", "Unauthorized")
+            return _refused(request, 401, "a client certificate is required", "Unauthorized")
         scope = request.app[CREDENTIALS].scope(request.headers.get("Authorization", ""))
         if scope is None:
-            return error_response(401, "missing or wrong bearer token", "Unauthorized")
+            return _refused(request, 401, "missing or wrong bearer token", "Unauthorized")
         if scope is Scope.PEER and _route(request) not in PEER_ROUTES:
-            return error_response(
-                403, "the peer token reads chunks only (GET /v1/chunks/{id})", "Forbidden"
-            )
+            why = "the peer token reads chunks only (GET /v1/chunks/{id})"
+            return _refused(request, 403, why, "Forbidden")
     return await handler(request)
+
+
+def _refused(request: web.Request, status: int, why: str, kind: str) -> web.Response:
+    """The refusal's answer, and its line in the log (auth.Refusals: a few per client)."""
+    refusals = request.app[REFUSALS]
+    refusals.refused(request.method, request.path, request.remote or "?", status, why)
+    return error_response(status, why, kind)
 
 
 def _client_certificate(request: web.Request) -> bool:
