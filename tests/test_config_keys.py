@@ -90,6 +90,21 @@ def test_a_node_missing_from_its_own_expected_nodes_is_warned(
         assert not [r for r in caplog.records if "expected_nodes" in r.getMessage()]
 
 
+def test_every_unknown_key_of_the_file_is_named_at_once(tmp_path: Path) -> None:
+    """Three typos took three starts, one named each time (a newcomer's trial)."""
+    path = tmp_path / "ferry.toml"
+    path.write_text(
+        'hot_dir = "/x"\ncomit_marker = ""\nexpected_node = ["a"]\n[transfer]\nchunk_size_mb = 4\n'
+    )
+    with pytest.raises(ConfigError) as raised:
+        load_config(path, env={})
+    assert str(raised.value) == (
+        "unknown config keys: 'comit_marker' (did you mean 'commit_marker'?), "
+        "'expected_node' (did you mean 'expected_nodes'?), "
+        "'transfer.chunk_size_mb' (did you mean 'chunk_size_mib'?)"
+    )
+
+
 def test_the_declared_defaults_pass_their_own_checks() -> None:
     """Set explicitly (as their TOML value), the defaults load as the defaults."""
     for key in agent_keys():

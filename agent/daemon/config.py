@@ -619,6 +619,7 @@ def load_config(
     ``create_token``: a token_file that does not exist yet is created with a random token
     (``ferry agent``: the example config then runs as printed)."""
     raw = _read_toml(path) if path is not None else {}
+    _refuse_unknown_keys(raw)
     env = _Asked(env)  # (what it was asked for: a FERRY_ variable never asked is a typo)
     retention_raw = raw.pop("retention", None)
     transfer_raw = raw.pop("transfer", {})
@@ -674,6 +675,23 @@ def load_config(
         _warn_if_shared(config.peer_token_file, "peer_token_file")
     _warn_unread(env)
     return config
+
+
+def _refuse_unknown_keys(raw: Mapping[str, object]) -> None:
+    """Every unknown key of the file's top level, ``[transfer]`` and ``[store]`` in one
+    error, each with the key it is like: one per start took a start per typo. (Each table's
+    own check, and ``[retention]``'s, still names the first it finds.)"""
+    tables = {"transfer": knobs(TransferSettings), "store": knobs(StoreSettings)}
+    top = [*_TOP_KEYS, *_MOVED_TO_STORE, *_TABLES]
+    unknown = [(key, key, top) for key in raw if key not in top]
+    for table, declared in tables.items():
+        body = raw.get(table)
+        names = [k.name for k in declared]
+        if isinstance(body, dict):
+            unknown += [(f"{table}.{key}", key, names) for key in body if key not in names]
+    if len(unknown) > 1:
+        said = ", ".join(f"{name!r}{_did_you_mean(key, known)}" for name, key, known in unknown)
+        raise ConfigError(f"unknown config keys: {said}")
 
 
 class _Asked(Mapping[str, str]):
