@@ -172,13 +172,24 @@ def test_prefetch_cold_and_onto_a_node_holding_the_previous_step(
 
 
 def test_prefetch_of_a_missing_checkpoint_fails_visibly(local_url: str, tmp_path: Path) -> None:
+    """A step or job the tier lacks: the status names what it holds instead (it said only
+    "no committed checkpoint for job 'toy' step 999", a newcomer's trial) and the kind of
+    failure, as an error reply's ``type`` does."""
+    (k20,) = adamw_series(tmp_path / "src", 1, seed=3)
+
     async def go() -> None:
         async with agent(tmp_path / "hot", [local_url]) as url, FerryClient(url, TOKEN) as client:
             status = await client.wait_prefetch(await client.prefetch("ghost", 5), within_s=30)
-            assert status["state"] == "failed"
-            assert (
-                "no committed checkpoint" in status["error"] or "no checkpoints" in status["error"]
-            )
+            assert status["state"] == "failed" and "holds no checkpoints" in status["error"]
+            await push_series(local_url, [k20])
+            for job, step, there in (
+                ("llm", 999, "steps there: 20"),
+                ("lmm", 20, "jobs there: llm"),
+            ):
+                status = await client.wait_prefetch(await client.prefetch(job, step), within_s=30)
+                assert status["state"] == "failed", status
+                assert status["error_type"] == "CheckpointNotFoundError", status
+                assert status["error"].endswith(f" in {local_url} ({there})"), status["error"]
 
     asyncio.run(go())
 

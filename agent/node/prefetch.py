@@ -37,7 +37,7 @@ from agent.peers.fanout import FanoutSource, Landing
 from agent.rpc.services import Spawn, own_task
 from transfer.durable import fsync_dir
 from transfer.engine import PullEvents, PullPlan, Sources, TransferOptions, pull, warmcache
-from transfer.engine.catalog import Catalog, resolve_checkpoint, resolve_manifests
+from transfer.engine.catalog import Catalog, missing, resolve_checkpoint, resolve_manifests
 from transfer.engine.dcpshare import Layout, Ranges, merge_ranges
 from transfer.engine.localcheck import local_copy_differences
 from transfer.engine.parts import drop_common_index
@@ -107,6 +107,9 @@ class PrefetchJob:
     bytes_by_peer: dict[str, int] = field(default_factory=dict)
     dest: str | None = None
     error: str | None = None
+    #: the kind of failure, as an RPC error's ``type`` names it (CheckpointNotFoundError,
+    #: StoreError, ...; "Timeout" past the deadline); None unless it failed
+    error_type: str | None = None
     created: float = field(default_factory=time.time)
     started: float | None = None
     finished: float | None = None
@@ -170,6 +173,7 @@ class PrefetchJob:
             "eta_seconds": eta,
             "dest": self.dest,
             "error": self.error,
+            "error_type": self.error_type,
             "seconds": (self.finished or time.time()) - self.started if self.started else None,
         }
 
@@ -416,18 +420,22 @@ class Prefetcher:
                 await asyncio.to_thread(discard_leftovers, Path(record.dest))
         except TimeoutError:
             record.state, record.error = State.FAILED, f"deadline of {record.deadline_s}s passed"
+            record.error_type = "Timeout"
         except FerryError as exc:
             record.state, record.error = State.FAILED, " ".join(str(exc).split())
+            record.error_type = type(exc).__name__
         except (OSError, ValueError) as exc:  # not one of ours: keep the trace for the log
             log.warning("prefetch %s failed", record.id, exc_info=True)
             text = " ".join(str(exc).split())
             record.state, record.error = State.FAILED, f"{type(exc).__name__}: {text}"
+            record.error_type = type(exc).__name__
         except Exception as exc:  # a bug: the record still ends (a scheduler polling it
             # would wait for good), and the trace is in the log to report
             log.error("prefetch %s failed on a bug", record.id, exc_info=True)
             text = " ".join(str(exc).split())
             bug = f"{type(exc).__name__}: {text}"
             record.state, record.error = State.FAILED, f"internal error (a bug): {bug}"
+            record.error_type = "InternalError"
         finally:
             if record.fanout is not None:
                 self.landing.end()
@@ -478,7 +486,7 @@ class Prefetcher:
         """Tiers in order: one that lacks the checkpoint, or fails while serving it (store
         error, corrupt chunk), hands over to the next."""
         errors: list[str] = []
-        missing: list[bool] = []  # per tier: it just did not hold the checkpoint
+        absent: list[bool] = []  # per tier: it just did not hold the checkpoint
         requested = record.step
         for name, store in self.tiers:
             try:
@@ -493,11 +501,24 @@ class Prefetcher:
                 # (IncompleteStepError: every part here, a file still missing from them: a torn
                 # part; the next tier may hold the step whole)
                 errors.append(f"{name}: {' '.join(str(exc).split())}")
-                missing.append(isinstance(exc, CheckpointNotFoundError))
+                absent.append(isinstance(exc, CheckpointNotFoundError))
                 record.bytes_done = 0
-        if all(missing):  # (errors decide, never their text)
-            raise CheckpointNotFoundError("; ".join(errors) or "no tiers configured")
+        if all(absent):  # (errors decide, never their text)
+            raise CheckpointNotFoundError(await self._not_held(record.job, requested, errors))
         raise FerryError("; ".join(errors))
+
+    async def _not_held(self, job: str, step: int | None, errors: list[str]) -> str:
+        """No tier holds it: each tier's reason naming what it holds instead (the steps or
+        jobs there: a typo'd step or job is seen at once; one listing per tier, on this
+        path only), else as the tier said it."""
+        said = []
+        for (name, store), error in zip(self.tiers, errors, strict=True):
+            try:
+                instead = await missing(store, job, step)
+            except FerryError:
+                instead = None
+            said.append(f"{name}: {' '.join(str(instead).split())}" if instead else error)
+        return "; ".join(said) or "no tiers configured"
 
     async def _intact_here(self, record: PrefetchJob) -> bool:
         """Whether ``record`` asks by number for a whole step this agent restored here and
