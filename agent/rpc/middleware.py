@@ -54,8 +54,8 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
 
 def _refused(request: web.Request, status: int, why: str, kind: str) -> web.Response:
     """The refusal's answer, and its line in the log (auth.Refusals: a few per client)."""
-    refusals = request.app[REFUSALS]
-    refusals.refused(request.method, request.path, request.remote or "?", status, why)
+    refusals = request.app[REFUSALS]  # (the path as sent, percent-encoded: no line breaks)
+    refusals.refused(request.method, request.rel_url.raw_path, request.remote or "?", status, why)
     return error_response(status, why, kind)
 
 
