@@ -97,7 +97,10 @@ def test_a_second_restore_takes_the_first_ones_buffers(
             await pull(store, tmp_path / "one", PullPlan("llm", 40))
             first = len(fresh)
             await pull(store, tmp_path / "two", PullPlan("llm", 40))
-            assert first > 0 and len(fresh) == first  # the second took no new memory
+            # the second took (almost) no new memory: at most one buffer, as its threads
+            # may want one more of a size at the same moment than the first's did (CI once
+            # counted 9 for 8: concurrency, not the pool); a pool that kept nothing: 2 x 8
+            assert first > 0 and len(fresh) - first <= 1, (first, fresh)
         finally:
             await store.close()
 
