@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import http.client
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -140,9 +140,7 @@ def file_holders(manifests: Iterable[Manifest]) -> dict[str, str]:
     where several do: the same whichever of the parts a member read): the node that wrote
     it, which still holds it after a scale-down."""
     holders: dict[str, str] = {}
-    for m in manifests:
-        if m.node == COMMON_NODE:  # (the step's common index: items of files, no node's)
-            continue
+    for m in _nodes_parts(manifests):
         for f in m.files:
             holders[f.path] = min(holders.get(f.path, m.node), m.node)
     return holders
@@ -151,13 +149,17 @@ def file_holders(manifests: Iterable[Manifest]) -> dict[str, str]:
 def chunk_owners(manifests: Iterable[Manifest]) -> dict[str, str]:
     """Chunk id -> the node whose part of the step holds it (the first, where several do)."""
     owners: dict[str, str] = {}
-    for m in manifests:
-        if m.node == COMMON_NODE:  # (no node's: the part holding the file says whose)
-            continue
+    for m in _nodes_parts(manifests):
         for f in m.files:
             for c in f.chunks:
                 owners.setdefault(c.id, m.node)
     return owners
+
+
+def _nodes_parts(manifests: Iterable[Manifest]) -> Iterator[Manifest]:
+    """The parts nodes wrote, not the step's common index (items of several nodes' files,
+    stored once: no node's, and its name sorts before every node's)."""
+    return (m for m in manifests if m.node != COMMON_NODE)
 
 
 async def _parts_held(catalog: Catalog, job: str, step: int, path: Path) -> list[Manifest]:
@@ -272,12 +274,8 @@ class PeerSource:
         """The status of ``peer``'s /healthz, None if it cannot be reached (then it is
         marked down: a peer partitioned away costs one wait, not one per prefetch); the
         node it names is remembered (owners_first)."""
-        url = f"{self._tls.origin(peer)}/healthz"
-        verify = self._tls.client_context() if url.startswith("https://") else True
         try:
-            async with self._client().get(
-                url, timeout=aiohttp.ClientTimeout(total=within), ssl=verify
-            ) as resp:
+            async with self._small("GET", peer, "/healthz", within) as resp:
                 if resp.status == 200:
                     with contextlib.suppress(ValueError, aiohttp.ContentTypeError):
                         doc = await resp.json()
@@ -294,16 +292,27 @@ class PeerSource:
         False when it cannot be asked."""
         if self.is_down(peer):
             return False
-        url = f"{self._tls.origin(peer)}/v1/chunks/{cid}"
-        verify = self._tls.client_context() if url.startswith("https://") else True
-        headers = {"Authorization": f"Bearer {self.token()}"}
+        auth = {"Authorization": f"Bearer {self.token()}"}
         try:
-            async with self._client().head(
-                url, headers=headers, timeout=aiohttp.ClientTimeout(total=within), ssl=verify
-            ) as resp:
+            async with self._small("HEAD", peer, f"/v1/chunks/{cid}", within, auth) as resp:
                 return resp.status == 200
         except (aiohttp.ClientError, TimeoutError, OSError):
             return False
+
+    def _small(
+        self,
+        method: str,
+        peer: str,
+        path: str,
+        within: float,
+        headers: Mapping[str, str] | None = None,
+    ) -> contextlib.AbstractAsyncContextManager[aiohttp.ClientResponse]:
+        """A request with a small reply to ``peer`` (health checks, holds), over TLS as
+        this agent reaches its peers, answered within ``within`` s."""
+        url = f"{self._tls.origin(peer)}{path}"
+        verify = self._tls.client_context() if url.startswith("https://") else True
+        timeout = aiohttp.ClientTimeout(total=within)
+        return self._client().request(method, url, headers=headers, timeout=timeout, ssl=verify)
 
     def node_of(self, peer: str) -> str | None:
         """The node ``peer``'s /healthz named when it was last checked (None: not yet,

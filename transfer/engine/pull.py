@@ -488,8 +488,8 @@ class _Remote:
         if self.source is not None:
             root, taken = run.resolver.local_root, {c.id for c in mine}
             ids = [cid for cid in todo if cid not in taken]
-            if self.ask_first is not None:
-                ids.sort(key=lambda cid: not self.ask_first(cid))  # type: ignore[misc]
+            if (first := self.ask_first) is not None:
+                ids.sort(key=lambda cid: not first(cid))
             async with one_error(), asyncio.TaskGroup() as both:
                 both.create_task(run.from_store(mine, limit))
                 sourced = await _from_source(
