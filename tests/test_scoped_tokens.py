@@ -90,6 +90,10 @@ async def holder(tmp_path: Path, store_url: str) -> AsyncIterator[tuple[str, str
         yield url, await a_chunk_id(store_url)
 
 
+#: served on the agent's local socket only (tests/test_pull_via_agent.py): 403 over TCP
+LOCAL_ONLY = ("POST", "/v1/pull")
+
+
 def test_the_peer_token_reads_chunks_and_nothing_else(local_url: str, tmp_path: Path) -> None:
     routes = spec_routes()
     assert CHUNK_ROUTE in routes and ("GET", "/healthz") in routes
@@ -109,6 +113,9 @@ def test_the_peer_token_reads_chunks_and_nothing_else(local_url: str, tmp_path: 
                     for wrong in (None, "Bearer nope", f"Bearer {PEER}x", f"Basic {PEER}"):
                         assert await status(s, method, at(path), wrong) == 401, (path, wrong)
                 main = await status(s, method, at(path), f"Bearer {MAIN}")
+                if (method, path) == LOCAL_ONLY:  # (its caller is who the kernel says it is)
+                    assert main == 403, main
+                    continue
                 assert main not in (401, 403) and main < 500, (method, path, main)
             assert await status(s, "HEAD", at(CHUNK_ROUTE[1]), f"Bearer {PEER}") == 200
             # a path no route serves: 403 to the peer token too (it is good for chunks only)

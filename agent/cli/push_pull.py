@@ -23,8 +23,11 @@ from transfer.format.names import check_name, step_from_dirname
 from transfer.units import format_rate
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from agent.cli.args import Commands
     from transfer.engine.progress import Progress
+    from transfer.options import TransferOptions
     from transfer.store.base import Store
 
 
@@ -237,9 +240,17 @@ _STEP_DIR = re.compile(r"(global_)?step[_-]?[0-9]+|checkpoint[_-][0-9]+")
 
 
 async def cmd_pull(
-    store: Store, args: argparse.Namespace, progress: Progress
+    store: Store,
+    args: argparse.Namespace,
+    progress: Progress,
+    *,
+    options: TransferOptions | None = None,
+    say: Callable[[str], None] | None = None,
 ) -> tuple[dict[str, Any], str]:
-    """``progress``: what main shows while the pull runs (run.py chooses it)."""
+    """``progress``: what main shows while the pull runs (run.py chooses it); ``options``:
+    the transfer's, else the flags'; ``say``: where its notes go, else stderr (an agent
+    pulling for a caller on its local socket passes its own: agent/rpc/routes/pull.py)."""
+    say = say or _to_stderr
     from transfer.engine import PullEvents, PullPlan, Sources, pull
     from transfer.engine.settle import settle
 
@@ -248,18 +259,15 @@ async def cmd_pull(
     import asyncio
 
     def checking(dest: Path) -> None:
-        print(f"ferry: {dest}: restored before the last reboot; reading it back to check "
-              "it...", file=sys.stderr, flush=True)  # fmt: skip
+        say(f"ferry: {dest}: restored before the last reboot; reading it back to check it...")
 
     parent = args.dest_dir.absolute().parent
     for found in await asyncio.to_thread(settle, parent, True, checking):
         if found.whole:
-            print(f"ferry: {found.dest}: restored before the last reboot; {found.why}: "
-                  "whole, kept", file=sys.stderr)  # fmt: skip
+            say(f"ferry: {found.dest}: restored before the last reboot; {found.why}: whole, kept")
         else:
-            print(f"ferry: {found.dest}: restored before the last reboot and not whole on "
-                  f"the disk ({found.why}): moved to {found.moved_to}; pull it again",
-                  file=sys.stderr)  # fmt: skip
+            say(f"ferry: {found.dest}: restored before the last reboot and not whole on the "
+                f"disk ({found.why}): moved to {found.moved_to}; pull it again")  # fmt: skip
     expected = tuple(check_name("node", n) for n in args.expected_nodes.split(",") if n)
     import contextlib
 
@@ -285,7 +293,7 @@ async def cmd_pull(
             try:
                 r = await pull(
                     store, args.dest_dir, plan, sources, PullEvents(progress=progress),
-                    transfer_options(args),
+                    options or transfer_options(args),
                 )  # fmt: skip
                 break
             except IntegrityError as exc:  # (a pack gone, or not what it names)
@@ -300,9 +308,10 @@ async def cmd_pull(
             raise
         raise lacking from None
     if stale is not None and manifests:  # (the parts held what the index did not)
-        print(f"ferry pull: {stale}, where the step's common index put it, but not where its "
-              "part does: the index was stale (a repack by an older agent?); dropped",
-              file=sys.stderr)  # fmt: skip
+        say(
+            f"ferry pull: {stale}, where the step's common index put it, but not where its "
+            "part does: the index was stale (a repack by an older agent?); dropped"
+        )
         with contextlib.suppress(FerryError):  # (so that no later reader tries it first)
             await drop_common_index(store, args.job, manifests[0].step)
     what = f"{human(r.bytes_raw)}"
@@ -327,6 +336,10 @@ async def cmd_pull(
         "every chunk verified"
     )
     return r.to_dict(), line
+
+
+def _to_stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 async def _share_of(

@@ -186,6 +186,13 @@ def _main(argv: list[str] | None) -> int:
         print(f"ferry {args.command}: error: unrecognized arguments: {' '.join(unknown)} "
               f"(see ferry {args.command} --help)", file=sys.stderr)  # fmt: skip
         raise SystemExit(2)
+    if args.command == "pull":  # through this node's agent, when one serves the store
+        from agent.cli.viaagent import pull_through_agent
+
+        defaults = parser.parse_args(["pull", "-", "-", "--job", "-"])
+        return _answer(
+            args, lambda: pull_through_agent(args, defaults) or _run_terminable(_run(args))
+        )
     import asyncio  # only now: `ferry --help` never needs it (~0.1 s of start-up)
 
     if args.command == "agent":
@@ -208,8 +215,14 @@ def _main(argv: list[str] | None) -> int:
         from agent.cli.demo import main as demo
 
         return demo(args.workdir, keep=args.workdir is not None)
+    return _answer(args, lambda: _run_terminable(_run(args)))
+
+
+def _answer(args: argparse.Namespace, command: Callable[[], tuple[dict[str, Any], str]]) -> int:
+    """Run a store command; print its answer, or its error in one line, as the exit code
+    says."""
     try:
-        doc, line = _run_terminable(_run(args))
+        doc, line = command()
     except UsageError as exc:
         print(f"ferry {args.command}: error: {exc} (see ferry {args.command} --help)",
               file=sys.stderr)  # fmt: skip
@@ -222,7 +235,8 @@ def _main(argv: list[str] | None) -> int:
     except (FerryError, ValueError, OSError) as exc:
         msg = " ".join(str(exc).split()) or type(exc).__name__
         if args.json:
-            print(json.dumps({"ok": False, "error": msg, "error_type": type(exc).__name__}))
+            kind = getattr(exc, "error_type", type(exc).__name__)  # (the agent's, for its pull)
+            print(json.dumps({"ok": False, "error": msg, "error_type": kind}))
         print(f"ferry {args.command}: error: {msg}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

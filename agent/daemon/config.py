@@ -489,6 +489,18 @@ class AgentConfig:
             commented=True,
         ),
     )
+    local_socket: Path | None = field(
+        default=None,
+        metadata=_key(
+            "A unix socket (made mode 600) on which the agent also serves its API to callers "
+            "of its own user, without a token, and `ferry pull` run with FERRY_LOCAL_SOCKET "
+            "set to the same path hands its pull of one of the agent's tiers to the agent "
+            "(warm connections and buffers, its write path; docs/SECURITY.md).",
+            str,
+            example="/run/ckpt-ferry/agent.sock",
+            commented=True,
+        ),
+    )
     tls_cert_file: Path | None = field(
         default=None,
         metadata=_key(
@@ -831,7 +843,7 @@ def effective_config(config: AgentConfig) -> list[tuple[str, object, str]]:
         source = config.sources.get(key, "default")
         if key == "endpoint_url":
             if value is None:  # the S3 tiers' endpoint then
-                from transfer.store.url import endpoint_from_env
+                from transfer.endpoint import endpoint_from_env
 
                 value, variable = endpoint_from_env()
                 source = f"env {variable}" if variable else source
@@ -1177,6 +1189,7 @@ _CHECKS: dict[str, Callable[[str, Any], object]] = {
     "standby_max_rate": lambda key, rate: _rate(rate),
     "standby_memory": _standby_memory,
     "peer_token_file": _path,
+    "local_socket": _path,
     "tls_cert_file": _path,
     "tls_key_file": _path,
     "tls_ca_file": _path,

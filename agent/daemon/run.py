@@ -21,6 +21,7 @@ from agent.daemon.config import (
     example_toml,
     load_config,
 )
+from agent.daemon.localsocket import LocalSocket
 from agent.daemon.logs import event
 from agent.rpc.app import create_app
 from agent.rpc.appkeys import TLS
@@ -66,6 +67,11 @@ async def serve(config: AgentConfig, token: str, ready: asyncio.Event | None = N
     if port == 0:  # the kernel chose: what the agent says it listens on is that port
         port = sock.getsockname()[1]
         config = dataclasses.replace(config, listen=f"{config.listen.rpartition(':')[0]}:{port}")
+    try:
+        local = LocalSocket(config.local_socket) if config.local_socket else None
+    except BaseException:
+        sock.close()
+        raise
     app = create_app(config, token)
     runner = web.AppRunner(app, handle_signals=False)
     stop = asyncio.Event()
@@ -79,8 +85,12 @@ async def serve(config: AgentConfig, token: str, ready: asyncio.Event | None = N
             await runner.setup()
             site = web.SockSite(runner, sock, ssl_context=app[TLS].server_context())  # HTTPS only
             await site.start()
+            if local is not None:  # (plain HTTP: the kernel says who connected)
+                await web.SockSite(runner, local.sock).start()
         except BaseException:
             sock.close()
+            if local is not None:
+                local.close()
             raise
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
@@ -90,12 +100,19 @@ async def serve(config: AgentConfig, token: str, ready: asyncio.Event | None = N
         address = f"{'https' if config.tls_serving else 'http'}://{host}:{port}"
         event(log, "listening", node=config.node, address=address)
         print(f"ferry agent {config.node} listening on {address}", flush=True)
+        if local is not None:
+            event(log, "local_socket", node=config.node, path=str(local.path))
+            print(f"ferry agent {config.node} serving its own user on {local.path} "
+                  f"(`ferry pull` with FERRY_LOCAL_SOCKET={local.path} pulls through it)",
+                  flush=True)  # fmt: skip
         if ready is not None:
             ready.set()
         await stop.wait()
         print(f"ferry agent {config.node}: draining (up to {config.drain_seconds}s)", flush=True)
     finally:
         await runner.cleanup()  # stops accepting, then the cleanup context drains prefetches
+        if local is not None:
+            local.close()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
         dump.uninstall(loop)

@@ -8,11 +8,13 @@ import asyncio
 import json
 import logging
 import math
+import os
 from collections.abc import Awaitable, Callable, Collection, Mapping
 from typing import Any
 
 from aiohttp import web
 
+from agent.daemon.localsocket import peer_uid
 from agent.rpc import limits
 from agent.rpc.appkeys import CONFIG, CREDENTIALS, REFUSALS
 from agent.rpc.auth import PEER_ROUTES, Scope
@@ -39,8 +41,15 @@ def error_response(status: int, message: str, kind: str) -> web.Response:
 async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Every route but /healthz: a client certificate when ``tls_client_auth`` (the TLS
     handshake verified any that was sent), then a bearer token; the peer token only for the
-    routes peers call (agent/rpc/auth.py)."""
-    if request.path != "/healthz":
+    routes peers call (agent/rpc/auth.py). Over the local socket the kernel's word on the
+    caller stands in for all of it: the agent's own user (or root) may call every route,
+    no other user any (agent/daemon/localsocket.py)."""
+    uid = local_caller(request)
+    if uid is not None:
+        if uid not in (os.geteuid(), 0):
+            why = f"the local socket serves the agent's own user (uid {os.geteuid()}), not {uid}"
+            return _refused(request, 403, why, "Forbidden")
+    elif request.path != "/healthz":
         if request.app[CONFIG].tls_client_auth and not _client_certificate(request):
             return _refused(request, 401, "a client certificate is required", "Unauthorized")
         scope = request.app[CREDENTIALS].scope(request.headers.get("Authorization", ""))
@@ -50,6 +59,12 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
             why = "the peer token reads chunks only (GET /v1/chunks/{id})"
             return _refused(request, 403, why, "Forbidden")
     return await handler(request)
+
+
+def local_caller(request: web.Request) -> int | None:
+    """The user id of a caller over the agent's local socket; None over TCP."""
+    transport = request.transport
+    return peer_uid(transport.get_extra_info("socket") if transport is not None else None)
 
 
 def _refused(request: web.Request, status: int, why: str, kind: str) -> web.Response:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import ParseResult, unquote, urlparse
 
+from transfer.endpoint import endpoint_from_env
 from transfer.options import StoreSettings
 from transfer.store.base import Store
 from transfer.store.local import LocalStore
@@ -51,15 +52,6 @@ def open_store(url: str, options: StoreOptions | None = None) -> Store:
     if len(parsed.scheme) == 1 and os.name == "nt":  # C:\... is a path, not a scheme
         return _path_store(url, parsed, options)
     return SCHEMES.get(parsed.scheme, _fsspec_store)(url, parsed, options)
-
-
-def endpoint_from_env() -> tuple[str | None, str | None]:
-    """(S3 endpoint, the variable it came from) where none is configured: botocore's
-    order, the service-specific variable first; (None, None) without either."""
-    for name in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"):
-        if value := os.environ.get(name):
-            return value, name
-    return None, None
 
 
 def _s3_store(url: str, parsed: ParseResult, options: StoreOptions) -> Store:
