@@ -30,6 +30,8 @@ cases:
   loaded by torch's own FileSystemReader, as the plain tool's user would; and ``s5cmd cp``
   then a load by ckpt-ferry's LocalReader, which shows what the reader alone is worth;
 - ``ferry pull`` (the CLI) holding k (``--base-dir``: B's copy) and cold, then load;
+- the same through the node's agent (``FERRY_LOCAL_SOCKET``: C's local socket, C pulls
+  into the CLI's destination with its warm connections and buffers; its CPU counted too);
 - FerryReader holding k / onto an empty node: the loader's ``dcp.load`` reads k+1 from the
   store itself (transfer/engine/dcpreader_torch.py; ``base_dir`` B's copy of k, or none):
   no fetch before the load, nothing written to disk; its fetch CPU is the loader's CPU
@@ -108,6 +110,8 @@ from transfer.format.names import step_from_dirname  # noqa: E402
 from transfer.options import WRITE_PATHS  # noqa: E402
 
 JOB = "bench"
+#: `ferry pull` with FERRY_LOCAL_SOCKET naming agent C's local socket: the agent pulls
+VIA_AGENT = "ferry pull via its agent"
 assert JOB == estimate_cases.JOB == tls_cost.JOB  # their helpers name the job
 MB, GB = 1e6, 1e9
 CASES = (
@@ -119,6 +123,8 @@ CASES = (
     "s5cmd cp + LocalReader",
     "ferry pull holding k",
     "ferry pull, cold",
+    VIA_AGENT + " holding k",
+    VIA_AGENT + ", cold",
     "FerryReader holding k",
     "FerryReader, empty node",
 )
@@ -270,6 +276,8 @@ class Bench:
                        FERRY_STANDBY_JOBS=standby, FERRY_STANDBY_MAX_RATE="0")  # fmt: skip
             if self.args.write_path:
                 env["FERRY_TRANSFER_WRITE_PATH"] = self.args.write_path
+            if name == "c":  # (the CLI's pulls through an agent: C's, between its cases)
+                env["FERRY_LOCAL_SOCKET"] = str(self.local_socket)
             agent = Agent(name, self.hot(name), env, host=self.link.host, wrap=self.link.wrap)
             agent.launch(self.work / f"agent-{name}.log")
             self.nodes[name] = Node(agent, FerryClient(agent.url, TOKEN, timeout=900))
@@ -289,6 +297,10 @@ class Bench:
         read, written = device_bytes(self.work) or (0, 0)
         cpu = sum(proc_cpu_seconds(node.pid) or 0.0 for node in self.nodes.values())
         return read, written, cpu
+
+    @property
+    def local_socket(self) -> Path:
+        return self.work / "agent-c.sock"
 
     def hot(self, name: str) -> Path:
         return self.work / f"hot-{name}"
@@ -364,9 +376,14 @@ class Bench:
             argv = [*self.cmd.ferry_pull(f"{self.prefix}/tier", JOB, self.step, dest)]
             if "holding" in case:
                 argv += ["--base-dir", str(self.hot("b") / JOB / self.k.name)]
-            if self.args.write_path:
+            if self.args.write_path and not case.startswith(VIA_AGENT):  # (the agent's own)
                 argv += ["--write-path", self.args.write_path]
-        ran = run_timed([*self.link.wrap, *argv], self.env, None)
+        env = self.env
+        if case.startswith(VIA_AGENT):
+            env = {**env, "FERRY_LOCAL_SOCKET": str(self.local_socket)}
+        agent_cpu0 = proc_cpu_seconds(self.nodes["c"].pid) or 0.0
+        ran = run_timed([*self.link.wrap, *argv], env, None)
+        agent_cpu = (proc_cpu_seconds(self.nodes["c"].pid) or 0.0) - agent_cpu0
         if ran.returncode != 0:
             raise SystemExit(f"{case} failed ({ran.returncode}): {ran.stderr[-2000:]}")
         took = ran.seconds
@@ -374,11 +391,15 @@ class Bench:
             began = time.monotonic()
             subprocess.run(["sync", str(dest), *map(str, dest.iterdir())], check=True)
             took += time.monotonic() - began
-        moved = self.raw_bytes
+        moved, cpu = self.raw_bytes, ran.cpu_user + ran.cpu_sys
         if case.startswith("ferry"):
-            moved = int(json_of(ran.stdout).get("bytes_transferred", 0))
-        return {"fetch": took, "cpu": ran.cpu_user + ran.cpu_sys, "moved": moved,
-                "satisfied_by": None}  # fmt: skip
+            doc = json_of(ran.stdout)
+            moved = int(doc.get("bytes_transferred", 0))
+            if case.startswith(VIA_AGENT):  # the pull is the agent's: its CPU too
+                if doc.get("through_agent") != str(self.local_socket):
+                    raise SystemExit(f"{case}: not pulled through the agent: {ran.stderr}")
+                cpu += agent_cpu
+        return {"fetch": took, "cpu": cpu, "moved": moved, "satisfied_by": None}
 
     async def clean(self, case: str) -> None:
         """Leave the node as it was before the case (the standby keeps its replica)."""
