@@ -84,6 +84,10 @@ def test_a_pull_through_the_agent_is_the_agents_and_restores_the_step_exactly(
         assert got.returncode == 0, got.stderr + node.logs()
         assert "through the agent at" in got.stdout and "chunks reused" in got.stdout
         assert tree_bytes(tmp_path / "k1") == tree_bytes(series[1])
+        # the flags the agent takes reach it: a node's part, a knob only pushes read
+        got = ferry_pull(s3_url, tmp_path / "k2", "--step", "40", "--node", "zz", "--zstd-level",
+                         "9", "--json", sock=sock, env=wrong)  # fmt: skip
+        assert got.returncode == 1 and "zz" in json.loads(got.stdout)["error"], got.stdout
         # its errors are the pull's own, with the same exit codes
         got = ferry_pull(s3_url, tmp_path / "x", "--step", "99", "--json", sock=sock)
         assert got.returncode == 1
@@ -93,11 +97,14 @@ def test_a_pull_through_the_agent_is_the_agents_and_restores_the_step_exactly(
         got = ferry_pull(s3_url, tmp_path / "x", "--world-size", "2", sock=sock)
         assert got.returncode == 2 and "--world-size W and --ranks" in got.stderr
         assert not (tmp_path / "x").exists()
-    assert node.logs(tail=10**6).count("local_pull ") == 4
+    assert node.logs(tail=10**6).count("local_pull ") == 5
 
 
 def test_what_the_agent_does_not_serve_is_pulled_here_after_a_line(
-    tmp_path: Path, s3_url: str, series: list[Path]
+    tmp_path: Path,
+    s3_url: str,
+    s3_proxy,
+    series: list[Path],  # type: ignore[no-untyped-def]
 ) -> None:
     node, sock = agent_on(tmp_path, s3_url)
     with running(node):
@@ -105,6 +112,11 @@ def test_what_the_agent_does_not_serve_is_pulled_here_after_a_line(
         got = ferry_pull(other, tmp_path / "a", sock=sock)
         assert got.returncode == 1  # pulled here: that store does not exist
         assert "is not a tier of this agent" in got.stderr and "pulling here" in got.stderr
+        # the same bucket and prefix behind another endpoint is another store to the agent
+        got = ferry_pull(s3_url, tmp_path / "p", "--step", "20", "--endpoint-url", s3_proxy.url,
+                         sock=sock)  # fmt: skip
+        assert got.returncode == 0 and "is not a tier of this agent" in got.stderr, got.stderr
+        assert "through the agent" not in got.stdout and s3_proxy.stats.by_method["GET"] > 0
         got = ferry_pull(s3_url, tmp_path / "b", "--step", "20", "--window", "4", sock=sock)
         assert got.returncode == 0, got.stderr
         assert "--window given: pulling here" in got.stderr
@@ -112,7 +124,7 @@ def test_what_the_agent_does_not_serve_is_pulled_here_after_a_line(
         assert tree_bytes(tmp_path / "b") == tree_bytes(series[0])
     got = ferry_pull(s3_url, tmp_path / "c", "--step", "20", sock=sock)  # the agent stopped
     assert got.returncode == 0, got.stderr
-    assert "no agent answers at FERRY_LOCAL_SOCKET=" in got.stderr
+    assert "no agent of this user answers at FERRY_LOCAL_SOCKET=" in got.stderr
     assert tree_bytes(tmp_path / "c") == tree_bytes(series[0])
 
 
@@ -133,59 +145,147 @@ def test_only_the_agents_own_user_on_its_socket_may_ask_for_a_pull(
             urllib.request.urlopen(request, timeout=10)
         assert refused.value.code == 403
         assert "local socket" in json.loads(refused.value.read())["error"]
+        # the socket serves the pull alone: the rest of the API needs the token, over TCP
+        assert _over_socket(sock, "GET", "/v1/checkpoints")[0] == 403
         assert not (tmp_path / "d").exists()
         if os.geteuid() != 0:
-            return  # (another user's connection needs root to make)
+            return  # (another user's connection needs root to make: the next test fakes it)
         sock.chmod(0o666)  # (as if the mode had been widened: the kernel's word still decides)
         got = subprocess.run(
-            [sys.executable, "-c", _AS_NOBODY, str(sock)], capture_output=True, text=True,
+            [sys.executable, "-c", _AS_NOBODY, str(sock), body], capture_output=True, text=True,
             timeout=30,
         )  # fmt: skip
         assert got.returncode == 0, got.stderr
         assert got.stdout.startswith("403 ") and "agent's own user" in got.stdout
+        assert not (tmp_path / "d").exists()
 
 
-#: connects to the socket as user nobody and prints the status line and body of a GET
+def test_the_middleware_refuses_every_other_uid_on_the_socket(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The uid check without root: the agent's uid made another than this process's."""
+    from aiohttp import web
+
+    from agent.rpc import middleware
+    from agent.rpc.appkeys import REFUSALS
+    from agent.rpc.auth import Refusals
+
+    async def ok(request: web.Request) -> web.Response:
+        return web.json_response({"ok": True})
+
+    async def go() -> list[int]:
+        app = web.Application(middlewares=[middleware.auth_middleware])
+        app[REFUSALS] = Refusals()
+        app.add_routes([web.post("/v1/pull", ok), web.get("/v1/checkpoints", ok)])
+        runner = web.AppRunner(app)
+        await runner.setup()
+        path = tmp_path / "s.sock"
+        await web.UnixSite(runner, str(path)).start()
+        try:
+            codes = [
+                (await asyncio.to_thread(_over_socket, path, "POST", "/v1/pull"))[0],
+                (await asyncio.to_thread(_over_socket, path, "GET", "/v1/checkpoints"))[0],
+            ]
+            monkeypatch.setattr(middleware.os, "geteuid", lambda: os.getuid() + 1)
+            codes.append((await asyncio.to_thread(_over_socket, path, "POST", "/v1/pull"))[0])
+            return codes
+        finally:
+            await runner.cleanup()
+
+    assert asyncio.run(go()) == [200, 403, 403]
+
+
+def _over_socket(path: Path, method: str, route: str, body: str = "{}") -> tuple[int, str]:
+    with socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(10)
+        s.connect(str(path))
+        s.sendall(f"{method} {route} HTTP/1.0\r\nHost: x\r\nContent-Length: {len(body)}\r\n"
+                  f"\r\n{body}".encode())  # fmt: skip
+        data = b"".join(iter(lambda: s.recv(65536), b""))
+    head, _, rest = data.partition(b"\r\n\r\n")
+    return int(head.split(b" ")[1]), rest.decode()
+
+
+#: connects to the socket as user nobody, asks for a pull, prints the status and the body
 _AS_NOBODY = """
 import os, socket, sys
 os.setgid(65534); os.setuid(65534)
 s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1])
-s.sendall(b"GET /v1/checkpoints HTTP/1.0\\r\\nHost: x\\r\\n\\r\\n")
+body = sys.argv[2].encode()
+head = b"POST /v1/pull HTTP/1.0\\r\\nHost: x\\r\\nContent-Length: %d\\r\\n\\r\\n"
+s.sendall(head % len(body) + body)
 data = b"".join(iter(lambda: s.recv(65536), b""))
-head, _, body = data.partition(b"\\r\\n\\r\\n")
-print(head.split(b" ")[1].decode(), body.decode())
+head, _, rest = data.partition(b"\\r\\n\\r\\n")
+print(head.split(b" ")[1].decode(), rest.decode())
 """
 
 
-def test_a_caller_that_goes_away_cancels_the_agents_pull(
+def test_a_caller_that_goes_away_cancels_the_agents_pull_and_the_next_resumes_it(
     tmp_path: Path,
     s3_url: str,
     s3_proxy,
     series: list[Path],  # type: ignore[no-untyped-def]
 ) -> None:
     node, sock = agent_on(tmp_path, s3_url, FERRY_ENDPOINT_URL=s3_proxy.url)
+    flags = ("--step", "20", "--endpoint-url", s3_proxy.url)
     with running(node):
-        s3_proxy.stall_seconds = 4.0
-        s3_proxy.set_faults(1.0, ("stall",))  # every request: the pull hangs at its first
+        s3_proxy.stall_seconds = 3.0
+        s3_proxy.set_faults(1.0, ("stall",), only="/packs/")  # the step's data: every read
         argv = [sys.executable, "-m", "agent", "pull", s3_url, str(tmp_path / "gone"), "--job",
-                "llm", "--step", "20", "--endpoint-url", s3_proxy.url]  # fmt: skip
+                "llm", *flags]  # fmt: skip
         env = {**os.environ, "PYTHONPATH": str(REPO), "FERRY_LOCAL_SOCKET": str(sock)}
         cli = subprocess.Popen(argv, env=env, stderr=subprocess.PIPE, text=True)
         deadline = time.monotonic() + 20
-        while "local_pull " not in node.logs(tail=10**6):
+        while not list(tmp_path.glob(".gone.ferry-staging-*")):  # (the pull has begun)
             assert time.monotonic() < deadline, node.logs()
             time.sleep(0.05)
         cli.send_signal(signal.SIGINT)
         assert cli.wait(10) == 130, cli.stderr.read() if cli.stderr else ""
         while "local_pull_cancelled" not in node.logs(tail=10**6):
             assert time.monotonic() < deadline, node.dump()
-            time.sleep(0.1)
-        assert not (tmp_path / "gone").exists()
+            time.sleep(0.05)
         s3_proxy.set_faults(0.0)
-        got = ferry_pull(s3_url, tmp_path / "after", "--step", "20", "--endpoint-url",
-                         s3_proxy.url, sock=sock)  # fmt: skip
+        # at once: the agent's pull may still be cleaning up; this one waits for it, then
+        # takes up the staging it left, as a pull here would
+        got = ferry_pull(s3_url, tmp_path / "gone", *flags, sock=sock)
         assert got.returncode == 0 and "through the agent" in got.stdout, got.stderr
-        assert tree_bytes(tmp_path / "after") == tree_bytes(series[0])
+        assert tree_bytes(tmp_path / "gone") == tree_bytes(series[0])
+        assert not list(tmp_path.glob(".gone.ferry-staging-*"))  # (none left behind)
+    assert "ERROR" not in node.logs(tail=10**6)  # (a caller gone is no error of the agent's)
+
+
+def test_an_agent_stopping_mid_pull_leaves_it_to_the_caller(
+    tmp_path: Path,
+    s3_url: str,
+    s3_proxy,
+    series: list[Path],  # type: ignore[no-untyped-def]
+) -> None:
+    node, sock = agent_on(tmp_path, s3_url, FERRY_ENDPOINT_URL=s3_proxy.url,
+                          FERRY_DRAIN_SECONDS="2")  # fmt: skip
+    with running(node):
+        s3_proxy.stall_seconds = 2.0
+        s3_proxy.set_faults(1.0, ("stall",), only="/packs/")
+        argv = [sys.executable, "-m", "agent", "pull", s3_url, str(tmp_path / "d"), "--job",
+                "llm", "--step", "20", "--endpoint-url", s3_proxy.url]  # fmt: skip
+        env = {**os.environ, "PYTHONPATH": str(REPO), "FERRY_LOCAL_SOCKET": str(sock)}
+        cli = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True)  # fmt: skip
+        deadline = time.monotonic() + 20
+        while not list(tmp_path.glob(".d.ferry-staging-*")):
+            assert time.monotonic() < deadline, node.logs()
+            time.sleep(0.05)
+        assert node.proc is not None
+        node.proc.send_signal(signal.SIGTERM)
+        while "local_pull_cancelled" not in node.logs(tail=10**6):
+            assert time.monotonic() < deadline, node.logs()
+            time.sleep(0.05)
+        s3_proxy.set_faults(0.0)
+        out, err = cli.communicate(timeout=60)
+        assert cli.returncode == 0, err
+        assert "the agent is stopping" in err and "pulling here" in err
+        assert "through the agent" not in out
+        assert tree_bytes(tmp_path / "d") == tree_bytes(series[0])
+        assert node.proc.wait(30) == 0
 
 
 def test_a_stale_socket_is_replaced_a_live_one_kept_and_a_stopping_agent_removes_its_own(
@@ -204,7 +304,36 @@ def test_a_stale_socket_is_replaced_a_live_one_kept_and_a_stopping_agent_removes
         assert got.returncode == 1
         assert f"local_socket {sock}: another agent serves there" in got.stderr
         assert sock.exists()  # (still the first agent's)
+        open_dir = tmp_path / "open"
+        open_dir.mkdir(mode=0o777)
+        open_dir.chmod(0o777)  # (past the umask: anyone may write in it)
+        third = make_node(tmp_path / "2", "c", [s3_url],
+                          FERRY_LOCAL_SOCKET=str(open_dir / "a.sock"))  # fmt: skip
+        got = subprocess.run([sys.executable, "-m", "agent", "agent"], env=third.env,
+                             capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert got.returncode == 1 and "other users may write into" in got.stderr, got.stderr
         assert node.proc is not None
         node.proc.send_signal(signal.SIGTERM)
         assert node.proc.wait(30) == 0
         assert not sock.exists()  # (an agent that stops removes its socket)
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "same"),
+    [
+        ("s3://bkt/p", "s3://bkt/p/", True),
+        ("s3://bkt/p", "s3://bkt/p-other", False),
+        ("s3://bkt/p", "s3://other/p", False),
+        ("gs://bkt/x/../p", "gs://bkt/p", False),  # (not local: compared exactly)
+        ("/tmp/store", "file:///tmp/store", True),
+        ("/tmp/store/", "/tmp/x/../store", True),
+        ("file://otherhost/tmp/store", "/tmp/store", False),  # (a host: not this node's)
+        ("file://../tmp/store", "/tmp/store", False),
+        ("file:///tmp/gs:/bkt/p", "gs://bkt/p", False),
+        ("relative/store", "/tmp/relative/store", False),  # (the CLI sends absolute paths)
+    ],
+)
+def test_which_store_urls_name_the_same_tier(a: str, b: str, same: bool) -> None:
+    from agent.rpc.routes.pull import same_store
+
+    assert same_store(a, b) is same and same_store(b, a) is same

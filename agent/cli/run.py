@@ -167,6 +167,25 @@ def _run_terminable(command: Coroutine[Any, Any, S]) -> S:
         raise
 
 
+def _through_agent(
+    args: argparse.Namespace, defaults: argparse.Namespace
+) -> tuple[dict[str, Any], str] | None:
+    """The pull done by this node's agent (agent/cli/viaagent.py), or None; SIGTERM ends
+    it as it ends a pull here (the agent cancels its pull when this process goes)."""
+    import signal
+
+    from agent.cli.viaagent import pull_through_agent
+
+    def on_term(*_: object) -> None:
+        raise _Terminated()
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    try:
+        return pull_through_agent(args, defaults)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def _after_stop(command: str) -> str:
     """What to say after a command was stopped: a push stopped as it commits may have
     committed (seen in a newcomer's trial), so it says how to tell."""
@@ -187,12 +206,8 @@ def _main(argv: list[str] | None) -> int:
               f"(see ferry {args.command} --help)", file=sys.stderr)  # fmt: skip
         raise SystemExit(2)
     if args.command == "pull":  # through this node's agent, when one serves the store
-        from agent.cli.viaagent import pull_through_agent
-
         defaults = parser.parse_args(["pull", "-", "-", "--job", "-"])
-        return _answer(
-            args, lambda: pull_through_agent(args, defaults) or _run_terminable(_run(args))
-        )
+        return _answer(args, lambda: _through_agent(args, defaults) or _run_terminable(_run(args)))
     import asyncio  # only now: `ferry --help` never needs it (~0.1 s of start-up)
 
     if args.command == "agent":

@@ -19,11 +19,14 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 
 from agent.cli.args import UsageError
 from agent.cli.progress import TerminalProgress
+from agent.daemon.localsocket import peer_uid
 from transfer.errors import FerryError
 
 if TYPE_CHECKING:
     from transfer.engine.progress import Progress
 
+#: how long the agent may take to answer the request's headers before the pull runs here
+HEADERS_SECONDS = 30.0
 #: the variable naming the agent's local socket (the agent's own ``local_socket`` key)
 SOCKET_VARIABLE = "FERRY_LOCAL_SOCKET"
 #: flags the agent's pull takes from the caller; any other flag given (a transfer or store
@@ -45,7 +48,7 @@ def pull_through_agent(
     """The pull's (doc, line) as the agent did it, or None: pull here (why is said on
     stderr). ``defaults``: the parser's defaults, to tell which flags were given."""
     path = os.environ.get(SOCKET_VARIABLE)
-    if not path:
+    if not path or not args.store_url:  # (an empty URL: the pull here says what is wrong)
         return None
     tuned = _tuned(args, defaults)
     if tuned:
@@ -53,14 +56,14 @@ def pull_through_agent(
         return None
     try:
         answer = _Answer(path, json.dumps(_body(args)).encode())
-    except OSError as exc:
-        _note(f"no agent answers at {SOCKET_VARIABLE}={path} ({exc.strerror or exc}): "
-              "pulling here")  # fmt: skip
+    except (OSError, NotTheAgent) as exc:
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        _note(f"no agent of this user answers at {SOCKET_VARIABLE}={path} ({why}): pulling here")
         return None
     with answer:
         if answer.status != 200:
             error = _error_of(answer.body.read())
-            if answer.status == 404 and error.get("type") == "NotATier":
+            if error.get("type") in _PULL_HERE:
                 _note(f"{error.get('error')}: pulling here")
                 return None
             raise AgentPullError(
@@ -68,37 +71,76 @@ def pull_through_agent(
                 str(error.get("type", "AgentPullError")),
             )
         shown = not args.json and sys.stderr.isatty()  # (as run.py's own progress)
-        return _follow(_lines(answer.body), TerminalProgress() if shown else _Quiet(), path)
+        try:
+            return _follow(_lines(answer.body), TerminalProgress() if shown else _Quiet(), path)
+        except AgentPullError as exc:
+            if exc.error_type not in _PULL_HERE:
+                raise
+            _note(f"{exc}: pulling here (what it had verified is kept)")
+            return None
+
+
+#: what the agent answers when the pull is better done here (its error type): the store is
+#: not its tier, it sees other files at the path, it is stopping
+_PULL_HERE = ("NotATier", "NotTheSameFiles", "AgentStopping")
+
+
+class NotTheAgent(Exception):
+    """What answers at the socket is not a process of this user (someone else's socket)."""
 
 
 def _tuned(args: argparse.Namespace, defaults: argparse.Namespace) -> list[str]:
-    """The flags given beyond what the agent's pull takes (the store and paths aside)."""
+    """The flags given beyond what the agent's pull takes (the store and paths aside, and
+    the knobs only writing uses, which a pull accepts and never reads)."""
+    from transfer.options import StoreSettings, TransferSettings, knobs
+
     skip = {*_PASSED, "command", "store_url", "dest_dir", "base_dir", "items", "endpoint_url",
             "json"}  # fmt: skip
-    return [
-        "--" + name.replace("_", "-")
+    skip |= {k.name for s in (TransferSettings, StoreSettings) for k in knobs(s) if k.writes}
+    given = [
+        (name, value)
         for name, value in sorted(vars(args).items())
         if name not in skip and value != getattr(defaults, name, value)
     ]
+    return [("--no-" if value is False else "--") + name.replace("_", "-") for name, value in given]
 
 
 def _body(args: argparse.Namespace) -> dict[str, Any]:
     from transfer.endpoint import endpoint_from_env  # (no store imported: see its module)
 
-    def absolute(value: os.PathLike[str] | None) -> str | None:
-        return None if value is None else os.path.abspath(value)
+    def absolute(value: str | os.PathLike[str] | None) -> str | None:
+        # (joined, not normalised: "link/.." is where the link leads, as for a pull here)
+        return None if value is None else os.path.join(os.getcwd(), value)
 
     store_url = args.store_url
     if "://" not in store_url:  # a path: the agent's working directory is not ours
-        store_url = os.path.abspath(store_url)
+        store_url = absolute(store_url)
+    dest = absolute(args.dest_dir)
+    assert dest is not None
     return {
         "store_url": store_url,
         "endpoint_url": args.endpoint_url or endpoint_from_env()[0],
-        "dest_dir": absolute(args.dest_dir),
+        "dest_dir": dest,
+        "dest_seen": _seen(dest),
         "base_dir": absolute(args.base_dir),
         "items": absolute(args.items),
         **{name: getattr(args, name) for name in _PASSED},
     }
+
+
+def _seen(path: str) -> list[Any]:
+    """[the nearest directory of ``path`` that exists, its st_dev, its st_ino]: the agent
+    checks it sees the same one (another mount namespace would not)."""
+    here = os.path.dirname(path)
+    while True:
+        try:
+            st = os.stat(here)
+        except OSError:
+            if os.path.dirname(here) == here:
+                raise
+            here = os.path.dirname(here)
+            continue
+        return [here, st.st_dev, st.st_ino]
 
 
 def _follow(
@@ -163,12 +205,18 @@ class _Answer:
     """One HTTP/1.0 exchange over a unix socket (the agent's local_socket): the request
     sent, the status read; ``body`` is what follows the headers, up to the agent closing
     the connection (HTTP/1.0: no chunks to decode, no http.client and the email parser
-    it imports to load). No timeout: a long pull is quiet between progress lines."""
+    it imports to load). The socket must be this user's, and so must the process that
+    listens on it (``peer_uid``): anyone else's is NotTheAgent."""
 
     def __init__(self, path: str, payload: bytes) -> None:
+        if os.stat(path).st_uid != os.geteuid():
+            raise NotTheAgent("the socket is another user's")
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self._sock.settimeout(HEADERS_SECONDS)  # (an agent that does not answer: pull here)
         try:
             self._sock.connect(path)
+            if peer_uid(self._sock) != os.geteuid():  # (the kernel's word on the listener)
+                raise NotTheAgent("another user's process listens there")
             self._sock.sendall(
                 b"POST /v1/pull HTTP/1.0\r\nHost: localhost\r\n"
                 b"Content-Type: application/json\r\n"
@@ -179,7 +227,8 @@ class _Answer:
             status_line = self.body.readline().split()  # HTTP/1.0 200 OK
             while self.body.readline().strip():  # (the headers: nothing in them is needed)
                 pass
-        except OSError:
+            self._sock.settimeout(None)  # (a long pull is quiet between progress lines)
+        except (OSError, NotTheAgent):
             self._sock.close()
             raise
         if len(status_line) < 2 or not status_line[1].isdigit():

@@ -492,10 +492,11 @@ class AgentConfig:
     local_socket: Path | None = field(
         default=None,
         metadata=_key(
-            "A unix socket (made mode 600) on which the agent also serves its API to callers "
-            "of its own user, without a token, and `ferry pull` run with FERRY_LOCAL_SOCKET "
-            "set to the same path hands its pull of one of the agent's tiers to the agent "
-            "(warm connections and buffers, its write path; docs/SECURITY.md).",
+            "A unix socket (made mode 600, in a directory only this user writes) on which "
+            "the agent serves POST /v1/pull to callers of its own user, without a token: "
+            "`ferry pull` run with FERRY_LOCAL_SOCKET set to the same path hands its pull of "
+            "one of the agent's tiers to the agent (warm connections and buffers, its write "
+            'path; docs/SECURITY.md, "The local socket").',
             str,
             example="/run/ckpt-ferry/agent.sock",
             commented=True,

@@ -67,11 +67,7 @@ async def serve(config: AgentConfig, token: str, ready: asyncio.Event | None = N
     if port == 0:  # the kernel chose: what the agent says it listens on is that port
         port = sock.getsockname()[1]
         config = dataclasses.replace(config, listen=f"{config.listen.rpartition(':')[0]}:{port}")
-    try:
-        local = LocalSocket(config.local_socket) if config.local_socket else None
-    except BaseException:
-        sock.close()
-        raise
+    local: LocalSocket | None = None
     app = create_app(config, token)
     runner = web.AppRunner(app, handle_signals=False)
     stop = asyncio.Event()
@@ -85,7 +81,8 @@ async def serve(config: AgentConfig, token: str, ready: asyncio.Event | None = N
             await runner.setup()
             site = web.SockSite(runner, sock, ssl_context=app[TLS].server_context())  # HTTPS only
             await site.start()
-            if local is not None:  # (plain HTTP: the kernel says who connected)
+            if config.local_socket:  # (once set up: a caller is answered, not held; plain
+                local = LocalSocket(config.local_socket)  # HTTP: the kernel says who called)
                 await web.SockSite(runner, local.sock).start()
         except BaseException:
             sock.close()

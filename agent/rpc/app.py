@@ -34,6 +34,7 @@ from agent.rpc.appkeys import (
     HOLDS,
     HOT_INDEX,
     LANDING,
+    LOCAL_PULLS,
     METER,
     METRICS,
     PART_SIZES,
@@ -80,6 +81,7 @@ def create_app(config: AgentConfig, token: str) -> web.Application:
     app[CHUNK_CLIENTS] = InFlight(CHUNK_REQUESTS_PER_CLIENT)
     app[PREFETCH_WAITERS] = InFlight(WAITS_PER_CLIENT)
     app[STOPPING] = asyncio.Event()
+    app[LOCAL_PULLS] = {}
     app.on_shutdown.append(_stopping)  # before aiohttp waits for the requests in flight
     app[TLS] = AgentTls(
         config.tls_cert_file,

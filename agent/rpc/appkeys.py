@@ -41,6 +41,9 @@ STOPPING = web.AppKey("stopping", asyncio.Event)
 
 TIERS = web.AppKey("tiers", list)
 
+#: the pulls asked over the local socket, by destination (routes/pull.py)
+LOCAL_PULLS = web.AppKey("local_pulls", dict)
+
 PREFETCHER = web.AppKey("prefetcher", Prefetcher)
 
 METER = web.AppKey("meter", BandwidthMeter)

@@ -32,6 +32,9 @@ log = logging.getLogger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
+#: what the local socket serves (its callers have no token: nothing else of the API)
+LOCAL_ROUTES = frozenset({("POST", "/v1/pull"), ("GET", "/healthz")})
+
 
 def error_response(status: int, message: str, kind: str) -> web.Response:
     return web.json_response({"error": message, "type": kind}, status=status)
@@ -42,12 +45,15 @@ async def auth_middleware(request: web.Request, handler: Handler) -> web.StreamR
     """Every route but /healthz: a client certificate when ``tls_client_auth`` (the TLS
     handshake verified any that was sent), then a bearer token; the peer token only for the
     routes peers call (agent/rpc/auth.py). Over the local socket the kernel's word on the
-    caller stands in for all of it: the agent's own user (or root) may call every route,
-    no other user any (agent/daemon/localsocket.py)."""
+    caller stands in for all of it: the agent's own user may call ``LOCAL_ROUTES``, no
+    other user anything (agent/daemon/localsocket.py)."""
     uid = local_caller(request)
     if uid is not None:
-        if uid not in (os.geteuid(), 0):
+        if uid != os.geteuid():
             why = f"the local socket serves the agent's own user (uid {os.geteuid()}), not {uid}"
+            return _refused(request, 403, why, "Forbidden")
+        if _route(request) not in LOCAL_ROUTES:
+            why = "the local socket serves POST /v1/pull only (the rest: over TCP, with the token)"
             return _refused(request, 403, why, "Forbidden")
     elif request.path != "/healthz":
         if request.app[CONFIG].tls_client_auth and not _client_certificate(request):

@@ -3,20 +3,23 @@
 The agent runs the CLI's own pull (agent/cli/push_pull.py ``cmd_pull``: one home for what a
 pull does) with what a one-shot process lacks: the tier's open connections, the buffers a
 restore left, the imports done and the write path its start-up probe chose. It answers only
-callers on the local socket (the path it writes is the caller's; the socket's callers are
-the agent's own user: agent/daemon/localsocket.py), and only for a store that is one of its
-tiers (its credentials and endpoint); the CLI pulls by itself otherwise.
+callers on the local socket who run as its own user (agent/rpc/middleware.py), only for a
+store that is one of its tiers (its credentials and endpoint), and only when it sees the
+destination's directory as the caller does (the same device and inode: a caller in another
+mount namespace sees other paths). The CLI pulls by itself otherwise.
 
 The answer streams one JSON object per line (application/x-ndjson): ``{"start": [bytes,
 what]}``, ``{"advance": bytes}`` (at most every PROGRESS_SECONDS), ``{"say": line}`` (the
 pull's notes), then ``{"result": {...}, "line": "..."}`` or ``{"error": ..., "type":
-...}``. A caller that goes away (Ctrl-C) cancels the pull, as Ctrl-C does in the CLI."""
+...}``. A caller that goes away (Ctrl-C) cancels the pull, as Ctrl-C does in the CLI; the
+next pull into the same destination waits for that one's cleanup, then resumes what it
+left. An agent that stops cancels its pulls and says so (type ``AgentStopping``: the CLI
+then pulls by itself)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import logging
 import os
@@ -30,7 +33,7 @@ from aiohttp import web
 from agent.cli.args import UsageError
 from agent.cli.push_pull import cmd_pull
 from agent.daemon.logs import event
-from agent.rpc.appkeys import CONFIG, PREFETCHER, TIERS
+from agent.rpc.appkeys import CONFIG, LOCAL_PULLS, PREFETCHER, STOPPING, TIERS
 from agent.rpc.middleware import error_response, json_body, local_caller, required
 from transfer.endpoint import endpoint_from_env
 from transfer.errors import FerryError
@@ -40,57 +43,83 @@ log = logging.getLogger(__name__)
 
 #: how often progress goes to the caller
 PROGRESS_SECONDS = 0.2
-#: the body: the pull's flags, paths absolute (the caller's working directory is not ours)
+#: how long a pull waits for the cancelled pull into the same destination to clean up
+PREVIOUS_SECONDS = 120.0
+#: the body: the pull's flags, paths absolute (the caller's working directory is not ours),
+#: and ``dest_seen``: [path, st_dev, st_ino] of the destination's nearest existing directory
 _FIELDS = ("store_url", "endpoint_url", "dest_dir", "job", "step", "node", "expected_nodes",
-           "base_dir", "fsync", "world_size", "ranks", "items")  # fmt: skip
+           "base_dir", "fsync", "world_size", "ranks", "items", "dest_seen")  # fmt: skip
 
 
 async def post_pull(request: web.Request) -> web.StreamResponse:
+    app = request.app
     if local_caller(request) is None:
         why = ("a pull into a path of this node is asked over the agent's local socket "
                "(local_socket), as the user the agent runs as")  # fmt: skip
         return error_response(403, why, "Forbidden")
+    if app[STOPPING].is_set():
+        return error_response(503, "the agent is stopping", "AgentStopping")
     body = await json_body(request, _FIELDS)
     args = _args(body)
-    store = _tier(request.app, args.store_url, body.get("endpoint_url"))
+    store = _tier(app, args.store_url, body.get("endpoint_url"))
     if store is None:
-        tiers = ", ".join(url for url, _ in request.app[TIERS])
+        tiers = ", ".join(url for url, _ in app[TIERS])
         return error_response(404, f"{args.store_url} is not a tier of this agent ({tiers})",
                               "NotATier")  # fmt: skip
+    if not _sees_as_caller(body.get("dest_seen")):
+        return error_response(409, "the agent sees other files at the destination's path "
+                              "(another mount namespace?)", "NotTheSameFiles")  # fmt: skip
     response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
     await response.prepare(request)
+    dest = str(args.dest_dir)
+    pulls: dict[str, asyncio.Future[Any]] = app[LOCAL_PULLS]
+    if (previous := pulls.get(dest)) is not None:  # (a cancelled one still cleaning up)
+        await asyncio.wait({previous}, timeout=PREVIOUS_SECONDS)
     progress = _Progress()
-    options = request.app[PREFETCHER].options  # (the write path its probe chose)
-    pulling = asyncio.ensure_future(
+    options = app[PREFETCHER].options  # (the write path its probe chose)
+    pulling = pulls[dest] = asyncio.ensure_future(
         cmd_pull(store, args, progress, options=options, say=progress.say)
     )
-    event(log, "local_pull", job=args.job, step=args.step, dest=str(args.dest_dir))
+    pulling.add_done_callback(
+        lambda done: pulls.pop(dest, None) if pulls.get(dest) is done else None
+    )
+    event(log, "local_pull", job=args.job, step=args.step, dest=dest, uid=local_caller(request))
     try:
         while not pulling.done():
             await asyncio.wait({pulling}, timeout=PROGRESS_SECONDS)
             if request.transport is None or request.transport.is_closing():
-                raise ConnectionResetError("the caller went away")
+                event(log, "local_pull_cancelled", job=args.job, dest=dest, why="caller gone")
+                pulling.cancel()  # (the next pull into dest waits for its cleanup)
+                return response  # (nobody to answer)
+            if app[STOPPING].is_set():
+                pulling.cancel()
+                await asyncio.wait({pulling})
+                if pulling.cancelled():  # (else it ended first: its answer is sent below)
+                    event(log, "local_pull_cancelled", job=args.job, dest=dest, why="stopping")
+                    await _send(response, [{"error": "the agent is stopping: its pull was "
+                                            "cancelled", "type": "AgentStopping"}])  # fmt: skip
+                    return response
             await _send(response, progress.take())
         await _send(response, progress.take())
-        doc, line = pulling.result()
-        await _send(response, [{"result": doc, "line": line}])
-    except (FerryError, ValueError, OSError, UsageError) as exc:  # (the CLI's own errors)
-        if isinstance(exc, ConnectionResetError):
-            raise  # (no one to tell: the finally cancels the pull)
-        await _send(response, [{"error": " ".join(str(exc).split()) or type(exc).__name__,
-                                "type": type(exc).__name__}])  # fmt: skip
-    finally:
-        if not pulling.done():
-            pulling.cancel()
-            with contextlib.suppress(BaseException):
-                await pulling  # (its cleanups run, as a Ctrl-C'd CLI pull's do)
-            event(log, "local_pull_cancelled", job=args.job, dest=str(args.dest_dir))
-    await response.write_eof()
+        try:
+            doc, line = pulling.result()
+        except Exception as exc:  # (the pull's own errors; any other, a bug, logged whole)
+            if not isinstance(exc, FerryError | UsageError | ValueError | OSError):
+                log.exception("local pull into %s failed", dest)
+            await _send(response, [{"error": " ".join(str(exc).split()) or type(exc).__name__,
+                                    "type": type(exc).__name__}])  # fmt: skip
+        else:
+            await _send(response, [{"result": doc, "line": line}])
+        await response.write_eof()
+    except (ConnectionResetError, asyncio.CancelledError):  # (gone, or the agent stopping)
+        pulling.cancel()
+        raise
     return response
 
 
 def _args(body: dict[str, Any]) -> argparse.Namespace:
-    """The pull's flags as the CLI's parser gives them; paths must be absolute."""
+    """The pull's flags as the CLI's parser gives them (a null field: its default); paths
+    must be absolute."""
 
     def path(name: str) -> Path | None:
         value = body.get(name)
@@ -101,37 +130,42 @@ def _args(body: dict[str, Any]) -> argparse.Namespace:
         return Path(value)
 
     def text(name: str, default: str | None = None) -> str | None:
-        value = body.get(name, default)
-        if value is not None and not isinstance(value, str):
+        value = body.get(name)
+        if value is None:
+            return default
+        if not isinstance(value, str):
             raise ValueError(f"body field {name!r} must be a string")
         return value
 
     world_size = body.get("world_size")
     if world_size is not None and (isinstance(world_size, bool) or not isinstance(world_size, int)):
         raise ValueError("body field 'world_size' must be an integer")
+    fsync = body.get("fsync")
+    if fsync is not None and not isinstance(fsync, bool):
+        raise ValueError("body field 'fsync' must be true or false")
     return argparse.Namespace(
-        store_url=required(body, "store_url", "body field"),
+        store_url=text("store_url") or required(body, "store_url", "body field"),
         dest_dir=path("dest_dir") or required(body, "dest_dir", "body field"),
         job=text("job") or required(body, "job", "body field"),
         step=text("step", "latest"),
         node=text("node"),
         expected_nodes=text("expected_nodes", ""),
         base_dir=path("base_dir"),
-        fsync=body.get("fsync") is True,
+        fsync=bool(fsync),
         world_size=world_size,
         ranks=text("ranks"),
         items=path("items"),
     )
 
 
-def _tier(app: web.Application, url: object, endpoint: object) -> Store | None:
+def _tier(app: web.Application, url: str, endpoint: object) -> Store | None:
     """The tier the caller's store URL (and S3 endpoint) names, or None."""
-    if not isinstance(url, str) or (endpoint is not None and not isinstance(endpoint, str)):
-        raise ValueError("body fields 'store_url' and 'endpoint_url' must be strings")
+    if endpoint is not None and not isinstance(endpoint, str):
+        raise ValueError("body field 'endpoint_url' must be a string")
     ours = app[CONFIG].endpoint_url or endpoint_from_env()[0]
     tiers: list[tuple[str, Store]] = app[TIERS]
     for tier_url, store in tiers:
-        if not _same_store(url, tier_url):
+        if not same_store(url, tier_url):
             continue
         if urlsplit(url).scheme == "s3" and (endpoint or "").rstrip("/") != (ours or "").rstrip(
             "/"
@@ -141,16 +175,38 @@ def _tier(app: web.Application, url: object, endpoint: object) -> Store | None:
     return None
 
 
-def _same_store(a: str, b: str) -> bool:
-    """Whether two store URLs name one store (s3://bucket/prefix, or a path / file://)."""
+def same_store(a: str, b: str) -> bool:
+    """Whether two store URLs name one store: two local ones (a path, or file:// without a
+    host) by their real paths; any other two by scheme, bucket and prefix, exactly (but
+    for slashes at the ends)."""
+    local = [_local_path(u) for u in (a, b)]
+    if local[0] is not None and local[1] is not None:
+        return os.path.realpath(local[0]) == os.path.realpath(local[1])
+    if local[0] is not None or local[1] is not None:
+        return False
     pa, pb = urlsplit(a), urlsplit(b)
-    if pa.scheme == "s3" or pb.scheme == "s3":
-        return pa.scheme == pb.scheme and (pa.netloc, pa.path.strip("/")) == (
-            pb.netloc,
-            pb.path.strip("/"),
-        )
-    local = [p.path if p.scheme == "file" else u for p, u in ((pa, a), (pb, b))]
-    return os.path.realpath(local[0]) == os.path.realpath(local[1])
+    return (pa.scheme, pa.netloc, pa.path.strip("/")) == (pb.scheme, pb.netloc, pb.path.strip("/"))
+
+
+def _local_path(url: str) -> str | None:
+    parts = urlsplit(url)
+    if parts.scheme == "file":
+        return parts.path if not parts.netloc and os.path.isabs(parts.path) else None
+    if "://" in url or not os.path.isabs(url):
+        return None
+    return url
+
+
+def _sees_as_caller(seen: object) -> bool:
+    """Whether the directory the caller named (``[path, st_dev, st_ino]``) is the one this
+    process sees at that path."""
+    if not (isinstance(seen, list) and len(seen) == 3 and isinstance(seen[0], str)):
+        raise ValueError("body field 'dest_seen' must be [path, st_dev, st_ino]")
+    try:
+        st = os.stat(seen[0])
+    except OSError:
+        return False
+    return [st.st_dev, st.st_ino] == seen[1:]
 
 
 class _Progress:
