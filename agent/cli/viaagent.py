@@ -1,11 +1,13 @@
 """`ferry pull` through this node's agent: with ``FERRY_LOCAL_SOCKET`` set (the agent's
 ``local_socket``), the pull is asked of the agent, which already has the tier's connections
 open, buffers left from its restores and its write path probed (agent/rpc/routes/pull.py);
-this process only shows its progress and its answer. Standard library only, and imported
-before the engine is: the point is not to pay a one-shot process's start-up.
+this process only shows its progress and its answer. Nothing of the engine or the stores
+is imported on this path: the point is not to pay a one-shot process's start-up.
 
-When no agent answers there, or the agent does not serve the store asked for (not one of
-its tiers), the pull runs here as it always did, after a one-line note."""
+The pull runs here as it always did, after a one-line note, when no agent of this user
+answers there, the store is not one of the agent's tiers, the agent sees other files at the
+destination's path (another mount namespace), the agent is stopping, or a transfer or
+store flag was given (the caller's own tuning)."""
 
 from __future__ import annotations
 
