@@ -35,7 +35,7 @@ class LocalSocket:
         directory other users may write into is a FerryError naming it (two agents on one
         socket would take each other's callers; a stranger's would take them all)."""
         self.path = path
-        path.parent.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)  # (not group-writable)
         where = path.parent.stat()
         if where.st_mode & 0o022 and not where.st_mode & stat.S_ISVTX:
             raise FerryError(f"local_socket {path}: other users may write into {path.parent} "
