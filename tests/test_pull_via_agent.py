@@ -115,7 +115,8 @@ def test_what_the_agent_does_not_serve_is_pulled_here_after_a_line(
         # the same bucket and prefix behind another endpoint is another store to the agent
         got = ferry_pull(s3_url, tmp_path / "p", "--step", "20", "--endpoint-url", s3_proxy.url,
                          sock=sock)  # fmt: skip
-        assert got.returncode == 0 and "is not a tier of this agent" in got.stderr, got.stderr
+        assert got.returncode == 0, got.stderr
+        assert "is a tier of this agent at the S3 endpoint" in got.stderr, got.stderr
         assert "through the agent" not in got.stdout and s3_proxy.stats.by_method["GET"] > 0
         got = ferry_pull(s3_url, tmp_path / "b", "--step", "20", "--window", "4", sock=sock)
         assert got.returncode == 0, got.stderr
@@ -254,11 +255,13 @@ def test_a_caller_that_goes_away_cancels_the_agents_pull_and_the_next_resumes_it
     assert "ERROR" not in node.logs(tail=10**6)  # (a caller gone is no error of the agent's)
 
 
+@pytest.mark.parametrize("how", ["stopped", "killed"])
 def test_an_agent_stopping_mid_pull_leaves_it_to_the_caller(
+    how: str,
     tmp_path: Path,
     s3_url: str,
-    s3_proxy,
-    series: list[Path],  # type: ignore[no-untyped-def]
+    s3_proxy,  # type: ignore[no-untyped-def]
+    series: list[Path],
 ) -> None:
     node, sock = agent_on(tmp_path, s3_url, FERRY_ENDPOINT_URL=s3_proxy.url,
                           FERRY_DRAIN_SECONDS="2")  # fmt: skip
@@ -275,17 +278,22 @@ def test_an_agent_stopping_mid_pull_leaves_it_to_the_caller(
             assert time.monotonic() < deadline, node.logs()
             time.sleep(0.05)
         assert node.proc is not None
-        node.proc.send_signal(signal.SIGTERM)
-        while "local_pull_cancelled" not in node.logs(tail=10**6):
-            assert time.monotonic() < deadline, node.logs()
-            time.sleep(0.05)
+        if how == "killed":
+            node.proc.kill()
+            assert node.proc.wait(30) == -signal.SIGKILL
+        else:
+            node.proc.send_signal(signal.SIGTERM)
+            while "local_pull_cancelled" not in node.logs(tail=10**6):
+                assert time.monotonic() < deadline, node.logs()
+                time.sleep(0.05)
         s3_proxy.set_faults(0.0)
         out, err = cli.communicate(timeout=60)
         assert cli.returncode == 0, err
-        assert "the agent is stopping" in err and "pulling here" in err
+        said = "the agent is stopping" if how == "stopped" else "without an answer"
+        assert said in err and "pulling here" in err, err
         assert "through the agent" not in out
         assert tree_bytes(tmp_path / "d") == tree_bytes(series[0])
-        assert node.proc.wait(30) == 0
+        assert node.proc.wait(30) in (0, -signal.SIGKILL)
 
 
 def test_a_stale_socket_is_replaced_a_live_one_kept_and_a_stopping_agent_removes_its_own(
@@ -303,6 +311,8 @@ def test_a_stale_socket_is_replaced_a_live_one_kept_and_a_stopping_agent_removes
                              capture_output=True, text=True, timeout=60)  # fmt: skip
         assert got.returncode == 1
         assert f"local_socket {sock}: another agent serves there" in got.stderr
+        last = got.stderr.strip().splitlines()[-1]  # (one line: the agent's start-up log before)
+        assert "Traceback" not in got.stderr and last.startswith("ferry agent: error: local_socket")
         assert sock.exists()  # (still the first agent's)
         open_dir = tmp_path / "open"
         open_dir.mkdir(mode=0o777)
@@ -331,6 +341,8 @@ def test_a_stale_socket_is_replaced_a_live_one_kept_and_a_stopping_agent_removes
         ("file://../tmp/store", "/tmp/store", False),
         ("file:///tmp/gs:/bkt/p", "gs://bkt/p", False),
         ("relative/store", "/tmp/relative/store", False),  # (the CLI sends absolute paths)
+        # an agent's own relative tier: from its working directory, as its pushes take it
+        ("rel/store", os.path.join(os.getcwd(), "rel/store"), True),
     ],
 )
 def test_which_store_urls_name_the_same_tier(a: str, b: str, same: bool) -> None:

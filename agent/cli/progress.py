@@ -22,6 +22,10 @@ class TerminalProgress:
         self._total, self._done, self._what = total_bytes, 0, what
         self._started = time.monotonic()
 
+    def started_ago(self, seconds: float) -> None:
+        """The transfer began ``seconds`` ago (an agent's pull, told late: its rate)."""
+        self._started = time.monotonic() - seconds
+
     def advance(self, nbytes: int) -> None:
         with self._lock:  # called from worker threads too
             self._done += nbytes

@@ -76,7 +76,14 @@ def add_push(sub: Commands) -> None:
 
 
 def add_pull(sub: Commands) -> None:
-    p = sub.add_parser("pull", help="pull a checkpoint from a store into a new directory")
+    p = sub.add_parser(
+        "pull",
+        help="pull a checkpoint from a store into a new directory",
+        epilog="With FERRY_LOCAL_SOCKET naming the local_socket of this node's agent (of your "
+        "user), a pull of one of its tiers is done by the agent (its connections and buffers "
+        "warm); a transfer or store flag given, or anything the agent does not serve, pulls "
+        "here, after a line saying why.",
+    )
     p.add_argument("store_url")
     p.add_argument("dest_dir", type=Path)
     p.add_argument("--job", required=True)

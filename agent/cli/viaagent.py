@@ -15,20 +15,21 @@ import argparse
 import json
 import os
 import socket
+import stat
 import sys
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import Any, BinaryIO
 
 from agent.cli.args import UsageError
 from agent.cli.progress import TerminalProgress
 from agent.daemon.localsocket import peer_uid
 from transfer.errors import FerryError
 
-if TYPE_CHECKING:
-    from transfer.engine.progress import Progress
-
 #: how long the agent may take to answer the request's headers before the pull runs here
 HEADERS_SECONDS = 30.0
+#: how long the agent may say nothing during a pull (it sends a line every 5 s) before the
+#: pull runs here
+QUIET_SECONDS = 60.0
 #: the variable naming the agent's local socket (the agent's own ``local_socket`` key)
 SOCKET_VARIABLE = "FERRY_LOCAL_SOCKET"
 #: flags the agent's pull takes from the caller; any other flag given (a transfer or store
@@ -80,11 +81,22 @@ def pull_through_agent(
                 raise
             _note(f"{exc}: pulling here (what it had verified is kept)")
             return None
+        except TimeoutError:
+            _note(f"the agent at {path} said nothing for {QUIET_SECONDS:.0f}s: pulling here "
+                  "(what it had verified is kept)")  # fmt: skip
+            return None
+        except KeyboardInterrupt:
+            answer.close()  # (the agent cancels its pull: unless it had ended already)
+            if os.path.isdir(args.dest_dir):
+                _note(f"the agent had finished before the interruption: {args.dest_dir} is "
+                      "whole")  # fmt: skip
+            raise
 
 
 #: what the agent answers when the pull is better done here (its error type): the store is
-#: not its tier, it sees other files at the path, it is stopping
-_PULL_HERE = ("NotATier", "NotTheSameFiles", "AgentStopping")
+#: not its tier, it sees other files at the path, it is stopping; or the agent went away
+#: (killed: the connection ended without an answer; or silent past QUIET_SECONDS)
+_PULL_HERE = ("NotATier", "NotTheSameFiles", "AgentStopping", "AgentGone")
 
 
 class NotTheAgent(Exception):
@@ -146,7 +158,7 @@ def _seen(path: str) -> list[Any]:
 
 
 def _follow(
-    lines: Iterator[dict[str, Any]], progress: Progress, path: str
+    lines: Iterator[dict[str, Any]], progress: TerminalProgress | _Quiet, path: str
 ) -> tuple[dict[str, Any], str]:
     """Show the agent's progress and notes; its answer, or its error raised here."""
     for line in lines:
@@ -154,6 +166,7 @@ def _follow(
             total, what = line["start"]
             progress.start(int(total), str(what))
         elif "advance" in line:
+            progress.started_ago(float(line.get("started_ago", 0.0)))
             progress.advance(int(line["advance"]))
         elif "say" in line:
             print(line["say"], file=sys.stderr, flush=True)
@@ -166,10 +179,8 @@ def _follow(
             if line.get("type") == "UsageError":
                 raise UsageError(line["error"])
             raise AgentPullError(line["error"], str(line.get("type", "AgentPullError")))
-    raise AgentPullError(
-        f"the agent at {path} ended the pull without an answer (its log says why)",
-        "AgentPullError",
-    )
+    raise AgentPullError(f"the agent at {path} ended the pull without an answer (stopped?)",
+                         "AgentGone")  # fmt: skip
 
 
 def _lines(body: BinaryIO) -> Iterator[dict[str, Any]]:
@@ -196,6 +207,9 @@ class _Quiet:
     def start(self, total_bytes: int, what: str) -> None:
         pass
 
+    def started_ago(self, seconds: float) -> None:
+        pass
+
     def advance(self, nbytes: int) -> None:
         pass
 
@@ -211,7 +225,10 @@ class _Answer:
     listens on it (``peer_uid``): anyone else's is NotTheAgent."""
 
     def __init__(self, path: str, payload: bytes) -> None:
-        if os.stat(path).st_uid != os.geteuid():
+        st = os.stat(path)
+        if not stat.S_ISSOCK(st.st_mode):
+            raise NotTheAgent("not a socket")
+        if st.st_uid != os.geteuid():
             raise NotTheAgent("the socket is another user's")
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.settimeout(HEADERS_SECONDS)  # (an agent that does not answer: pull here)
@@ -229,7 +246,7 @@ class _Answer:
             status_line = self.body.readline().split()  # HTTP/1.0 200 OK
             while self.body.readline().strip():  # (the headers: nothing in them is needed)
                 pass
-            self._sock.settimeout(None)  # (a long pull is quiet between progress lines)
+            self._sock.settimeout(QUIET_SECONDS)  # (the agent sends a line every few s)
         except (OSError, NotTheAgent):
             self._sock.close()
             raise

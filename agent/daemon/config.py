@@ -1190,7 +1190,7 @@ _CHECKS: dict[str, Callable[[str, Any], object]] = {
     "standby_max_rate": lambda key, rate: _rate(rate),
     "standby_memory": _standby_memory,
     "peer_token_file": _path,
-    "local_socket": _path,
+    "local_socket": lambda key, value: _path(key, value).absolute(),  # (callers are elsewhere)
     "tls_cert_file": _path,
     "tls_key_file": _path,
     "tls_ca_file": _path,

@@ -37,7 +37,8 @@ class LocalSocket:
         self.path = path
         path.parent.mkdir(mode=0o755, parents=True, exist_ok=True)  # (not group-writable)
         where = path.parent.stat()
-        if where.st_mode & 0o022 and not where.st_mode & stat.S_ISVTX:
+        others_write = where.st_mode & 0o022 and not where.st_mode & stat.S_ISVTX
+        if others_write or where.st_uid not in (os.geteuid(), 0):
             raise FerryError(f"local_socket {path}: other users may write into {path.parent} "
                              "(use a directory only the agent's user writes)")  # fmt: skip
         try:

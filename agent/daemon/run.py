@@ -81,14 +81,12 @@ async def serve(config: AgentConfig, token: str, ready: asyncio.Event | None = N
             await runner.setup()
             site = web.SockSite(runner, sock, ssl_context=app[TLS].server_context())  # HTTPS only
             await site.start()
-            if config.local_socket:  # (once set up: a caller is answered, not held; plain
-                local = LocalSocket(config.local_socket)  # HTTP: the kernel says who called)
-                await web.SockSite(runner, local.sock).start()
         except BaseException:
             sock.close()
-            if local is not None:
-                local.close()
             raise
+        if config.local_socket:  # (once set up: a caller is answered, not held; plain HTTP:
+            local = LocalSocket(config.local_socket)  # the kernel says who called; a failure
+            await web.SockSite(runner, local.sock).start()  # is one line: the finally cleans)
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
         for key, value, source in effective_config(config):

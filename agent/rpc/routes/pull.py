@@ -24,6 +24,7 @@ import json
 import logging
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -43,6 +44,9 @@ log = logging.getLogger(__name__)
 
 #: how often progress goes to the caller
 PROGRESS_SECONDS = 0.2
+#: a line (``{}``) at least this often, so that the caller can tell a silent agent from a
+#: slow pull (its own timeout: agent/cli/viaagent.py QUIET_SECONDS)
+KEEPALIVE_SECONDS = 5.0
 #: how long a pull waits for the cancelled pull into the same destination to clean up
 PREVIOUS_SECONDS = 120.0
 #: the body: the pull's flags, paths absolute (the caller's working directory is not ours),
@@ -62,10 +66,8 @@ async def post_pull(request: web.Request) -> web.StreamResponse:
     body = await json_body(request, _FIELDS)
     args = _args(body)
     store = _tier(app, args.store_url, body.get("endpoint_url"))
-    if store is None:
-        tiers = ", ".join(url for url, _ in app[TIERS])
-        return error_response(404, f"{args.store_url} is not a tier of this agent ({tiers})",
-                              "NotATier")  # fmt: skip
+    if isinstance(store, str):
+        return error_response(404, store, "NotATier")
     if not _sees_as_caller(body.get("dest_seen")):
         return error_response(409, "the agent sees other files at the destination's path "
                               "(another mount namespace?)", "NotTheSameFiles")  # fmt: skip
@@ -80,26 +82,28 @@ async def post_pull(request: web.Request) -> web.StreamResponse:
     pulling = pulls[dest] = asyncio.ensure_future(
         cmd_pull(store, args, progress, options=options, say=progress.say)
     )
-    pulling.add_done_callback(
-        lambda done: pulls.pop(dest, None) if pulls.get(dest) is done else None
-    )
     event(log, "local_pull", job=args.job, step=args.step, dest=dest, uid=local_caller(request))
+    pulling.add_done_callback(lambda done: _ended(done, args, dest, pulls))
+    quiet_since = time.monotonic()
     try:
         while not pulling.done():
             await asyncio.wait({pulling}, timeout=PROGRESS_SECONDS)
             if request.transport is None or request.transport.is_closing():
-                event(log, "local_pull_cancelled", job=args.job, dest=dest, why="caller gone")
                 pulling.cancel()  # (the next pull into dest waits for its cleanup)
                 return response  # (nobody to answer)
             if app[STOPPING].is_set():
                 pulling.cancel()
                 await asyncio.wait({pulling})
                 if pulling.cancelled():  # (else it ended first: its answer is sent below)
-                    event(log, "local_pull_cancelled", job=args.job, dest=dest, why="stopping")
                     await _send(response, [{"error": "the agent is stopping: its pull was "
                                             "cancelled", "type": "AgentStopping"}])  # fmt: skip
                     return response
-            await _send(response, progress.take())
+            lines = progress.take()
+            if not lines and time.monotonic() - quiet_since >= KEEPALIVE_SECONDS:
+                lines = [{}]  # (the caller times out an agent silent for longer)
+            if lines:
+                await _send(response, lines)
+                quiet_since = time.monotonic()
         await _send(response, progress.take())
         try:
             doc, line = pulling.result()
@@ -115,6 +119,22 @@ async def post_pull(request: web.Request) -> web.StreamResponse:
         pulling.cancel()
         raise
     return response
+
+
+def _ended(
+    pulling: asyncio.Future[Any], args: argparse.Namespace, dest: str, pulls: dict[str, Any]
+) -> None:
+    """The pull's last line in the log, however it ended; its destination free again."""
+    if pulls.get(dest) is pulling:
+        pulls.pop(dest)
+    if pulling.cancelled():
+        event(log, "local_pull_cancelled", job=args.job, dest=dest)
+    elif (exc := pulling.exception()) is not None:
+        event(log, "local_pull_failed", job=args.job, dest=dest, error=" ".join(str(exc).split()))
+    else:
+        doc = pulling.result()[0]
+        event(log, "local_pull_done", job=args.job, step=doc.get("step"), dest=dest,
+              bytes=doc.get("bytes_raw"), seconds=round(doc.get("seconds", 0.0), 3))  # fmt: skip
 
 
 def _args(body: dict[str, Any]) -> argparse.Namespace:
@@ -158,21 +178,22 @@ def _args(body: dict[str, Any]) -> argparse.Namespace:
     )
 
 
-def _tier(app: web.Application, url: str, endpoint: object) -> Store | None:
-    """The tier the caller's store URL (and S3 endpoint) names, or None."""
+def _tier(app: web.Application, url: str, endpoint: object) -> Store | str:
+    """The tier the caller's store URL (and S3 endpoint) names, or why none is."""
     if endpoint is not None and not isinstance(endpoint, str):
         raise ValueError("body field 'endpoint_url' must be a string")
-    ours = app[CONFIG].endpoint_url or endpoint_from_env()[0]
+    ours = (app[CONFIG].endpoint_url or endpoint_from_env()[0] or "").rstrip("/")
+    theirs = (endpoint or "").rstrip("/")
     tiers: list[tuple[str, Store]] = app[TIERS]
     for tier_url, store in tiers:
         if not same_store(url, tier_url):
             continue
-        if urlsplit(url).scheme == "s3" and (endpoint or "").rstrip("/") != (ours or "").rstrip(
-            "/"
-        ):
-            continue
+        if urlsplit(url).scheme == "s3" and theirs != ours:
+            return (f"{url} is a tier of this agent at the S3 endpoint {ours or '(AWS)'}, not "
+                    f"at {theirs or '(AWS)'} (give --endpoint-url or AWS_ENDPOINT_URL as the "
+                    "agent's)")  # fmt: skip
         return store
-    return None
+    return f"{url} is not a tier of this agent (its tiers: {', '.join(u for u, _ in tiers)})"
 
 
 def same_store(a: str, b: str) -> bool:
@@ -189,12 +210,12 @@ def same_store(a: str, b: str) -> bool:
 
 
 def _local_path(url: str) -> str | None:
+    """The path a local store URL names (relative: to the agent's working directory, as its
+    own tiers' are; the CLI sends absolute ones), or None."""
     parts = urlsplit(url)
     if parts.scheme == "file":
         return parts.path if not parts.netloc and os.path.isabs(parts.path) else None
-    if "://" in url or not os.path.isabs(url):
-        return None
-    return url
+    return None if "://" in url else url
 
 
 def _sees_as_caller(seen: object) -> bool:
@@ -217,10 +238,12 @@ class _Progress:
         self._lock = threading.Lock()
         self._lines: list[dict[str, Any]] = []
         self._advanced = 0
+        self._started: float | None = None
 
     def start(self, total_bytes: int, what: str) -> None:
         with self._lock:
             self._lines.append({"start": [total_bytes, what]})
+            self._started = time.monotonic()
 
     def advance(self, nbytes: int) -> None:
         with self._lock:
@@ -236,8 +259,9 @@ class _Progress:
     def take(self) -> list[dict[str, Any]]:
         with self._lock:
             lines, self._lines = self._lines, []
-            if self._advanced:
-                lines.append({"advance": self._advanced})
+            if self._advanced:  # (with how long ago it started: the caller's rate)
+                ago = round(time.monotonic() - (self._started or time.monotonic()), 3)
+                lines.append({"advance": self._advanced, "started_ago": ago})
                 self._advanced = 0
         return lines
 
