@@ -96,6 +96,9 @@ def test_a_pull_through_the_agent_is_the_agents_and_restores_the_step_exactly(
         assert "steps there: 20, 40" in error["error"]
         got = ferry_pull(s3_url, tmp_path / "x", "--world-size", "2", sock=sock)
         assert got.returncode == 2 and "--world-size W and --ranks" in got.stderr
+        # a bad value of a knob only pushes read is the usage error it is in a pull here
+        got = ferry_pull(s3_url, tmp_path / "x", "--zstd-level", "1000", sock=sock)
+        assert got.returncode == 2 and "zstd" in got.stderr, got.stderr
         assert not (tmp_path / "x").exists()
     assert node.logs(tail=10**6).count("local_pull ") == 5
 
@@ -349,3 +352,15 @@ def test_which_store_urls_name_the_same_tier(a: str, b: str, same: bool) -> None
     from agent.rpc.routes.pull import same_store
 
     assert same_store(a, b) is same and same_store(b, a) is same
+
+
+def test_the_destination_is_seen_through_existing_names_only(tmp_path: Path) -> None:
+    """What the caller sends the agent to compare: a missing name is climbed past, a link
+    that leads nowhere is not (the agent could see it lead somewhere)."""
+    from agent.cli.viaagent import nearest_dir
+
+    st = tmp_path.stat()
+    assert nearest_dir(str(tmp_path / "a" / "b" / "dest")) == [str(tmp_path), st.st_dev, st.st_ino]
+    (tmp_path / "link").symlink_to(tmp_path / "nowhere")
+    with pytest.raises(FileNotFoundError):
+        nearest_dir(str(tmp_path / "link" / "dest"))

@@ -53,6 +53,7 @@ def pull_through_agent(
     path = os.environ.get(SOCKET_VARIABLE)
     if not path or not args.store_url:  # (an empty URL: the pull here says what is wrong)
         return None
+    _check_flags(args)
     tuned = _tuned(args, defaults)
     if tuned:
         _note(f"{', '.join(tuned)} given: pulling here, not through the agent at {path}")
@@ -66,8 +67,8 @@ def pull_through_agent(
     with answer:
         if answer.status != 200:
             error = _error_of(answer.body.read())
-            if error.get("type") in _PULL_HERE:
-                _note(f"{error.get('error')}: pulling here")
+            if error.get("type") in _PULL_HERE or answer.status >= 500:
+                _note(f"{error.get('error', answer.status)}: pulling here")
                 return None
             raise AgentPullError(
                 f"the agent at {path} refused the pull: {error.get('error', answer.status)}",
@@ -77,6 +78,12 @@ def pull_through_agent(
         try:
             return _follow(_lines(answer.body), TerminalProgress() if shown else _Quiet(), path)
         except AgentPullError as exc:
+            if exc.error_type == "AgentStoppedAfterPull":  # (the step is there, whole)
+                _note(f"{exc}: {args.dest_dir}")
+                return {"dest": str(args.dest_dir), "through_agent": path}, (
+                    f"pulled into {args.dest_dir} through the agent at {path}, which stopped as "
+                    "it ended (its counts were not sent; `ferry verify` checks the store)"
+                )
             if exc.error_type not in _PULL_HERE:
                 raise
             _note(f"{exc}: pulling here (what it had verified is kept)")
@@ -101,6 +108,19 @@ _PULL_HERE = ("NotATier", "NotTheSameFiles", "AgentStopping", "AgentGone")
 
 class NotTheAgent(Exception):
     """What answers at the socket is not a process of this user (someone else's socket)."""
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    """A flag's bad value is a usage error here as in a pull here (knobs only pushes read
+    included: the agent never sees them)."""
+    from agent.cli.args import chosen, transfer_options
+    from transfer.options import StoreSettings
+
+    transfer_options(args)
+    try:
+        chosen(args, StoreSettings)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _tuned(args: argparse.Namespace, defaults: argparse.Namespace) -> list[str]:
@@ -135,26 +155,22 @@ def _body(args: argparse.Namespace) -> dict[str, Any]:
         "store_url": store_url,
         "endpoint_url": args.endpoint_url or endpoint_from_env()[0],
         "dest_dir": dest,
-        "dest_seen": _seen(dest),
+        "dest_seen": nearest_dir(dest),
         "base_dir": absolute(args.base_dir),
         "items": absolute(args.items),
         **{name: getattr(args, name) for name in _PASSED},
     }
 
 
-def _seen(path: str) -> list[Any]:
-    """[the nearest directory of ``path`` that exists, its st_dev, its st_ino]: the agent
-    checks it sees the same one (another mount namespace would not)."""
+def nearest_dir(path: str) -> list[Any]:
+    """[the nearest directory of ``path`` that exists, its st_dev, its st_ino]: the caller
+    sends it, the agent compares its own (another mount namespace sees another). Only a
+    missing name is climbed past: a link that leads nowhere here is an OSError."""
     here = os.path.dirname(path)
-    while True:
-        try:
-            st = os.stat(here)
-        except OSError:
-            if os.path.dirname(here) == here:
-                raise
-            here = os.path.dirname(here)
-            continue
-        return [here, st.st_dev, st.st_ino]
+    while not os.path.lexists(here):
+        here = os.path.dirname(here)
+    st = os.stat(here)
+    return [here, st.st_dev, st.st_ino]
 
 
 def _follow(

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -27,12 +28,13 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 from aiohttp import web
 
 from agent.cli.args import UsageError
 from agent.cli.push_pull import cmd_pull
+from agent.cli.viaagent import nearest_dir
 from agent.daemon.logs import event
 from agent.rpc.appkeys import CONFIG, LOCAL_PULLS, PREFETCHER, STOPPING, TIERS
 from agent.rpc.middleware import error_response, json_body, local_caller, required
@@ -47,7 +49,8 @@ PROGRESS_SECONDS = 0.2
 #: a line (``{}``) at least this often, so that the caller can tell a silent agent from a
 #: slow pull (its own timeout: agent/cli/viaagent.py QUIET_SECONDS)
 KEEPALIVE_SECONDS = 5.0
-#: how long a pull waits for the cancelled pull into the same destination to clean up
+#: how long a pull waits for another pull into the same destination (a cancelled one
+#: cleaning up) before it says so
 PREVIOUS_SECONDS = 120.0
 #: the body: the pull's flags, paths absolute (the caller's working directory is not ours),
 #: and ``dest_seen``: [path, st_dev, st_ino] of the destination's nearest existing directory
@@ -65,68 +68,109 @@ async def post_pull(request: web.Request) -> web.StreamResponse:
         return error_response(503, "the agent is stopping", "AgentStopping")
     body = await json_body(request, _FIELDS)
     args = _args(body)
-    store = _tier(app, args.store_url, body.get("endpoint_url"))
+    store = await asyncio.to_thread(_tier, app, args.store_url, body.get("endpoint_url"))
     if isinstance(store, str):
         return error_response(404, store, "NotATier")
-    if not _sees_as_caller(body.get("dest_seen")):
-        return error_response(409, "the agent sees other files at the destination's path "
-                              "(another mount namespace?)", "NotTheSameFiles")  # fmt: skip
+    if why_not := await asyncio.to_thread(_why_not_here, body.get("dest_seen"), args.dest_dir):
+        return error_response(409, why_not, "NotTheSameFiles")
     response = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
     await response.prepare(request)
-    dest = str(args.dest_dir)
-    pulls: dict[str, asyncio.Future[Any]] = app[LOCAL_PULLS]
-    if (previous := pulls.get(dest)) is not None:  # (a cancelled one still cleaning up)
-        await asyncio.wait({previous}, timeout=PREVIOUS_SECONDS)
+    # one pull at a time into a destination (however it is spelled): a cancelled one's
+    # cleanup ends before the next takes up the staging it left
+    key = await asyncio.to_thread(_key_of, args.dest_dir)
+    lock = app[LOCAL_PULLS].setdefault(key, asyncio.Lock())
+    try:
+        await asyncio.wait_for(lock.acquire(), PREVIOUS_SECONDS)
+    except TimeoutError:
+        await _send(response, [{"error": f"another pull into {args.dest_dir} is still running "
+                                "on the agent", "type": "DestinationBusy"}])  # fmt: skip
+        return response
+    if _gone(request):  # (the caller gave up while the agent checked or waited)
+        lock.release()
+        return response
     progress = _Progress()
     options = app[PREFETCHER].options  # (the write path its probe chose)
-    pulling = pulls[dest] = asyncio.ensure_future(
+    pulling = asyncio.ensure_future(
         cmd_pull(store, args, progress, options=options, say=progress.say)
     )
-    event(log, "local_pull", job=args.job, step=args.step, dest=dest, uid=local_caller(request))
-    pulling.add_done_callback(lambda done: _ended(done, args, dest, pulls))
-    quiet_since = time.monotonic()
+    event(log, "local_pull", job=args.job, step=args.step, dest=key, uid=local_caller(request))
+    pulling.add_done_callback(lambda done: _ended(done, args, key, lock))
     try:
-        while not pulling.done():
-            await asyncio.wait({pulling}, timeout=PROGRESS_SECONDS)
-            if request.transport is None or request.transport.is_closing():
-                pulling.cancel()  # (the next pull into dest waits for its cleanup)
-                return response  # (nobody to answer)
-            if app[STOPPING].is_set():
-                pulling.cancel()
-                await asyncio.wait({pulling})
-                if pulling.cancelled():  # (else it ended first: its answer is sent below)
-                    await _send(response, [{"error": "the agent is stopping: its pull was "
-                                            "cancelled", "type": "AgentStopping"}])  # fmt: skip
-                    return response
-            lines = progress.take()
-            if not lines and time.monotonic() - quiet_since >= KEEPALIVE_SECONDS:
-                lines = [{}]  # (the caller times out an agent silent for longer)
-            if lines:
-                await _send(response, lines)
-                quiet_since = time.monotonic()
-        await _send(response, progress.take())
-        try:
-            doc, line = pulling.result()
-        except Exception as exc:  # (the pull's own errors; any other, a bug, logged whole)
-            if not isinstance(exc, FerryError | UsageError | ValueError | OSError):
-                log.exception("local pull into %s failed", dest)
-            await _send(response, [{"error": " ".join(str(exc).split()) or type(exc).__name__,
-                                    "type": type(exc).__name__}])  # fmt: skip
-        else:
-            await _send(response, [{"result": doc, "line": line}])
-        await response.write_eof()
-    except (ConnectionResetError, asyncio.CancelledError):  # (gone, or the agent stopping)
+        await _follow(request, response, pulling, progress, args.dest_dir)
+    except asyncio.CancelledError:  # (the agent stopping past its shutdown timeout)
         pulling.cancel()
         raise
+    except ConnectionResetError:  # (the caller gone: nobody to answer)
+        pulling.cancel()
     return response
 
 
+async def _follow(
+    request: web.Request,
+    response: web.StreamResponse,
+    pulling: asyncio.Future[Any],
+    progress: _Progress,
+    dest: Path,
+) -> None:
+    """Stream the pull's progress to the caller, then its answer; cancel it when the caller
+    goes, or say so when the agent stops (unless the pull finished first)."""
+    quiet_since = time.monotonic()
+    while not pulling.done():
+        await asyncio.wait({pulling}, timeout=PROGRESS_SECONDS)
+        if _gone(request):
+            pulling.cancel()  # (the next pull into dest waits for its cleanup)
+            return
+        if request.app[STOPPING].is_set() and not pulling.done():
+            pulling.cancel()
+            await asyncio.wait({pulling})
+            if pulling.cancelled():  # (else it ended first: its answer is sent below)
+                sealed = await asyncio.to_thread(_whole_there, dest)
+                why = ("the agent stopped as its pull ended: it is whole there" if sealed else
+                       "the agent is stopping: its pull was cancelled")  # fmt: skip
+                kind = "AgentStoppedAfterPull" if sealed else "AgentStopping"
+                await _send(response, [{"error": why, "type": kind}])
+                return
+        lines = progress.take()
+        if not lines and time.monotonic() - quiet_since >= KEEPALIVE_SECONDS:
+            lines = [{}]  # (the caller times out an agent silent for longer)
+        if lines:
+            await _send(response, lines)
+            quiet_since = time.monotonic()
+    await _send(response, progress.take())
+    try:
+        doc, line = pulling.result()
+    except Exception as exc:  # (the pull's own errors; any other, a bug, logged whole)
+        if not isinstance(exc, FerryError | UsageError | ValueError | OSError):
+            log.exception("local pull into %s failed", dest)
+        await _send(response, [{"error": " ".join(str(exc).split()) or type(exc).__name__,
+                                "type": type(exc).__name__}])  # fmt: skip
+    else:
+        await _send(response, [{"result": doc, "line": line}])
+    await response.write_eof()
+
+
+def _key_of(dest: Path) -> str:
+    return os.path.join(os.path.realpath(dest.parent), dest.name)
+
+
+def _gone(request: web.Request) -> bool:
+    return request.transport is None or request.transport.is_closing()
+
+
+def _whole_there(dest: Path) -> bool:
+    """Whether a pull renamed its restore into place at ``dest`` (it must have been missing
+    or empty before: a directory with files in it now is a whole, verified restore)."""
+    try:
+        return dest.is_dir() and any(dest.iterdir())
+    except OSError:
+        return False
+
+
 def _ended(
-    pulling: asyncio.Future[Any], args: argparse.Namespace, dest: str, pulls: dict[str, Any]
+    pulling: asyncio.Future[Any], args: argparse.Namespace, dest: str, lock: asyncio.Lock
 ) -> None:
     """The pull's last line in the log, however it ended; its destination free again."""
-    if pulls.get(dest) is pulling:
-        pulls.pop(dest)
+    lock.release()
     if pulling.cancelled():
         event(log, "local_pull_cancelled", job=args.job, dest=dest)
     elif (exc := pulling.exception()) is not None:
@@ -213,21 +257,28 @@ def _local_path(url: str) -> str | None:
     """The path a local store URL names (relative: to the agent's working directory, as its
     own tiers' are; the CLI sends absolute ones), or None."""
     parts = urlsplit(url)
-    if parts.scheme == "file":
-        return parts.path if not parts.netloc and os.path.isabs(parts.path) else None
+    if parts.scheme == "file":  # (decoded, as open_store decodes it)
+        path = unquote(parts.path)
+        return path if not parts.netloc and os.path.isabs(path) else None
     return None if "://" in url else url
 
 
-def _sees_as_caller(seen: object) -> bool:
-    """Whether the directory the caller named (``[path, st_dev, st_ino]``) is the one this
-    process sees at that path."""
+def _why_not_here(seen: object, dest: Path) -> str | None:
+    """Why the agent should not write ``dest`` for this caller, or None: the caller's view
+    of the destination's nearest existing directory (``[path, st_dev, st_ino]``) is not the
+    agent's (another mount namespace, a link that leads elsewhere here), or the agent may
+    not write there (same uid, other groups)."""
     if not (isinstance(seen, list) and len(seen) == 3 and isinstance(seen[0], str)):
         raise ValueError("body field 'dest_seen' must be [path, st_dev, st_ino]")
     try:
-        st = os.stat(seen[0])
+        ours = nearest_dir(str(dest))
     except OSError:
-        return False
-    return [st.st_dev, st.st_ino] == seen[1:]
+        ours = None
+    if ours != seen:
+        return "the agent sees other files at the destination's path (another mount namespace?)"
+    if not os.access(ours[0], os.W_OK | os.X_OK):
+        return f"the agent may not write into {ours[0]} (its groups are not the caller's?)"
+    return None
 
 
 class _Progress:
@@ -267,8 +318,10 @@ class _Progress:
 
 
 async def _send(response: web.StreamResponse, lines: list[dict[str, Any]]) -> None:
+    """Write ``lines``; a caller gone meanwhile is no error (the loop sees it, and cancels)."""
     if lines:
-        await response.write("".join(json.dumps(line) + "\n" for line in lines).encode())
+        with contextlib.suppress(ConnectionResetError):
+            await response.write("".join(json.dumps(line) + "\n" for line in lines).encode())
 
 
 ROUTES = [web.post("/v1/pull", post_pull)]
