@@ -364,3 +364,26 @@ def test_the_destination_is_seen_through_existing_names_only(tmp_path: Path) -> 
     (tmp_path / "link").symlink_to(tmp_path / "nowhere")
     with pytest.raises(FileNotFoundError):
         nearest_dir(str(tmp_path / "link" / "dest"))
+
+
+def test_pulls_into_one_destination_take_turns_and_leave_no_lock_behind() -> None:
+    from agent.rpc.limits import DestLocks
+
+    async def go() -> None:
+        locks, order = DestLocks(), []
+
+        async def pull(name: str, hold: float) -> None:
+            assert await locks.acquire("/d/k", 5.0)
+            order.append(f"{name} in")
+            await asyncio.sleep(hold)
+            order.append(f"{name} out")
+            locks.release("/d/k")
+
+        await asyncio.gather(pull("a", 0.05), pull("b", 0.01), pull("c", 0.0))
+        assert order == ["a in", "a out", "b in", "b out", "c in", "c out"]
+        assert await locks.acquire("/d/k", 1.0)
+        assert not await locks.acquire("/d/k", 0.05)  # (taken: the caller is told)
+        locks.release("/d/k")
+        assert len(locks) == 0  # (forgotten once nobody holds or waits)
+
+    asyncio.run(go())

@@ -51,7 +51,7 @@ from agent.rpc.appkeys import (
     TLS,
 )
 from agent.rpc.auth import Credentials, Refusals, SecretFile
-from agent.rpc.limits import CHUNK_REQUESTS_PER_CLIENT, WAITS_PER_CLIENT, InFlight
+from agent.rpc.limits import CHUNK_REQUESTS_PER_CLIENT, WAITS_PER_CLIENT, DestLocks, InFlight
 from agent.rpc.metrics import Metrics
 from agent.rpc.middleware import auth_middleware, error_middleware
 from agent.rpc.routes import route_modules
@@ -81,7 +81,7 @@ def create_app(config: AgentConfig, token: str) -> web.Application:
     app[CHUNK_CLIENTS] = InFlight(CHUNK_REQUESTS_PER_CLIENT)
     app[PREFETCH_WAITERS] = InFlight(WAITS_PER_CLIENT)
     app[STOPPING] = asyncio.Event()
-    app[LOCAL_PULLS] = {}
+    app[LOCAL_PULLS] = DestLocks()
     app.on_shutdown.append(_stopping)  # before aiohttp waits for the requests in flight
     app[TLS] = AgentTls(
         config.tls_cert_file,

@@ -17,7 +17,7 @@ from agent.node.standby import Standby
 from agent.peers.chunks import HotIndex, PeerSource
 from agent.peers.fanout import Landing
 from agent.rpc.auth import Credentials, Refusals
-from agent.rpc.limits import InFlight
+from agent.rpc.limits import DestLocks, InFlight
 from agent.rpc.metrics import Metrics
 from agent.rpc.tls import AgentTls
 
@@ -42,7 +42,7 @@ STOPPING = web.AppKey("stopping", asyncio.Event)
 TIERS = web.AppKey("tiers", list)
 
 #: the pulls asked over the local socket, by destination (routes/pull.py)
-LOCAL_PULLS = web.AppKey("local_pulls", dict)
+LOCAL_PULLS = web.AppKey("local_pulls", DestLocks)
 
 PREFETCHER = web.AppKey("prefetcher", Prefetcher)
 

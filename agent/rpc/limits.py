@@ -20,6 +20,8 @@ pushes, and its own prefetches' reads, take no slot here and wait for no client.
 
 from __future__ import annotations
 
+import asyncio
+
 from aiohttp import web
 
 MAX_PREFETCHES = 64
@@ -64,3 +66,40 @@ def too_many(message: str) -> web.Response:
         status=429,
         headers={"Retry-After": str(RETRY_AFTER_SECONDS)},
     )
+
+
+class DestLocks:
+    """One pull at a time per destination: a lock per key while anyone holds or waits for
+    it (then forgotten: an agent pulls into ever new directories)."""
+
+    def __init__(self) -> None:
+        self._locks: dict[str, tuple[asyncio.Lock, int]] = {}
+
+    async def acquire(self, key: str, within: float) -> bool:
+        """Hold ``key``'s lock (True), or not within ``within`` seconds (False)."""
+        lock, users = self._locks.get(key, (asyncio.Lock(), 0))
+        self._locks[key] = (lock, users + 1)
+        try:
+            async with asyncio.timeout(within):
+                await lock.acquire()
+        except TimeoutError:
+            self._leave(key)
+            return False
+        except BaseException:  # (cancelled while waiting)
+            self._leave(key)
+            raise
+        return True
+
+    def release(self, key: str) -> None:
+        self._locks[key][0].release()
+        self._leave(key)
+
+    def _leave(self, key: str) -> None:
+        lock, users = self._locks[key]
+        if users == 1:
+            del self._locks[key]
+        else:
+            self._locks[key] = (lock, users - 1)
+
+    def __len__(self) -> int:
+        return len(self._locks)

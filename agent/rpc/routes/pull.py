@@ -37,6 +37,7 @@ from agent.cli.push_pull import cmd_pull
 from agent.cli.viaagent import nearest_dir
 from agent.daemon.logs import event
 from agent.rpc.appkeys import CONFIG, LOCAL_PULLS, PREFETCHER, STOPPING, TIERS
+from agent.rpc.limits import DestLocks
 from agent.rpc.middleware import error_response, json_body, local_caller, required
 from transfer.endpoint import endpoint_from_env
 from transfer.errors import FerryError
@@ -78,15 +79,13 @@ async def post_pull(request: web.Request) -> web.StreamResponse:
     # one pull at a time into a destination (however it is spelled): a cancelled one's
     # cleanup ends before the next takes up the staging it left
     key = await asyncio.to_thread(_key_of, args.dest_dir)
-    lock = app[LOCAL_PULLS].setdefault(key, asyncio.Lock())
-    try:
-        await asyncio.wait_for(lock.acquire(), PREVIOUS_SECONDS)
-    except TimeoutError:
+    locks: DestLocks = app[LOCAL_PULLS]
+    if not await locks.acquire(key, PREVIOUS_SECONDS):
         await _send(response, [{"error": f"another pull into {args.dest_dir} is still running "
                                 "on the agent", "type": "DestinationBusy"}])  # fmt: skip
         return response
     if _gone(request):  # (the caller gave up while the agent checked or waited)
-        lock.release()
+        locks.release(key)
         return response
     progress = _Progress()
     options = app[PREFETCHER].options  # (the write path its probe chose)
@@ -94,7 +93,7 @@ async def post_pull(request: web.Request) -> web.StreamResponse:
         cmd_pull(store, args, progress, options=options, say=progress.say)
     )
     event(log, "local_pull", job=args.job, step=args.step, dest=key, uid=local_caller(request))
-    pulling.add_done_callback(lambda done: _ended(done, args, key, lock))
+    pulling.add_done_callback(lambda done: _ended(done, args, key, locks))
     try:
         await _follow(request, response, pulling, progress, args.dest_dir)
     except asyncio.CancelledError:  # (the agent stopping past its shutdown timeout)
@@ -167,10 +166,10 @@ def _whole_there(dest: Path) -> bool:
 
 
 def _ended(
-    pulling: asyncio.Future[Any], args: argparse.Namespace, dest: str, lock: asyncio.Lock
+    pulling: asyncio.Future[Any], args: argparse.Namespace, dest: str, locks: DestLocks
 ) -> None:
     """The pull's last line in the log, however it ended; its destination free again."""
-    lock.release()
+    locks.release(dest)
     if pulling.cancelled():
         event(log, "local_pull_cancelled", job=args.job, dest=dest)
     elif (exc := pulling.exception()) is not None:
