@@ -341,6 +341,7 @@ def test_a_stale_socket_is_replaced_a_live_one_kept_and_a_stopping_agent_removes
         ("/tmp/store", "file:///tmp/store", True),
         ("/tmp/store/", "/tmp/x/../store", True),
         ("file://otherhost/tmp/store", "/tmp/store", False),  # (a host: not this node's)
+        ("file://localhost/tmp/a%20b", "/tmp/a b", True),  # (as open_store reads them)
         ("file://../tmp/store", "/tmp/store", False),
         ("file:///tmp/gs:/bkt/p", "gs://bkt/p", False),
         ("relative/store", "/tmp/relative/store", False),  # (the CLI sends absolute paths)

@@ -218,7 +218,8 @@ def _note(line: str) -> None:
 
 
 class _Quiet:
-    """No progress shown (--json, or stderr not a terminal)."""
+    """No progress shown (--json, or stderr not a terminal): transfer.engine's NoProgress,
+    without importing the engine to get it."""
 
     def start(self, total_bytes: int, what: str) -> None:
         pass

@@ -94,7 +94,20 @@ def _checked_endpoint(endpoint: str | None) -> str | None:
     return endpoint
 
 
+def local_root(url: str) -> Path | None:
+    """The directory a local store URL names (a path, or file://), absolute; None for any
+    other URL. A malformed one is the ValueError open_store raises for it."""
+    parsed = urlparse(url)
+    if parsed.scheme == "file":
+        return _file_root(url, parsed)
+    return _path_root(url) if parsed.scheme == "" else None
+
+
 def _file_store(url: str, parsed: ParseResult, options: StoreOptions) -> Store:
+    return LocalStore(_file_root(url, parsed), options.retry_policy(), options.pool_size)
+
+
+def _file_root(url: str, parsed: ParseResult) -> Path:
     if not parsed.netloc and not parsed.path:  # (file:// alone named the current directory)
         raise ValueError(f"file URL {url!r} names no path: file:///absolute/path")
     if parsed.netloc not in ("", "localhost"):
@@ -105,12 +118,14 @@ def _file_store(url: str, parsed: ParseResult, options: StoreOptions) -> Store:
             f"file URL {url!r} names a remote host ({parsed.netloc!r}): a local directory "
             f"is file:///absolute/path{alone}"
         )
-    return LocalStore(
-        Path(unquote(parsed.path)).absolute(), options.retry_policy(), options.pool_size
-    )
+    return Path(unquote(parsed.path)).absolute()
 
 
 def _path_store(url: str, parsed: ParseResult, options: StoreOptions) -> Store:
+    return LocalStore(_path_root(url), options.retry_policy(), options.pool_size)
+
+
+def _path_root(url: str) -> Path:
     scheme, sep, _ = url.partition("//")
     if sep and scheme in _MISTYPED_SCHEMES:
         # ``s3//bucket/x`` (the colon lost) would quietly become a local directory
@@ -119,10 +134,9 @@ def _path_store(url: str, parsed: ParseResult, options: StoreOptions) -> Store:
             f"that name: ./{url}"
         )
     try:
-        root = Path(url).expanduser().absolute()
+        return Path(url).expanduser().absolute()
     except RuntimeError:  # ~nosuchuser/x: Python says only "Could not determine home directory"
         raise ValueError(f"store path {url!r}: no such user's home directory") from None
-    return LocalStore(root, options.retry_policy(), options.pool_size)
 
 
 def _fsspec_store(url: str, parsed: ParseResult, options: StoreOptions) -> Store:

@@ -28,7 +28,7 @@ import threading
 import time
 from pathlib import Path
 from typing import Any
-from urllib.parse import unquote, urlsplit
+from urllib.parse import urlsplit
 
 from aiohttp import web
 
@@ -42,6 +42,7 @@ from agent.rpc.middleware import error_response, json_body, local_caller, requir
 from transfer.endpoint import endpoint_from_env
 from transfer.errors import FerryError
 from transfer.store.base import Store
+from transfer.store.url import local_root
 
 log = logging.getLogger(__name__)
 
@@ -60,8 +61,8 @@ _FIELDS = ("store_url", "endpoint_url", "dest_dir", "job", "step", "node", "expe
 
 
 async def post_pull(request: web.Request) -> web.StreamResponse:
-    app = request.app
-    if local_caller(request) is None:
+    app, uid = request.app, local_caller(request)
+    if uid is None:
         why = ("a pull into a path of this node is asked over the agent's local socket "
                "(local_socket), as the user the agent runs as")  # fmt: skip
         return error_response(403, why, "Forbidden")
@@ -92,7 +93,7 @@ async def post_pull(request: web.Request) -> web.StreamResponse:
     pulling = asyncio.ensure_future(
         cmd_pull(store, args, progress, options=options, say=progress.say)
     )
-    event(log, "local_pull", job=args.job, step=args.step, dest=key, uid=local_caller(request))
+    event(log, "local_pull", job=args.job, step=args.step, dest=key, uid=uid)
     pulling.add_done_callback(lambda done: _ended(done, args, key, locks))
     try:
         await _follow(request, response, pulling, progress, args.dest_dir)
@@ -240,26 +241,20 @@ def _tier(app: web.Application, url: str, endpoint: object) -> Store | str:
 
 
 def same_store(a: str, b: str) -> bool:
-    """Whether two store URLs name one store: two local ones (a path, or file:// without a
-    host) by their real paths; any other two by scheme, bucket and prefix, exactly (but
-    for slashes at the ends)."""
-    local = [_local_path(u) for u in (a, b)]
+    """Whether two store URLs name one store: two local ones (a path, or file://, as
+    open_store reads them; relative: to the agent's working directory, as its own tiers'
+    are) by their real paths; any other two by scheme, bucket and prefix, exactly (but for
+    slashes at the ends)."""
+    try:
+        local = [local_root(u) for u in (a, b)]
+    except ValueError:  # (a malformed one names no tier)
+        return False
     if local[0] is not None and local[1] is not None:
         return os.path.realpath(local[0]) == os.path.realpath(local[1])
     if local[0] is not None or local[1] is not None:
         return False
     pa, pb = urlsplit(a), urlsplit(b)
     return (pa.scheme, pa.netloc, pa.path.strip("/")) == (pb.scheme, pb.netloc, pb.path.strip("/"))
-
-
-def _local_path(url: str) -> str | None:
-    """The path a local store URL names (relative: to the agent's working directory, as its
-    own tiers' are; the CLI sends absolute ones), or None."""
-    parts = urlsplit(url)
-    if parts.scheme == "file":  # (decoded, as open_store decodes it)
-        path = unquote(parts.path)
-        return path if not parts.netloc and os.path.isabs(path) else None
-    return None if "://" in url else url
 
 
 def _why_not_here(seen: object, dest: Path) -> str | None:
