@@ -51,6 +51,9 @@ are checked against the load of k+1 itself.
 ``--write-path``: how the agents' and the CLI's restores write (``warm``, ``direct``, ``buffered``,
 ``auto``; default: the product's own default), to compare the write paths' whole waits.
 
+``--cases prefetch,ferry pull via``: only the cases whose names contain one of these (with
+``s5cmd cp`` and ``s5cmd cp + sync``, which every ratio needs): shorter runs for A/B work.
+
 ``--link RATE`` (root): every case's transfers over a link shaped to RATE each way (e.g.
 ``2gbit``; bench/shaped_link.py's veth pair and ``tc tbf``): the agents, ``s5cmd`` and the
 CLI run in a network namespace and reach the S3 server on the host end, as a node reads
@@ -167,10 +170,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--fresh-targets", action="store_true",
                     help="make the state_dict inside the timed load, untouched (default: in "
                          "memory before the clock, as a training process's state is)")  # fmt: skip
+    ap.add_argument("--cases", default=None, metavar="NAME,...",
+                    help="only the cases whose names contain one of these (comma-separated; "
+                         f"{PLAIN!r} and {SYNCED!r} always run: the ratios need them)")  # fmt: skip
     ap.add_argument("--out-dir", type=Path, default=Path(__file__).resolve().parent / "results")
     ap.add_argument("--out-stem", default=None,
                     help="results file name (default decision_to_loaded[_busy])")  # fmt: skip
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    args.cases = chosen_cases(args.cases)
+    if not args.cases:
+        ap.error("--cases: no case's name contains any of those")
+    return args
+
+
+def chosen_cases(names: str | None) -> tuple[str, ...]:
+    """The cases ``--cases`` names (a substring of each), in CASES order, with the plain
+    tool's two; every case without it."""
+    if names is None:
+        return CASES
+    wanted = [n.strip() for n in names.split(",") if n.strip()]
+    picked = tuple(c for c in CASES if any(w in c for w in wanted))
+    return tuple(c for c in CASES if c in picked or c in (PLAIN, SYNCED)) if picked else ()
 
 
 def meminfo(field: str) -> int:
@@ -471,8 +491,9 @@ def load_alone(loaders: list[subprocess.Popen[str]], disk: Path, limit: float) -
 async def one_run(bench: Bench, rnd: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The load of k+1 alone (torch's reader, then LocalReader), cold and warm, then every
     case, the order rotated by ``rnd``."""
-    shift = (rnd - 1) % len(CASES)
-    order = CASES[shift:] + CASES[:shift]
+    cases = bench.args.cases
+    shift = (rnd - 1) % len(cases)
+    order = cases[shift:] + cases[:shift]
     loaders = start_loaders(bench, [ALONE_TORCH] * 2 + [ALONE_LOCAL] * 2 + list(order))
     try:
         cold, warm = load_alone(loaders[:2], bench.work, bench.args.settle_limit)
@@ -515,11 +536,12 @@ async def measure(
 ) -> dict[str, Any]:
     k, k1 = saves(args.series)[-2:]
     bench = Bench(args, ep, work, f"d2l-{os.getpid()}-{int(time.time())}", k, k1, link)
+    cases = args.cases
     doc: dict[str, Any] = {"series": str(args.series), "k": k.name, "k1": k1.name,
-                           "raw_bytes": bench.raw_bytes, "cases": list(CASES),
+                           "raw_bytes": bench.raw_bytes, "cases": list(cases),
                            "runs": args.runs, "rows": [], "load_alone": [],
                            "link": link.rate, "fresh_targets": args.fresh_targets,
-                           "local_loaded": [c for c in CASES if bench.local_load(c)]}  # fmt: skip
+                           "local_loaded": [c for c in cases if bench.local_load(c)]}  # fmt: skip
     try:
         await bench.setup()
         with contextlib.ExitStack() as stack:

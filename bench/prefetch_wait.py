@@ -52,12 +52,17 @@ async def long_polled(client: FerryClient, prefetch_id: str) -> dict[str, Any]:
 
 
 def small_step(save: Path, into: Path) -> Path:
-    """A step of one 1 MiB file: the first MiB of ``save``'s largest file."""
+    """A real one-tensor DCP save of 1 MiB: the first MiB of ``save``'s largest file, as
+    fp32 (a push refuses shards without their ``.metadata``, or shorter than it says)."""
+    import torch
+
+    from bench.gen_checkpoints import dcp_save
+
     largest = max((p for p in save.iterdir() if p.is_file()), key=lambda p: p.stat().st_size)
-    step = into / "step_000001"
-    step.mkdir(parents=True)
     with open(largest, "rb") as fh:
-        (step / "__0_0.distcp").write_bytes(fh.read(1 << 20))
+        weights = torch.frombuffer(bytearray(fh.read(1 << 20)), dtype=torch.float32)
+    step = into / "step_000001"
+    dcp_save({"w": weights}, step)
     return step
 
 

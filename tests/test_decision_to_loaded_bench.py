@@ -52,3 +52,47 @@ def test_every_case_fetches_and_loads_the_next_step(tmp_path: Path) -> None:
     md = (out / "decision_to_loaded.md").read_text()
     for case in decision_to_loaded.CASES:
         assert f"| {case} |" in md
+
+
+def test_cases_filter_keeps_the_plain_tool_for_the_ratios() -> None:
+    from bench import decision_to_loaded as d2l
+
+    assert d2l.chosen_cases(None) == d2l.CASES
+    picked = d2l.chosen_cases("prefetch, via its agent")
+    assert picked == (
+        "prefetch holding k",
+        "prefetch, empty node",
+        d2l.PLAIN,
+        d2l.SYNCED,
+        d2l.VIA_AGENT + " holding k",
+        d2l.VIA_AGENT + ", cold",
+    )
+    assert d2l.chosen_cases("nothing like it") == ()
+    with pytest.raises(SystemExit):  # a usage error, not an empty run
+        d2l.parse_args(["series", "--cases", "nothing like it"])
+
+
+@pytest.mark.timeout(120)
+def test_prefetch_wait_small_step_is_a_save_a_push_takes(tmp_path: Path) -> None:
+    """bench/prefetch_wait.py's 1 MB step: a push refused its first form (shards with no
+    ``.metadata``), and the bench stopped at its first push."""
+    import asyncio
+
+    from bench.prefetch_wait import small_step
+    from transfer.engine import push
+    from transfer.store import StoreOptions, open_store
+
+    save = tmp_path / "save"
+    dcp.save({"w": torch.randn(1 << 19)}, checkpoint_id=str(save), no_dist=True)  # 2 MiB
+    step = small_step(save, tmp_path / "small")
+    (tmp_path / "store").mkdir()
+
+    async def push_it() -> int:
+        store = open_store(str(tmp_path / "store"), StoreOptions())
+        try:
+            return (await push(store, step, job="j", step=1, node="n")).bytes_raw
+        finally:
+            await store.close()
+
+    pushed = asyncio.run(push_it())
+    assert 1 << 20 <= pushed < (1 << 20) + (64 << 10)  # the MiB and its .metadata
