@@ -80,11 +80,13 @@ def test_prefetch_wait_small_step_is_a_save_a_push_takes(tmp_path: Path) -> None
 
     from bench.prefetch_wait import small_step
     from transfer.engine import push
+    from transfer.engine.dcp import metadata_trouble
     from transfer.store import StoreOptions, open_store
 
     save = tmp_path / "save"
     dcp.save({"w": torch.randn(1 << 19)}, checkpoint_id=str(save), no_dist=True)  # 2 MiB
     step = small_step(save, tmp_path / "small")
+    assert metadata_trouble(step) is None  # what `ferry push` checks first
     (tmp_path / "store").mkdir()
 
     async def push_it() -> int:
