@@ -418,6 +418,35 @@ def test_destination_must_be_new_or_empty(
     assert ferry(["pull", local_url, str(empty), "--job", "j"]) == 0
 
 
+def test_a_pull_run_again_into_its_own_restore_finds_it_whole(
+    local_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A pull killed once its restore was in place, then run again, said "not empty" (a
+    newcomer's trial): the step already there, every chunk checked, is success with
+    nothing fetched; a destination that differs in one byte is still refused, untouched."""
+    src = pushed(local_url, tmp_path, capsys)
+    dest = tmp_path / "restored"
+    assert ferry(["pull", local_url, str(dest), "--job", "j"]) == 0
+    capsys.readouterr()
+    (dest / "notes.txt").write_text("the user's own")  # (a file beside the step's is fine)
+    assert ferry(["pull", local_url, str(dest), "--job", "j", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["already_there"] is True and doc["bytes_transferred"] == 0
+    assert ferry(["pull", local_url, str(dest), "--job", "j"]) == 0
+    assert "already holds j step 7" in capsys.readouterr().out
+    (dest / "notes.txt").unlink()
+    assert tree_bytes(dest) == tree_bytes(src)
+
+    victim = next(p for p in sorted(dest.iterdir()) if p.stat().st_size > 0)
+    changed = bytearray(victim.read_bytes())
+    changed[-1] ^= 0xFF
+    victim.write_bytes(changed)
+    before = tree_bytes(dest)
+    err = ferry_fails(capsys, "pull", local_url, str(dest), "--job", "j")
+    assert "is not empty, and not j step 7" in err and f"{victim.name}: bytes at" in err
+    assert tree_bytes(dest) == before
+
+
 def test_repush_with_different_content_is_refused(
     local_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -321,6 +321,13 @@ async def cmd_pull(
         )
         with contextlib.suppress(FerryError):  # (so that no later reader tries it first)
             await drop_common_index(store, args.job, manifests[0].step)
+    if r.already_there:  # (a pull run again after one killed once its restore was in place)
+        line = (
+            f"{r.dest} already holds {r.job} step {r.step} ({len(r.nodes)} part(s)): "
+            f"{r.files} files, {human(r.bytes_raw)}, every chunk read back and verified; "
+            "nothing fetched"
+        )
+        return r.to_dict(), line
     what = f"{human(r.bytes_raw)}"
     if share is not None:
         of = f"ranks {args.ranks} of {args.world_size}" if share.layout else "the items listed"

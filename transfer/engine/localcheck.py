@@ -8,12 +8,19 @@ from pathlib import Path
 
 from transfer.engine.parts import merge_parts
 from transfer.engine.resolver import read_local_chunk
-from transfer.format.manifest import Manifest
+from transfer.format.manifest import FileEntry, Manifest
 
 
 def _differences(root: Path, manifests: list[Manifest]) -> list[str]:
+    return file_differences(root, [entry for entry, _ in merge_parts(manifests)])
+
+
+def file_differences(root: Path, files: list[FileEntry]) -> list[str]:
+    """One line per file of ``files`` that ``root`` does not hold with identical bytes
+    (the first chunk that differs ends a file's check: one of a different checkpoint
+    costs a chunk per file, not a read of it all)."""
     problems = []
-    for entry, _ in merge_parts(manifests):
+    for entry in files:
         path = root / entry.path  # validated relative path
         try:
             size = os.stat(path, follow_symlinks=False).st_size

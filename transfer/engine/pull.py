@@ -29,13 +29,14 @@ from transfer.engine.chunkindex import ChunkIndex, StoredChunk
 from transfer.engine.dcp import MAX_METADATA_BYTES, METADATA
 from transfer.engine.dcpshare import overlaps
 from transfer.engine.fetch import fetch_chunks
+from transfer.engine.localcheck import file_differences
 from transfer.engine.parts import check_files_whole, merge_parts
 from transfer.engine.progress import Progress
 from transfer.engine.pullplan import PullEvents, PullPlan, merged_files
 from transfer.engine.ratelimit import RateLimit
 from transfer.engine.resolver import ChunkResolver, read_local_into
 from transfer.engine.scan import check_base_dir
-from transfer.engine.settle import boot_id
+from transfer.engine.settle import boot_id, fsync_tree
 from transfer.engine.share import Share, write_record
 from transfer.engine.sources import ChunkSource, LocalBase, Sources
 from transfer.engine.staging import (
@@ -49,7 +50,7 @@ from transfer.engine.staging import (
 from transfer.engine.taskgroup_errors import one_error
 from transfer.engine.workers import run_workers
 from transfer.engine.writepath import restore_path
-from transfer.errors import FerryError
+from transfer.errors import DestinationError, FerryError
 from transfer.format.chunkid import chunk_id
 from transfer.format.manifest import FileEntry, Manifest
 from transfer.format.names import step_from_dirname
@@ -91,6 +92,8 @@ class PullResult:
     #: progress: their ratio is the rate the disk took them at (writeprobe.write_rate)
     bytes_written: int = 0
     write_busy_seconds: float = 0.0
+    #: the destination held the step already, every chunk checked: nothing was written
+    already_there: bool = False
 
     def to_dict(self) -> dict[str, object]:
         return dict(self.__dict__)
@@ -127,6 +130,9 @@ async def pull(
     # the caller's merge only with the caller's manifests (without them, files are stale)
     merged = plan.files if plan.manifests and plan.files is not None else merged_files(manifests)
     files, targets, hints, clips, covered = _plan_writes(merged, share)
+    what = f"{manifests[0].job} step {manifests[0].step}"
+    if share is None and await _to_thread_to_the_end(_holds_already, dest, files, what, plan.fsync):
+        return _already_there(manifests, files, dest, time.monotonic() - started)
     staging = await _to_thread_to_the_end(open_staging, dest)
     async with _kept_if_resumable(staging):
         await _to_thread_to_the_end(create_files, staging, files, targets)
@@ -166,6 +172,41 @@ async def pull(
         result.share = {k: record[k] for k in ("layout", "bytes")}
         result.share["chunk_bytes"] = covered
     return result
+
+
+def _holds_already(dest: Path, files: list[FileEntry], what: str, fsync: bool) -> bool:
+    """Whether ``dest``, not empty, already holds every file of the step (``what``) with
+    identical bytes, every chunk read back and hash-checked: a pull run again after one
+    that was killed once its restore was in place (or run twice) finds its work done.
+    Any other non-empty directory is refused, with its first difference. Made durable
+    when ``fsync`` asks."""
+    if dest.is_symlink() or not dest.is_dir() or not any(dest.iterdir()):
+        return False  # (open_staging says what is wrong with a link or a file)
+    problems = file_differences(dest, files)
+    if problems:
+        more = f", and {len(problems) - 1} more" if len(problems) > 1 else ""
+        raise DestinationError(
+            f"{dest} is not empty, and not {what} ({problems[0]}{more}); pull into a new or "
+            "empty directory"
+        )
+    if fsync:
+        fsync_tree(dest)
+    return True
+
+
+def _already_there(
+    manifests: list[Manifest], files: list[FileEntry], dest: Path, seconds: float
+) -> PullResult:
+    chunks = sum(len(f.chunks) for f in files)
+    return PullResult(
+        job=manifests[0].job, step=manifests[0].step,
+        nodes=[m.node for m in manifests if m.node != COMMON_NODE],
+        files=len(files), bytes_raw=sum(f.size for f in files), bytes_transferred=0,
+        chunks_total=chunks, chunks_deduped=chunks, chunks_local=0, chunks_resumed=0,
+        base_dir=None, bases_local=0, bytes_from_source=0, chunks_delta=0, chunks_raw=0,
+        encode_seconds=0.0, stage_seconds={}, seconds=seconds, dest=str(dest.absolute()),
+        already_there=True,
+    )  # fmt: skip
 
 
 @contextlib.asynccontextmanager
