@@ -7,13 +7,15 @@ from __future__ import annotations
 import fcntl
 import os
 import shutil
+import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from tests.conftest import adamw_series, open_test_store, run, tree_bytes
-from transfer.engine import PullPlan, pull, push
+from transfer.engine import PullEvents, PullPlan, pull, push
 from transfer.engine.settle import settle
 from transfer.engine.staging import RESUME_KEEP_SECONDS, sweep_stale_staging
 from transfer.options import TransferOptions
@@ -129,3 +131,94 @@ def test_an_interrupted_restore_says_so_when_it_keeps_its_staging(
     with caplog.at_level("WARNING"), pytest.raises(asyncio.CancelledError):
         run(stopped())
     assert "the same pull resumes from it (interrupted)" in caplog.text, caplog.text
+
+
+def _pull_in_a_thread(url: str, dest: Path) -> tuple[threading.Thread, dict[str, Any]]:
+    """A pull into ``dest`` running in a thread; ``out``: its result or error, and the
+    staging path it said it waits for (``waiting``) as soon as it says it."""
+    out: dict[str, Any] = {"told": threading.Event()}
+
+    def waiting(path: Path) -> None:
+        out["waiting"] = path
+        out["told"].set()
+
+    def go() -> None:
+        try:
+            events = PullEvents(waiting=waiting)
+            out["result"] = run(
+                pull(open_test_store(url), dest, PullPlan("j", 1), None, events, OPTS)
+            )
+        except BaseException as exc:  # (handed to the test)
+            out["error"] = exc
+
+    thread = threading.Thread(target=go)
+    thread.start()
+    return thread, out
+
+
+def _held(path: Path) -> int:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # as a living restore into the same destination holds it
+    return fd
+
+
+@pytest.mark.timeout(60)
+def test_a_pull_waits_for_a_restore_into_the_same_place_then_takes_up_what_it_left(
+    tmp_path: Path,
+) -> None:
+    """A second pull started beside a running one (or one still cleaning up after a Ctrl-C)
+    made a second staging directory, moved every byte again, and the directory that lost
+    the rename stayed behind for ever. Now it waits, then adopts what the first left."""
+    url, k0 = _store_with(tmp_path)
+    dest = tmp_path / "out" / "step_000001"
+    dest.parent.mkdir()
+    left = _leftover_of(dest, k0)
+    fd = _held(left)
+    try:
+        thread, out = _pull_in_a_thread(url, dest)
+        assert out["told"].wait(30), out
+        assert out["waiting"] == left
+        time.sleep(0.5)  # still waiting: nothing beside the held one, nothing landed
+        assert sorted(dest.parent.iterdir()) == [left]
+    finally:
+        os.close(fd)  # the first one ends (cancelled: its staging kept for the next)
+    thread.join(30)
+    result = out["result"]
+    assert result.chunks_resumed == result.chunks_total and result.bytes_transferred == 0
+    assert tree_bytes(dest) == tree_bytes(k0)
+    settle(dest.parent)
+    assert sorted(p.name for p in dest.parent.iterdir()) == ["step_000001"]
+
+
+@pytest.mark.timeout(60)
+def test_a_pull_waiting_for_one_that_lands_finds_the_step_there(tmp_path: Path) -> None:
+    url, k0 = _store_with(tmp_path)
+    dest = tmp_path / "out" / "step_000001"
+    dest.parent.mkdir()
+    left = _leftover_of(dest, k0)
+    fd = _held(left)
+    try:
+        thread, out = _pull_in_a_thread(url, dest)
+        assert out["told"].wait(30), out
+        os.rename(left, dest)  # the first one lands (its seal), then lets go
+    finally:
+        os.close(fd)
+    thread.join(30)
+    result = out["result"]
+    assert result.already_there and result.bytes_transferred == 0, result
+    assert tree_bytes(dest) == tree_bytes(k0)
+    assert sorted(p.name for p in dest.parent.iterdir()) == ["step_000001"]
+
+
+def test_a_pull_that_lands_sweeps_older_leftovers_of_its_destination(tmp_path: Path) -> None:
+    url, k0 = _store_with(tmp_path)
+    dest = tmp_path / "out" / "step_000001"
+    dest.parent.mkdir()
+    older = _leftover_of(dest, k0, "0000000a")
+    then = time.time() - 60
+    os.utime(older, (then, then))
+    _leftover_of(dest, k0, "0000000b")  # the newest: adopted
+    result = run(pull(open_test_store(url), dest, PullPlan("j", 1), options=OPTS))
+    assert result.chunks_resumed == result.chunks_total
+    settle(dest.parent)
+    assert sorted(p.name for p in dest.parent.iterdir()) == ["step_000001"]

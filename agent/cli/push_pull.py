@@ -276,6 +276,11 @@ async def cmd_pull(
             say(f"ferry: {found.dest}: restored before the last reboot and not whole on the "
                 f"disk ({found.why}): moved to {found.moved_to}; pull it again")  # fmt: skip
     expected = tuple(check_name("node", n) for n in args.expected_nodes.split(",") if n)
+
+    def waiting(staging: Path) -> None:
+        say(f"ferry pull: another pull into {args.dest_dir} is running (it holds {staging}): "
+            "waiting for it, then taking up what it leaves")  # fmt: skip
+
     import contextlib
 
     from transfer.engine.catalog import missing
@@ -299,7 +304,8 @@ async def cmd_pull(
             sources = Sources(base_dir=args.base_dir, base_manifests=base_manifests)
             try:
                 r = await pull(
-                    store, args.dest_dir, plan, sources, PullEvents(progress=progress),
+                    store, args.dest_dir, plan, sources,
+                    PullEvents(progress=progress, waiting=waiting),
                     options or transfer_options(args),
                 )  # fmt: skip
                 break

@@ -41,8 +41,10 @@ from transfer.engine.share import Share, write_record
 from transfer.engine.sources import ChunkSource, LocalBase, Sources
 from transfer.engine.staging import (
     Staging,
+    StagingBusy,
     StagingFiles,
     create_files,
+    discard_leftovers,
     open_staging,
     seal,
     worth_resuming,
@@ -131,9 +133,9 @@ async def pull(
     merged = plan.files if plan.manifests and plan.files is not None else merged_files(manifests)
     files, targets, hints, clips, covered = _plan_writes(merged, share)
     what = f"{manifests[0].job} step {manifests[0].step}"
-    if share is None and await _to_thread_to_the_end(_holds_already, dest, files, what, plan.fsync):
+    staging = await _staging_unless_there(dest, files, what, share is None, plan.fsync, events)
+    if staging is None:
         return _already_there(manifests, files, dest, time.monotonic() - started)
-    staging = await _to_thread_to_the_end(open_staging, dest)
     async with _kept_if_resumable(staging):
         await _to_thread_to_the_end(create_files, staging, files, targets)
         events.progress.start(sum(f.size for f in files), "pull")
@@ -163,6 +165,8 @@ async def pull(
             await _to_thread_to_the_end(write_record, staging.path, *job_step, share)
         whole = share is None
         await _to_thread_to_the_end(seal, staging.path, files, dest, plan.fsync, whole)
+    # (older leftovers of this destination: nothing will adopt them now that it exists)
+    await asyncio.to_thread(discard_leftovers, dest)
     events.progress.finish()
     result = run.result(manifests, got, base_dir, dest, time.monotonic() - started)
     result.write_path = how
@@ -172,6 +176,30 @@ async def pull(
         result.share = {k: record[k] for k in ("layout", "bytes")}
         result.share["chunk_bytes"] = covered
     return result
+
+
+#: how often a restore waiting for another into the same destination looks again
+WAIT_POLL_SECONDS = 0.2
+
+
+async def _staging_unless_there(
+    dest: Path, files: list[FileEntry], what: str, whole: bool, fsync: bool, events: PullEvents
+) -> Staging | None:
+    """The staging directory to restore into, or None when ``dest`` holds the step
+    already (``whole``: a pull of the whole step, not a share). While another restore into
+    ``dest`` is running (or cleaning up after its cancellation), waits for it, telling
+    ``events.waiting`` once: then adopts what it left, or finds ``dest`` whole."""
+    told = False
+    while True:
+        if whole and await _to_thread_to_the_end(_holds_already, dest, files, what, fsync):
+            return None
+        try:
+            return await _to_thread_to_the_end(open_staging, dest)
+        except StagingBusy as busy:
+            if not told:
+                events.waiting(busy.path)
+                told = True
+        await asyncio.sleep(WAIT_POLL_SECONDS)
 
 
 def _holds_already(dest: Path, files: list[FileEntry], what: str, fsync: bool) -> bool:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from transfer.engine.parts import merge_parts
 from transfer.engine.progress import NoProgress, Progress
@@ -56,14 +57,21 @@ def _ignore_moved(origin: str, nbytes: int) -> None:
     pass
 
 
+def _ignore_waiting(staging: Path) -> None:
+    pass
+
+
 @dataclass(frozen=True)
 class PullEvents:
     """What a pull tells its caller as it goes; each does nothing unless given.
     ``progress``: the bytes restored, whatever their source. ``landed(id, (file, offset,
     size))``: a chunk written and verified in the staging dir (told from a worker thread;
     a fan-out serves it from there). ``moved(origin, n)``: bytes as they move, from
-    ``"store"`` or the chunk source's origin (live progress per source)."""
+    ``"store"`` or the chunk source's origin (live progress per source). ``waiting(path)``:
+    once, when the pull waits for another restore into the same destination (its staging
+    directory ``path`` locked) before it starts."""
 
     progress: Progress = field(default_factory=NoProgress)
     landed: Callable[[str, Location], None] = _ignore_landed
     moved: Callable[[str, int], None] = _ignore_moved
+    waiting: Callable[[Path], None] = _ignore_waiting

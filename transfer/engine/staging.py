@@ -5,8 +5,13 @@ A restore that dies (killed, the store down, cancelled) leaves its staging direc
 behind, and the next restore into the same destination adopts it: what it already holds is
 hash-checked in place and only the rest is fetched (``PullResult.chunks_resumed``). Each
 restore holds an ``flock`` on its staging directory, so a leftover is adopted only when no
-living process writes it; a leftover is swept when its destination exists, when it is
-older than ``RESUME_KEEP_SECONDS``, or when a newer one of the same destination is kept.
+living process writes it. A restore that finds one locked (another restore into the same
+destination is running, or still cleaning up after its cancellation) does not start a
+second one beside it (``StagingBusy``: pull.py waits, then adopts it or finds the
+destination whole); a second one made the same bytes move twice, and the one that lost the
+rename was left behind for ever. A leftover is swept when its destination exists (a
+restore that lands sweeps its destination's), when it is older than
+``RESUME_KEEP_SECONDS``, or when a newer one of the same destination is kept.
 """
 
 from __future__ import annotations
@@ -42,6 +47,15 @@ RESUME_KEEP_SECONDS = 24 * 3600.0
 _SUFFIX = re.compile(r"[0-9a-f]{8}\Z")  # a restore's own staging (not fill-/unsynced- ones)
 
 
+class StagingBusy(FerryError):
+    """A living restore into the same destination holds ``path`` (its staging directory):
+    wait for it rather than start a second one."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(f"another restore into {path.parent} is writing {path.name}")
+        self.path = path
+
+
 @dataclass
 class Staging:
     path: Path
@@ -73,26 +87,33 @@ def leftovers(dest: Path) -> list[Path]:
 
 def open_staging(dest: Path) -> Staging:
     """The staging directory for a restore into ``dest``: the newest unlocked leftover of an
-    earlier one, or a new directory; locked until ``release``."""
+    earlier one, or a new directory; locked until ``release``. ``StagingBusy`` when a
+    living restore into ``dest`` holds a leftover (and none is free to adopt)."""
     dest = dest.absolute()
     if dest.is_symlink() or (dest.exists() and not dest.is_dir()):
         raise DestinationError(f"{dest} exists and is not a directory")
     if dest.is_dir() and any(dest.iterdir()):
         raise DestinationError(f"{dest} is not empty; pull into a new or empty directory")
+    busy = None
     for leftover in leftovers(dest):
-        fd = _lock(leftover)
-        if fd is not None:
-            os.utime(leftover)  # its age counts from this restore now
-            return Staging(leftover, True, fd)
+        try:
+            fd = _take(leftover)
+        except (BlockingIOError, FileNotFoundError):  # (gone: renamed into place just now)
+            busy = busy or leftover
+            continue
+        except OSError:
+            continue  # not ours to open: nothing to adopt, nor to wait for
+        os.utime(leftover)  # its age counts from this restore now
+        return Staging(leftover, True, fd)
+    if busy is not None:
+        raise StagingBusy(busy)
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
         path = staging_path(dest)
         path.mkdir(mode=0o700)
     except OSError as exc:
         raise DestinationError(f"cannot create {dest}: {exc.strerror or exc}") from None
-    fd = _lock(path)
-    assert fd is not None  # nobody else knows its name yet
-    return Staging(path, False, fd)
+    return Staging(path, False, _take(path))  # (nobody else knows its name yet)
 
 
 def discard_leftovers(dest: Path) -> list[Path]:
@@ -113,15 +134,21 @@ def _remove_unless_locked(path: Path) -> bool:
 
 
 def _lock(path: Path) -> int | None:
+    """``path`` locked (its descriptor), or None: held by a living restore, or gone."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        return _take(path)
     except OSError:
         return None
+
+
+def _take(path: Path) -> int:
+    """``path`` opened and locked; BlockingIOError when a living restore holds it."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:  # a living restore holds it
+    except OSError:
         os.close(fd)
-        return None
+        raise
     return fd
 
 
