@@ -103,6 +103,37 @@ def test_a_pull_through_the_agent_is_the_agents_and_restores_the_step_exactly(
     assert node.logs(tail=10**6).count("local_pull ") == 5
 
 
+def test_the_agents_own_copy_of_an_earlier_step_is_the_base_when_the_caller_gives_none(
+    tmp_path: Path, s3_url: str, series: list[Path]
+) -> None:
+    """The agent's hot dir holds step 20 (as training saved it there): a pull of step 40
+    through the agent reads what it can there, as its prefetches do, and fetches the rest;
+    a base the caller names is used as named."""
+    node, sock = agent_on(tmp_path, s3_url, FERRY_QUIET_SECONDS="3600")
+    shutil.copytree(series[0], node.hot / "llm" / series[0].name)
+    with running(node):
+        cold = ferry_pull(s3_url, tmp_path / "cold", "--step", "40", "--json", sock=None)
+        got = ferry_pull(s3_url, tmp_path / "k1", "--step", "40", "--json", sock=sock)
+        assert got.returncode == 0, got.stderr + node.logs()
+        doc = json.loads(got.stdout)
+        assert doc["through_agent"] == str(sock)
+        assert doc["base_dir"] == str(node.hot / "llm" / series[0].name)
+        assert doc["chunks_local"] + doc["bases_local"] > 0, doc
+        assert doc["bytes_transferred"] < json.loads(cold.stdout)["bytes_transferred"]
+        assert tree_bytes(tmp_path / "k1") == tree_bytes(series[1])
+        # the step itself held: nothing to fetch at all
+        got = ferry_pull(s3_url, tmp_path / "k", "--step", "20", "--json", sock=sock)
+        doc = json.loads(got.stdout)
+        assert doc["bytes_transferred"] == 0 and doc["chunks_local"] > 0, doc
+        assert tree_bytes(tmp_path / "k") == tree_bytes(series[0])
+        # the caller's own base wins (an empty one: everything fetched)
+        (tmp_path / "step_000010").mkdir()
+        got = ferry_pull(s3_url, tmp_path / "k2", "--step", "40", "--json", "--base-dir",
+                         str(tmp_path / "step_000010"), sock=sock)  # fmt: skip
+        doc = json.loads(got.stdout)
+        assert doc["base_dir"] == str(tmp_path / "step_000010") and doc["chunks_local"] == 0
+
+
 def test_what_the_agent_does_not_serve_is_pulled_here_after_a_line(
     tmp_path: Path,
     s3_url: str,

@@ -6,7 +6,10 @@ restore left, the imports done and the write path its start-up probe chose. It a
 callers on the local socket who run as its own user (agent/rpc/middleware.py), only for a
 store that is one of its tiers (its credentials and endpoint), and only when it sees the
 destination's directory as the caller does (the same device and inode: a caller in another
-mount namespace sees other paths). The CLI pulls by itself otherwise.
+mount namespace sees other paths). The CLI pulls by itself otherwise. Without a
+``--base-dir`` of the caller's, the agent's own newest copy of the job at or before the
+step asked (its hot dir: what training saved here, or a prefetch restored) is the base, as
+for its prefetches: the chunks it holds are read there and hash-checked, not fetched.
 
 The answer streams one JSON object per line (application/x-ndjson): ``{"start": [bytes,
 what]}``, ``{"advance": bytes}`` (at most every PROGRESS_SECONDS), ``{"say": line}`` (the
@@ -38,7 +41,13 @@ from agent.cli.viaagent import nearest_dir
 from agent.daemon.logs import event
 from agent.rpc.appkeys import CONFIG, LOCAL_PULLS, PREFETCHER, STOPPING, TIERS
 from agent.rpc.limits import DestLocks
-from agent.rpc.middleware import error_response, json_body, local_caller, required
+from agent.rpc.middleware import (
+    error_response,
+    json_body,
+    local_caller,
+    parse_step_arg,
+    required,
+)
 from transfer.endpoint import endpoint_from_env
 from transfer.errors import FerryError
 from transfer.store.base import Store
@@ -70,6 +79,8 @@ async def post_pull(request: web.Request) -> web.StreamResponse:
         return error_response(503, "the agent is stopping", "AgentStopping")
     body = await json_body(request, _FIELDS)
     args = _args(body)
+    if args.base_dir is None:  # (the caller's own, if given, is used as given)
+        args.base_dir = await asyncio.to_thread(_held_base, app, args.job, args.step)
     store = await asyncio.to_thread(_tier, app, args.store_url, body.get("endpoint_url"))
     if isinstance(store, str):
         return error_response(404, store, "NotATier")
@@ -147,6 +158,19 @@ async def _follow(
     else:
         await _send(response, [{"result": doc, "line": line}])
     await response.write_eof()
+
+
+def _held_base(app: web.Application, job: str, step: str) -> Path | None:
+    """The agent's newest whole copy of ``job`` at or before ``step`` ("latest": any), the
+    base its prefetches start from; None when it holds none (or the job's name is not one
+    the hot dir takes: the pull refuses it in its own words)."""
+    try:
+        held = app[PREFETCHER].hot_dir.checkpoints(job)
+        asked = parse_step_arg(step)
+    except (FerryError, ValueError, OSError):
+        return None
+    usable = [c for c in held if asked is None or c.step <= asked]
+    return max(usable, key=lambda c: c.step).path if usable else None
 
 
 def _key_of(dest: Path) -> str:
