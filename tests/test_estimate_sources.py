@@ -289,6 +289,38 @@ def test_auto_writes_buffered_only_where_the_page_cache_is_the_cheaper_way(
     auto_probe_and_estimate(local_url, tmp_path, caplog)
 
 
+def test_a_probe_slowed_by_other_work_at_start_does_not_choose_the_write_path(
+    local_url: str,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Three agents started together on one disk probed it buffered at 148 MB/s, 174 MB/s
+    and 3.5 GB/s, and two of them then wrote every restore the slower way. ``auto`` probes
+    each way WRITE_PROBE_ROUNDS times in turn and keeps the best of each: a first buffered
+    probe slowed by the start's other work (its rate scripted here: contention cannot be
+    made to order) no longer decides. The probes themselves are real writes."""
+    from agent.node import prefetch as prefetch_module
+
+    real_probe = prefetch_module.probe_write
+    slowed = iter([20.0])  # the first buffered probe: 20x its real time
+    calls: list[bool] = []
+
+    def probe(directory: Path, *, direct: bool, workers: int, nbytes: int) -> tuple[int, float]:
+        calls.append(direct)
+        written, _ = real_probe(directory, direct=direct, workers=workers, nbytes=nbytes)
+        if direct:
+            return written, written / 1e9  # a disk of 1 GB/s direct
+        return written, written / 3e9 * next(slowed, 1.0)  # the page cache: 3 GB/s
+
+    monkeypatch.setattr(prefetch_module, "probe_write", probe)
+    fields, _ = auto_probe_and_estimate(local_url, tmp_path, caplog)
+    rounds = prefetch_module.WRITE_PROBE_ROUNDS
+    assert rounds >= 2 and calls == [True, False] * rounds
+    assert fields["rounds"] == rounds and fields["page_cache_first"] is True, fields
+    assert abs(fields["rate_buffered"] - 3e9) <= 1 and abs(fields["rate_direct"] - 1e9) <= 1
+
+
 @pytest.mark.skipif(
     os.geteuid() != 0 or not BLKIO.is_dir(), reason="a slow disk: the cgroup-v1 blkio throttle"
 )

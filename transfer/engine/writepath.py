@@ -4,7 +4,8 @@ whether it is left in the page cache for the load that follows.
 What comes next decides (issue 32): the training process loads the restored checkpoint at
 once. The four ways (the ``write_path`` tunable):
 
-- ``"auto"`` (the default): on an agent, which probes both ways of writing at its start,
+- ``"auto"`` (the default): on an agent, which probes both ways of writing at its start
+  (a few rounds, the best of each: agent/node/prefetch.py ``measure_disk``),
   buffered where the page cache took the bytes at least as fast as the device (a slow
   disk, or cheap memory: ``TransferOptions.page_cache_first``), else warm. The one-shot
   CLI does not probe (64 MiB written twice per command would cost more than it saves):
