@@ -20,6 +20,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -328,6 +329,47 @@ def test_an_agent_stopping_mid_pull_leaves_it_to_the_caller(
         assert "through the agent" not in out
         assert tree_bytes(tmp_path / "d") == tree_bytes(series[0])
         assert node.proc.wait(30) in (0, -signal.SIGKILL)
+
+
+def test_an_agent_that_stopped_as_its_pull_ended_leaves_the_check_to_the_caller(
+    tmp_path: Path, s3_url: str, series: list[Path]
+) -> None:
+    """The agent's pull renamed the step into place as the agent stopped: it answers
+    ``AgentStoppedAfterPull`` without counts. The CLI said "pulled" with none; now it pulls
+    here, which finds the step whole, every chunk checked, and says so with its counts.
+    (That race cannot be made to order: a stand-in of the agent's own user gives the
+    answer on the socket, after the step was pulled into place.)"""
+    dest = tmp_path / "d"
+    assert ferry_pull(s3_url, dest, "--step", "20", sock=None).returncode == 0
+    sock = tmp_path / "run" / "agent.sock"
+    sock.parent.mkdir()
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(str(sock))
+    sock.chmod(0o600)
+    server.listen(1)
+
+    def answer() -> None:
+        conn, _ = server.accept()
+        with conn:
+            conn.recv(1 << 16)  # (the request: one read holds it)
+            line = {"error": "the agent stopped as its pull ended: it is whole there",
+                    "type": "AgentStoppedAfterPull"}  # fmt: skip
+            conn.sendall(b"HTTP/1.0 200 OK\r\nContent-Type: application/x-ndjson\r\n\r\n"
+                         + json.dumps(line).encode() + b"\n")  # fmt: skip
+
+    stand_in = threading.Thread(target=answer)
+    stand_in.start()
+    try:
+        got = ferry_pull(s3_url, dest, "--step", "20", "--json", sock=sock)
+    finally:
+        stand_in.join(30)
+        server.close()
+    assert got.returncode == 0, got.stderr
+    assert "stopped as its pull ended" in got.stderr and "checking" in got.stderr, got.stderr
+    doc = json.loads(got.stdout)
+    assert doc["already_there"] is True and doc["bytes_transferred"] == 0, doc
+    assert doc["chunks_total"] > 0 and "through_agent" not in doc
+    assert tree_bytes(dest) == tree_bytes(series[0])
 
 
 def test_a_stale_socket_is_replaced_a_live_one_kept_and_a_stopping_agent_removes_its_own(

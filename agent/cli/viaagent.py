@@ -79,11 +79,8 @@ def pull_through_agent(
             return _follow(_lines(answer.body), TerminalProgress() if shown else _Quiet(), path)
         except AgentPullError as exc:
             if exc.error_type == "AgentStoppedAfterPull":  # (the step is there, whole)
-                _note(f"{exc}: {args.dest_dir}")
-                return {"dest": str(args.dest_dir), "through_agent": path}, (
-                    f"pulled into {args.dest_dir} through the agent at {path}, which stopped as "
-                    "it ended (its counts were not sent; `ferry verify` checks the store)"
-                )
+                _note(f"{exc}: checking {args.dest_dir} here (nothing is fetched again)")
+                return None  # (a pull here finds the step there, every chunk checked)
             if exc.error_type not in _PULL_HERE:
                 raise
             _note(f"{exc}: pulling here (what it had verified is kept)")
