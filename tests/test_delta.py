@@ -397,7 +397,7 @@ def test_a_pull_cancelled_at_any_moment_leaves_nothing_or_what_the_next_pull_res
     never a partial destination, never two leftovers."""
     import importlib
 
-    from transfer.engine.staging import Staging
+    from transfer.engine.staging import DestinationLock, Staging
 
     # (transfer.engine re-exports the pull() function under the module's name)
     pull_module = importlib.import_module("transfer.engine.pull")
@@ -406,8 +406,8 @@ def test_a_pull_cancelled_at_any_moment_leaves_nothing_or_what_the_next_pull_res
     # staging directory (on a loaded machine it is real, just rarely hit).
     open_staging = pull_module.open_staging
 
-    def slow_open_staging(dest: Path) -> Staging:
-        made = open_staging(dest)
+    def slow_open_staging(dest: Path, held: DestinationLock | None = None) -> Staging:
+        made = open_staging(dest, held)
         time.sleep(0.1)
         return made
 

@@ -127,6 +127,12 @@ def test_the_agents_own_copy_of_an_earlier_step_is_the_base_when_the_caller_give
         doc = json.loads(got.stdout)
         assert doc["bytes_transferred"] == 0 and doc["chunks_local"] > 0, doc
         assert tree_bytes(tmp_path / "k") == tree_bytes(series[0])
+        # "latest" is the store's (40): the base is taken at or before it, not a newer save
+        # of this node's that is not in the store yet
+        shutil.copytree(series[1], node.hot / "llm" / "step_000060")
+        got = ferry_pull(s3_url, tmp_path / "latest", "--json", sock=sock)
+        doc = json.loads(got.stdout)
+        assert doc["step"] == 40 and doc["base_dir"] == str(node.hot / "llm" / series[0].name)
         # the caller's own base wins (an empty one: everything fetched)
         (tmp_path / "step_000010").mkdir()
         got = ferry_pull(s3_url, tmp_path / "k2", "--step", "40", "--json", "--base-dir",

@@ -66,23 +66,16 @@ def test_a_pull_adopts_the_leftover_and_fetches_only_what_does_not_verify(
     assert sorted(p.name for p in dest.parent.iterdir()) == ["step_000001"]
 
 
-def test_a_leftover_in_use_is_not_adopted_and_bad_bytes_never_pass(tmp_path: Path) -> None:
+def test_a_leftover_of_wrong_bytes_is_adopted_and_none_of_them_pass(tmp_path: Path) -> None:
     url, k0 = _store_with(tmp_path)
     dest = tmp_path / "out" / "step_000001"
     dest.parent.mkdir()
-    busy = _leftover_of(dest, k0, "00000001")
-    fd = os.open(busy, os.O_RDONLY | os.O_DIRECTORY)
-    fcntl.flock(fd, fcntl.LOCK_EX)  # a living pull writes it
-    try:
-        garbage = _leftover_of(dest, k0, "00000002")
-        for f in garbage.iterdir():
-            f.write_bytes(os.urandom(f.stat().st_size))  # same sizes, wrong bytes
-        result = run(pull(open_test_store(url), dest, PullPlan("j", 1), options=OPTS))
-        assert result.chunks_resumed == 0  # the garbage was adopted, and none of it kept
-        assert tree_bytes(dest) == tree_bytes(k0)
-        assert busy.exists()  # never touched while locked
-    finally:
-        os.close(fd)
+    garbage = _leftover_of(dest, k0, "00000002")
+    for f in garbage.iterdir():
+        f.write_bytes(os.urandom(f.stat().st_size))  # same sizes, wrong bytes
+    result = run(pull(open_test_store(url), dest, PullPlan("j", 1), options=OPTS))
+    assert result.chunks_resumed == 0  # the garbage was adopted, and none of it kept
+    assert tree_bytes(dest) == tree_bytes(k0)
 
 
 def test_the_start_up_sweep_keeps_one_resumable_leftover_per_destination(
@@ -104,8 +97,10 @@ def test_the_start_up_sweep_keeps_one_resumable_leftover_per_destination(
     done = hidden(".step_000002.ferry-staging-cccccccc")
     stale = hidden(".step_000003.ferry-staging-dddddddd", age=RESUME_KEEP_SECONDS + 1)
     fill = hidden(".step_000004.ferry-staging-fill-eeeeeeee")
+    killed_lock = parent / ".step_000005.ferry-lock"  # a restore killed while it held it
+    killed_lock.write_text("pid 1 on elsewhere")
     removed = sweep_stale_staging(parent)
-    assert sorted(removed) == sorted([older, done, stale, fill])
+    assert sorted(removed) == sorted([older, done, stale, fill, killed_lock])
     assert newest.exists() and (parent / "step_000002").exists()
 
 
@@ -138,8 +133,8 @@ def _pull_in_a_thread(url: str, dest: Path) -> tuple[threading.Thread, dict[str,
     staging path it said it waits for (``waiting``) as soon as it says it."""
     out: dict[str, Any] = {"told": threading.Event()}
 
-    def waiting(path: Path) -> None:
-        out["waiting"] = path
+    def waiting(path: Path, holder: str, waited: float) -> None:
+        out["waiting"], out["holder"] = path, holder
         out["told"].set()
 
     def go() -> None:
@@ -220,5 +215,47 @@ def test_a_pull_that_lands_sweeps_older_leftovers_of_its_destination(tmp_path: P
     _leftover_of(dest, k0, "0000000b")  # the newest: adopted
     result = run(pull(open_test_store(url), dest, PullPlan("j", 1), options=OPTS))
     assert result.chunks_resumed == result.chunks_total
+    settle(dest.parent)
+    assert sorted(p.name for p in dest.parent.iterdir()) == ["step_000001"]
+
+
+@pytest.mark.timeout(60)
+def test_a_pull_waits_while_another_holds_the_destination_and_says_who(tmp_path: Path) -> None:
+    """Two pulls into one destination started together each made a staging directory and
+    fetched everything; the one that lost the rename failed and left its staging behind.
+    The one that finds the destination locked waits, naming the holder."""
+    from transfer.engine.staging import lock_destination
+
+    url, k0 = _store_with(tmp_path)
+    dest = tmp_path / "out" / "step_000001"
+    held = lock_destination(dest)  # as a running restore into dest holds it
+    try:
+        thread, out = _pull_in_a_thread(url, dest)
+        assert out["told"].wait(30), out
+        assert out["waiting"] == held.path and f"pid {os.getpid()}" in out["holder"], out
+        time.sleep(0.5)
+        assert sorted(dest.parent.iterdir()) == [held.path]  # nothing started beside it
+    finally:
+        held.release()
+    thread.join(30)
+    assert out["result"].bytes_transferred > 0, out
+    assert tree_bytes(dest) == tree_bytes(k0)
+    settle(dest.parent)
+    assert sorted(p.name for p in dest.parent.iterdir()) == ["step_000001"]
+
+
+@pytest.mark.timeout(60)
+def test_pulls_into_one_destination_started_together_move_the_bytes_once(tmp_path: Path) -> None:
+    url, k0 = _store_with(tmp_path)
+    dest = tmp_path / "out" / "step_000001"
+    pulls = [_pull_in_a_thread(url, dest) for _ in range(3)]
+    for thread, _ in pulls:
+        thread.join(30)
+    results = [out.get("result", out.get("error")) for _, out in pulls]
+    assert all(not isinstance(r, BaseException) for r in results), results
+    assert sorted(r.already_there for r in results) == [False, True, True], results
+    fetched = [r for r in results if not r.already_there]
+    assert sum(r.bytes_transferred for r in results) == fetched[0].bytes_transferred > 0
+    assert tree_bytes(dest) == tree_bytes(k0)
     settle(dest.parent)
     assert sorted(p.name for p in dest.parent.iterdir()) == ["step_000001"]

@@ -4,6 +4,7 @@ directory into it and out of it (a whole step, one node's part, or a share of a 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import sys
@@ -253,12 +254,16 @@ async def cmd_pull(
     *,
     options: TransferOptions | None = None,
     say: Callable[[str], None] | None = None,
+    implicit_base: Callable[[int], contextlib.AbstractContextManager[Path | None]] | None = None,
 ) -> tuple[dict[str, Any], str]:
     """``progress``: what main shows while the pull runs (run.py chooses it); ``options``:
     the transfer's, else the flags'; ``say``: where its notes go, else stderr (an agent
-    pulling for a caller on its local socket passes its own: agent/rpc/routes/pull.py)."""
+    pulling for a caller on its local socket passes its own: agent/rpc/routes/pull.py);
+    ``implicit_base``: without ``--base-dir``, the base for the step once it is resolved
+    (held while the pull runs: the agent's own copy of an earlier step)."""
     say = say or _to_stderr
     from transfer.engine import PullEvents, PullPlan, Sources, pull
+    from transfer.engine.pull import resolve_plan
     from transfer.engine.settle import settle
 
     step = None if args.step == "latest" else parse_step(args.step)
@@ -277,11 +282,11 @@ async def cmd_pull(
                 f"disk ({found.why}): moved to {found.moved_to}; pull it again")  # fmt: skip
     expected = tuple(check_name("node", n) for n in args.expected_nodes.split(",") if n)
 
-    def waiting(staging: Path) -> None:
-        say(f"ferry pull: another pull into {args.dest_dir} is running (it holds {staging}): "
-            "waiting for it, then taking up what it leaves")  # fmt: skip
-
-    import contextlib
+    def waiting(lock: Path, holder: str, waited: float) -> None:
+        who = f"{holder}, " if holder else ""
+        still = f"still waiting ({waited:.0f} s)" if waited else "waiting for it"
+        say(f"ferry pull: another pull into {args.dest_dir} is running ({who}holding {lock}): "
+            f"{still}, then taking up what it leaves")  # fmt: skip
 
     from transfer.engine.catalog import missing
     from transfer.engine.parts import drop_common_index
@@ -293,26 +298,33 @@ async def cmd_pull(
     try:
         for use_index in (True, False):  # (no index: a chunk it supplied failed)
             manifests, share = await _share_of(store, args, step, expected, use_index)
-            base_manifests = None
-            if share is not None:  # of the base step too, only the parts holding its files
-                base_manifests = await base_dir_parts(
-                    store, args.job, manifests, args.base_dir, use_index
-                )
-            indexed = index_chunks(manifests or ())
-            plan = PullPlan(args.job, step, args.node, manifests, share=share, fsync=args.fsync,
-                            expected_nodes=expected)  # fmt: skip
-            sources = Sources(base_dir=args.base_dir, base_manifests=base_manifests)
-            try:
-                r = await pull(
-                    store, args.dest_dir, plan, sources,
-                    PullEvents(progress=progress, waiting=waiting),
-                    options or transfer_options(args),
-                )  # fmt: skip
-                break
-            except IntegrityError as exc:  # (a pack gone, or not what it names)
-                if not set(exc.bad_chunks) & indexed:
-                    raise
-                stale = exc  # the parts then say: the chunk lost, or the index stale
+            with contextlib.ExitStack() as held:
+                base_dir = args.base_dir
+                if base_dir is None and implicit_base is not None:
+                    if manifests is None:  # (the step first: the base is the one before it)
+                        manifests = await resolve_plan(store, PullPlan(
+                            args.job, step, args.node, expected_nodes=expected))  # fmt: skip
+                    base_dir = held.enter_context(implicit_base(manifests[0].step))
+                base_manifests = None
+                if share is not None:  # of the base step too, only the parts with its files
+                    base_manifests = await base_dir_parts(
+                        store, args.job, manifests, base_dir, use_index
+                    )
+                indexed = index_chunks(manifests or ())
+                plan = PullPlan(args.job, step, args.node, manifests, share=share,
+                                fsync=args.fsync, expected_nodes=expected)  # fmt: skip
+                sources = Sources(base_dir=base_dir, base_manifests=base_manifests)
+                try:
+                    r = await pull(
+                        store, args.dest_dir, plan, sources,
+                        PullEvents(progress=progress, waiting=waiting),
+                        options or transfer_options(args),
+                    )  # fmt: skip
+                    break
+                except IntegrityError as exc:  # (a pack gone, or not what it names)
+                    if not set(exc.bad_chunks) & indexed:
+                        raise
+                    stale = exc  # the parts then say: the chunk lost, or the index stale
     except CheckpointNotFoundError:
         # a job or step the store lacks: what it holds instead, as ferry verify says it (a
         # listing, on this path only); a step there but not whole keeps its own reason

@@ -86,8 +86,11 @@ PREFETCH_PIN_SECONDS = 3600.0
 #: one disk buffered at 148 MB/s, 174 MB/s and 3,532 MB/s, direct at 1,526, 931 and 547:
 #: two of them then wrote every restore warm, the slower way on that machine (prefetch of a
 #: 289 MB step holding the one before, 4 runs each: warm 0.71-0.80 s, buffered 0.46-0.62 s).
-#: Other work only ever slows a probe, so the best of a few is the disk's own.
+#: Other work only ever slows a probe, so the best of a few is the disk's own. A further
+#: round only while the rounds so far took less than WRITE_PROBE_BUDGET_SECONDS: on a slow
+#: volume one round is seconds, at the start of a node whose training may be saving.
 WRITE_PROBE_ROUNDS = 3
+WRITE_PROBE_BUDGET_SECONDS = 1.0
 
 
 class State(enum.StrEnum):
@@ -306,9 +309,10 @@ class Prefetcher:
         """The hot dir's write rate, as a restore here writes (writeprobe.py), into the
         meter as ``disk``: probed once, at the agent's start or at an estimate's first
         contact, whichever asks first; every restore then re-measures it (``_restore``).
-        ``auto`` probes both ways, WRITE_PROBE_ROUNDS times each, alternating, and keeps
-        the best rate of each (other work only slows a probe). A probe that fails is
-        logged, and the default rate stands."""
+        ``auto`` probes both ways, up to WRITE_PROBE_ROUNDS times each, in turn, and
+        chooses by the best rate of each (other work only slows a probe); the estimate
+        takes the median round. A probe that fails is logged, and the default rate
+        stands."""
         async with self._disk_probe:
             if self.meter.measured("disk"):
                 return
@@ -321,27 +325,33 @@ class Prefetcher:
                     log.warning("too little free space in %s to probe its write rate: the "
                                 "default rate stands", self.hot_dir.root)  # fmt: skip
                     return
+                began = time.monotonic()
                 for _ in range(WRITE_PROBE_ROUNDS):
                     for direct in ways:
                         samples[direct].append(await self._probe(size, direct=direct))
+                    if time.monotonic() - began >= WRITE_PROBE_BUDGET_SECONDS:
+                        break
             except (OSError, FerryError) as exc:  # (a full disk: DestinationError)
                 log.warning("could not probe the write rate of %s: %s", self.hot_dir.root, exc)
                 return
             best = {way: max(got, key=_rate) for way, got in samples.items()}
+            typical = {way: sorted(got, key=_rate)[len(got) // 2] for way, got in samples.items()}
             nbytes, took = best[ways[0]]
             buffered_rate = None
             if chosen == "auto":  # buffered only where the page cache is the cheaper way
                 buffered_rate = best[False][0] / best[False][1]
                 first = page_cache_first(nbytes / took, buffered_rate)
                 self.options = dataclasses.replace(self.options, page_cache_first=first)
-            # the estimate's disk: the way restores that fit will write (the rest go direct)
-            way = best[False] if self.options.page_cache_first else (nbytes, took)
+            # the estimate's disk: the way restores that fit will write (the rest go direct);
+            # its median round, not its best (the best decides the way, not what to expect)
+            way = typical[False] if self.options.page_cache_first else typical[ways[0]]
             self.meter.record("disk", *way, provisional=True)
             event(log, "write_probe", rate_direct=round(nbytes / took),
                   rate_buffered=buffered_rate and round(buffered_rate),
+                  rate_expected=round(_rate(way)),
                   write_path=self.options.write_path,
                   page_cache_first=self.options.page_cache_first,
-                  rounds=WRITE_PROBE_ROUNDS)  # fmt: skip
+                  rounds=len(samples[ways[0]]))  # fmt: skip
 
     async def _probe(self, nbytes: int, *, direct: bool) -> tuple[int, float]:
         return await asyncio.to_thread(

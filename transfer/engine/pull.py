@@ -36,15 +36,17 @@ from transfer.engine.pullplan import PullEvents, PullPlan, merged_files
 from transfer.engine.ratelimit import RateLimit
 from transfer.engine.resolver import ChunkResolver, read_local_into
 from transfer.engine.scan import check_base_dir
-from transfer.engine.settle import boot_id, fsync_tree
+from transfer.engine.settle import boot_id, fsync_files
 from transfer.engine.share import Share, write_record
 from transfer.engine.sources import ChunkSource, LocalBase, Sources
 from transfer.engine.staging import (
+    DestinationLock,
     Staging,
     StagingBusy,
     StagingFiles,
     create_files,
     discard_leftovers,
+    lock_destination,
     open_staging,
     seal,
     worth_resuming,
@@ -123,7 +125,7 @@ async def pull(
     sources = sources or Sources()
     events = events or PullEvents()
     started = time.monotonic()
-    manifests = plan.manifests or await _resolve(store, plan)
+    manifests = plan.manifests or await resolve_plan(store, plan)
     base_dir, base_manifests, share = sources.base_dir, sources.base_manifests, plan.share
     check_base_dir(base_dir)
     if base_dir is not None and base_manifests is None:
@@ -164,9 +166,9 @@ async def pull(
             job_step = manifests[0].job, manifests[0].step
             await _to_thread_to_the_end(write_record, staging.path, *job_step, share)
         whole = share is None
+        # (older leftovers of this destination: nothing will adopt them once it exists)
+        await _to_thread_to_the_end(discard_leftovers, dest)
         await _to_thread_to_the_end(seal, staging.path, files, dest, plan.fsync, whole)
-    # (older leftovers of this destination: nothing will adopt them now that it exists)
-    await asyncio.to_thread(discard_leftovers, dest)
     events.progress.finish()
     result = run.result(manifests, got, base_dir, dest, time.monotonic() - started)
     result.write_path = how
@@ -178,39 +180,67 @@ async def pull(
     return result
 
 
-#: how often a restore waiting for another into the same destination looks again
+#: how often a restore waiting for another into the same destination looks again, and
+#: how often it says it is still waiting
 WAIT_POLL_SECONDS = 0.2
+WAIT_NOTE_SECONDS = 60.0
 
 
 async def _staging_unless_there(
     dest: Path, files: list[FileEntry], what: str, whole: bool, fsync: bool, events: PullEvents
 ) -> Staging | None:
-    """The staging directory to restore into, or None when ``dest`` holds the step
-    already (``whole``: a pull of the whole step, not a share). While another restore into
-    ``dest`` is running (or cleaning up after its cancellation), waits for it, telling
-    ``events.waiting`` once: then adopts what it left, or finds ``dest`` whole."""
-    told = False
+    """The staging directory to restore into (holding ``dest``'s lock), or None when
+    ``dest`` holds the step already (``whole``: a pull of the whole step, not a share).
+    While another restore into ``dest`` runs (or cleans up after its cancellation), waits
+    for it, telling ``events.waiting`` at once and every WAIT_NOTE_SECONDS: then adopts
+    what it left, or finds ``dest`` whole."""
+    since = told = None
     while True:
-        if whole and await _to_thread_to_the_end(_holds_already, dest, files, what, fsync):
-            return None
         try:
-            return await _to_thread_to_the_end(open_staging, dest)
-        except StagingBusy as busy:
-            if not told:
-                events.waiting(busy.path)
-                told = True
-        await asyncio.sleep(WAIT_POLL_SECONDS)
+            held = await _to_thread_to_the_end(lock_destination, dest)
+            try:
+                if whole and await _checked_there(dest, files, what, fsync):
+                    await asyncio.to_thread(discard_leftovers, dest)
+                    held.release()
+                    return None
+                return await _to_thread_to_the_end(open_staging, dest, held)
+            except BaseException:
+                held.release()
+                raise
+        except StagingBusy as busy:  # (the lock, or an older version's restore's staging)
+            now = time.monotonic()
+            since = since or now
+            if told is None or now - told >= WAIT_NOTE_SECONDS:
+                events.waiting(busy.path, busy.holder, now - since)
+                told = now
+            await asyncio.sleep(WAIT_POLL_SECONDS)
 
 
-def _holds_already(dest: Path, files: list[FileEntry], what: str, fsync: bool) -> bool:
+async def _checked_there(dest: Path, files: list[FileEntry], what: str, fsync: bool) -> bool:
+    """``_holds_already`` in a thread; cancelled, it stops after the chunk it is on (it
+    writes nothing: nothing to wait for)."""
+    stop = threading.Event()
+    try:
+        return await asyncio.to_thread(_holds_already, dest, files, what, fsync, stop)
+    except asyncio.CancelledError:
+        stop.set()
+        raise
+
+
+def _holds_already(
+    dest: Path, files: list[FileEntry], what: str, fsync: bool, stop: threading.Event
+) -> bool:
     """Whether ``dest``, not empty, already holds every file of the step (``what``) with
     identical bytes, every chunk read back and hash-checked: a pull run again after one
     that was killed once its restore was in place (or run twice) finds its work done.
-    Any other non-empty directory is refused, with its first difference. Made durable
-    when ``fsync`` asks."""
+    Any other non-empty directory is refused, with its first difference. The step's files
+    made durable when ``fsync`` asks (only theirs: the rest of the directory is not the
+    pull's)."""
     if dest.is_symlink() or not dest.is_dir() or not any(dest.iterdir()):
         return False  # (open_staging says what is wrong with a link or a file)
-    problems = file_differences(dest, files)
+    problems = file_differences(dest, files, stop, whole_or_nothing=True)
+    if stop.is_set():
+        return False
     if problems:
         more = f", and {len(problems) - 1} more" if len(problems) > 1 else ""
         raise DestinationError(
@@ -218,7 +248,7 @@ def _holds_already(dest: Path, files: list[FileEntry], what: str, fsync: bool) -
             "empty directory"
         )
     if fsync:
-        fsync_tree(dest)
+        fsync_files(dest, [f.path for f in files])
     return True
 
 
@@ -307,7 +337,7 @@ def _plan_writes(
     return kept, targets, hints, clips, covered
 
 
-async def _resolve(store: Store, plan: PullPlan) -> list[Manifest]:
+async def resolve_plan(store: Store, plan: PullPlan) -> list[Manifest]:
     """One node's part as asked; else the whole step, complete (a step of a job that writes
     completion markers, without its marker yet, is refused: a node's part is still to
     come, and without rank 0's there is no ``.metadata`` to find the gap by)."""
@@ -821,5 +851,7 @@ async def _to_thread_to_the_end(fn: Callable[..., T], *args: object) -> T:
         if isinstance(made, Staging):  # opened after we were cancelled
             if not made.adopted:
                 shutil.rmtree(made.path, ignore_errors=True)
+            made.release()
+        elif isinstance(made, DestinationLock):  # taken after we were cancelled
             made.release()
         raise

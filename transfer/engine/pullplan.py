@@ -57,7 +57,7 @@ def _ignore_moved(origin: str, nbytes: int) -> None:
     pass
 
 
-def _ignore_waiting(staging: Path) -> None:
+def _ignore_waiting(lock: Path, holder: str, waited: float) -> None:
     pass
 
 
@@ -67,11 +67,12 @@ class PullEvents:
     ``progress``: the bytes restored, whatever their source. ``landed(id, (file, offset,
     size))``: a chunk written and verified in the staging dir (told from a worker thread;
     a fan-out serves it from there). ``moved(origin, n)``: bytes as they move, from
-    ``"store"`` or the chunk source's origin (live progress per source). ``waiting(path)``:
-    once, when the pull waits for another restore into the same destination (its staging
-    directory ``path`` locked) before it starts."""
+    ``"store"`` or the chunk source's origin (live progress per source). ``waiting(lock,
+    holder, seconds)``: the pull waits for another restore into the same destination
+    before it starts (``lock``: the file it holds, ``holder``: its pid and host if known),
+    told at once and every minute while it waits."""
 
     progress: Progress = field(default_factory=NoProgress)
     landed: Callable[[str, Location], None] = _ignore_landed
     moved: Callable[[str, int], None] = _ignore_moved
-    waiting: Callable[[Path], None] = _ignore_waiting
+    waiting: Callable[[Path, str, float], None] = _ignore_waiting

@@ -105,6 +105,23 @@ def fsync_tree(root: Path) -> None:
         del dirs  # walked by os.walk itself
 
 
+def fsync_files(root: Path, paths: list[str]) -> None:
+    """fsync the files ``paths`` (relative, validated) under ``root``, never through a
+    link, then their directories up to ``root`` and root's parent: those files durable,
+    and nothing else of the directory touched."""
+    dirs = {root, root.parent}
+    for rel in paths:
+        path = root / rel
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        dirs.update(p for p in path.parents if p == root or root in p.parents)
+    for directory in sorted(dirs, key=lambda d: len(d.parts), reverse=True):
+        fsync_dir(directory)
+
+
 def settle(
     parent: Path, move_torn: bool = False, before_check: Callable[[Path], None] | None = None
 ) -> list[Settled]:

@@ -5,13 +5,15 @@ A restore that dies (killed, the store down, cancelled) leaves its staging direc
 behind, and the next restore into the same destination adopts it: what it already holds is
 hash-checked in place and only the rest is fetched (``PullResult.chunks_resumed``). Each
 restore holds an ``flock`` on its staging directory, so a leftover is adopted only when no
-living process writes it. A restore that finds one locked (another restore into the same
-destination is running, or still cleaning up after its cancellation) does not start a
-second one beside it (``StagingBusy``: pull.py waits, then adopts it or finds the
-destination whole); a second one made the same bytes move twice, and the one that lost the
-rename was left behind for ever. A leftover is swept when its destination exists (a
-restore that lands sweeps its destination's), when it is older than
-``RESUME_KEEP_SECONDS``, or when a newer one of the same destination is kept.
+living process writes it. One restore into a destination at a time: each holds a lock
+file beside it (``lock_destination``, ``.<dest>.ferry-lock``: the holder's pid and host in
+it, removed by the holder as it ends), and one that finds it held, or a leftover locked (a
+restore of an older version), does not start beside it (``StagingBusy``: pull.py waits,
+then adopts what it left or finds the destination whole): two at once moved every byte
+twice, and the one that lost the rename failed and left its staging behind. A leftover is
+swept when its destination exists (a restore removes its destination's other leftovers
+before it lands), when it is older than ``RESUME_KEEP_SECONDS``, or when a newer one of
+the same destination is kept.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import functools
 import os
 import re
 import shutil
+import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -35,7 +38,13 @@ from typing import Any
 from transfer.codec.transforms import Buffer
 from transfer.directio import open_direct, write_at
 from transfer.durable import fsync_dir
-from transfer.engine.restorenames import STAGING_MARK, marker_path, staging_path
+from transfer.engine.restorenames import (
+    LOCK_MARK,
+    STAGING_MARK,
+    lock_path,
+    marker_path,
+    staging_path,
+)
 from transfer.engine.settle import boot_id, fsync_tree, mark_unsynced
 from transfer.engine.warmcache import warm_range
 from transfer.engine.writeback import start_writeback
@@ -48,12 +57,32 @@ _SUFFIX = re.compile(r"[0-9a-f]{8}\Z")  # a restore's own staging (not fill-/uns
 
 
 class StagingBusy(FerryError):
-    """A living restore into the same destination holds ``path`` (its staging directory):
-    wait for it rather than start a second one."""
+    """A living restore into the same destination holds ``path`` (its lock file, or a
+    staging directory of an older version's restore): wait for it rather than start a
+    second one. ``holder``: what the lock file says of it (pid and host), if anything."""
 
-    def __init__(self, path: Path) -> None:
-        super().__init__(f"another restore into {path.parent} is writing {path.name}")
-        self.path = path
+    def __init__(self, path: Path, holder: str = "") -> None:
+        by = f" ({holder})" if holder else ""
+        super().__init__(f"another restore{by} holds {path}")
+        self.path, self.holder = path, holder
+
+
+@dataclass
+class DestinationLock:
+    """The one restore into a destination at a time (``lock_destination``)."""
+
+    path: Path
+    _fd: int
+
+    def release(self) -> None:
+        """Remove the lock file, then let go (a waiter that locked the removed file looks
+        again). Idempotent."""
+        if self._fd >= 0:
+            with contextlib.suppress(OSError):
+                if os.fstat(self._fd).st_ino == os.stat(self.path, follow_symlinks=False).st_ino:
+                    self.path.unlink()
+            os.close(self._fd)
+            self._fd = -1
 
 
 @dataclass
@@ -62,12 +91,44 @@ class Staging:
     #: a killed restore's leftover, taken over: its files may already hold chunks
     adopted: bool
     _lock_fd: int
+    destination: DestinationLock | None = None
 
     def release(self) -> None:
-        """Give up the lock (the directory is renamed into place, removed, or kept)."""
+        """Give up the locks (the directory is renamed into place, removed, or kept)."""
         if self._lock_fd >= 0:
             os.close(self._lock_fd)
             self._lock_fd = -1
+        if self.destination is not None:
+            self.destination.release()
+
+
+def lock_destination(dest: Path) -> DestinationLock:
+    """Lock ``dest`` for one restore: ``StagingBusy`` while another holds it."""
+    path = lock_path(dest.absolute())
+    while True:
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError as exc:
+            raise DestinationError(f"cannot lock {path}: {exc.strerror or exc}") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 256, 0).decode(errors="replace").strip()
+            os.close(fd)
+            raise StagingBusy(path, holder) from None
+        except OSError as exc:  # (ENOLCK: a file system without locks)
+            os.close(fd)
+            raise DestinationError(f"cannot lock {path}: {exc.strerror or exc}") from None
+        try:  # (the holder before us may have removed it after we opened it)
+            same = os.fstat(fd).st_ino == os.stat(path, follow_symlinks=False).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
+            return DestinationLock(path, fd)
+        os.close(fd)
 
 
 def leftovers(dest: Path) -> list[Path]:
@@ -85,35 +146,43 @@ def leftovers(dest: Path) -> list[Path]:
     return sorted(found, key=_mtime, reverse=True)
 
 
-def open_staging(dest: Path) -> Staging:
-    """The staging directory for a restore into ``dest``: the newest unlocked leftover of an
-    earlier one, or a new directory; locked until ``release``. ``StagingBusy`` when a
-    living restore into ``dest`` holds a leftover (and none is free to adopt)."""
+def open_staging(dest: Path, destination: DestinationLock | None = None) -> Staging:
+    """The staging directory for a restore into ``dest``: the newest leftover of an earlier
+    one, or a new directory; locked until ``release`` (with ``destination``, the lock of
+    ``dest`` its caller took: released with it). ``StagingBusy`` when a living restore of
+    an older version holds a leftover."""
     dest = dest.absolute()
     if dest.is_symlink() or (dest.exists() and not dest.is_dir()):
         raise DestinationError(f"{dest} exists and is not a directory")
     if dest.is_dir() and any(dest.iterdir()):
         raise DestinationError(f"{dest} is not empty; pull into a new or empty directory")
-    busy = None
-    for leftover in leftovers(dest):
-        try:
-            fd = _take(leftover)
-        except (BlockingIOError, FileNotFoundError):  # (gone: renamed into place just now)
-            busy = busy or leftover
-            continue
-        except OSError:
-            continue  # not ours to open: nothing to adopt, nor to wait for
+    taken: list[tuple[Path, int]] = []
+    try:
+        for leftover in leftovers(dest):
+            try:
+                taken.append((leftover, _take(leftover)))
+            except (BlockingIOError, FileNotFoundError):  # (gone: renamed into place now)
+                raise StagingBusy(leftover) from None
+            except OSError:
+                continue  # not ours to open: nothing to adopt, nor to wait for
+    except BaseException:
+        for _, fd in taken:
+            os.close(fd)
+        raise
+    for _, fd in taken[1:]:
+        os.close(fd)  # (older ones: swept before this restore lands)
+    if taken:
+        leftover, fd = taken[0]
         os.utime(leftover)  # its age counts from this restore now
-        return Staging(leftover, True, fd)
-    if busy is not None:
-        raise StagingBusy(busy)
+        return Staging(leftover, True, fd, destination)
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
         path = staging_path(dest)
         path.mkdir(mode=0o700)
+        fd = _take(path)
     except OSError as exc:
         raise DestinationError(f"cannot create {dest}: {exc.strerror or exc}") from None
-    return Staging(path, False, _take(path))  # (nobody else knows its name yet)
+    return Staging(path, False, fd, destination)
 
 
 def discard_leftovers(dest: Path) -> list[Path]:
@@ -162,8 +231,9 @@ def _mtime(path: Path) -> float:
 def sweep_stale_staging(parent: Path, now: float | None = None) -> list[Path]:
     """Remove what no restore will adopt under ``parent``: leftovers whose destination
     exists, older than RESUME_KEEP_SECONDS, or behind a newer leftover of the same
-    destination, and every other kind of staging directory (call it only when no restore
-    into ``parent`` can be starting, e.g. when an agent starts; locked ones are skipped)."""
+    destination, every other kind of staging directory, and the lock files of restores
+    killed while they held them (call it only when no restore into ``parent`` can be
+    starting, e.g. when an agent starts; locked ones are skipped)."""
     now = time.time() if now is None else now
     removed: list[Path] = []
     try:
@@ -172,6 +242,14 @@ def sweep_stale_staging(parent: Path, now: float | None = None) -> list[Path]:
         return removed
     kept: set[str] = set()
     for entry in sorted(entries, key=_mtime, reverse=True):
+        if entry.name.endswith(LOCK_MARK) and not entry.is_symlink():
+            try:
+                lock = lock_destination(parent / entry.name[1 : -len(LOCK_MARK)])
+            except FerryError:  # (held: a restore is running)
+                continue
+            lock.release()  # (removes it)
+            removed.append(entry)
+            continue
         if STAGING_MARK not in entry.name or not entry.is_dir() or entry.is_symlink():
             continue
         name, _, suffix = entry.name[1:].partition(STAGING_MARK)

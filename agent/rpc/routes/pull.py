@@ -24,13 +24,15 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import os
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
 from aiohttp import web
@@ -41,17 +43,14 @@ from agent.cli.viaagent import nearest_dir
 from agent.daemon.logs import event
 from agent.rpc.appkeys import CONFIG, LOCAL_PULLS, PREFETCHER, STOPPING, TIERS
 from agent.rpc.limits import DestLocks
-from agent.rpc.middleware import (
-    error_response,
-    json_body,
-    local_caller,
-    parse_step_arg,
-    required,
-)
+from agent.rpc.middleware import error_response, json_body, local_caller, required
 from transfer.endpoint import endpoint_from_env
 from transfer.errors import FerryError
 from transfer.store.base import Store
 from transfer.store.url import local_root
+
+if TYPE_CHECKING:
+    from agent.node.prefetch import Prefetcher
 
 log = logging.getLogger(__name__)
 
@@ -79,8 +78,6 @@ async def post_pull(request: web.Request) -> web.StreamResponse:
         return error_response(503, "the agent is stopping", "AgentStopping")
     body = await json_body(request, _FIELDS)
     args = _args(body)
-    if args.base_dir is None:  # (the caller's own, if given, is used as given)
-        args.base_dir = await asyncio.to_thread(_held_base, app, args.job, args.step)
     store = await asyncio.to_thread(_tier, app, args.store_url, body.get("endpoint_url"))
     if isinstance(store, str):
         return error_response(404, store, "NotATier")
@@ -102,8 +99,9 @@ async def post_pull(request: web.Request) -> web.StreamResponse:
     progress = _Progress()
     options = app[PREFETCHER].options  # (the write path its probe chose)
     pulling = asyncio.ensure_future(
-        cmd_pull(store, args, progress, options=options, say=progress.say)
-    )
+        cmd_pull(store, args, progress, options=options, say=progress.say,
+                 implicit_base=functools.partial(_held_base, app[PREFETCHER], args.job))
+    )  # fmt: skip
     event(log, "local_pull", job=args.job, step=args.step, dest=key, uid=uid)
     pulling.add_done_callback(lambda done: _ended(done, args, key, locks))
     try:
@@ -160,17 +158,19 @@ async def _follow(
     await response.write_eof()
 
 
-def _held_base(app: web.Application, job: str, step: str) -> Path | None:
-    """The agent's newest whole copy of ``job`` at or before ``step`` ("latest": any), the
-    base its prefetches start from; None when it holds none (or the job's name is not one
-    the hot dir takes: the pull refuses it in its own words)."""
+@contextlib.contextmanager
+def _held_base(prefetcher: Prefetcher, job: str, step: int) -> Iterator[Path | None]:
+    """The agent's newest whole copy of ``job`` at or before ``step`` (the step itself, if
+    held: nothing to fetch), the base its prefetches would start from, held from the
+    listing on (no await in between, as the prefetcher does: hot retention checks the
+    holds) until the pull ends; None when it holds none."""
     try:
-        held = app[PREFETCHER].hot_dir.checkpoints(job)
-        asked = parse_step_arg(step)
-    except (FerryError, ValueError, OSError):
-        return None
-    usable = [c for c in held if asked is None or c.step <= asked]
-    return max(usable, key=lambda c: c.step).path if usable else None
+        held = [c for c in prefetcher.hot_dir.checkpoints(job) if c.step <= step]
+    except (FerryError, OSError):
+        held = []
+    best = max(held, key=lambda c: c.step, default=None)
+    with prefetcher.holds.hold((job, best.step) if best is not None else None):
+        yield best.path if best is not None else None
 
 
 def _key_of(dest: Path) -> str:
