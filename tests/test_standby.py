@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import pytest
 
 from agent.rpc.client import FerryClient
 from tests.conftest import adamw_series, prefetched, tree_bytes
@@ -184,3 +185,26 @@ def test_a_step_that_cannot_be_replicated_is_retried_later_not_at_once(
     tries, entry = asyncio.run(go())
     assert 2 <= tries <= 5, tries
     assert entry["last_error"] and entry["retry_in_seconds"] is not None, entry
+
+
+def test_a_standbys_first_copy_waits_for_the_write_probe(
+    local_url: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A standby's first copy ran beside the agent's start-up write probe: it slowed the
+    probe the write path is chosen by, and was written before the way was chosen."""
+    (k20,) = adamw_series(tmp_path / "src", 1, seed=22)
+
+    async def go() -> None:
+        await push_series(local_url, [k20])
+        env = {**FAST, "FERRY_STANDBY_JOBS": "llm", "FERRY_TRANSFER_WRITE_PATH": "auto"}
+        async with (
+            agent(tmp_path / "b", [local_url], "b", extra_env=env) as url_b,
+            FerryClient(url_b, TOKEN) as b,
+        ):
+            await _replicated(b, "llm", 20)
+
+    with caplog.at_level("INFO"):
+        asyncio.run(go())
+    said = [r.getMessage() for r in caplog.records]
+    assert "write_probe" in said and "prefetch" in said, said
+    assert said.index("write_probe") < said.index("prefetch"), said

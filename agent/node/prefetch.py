@@ -88,9 +88,11 @@ PREFETCH_PIN_SECONDS = 3600.0
 #: 289 MB step holding the one before, 4 runs each: warm 0.71-0.80 s, buffered 0.46-0.62 s).
 #: Other work only ever slows a probe, so the best of a few is the disk's own. A further
 #: round only while the rounds so far took less than WRITE_PROBE_BUDGET_SECONDS: on a slow
-#: volume one round is seconds, at the start of a node whose training may be saving.
+#: volume (20 MB/s) one round is seconds, at the start of a node whose training may be
+#: saving; on a fast disk under the start's other work a round took 0.3-0.6 s, and with a
+#: budget of one second one of three agents still chose the slower way.
 WRITE_PROBE_ROUNDS = 3
-WRITE_PROBE_BUDGET_SECONDS = 1.0
+WRITE_PROBE_BUDGET_SECONDS = 3.0
 
 
 class State(enum.StrEnum):
@@ -351,7 +353,9 @@ class Prefetcher:
                   rate_expected=round(_rate(way)),
                   write_path=self.options.write_path,
                   page_cache_first=self.options.page_cache_first,
-                  rounds=len(samples[ways[0]]))  # fmt: skip
+                  rounds=len(samples[ways[0]]),
+                  each_mbps={("direct" if way else "buffered"): [round(_rate(x) / 1e6) for x in got]
+                             for way, got in samples.items()})  # fmt: skip
 
     async def _probe(self, nbytes: int, *, direct: bool) -> tuple[int, float]:
         return await asyncio.to_thread(

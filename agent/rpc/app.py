@@ -13,6 +13,8 @@ import asyncio
 import contextlib
 import logging
 import os
+from collections.abc import Coroutine
+from typing import Any
 
 from aiohttp import web
 
@@ -195,7 +197,7 @@ async def _services(app: web.Application):  # type: ignore[no-untyped-def]
         await queue.start(services.spawn)
         watcher = watch_hot_dir(config.hot, queue.on_committed, stop=stop)
         services.spawn(watcher, name="hot-dir-watcher")  # returns within one poll of the stop
-        services.spawn(standby.loop(stop), name="standby")
+        services.spawn(_after_probe(prefetcher, standby.loop(stop)), name="standby")
         if config.retention is not None:
             runner = app[RETENTION] = _retention(app, queue)
             queue.on_pushed = runner.poke
@@ -203,6 +205,14 @@ async def _services(app: web.Application):  # type: ignore[no-untyped-def]
             # deadline, which leaves every store consistent
             services.spawn(runner.loop(stop), name="retention")
         yield
+
+
+async def _after_probe(prefetcher: Prefetcher, then: Coroutine[Any, Any, None]) -> None:
+    """``then``, once the start-up write probe has ended: a standby's first copy beside the
+    probe slowed it (the write path chosen from it: agent/node/prefetch.py), and would have
+    been written before the way was chosen."""
+    await prefetcher.measure_disk()  # (waits for the probe running; once done, returns)
+    await then
 
 
 async def _stopping(app: web.Application) -> None:
