@@ -62,8 +62,7 @@ def test_a_pull_adopts_the_leftover_and_fetches_only_what_does_not_verify(
     total = result.chunks_total
     assert result.chunks_resumed == total - 4, result  # all but 2 + 2 chunks
     assert result.bytes_transferred < 4.5 * MiB  # 4 chunks' worth, not the 6 MiB of it all
-    settle(dest.parent)
-    assert sorted(p.name for p in dest.parent.iterdir()) == ["step_000001"]
+    _only_the_destination_left(dest)
 
 
 def test_a_leftover_of_wrong_bytes_is_adopted_and_none_of_them_pass(tmp_path: Path) -> None:
@@ -151,6 +150,12 @@ def _pull_in_a_thread(url: str, dest: Path) -> tuple[threading.Thread, dict[str,
     return thread, out
 
 
+def _only_the_destination_left(dest: Path) -> None:
+    """Once settled: no staging, lock file or marker beside ``dest``, only ``dest``."""
+    settle(dest.parent)
+    assert sorted(p.name for p in dest.parent.iterdir()) == [dest.name]
+
+
 def _held(path: Path) -> int:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     fcntl.flock(fd, fcntl.LOCK_EX)  # as a living restore into the same destination holds it
@@ -158,12 +163,15 @@ def _held(path: Path) -> int:
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("first", ["lets go", "lands"])
 def test_a_pull_waits_for_a_restore_into_the_same_place_then_takes_up_what_it_left(
-    tmp_path: Path,
+    first: str, tmp_path: Path
 ) -> None:
     """A second pull started beside a running one (or one still cleaning up after a Ctrl-C)
     made a second staging directory, moved every byte again, and the directory that lost
-    the rename stayed behind for ever. Now it waits, then adopts what the first left."""
+    the rename stayed behind for ever. Now it waits (here for an older version's restore,
+    which locks only its staging directory), then adopts what the first left, or finds
+    the step there when the first one lands."""
     url, k0 = _store_with(tmp_path)
     dest = tmp_path / "out" / "step_000001"
     dest.parent.mkdir()
@@ -175,34 +183,19 @@ def test_a_pull_waits_for_a_restore_into_the_same_place_then_takes_up_what_it_le
         assert out["waiting"] == left
         time.sleep(0.5)  # still waiting: nothing beside the held one, nothing landed
         assert sorted(dest.parent.iterdir()) == [left]
+        if first == "lands":
+            os.rename(left, dest)  # (its seal), then it lets go
     finally:
-        os.close(fd)  # the first one ends (cancelled: its staging kept for the next)
+        os.close(fd)  # (else: cancelled, its staging kept for the next)
     thread.join(30)
     result = out["result"]
-    assert result.chunks_resumed == result.chunks_total and result.bytes_transferred == 0
+    assert result.bytes_transferred == 0, result
+    if first == "lands":
+        assert result.already_there, result
+    else:
+        assert result.chunks_resumed == result.chunks_total, result
     assert tree_bytes(dest) == tree_bytes(k0)
-    settle(dest.parent)
-    assert sorted(p.name for p in dest.parent.iterdir()) == ["step_000001"]
-
-
-@pytest.mark.timeout(60)
-def test_a_pull_waiting_for_one_that_lands_finds_the_step_there(tmp_path: Path) -> None:
-    url, k0 = _store_with(tmp_path)
-    dest = tmp_path / "out" / "step_000001"
-    dest.parent.mkdir()
-    left = _leftover_of(dest, k0)
-    fd = _held(left)
-    try:
-        thread, out = _pull_in_a_thread(url, dest)
-        assert out["told"].wait(30), out
-        os.rename(left, dest)  # the first one lands (its seal), then lets go
-    finally:
-        os.close(fd)
-    thread.join(30)
-    result = out["result"]
-    assert result.already_there and result.bytes_transferred == 0, result
-    assert tree_bytes(dest) == tree_bytes(k0)
-    assert sorted(p.name for p in dest.parent.iterdir()) == ["step_000001"]
+    _only_the_destination_left(dest)
 
 
 def test_a_pull_that_lands_sweeps_older_leftovers_of_its_destination(tmp_path: Path) -> None:
@@ -215,8 +208,7 @@ def test_a_pull_that_lands_sweeps_older_leftovers_of_its_destination(tmp_path: P
     _leftover_of(dest, k0, "0000000b")  # the newest: adopted
     result = run(pull(open_test_store(url), dest, PullPlan("j", 1), options=OPTS))
     assert result.chunks_resumed == result.chunks_total
-    settle(dest.parent)
-    assert sorted(p.name for p in dest.parent.iterdir()) == ["step_000001"]
+    _only_the_destination_left(dest)
 
 
 @pytest.mark.timeout(60)
@@ -240,8 +232,7 @@ def test_a_pull_waits_while_another_holds_the_destination_and_says_who(tmp_path:
     thread.join(30)
     assert out["result"].bytes_transferred > 0, out
     assert tree_bytes(dest) == tree_bytes(k0)
-    settle(dest.parent)
-    assert sorted(p.name for p in dest.parent.iterdir()) == ["step_000001"]
+    _only_the_destination_left(dest)
 
 
 @pytest.mark.timeout(60)
@@ -257,5 +248,4 @@ def test_pulls_into_one_destination_started_together_move_the_bytes_once(tmp_pat
     fetched = [r for r in results if not r.already_there]
     assert sum(r.bytes_transferred for r in results) == fetched[0].bytes_transferred > 0
     assert tree_bytes(dest) == tree_bytes(k0)
-    settle(dest.parent)
-    assert sorted(p.name for p in dest.parent.iterdir()) == ["step_000001"]
+    _only_the_destination_left(dest)
