@@ -701,3 +701,13 @@ def test_one_unreachable_tier_does_not_hide_the_others(local_url: str, tmp_path:
             assert down.value.status == 502 and "does not exist" in str(down.value)
 
     asyncio.run(go())
+
+
+def test_a_cost_is_printed_in_digits_a_script_reads() -> None:
+    """A fast estimate's cost under 0.0001 was printed "9.7e-05", which the line's reader
+    (and this suite's own check of it) did not take for a number."""
+    from agent.cli.agent_tools import _money
+
+    assert [_money(a) for a in (0, 9.7e-05, 0.0029, 0.5, 1, 1234.567)] == [
+        "0.00", "0.000097", "0.0029", "0.50", "1.00", "1,234.57"
+    ]  # fmt: skip

@@ -31,8 +31,12 @@ def test_a_prefetch_started_while_the_agent_drains_is_cancelled_and_awaited(
     async def never_done(self: Prefetcher, record: PrefetchJob) -> None:
         await asyncio.sleep(3600)
 
+    async def no_probe(self: Prefetcher) -> None:
+        pass  # (the standby starts once the write probe ends: here at once)
+
     monkeypatch.setattr(Standby, "poll", slow_poll)
     monkeypatch.setattr(Prefetcher, "_fetch", never_done)
+    monkeypatch.setattr(Prefetcher, "measure_disk", no_probe)
 
     async def go() -> None:
         async with agent(tmp_path / "hot", [local_url], extra_env={"FERRY_DRAIN_SECONDS": "1"}):

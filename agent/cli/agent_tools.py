@@ -6,6 +6,7 @@ flags to agent.daemon and ``ferry demo``'s to demo.py."""
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -150,8 +151,11 @@ def _duration(seconds: float) -> str:
 
 def _money(amount: float) -> str:
     """A cost in the unit of --gpu-hour-price: cents where it is 1 or more, else the first
-    two significant digits (0.0029, never "0.00" for a cost that is not nothing)."""
-    return f"{amount:,.2f}" if amount >= 1 or amount == 0 else f"{amount:.2g}"
+    two significant digits (0.0029, never "0.00" for a cost that is not nothing, nor
+    "9.7e-05": a fast estimate's cost was printed so, and a script reading digits failed)."""
+    if amount >= 1 or amount <= 0:
+        return f"{amount:,.2f}"
+    return f"{amount:.{max(2, 1 - math.floor(math.log10(amount)))}f}"
 
 
 def _percent(fraction: float) -> str:
