@@ -79,7 +79,7 @@ class DestinationLock:
         again). Idempotent."""
         if self._fd >= 0:
             with contextlib.suppress(OSError):
-                if os.fstat(self._fd).st_ino == os.stat(self.path, follow_symlinks=False).st_ino:
+                if _still_at(self._fd, self.path):
                     self.path.unlink()
             os.close(self._fd)
             self._fd = -1
@@ -120,11 +120,7 @@ def lock_destination(dest: Path) -> DestinationLock:
         except OSError as exc:  # (ENOLCK: a file system without locks)
             os.close(fd)
             raise DestinationError(f"cannot lock {path}: {exc.strerror or exc}") from None
-        try:  # (the holder before us may have removed it after we opened it)
-            same = os.fstat(fd).st_ino == os.stat(path, follow_symlinks=False).st_ino
-        except FileNotFoundError:
-            same = False
-        if same:
+        if _still_at(fd, path):  # (the holder before us may have removed it since we opened it)
             os.ftruncate(fd, 0)
             os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
             return DestinationLock(path, fd)
@@ -144,6 +140,16 @@ def leftovers(dest: Path) -> list[Path]:
         return []
     found = [p for p in found if p.is_dir() and not p.is_symlink()]
     return sorted(found, key=_mtime, reverse=True)
+
+
+def _still_at(fd: int, path: Path) -> bool:
+    """Whether the file ``fd`` has open is still the one at ``path``."""
+    try:
+        here = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(fd)
+    return (mine.st_dev, mine.st_ino) == (here.st_dev, here.st_ino)
 
 
 def open_staging(dest: Path, destination: DestinationLock | None = None) -> Staging:
