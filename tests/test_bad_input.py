@@ -443,7 +443,7 @@ def test_a_pull_run_again_into_its_own_restore_finds_it_whole(
     victim.write_bytes(changed)
     before = tree_bytes(dest)
     err = ferry_fails(capsys, "pull", local_url, str(dest), "--job", "j")
-    assert "is not empty, and not j step 7" in err and f"{victim.name}: bytes at" in err
+    assert "is not empty, and not j step 7" in err and f"{victim.name}: the chunk at offsets" in err
     assert tree_bytes(dest) == before
 
 

@@ -48,7 +48,9 @@ def file_differences(
             if stop is not None and stop.is_set():
                 return problems
             if read_local_chunk(root, entry.path, offset, chunk.size, chunk.id) is None:
-                problems.append(f"{entry.path}: bytes at offset {offset} differ")
+                problems.append(
+                    f"{entry.path}: the chunk at offsets {offset}-{offset + chunk.size} differs"
+                )
                 break
     return problems
 
