@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from agent.node import prefetch as prefetch_module
 from agent.node.hotdir import HotDir
 from agent.peers import fanout
 from agent.peers.fanout import WAIT_SECONDS, Landing, owner_of
@@ -190,6 +191,10 @@ def test_members_holding_their_parts_serve_them_and_a_lost_part_costs_no_read_mo
     chunks only after the ones it waited for from the others, who waited for its own:
     30-60 s, as a review found)."""
     monkeypatch.setenv("AWS_ENDPOINT_URL", s3_proxy.url)
+    # the three agents run in this process and start as the group does: one write probe
+    # each, as before the probe's rounds (their start-up writes, beside the group's
+    # restores, slowed the members' answers to each other past the reads counted here)
+    monkeypatch.setattr(prefetch_module, "WRITE_PROBE_ROUNDS", 1)
     parts = asyncio.run(_push_parts(s3_url, tmp_path / "src"))
     one_copy = sum(f.stat().st_size for d in parts.values() for f in d.iterdir())
     keep = {"FERRY_COMMIT_MARKER": "", "FERRY_QUIET_SECONDS": "600"}  # (parts, not pushed)
