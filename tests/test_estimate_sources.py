@@ -301,6 +301,7 @@ def test_a_probe_slowed_by_other_work_at_start_does_not_choose_the_write_path(
     probe slowed by the start's other work (its rate scripted here: contention cannot be
     made to order) no longer decides. The probes themselves are real writes."""
     from agent.node import prefetch as prefetch_module
+    from agent.node.writechoice import recorded_choice
 
     real_probe = prefetch_module.probe_write
     slowed = iter([20.0])  # the first buffered probe: 20x its real time
@@ -320,6 +321,8 @@ def test_a_probe_slowed_by_other_work_at_start_does_not_choose_the_write_path(
     assert rounds >= 2 and calls == [True, False] * rounds
     assert fields["rounds"] == rounds and fields["page_cache_first"] is True, fields
     assert abs(fields["rate_buffered"] - 3e9) <= 1 and abs(fields["rate_direct"] - 1e9) <= 1
+    # left for a one-shot `ferry pull` into that disk (test_write_choice.py)
+    assert recorded_choice(tmp_path / "a") is True
     # once the rounds so far took the budget, no further round (a slow volume)
     monkeypatch.setattr(prefetch_module, "WRITE_PROBE_BUDGET_SECONDS", 0.0)
     calls.clear()

@@ -247,6 +247,19 @@ def _step_dirs(root: Path) -> list[str]:
 _STEP_DIR = re.compile(r"(global_)?step[_-]?[0-9]+|checkpoint[_-][0-9]+")
 
 
+def _pull_options(args: argparse.Namespace) -> TransferOptions:
+    """The flags' transfer options; under ``auto``, the way this node's agent chose for the
+    destination's disk when it probed it (agent/node/writechoice.py), else warm."""
+    import dataclasses
+
+    from agent.node.writechoice import recorded_choice
+
+    options = transfer_options(args)
+    if options.write_path == "auto" and (first := recorded_choice(args.dest_dir)) is not None:
+        options = dataclasses.replace(options, page_cache_first=first)
+    return options
+
+
 async def cmd_pull(
     store: Store,
     args: argparse.Namespace,
@@ -267,6 +280,7 @@ async def cmd_pull(
     from transfer.engine.settle import settle
 
     step = None if args.step == "latest" else parse_step(args.step)
+    options = options or _pull_options(args)
     # restores an earlier run left unconfirmed: confirm them, or drop them after a reboot
     import asyncio
 
@@ -318,7 +332,7 @@ async def cmd_pull(
                     r = await pull(
                         store, args.dest_dir, plan, sources,
                         PullEvents(progress=progress, waiting=waiting),
-                        options or transfer_options(args),
+                        options,
                     )  # fmt: skip
                     break
                 except IntegrityError as exc:  # (a pack gone, or not what it names)

@@ -32,6 +32,7 @@ from agent.node.drain import drain_tasks
 from agent.node.estimate import BandwidthMeter
 from agent.node.hotdir import HotDir, LocalCheckpoint, path_in_step_dir
 from agent.node.protected import StepHolds
+from agent.node.writechoice import record_choice
 from agent.peers.chunks import PeerSource, file_holders
 from agent.peers.fanout import FanoutSource, Landing
 from agent.rpc.services import Spawn, own_task
@@ -344,6 +345,7 @@ class Prefetcher:
                 buffered_rate = best[False][0] / best[False][1]
                 first = page_cache_first(nbytes / took, buffered_rate)
                 self.options = dataclasses.replace(self.options, page_cache_first=first)
+                await asyncio.to_thread(self._leave_choice, first, nbytes / took, buffered_rate)
             # the estimate's disk: the way restores that fit will write (the rest go direct);
             # its median round, not its best (the best decides the way, not what to expect)
             way = typical[False] if self.options.page_cache_first else typical[ways[0]]
@@ -356,6 +358,14 @@ class Prefetcher:
                   rounds=len(samples[ways[0]]),
                   each_mbps={("direct" if way else "buffered"): [round(_rate(x) / 1e6) for x in got]
                              for way, got in samples.items()})  # fmt: skip
+
+    def _leave_choice(self, first: bool, direct_rate: float, buffered_rate: float) -> None:
+        """What the probe chose, for a one-shot `ferry pull` into this disk (writechoice.py);
+        a state dir that cannot be written only costs the CLI its choice."""
+        try:
+            record_choice(self.hot_dir.root, first, direct_rate, buffered_rate)
+        except OSError as exc:
+            log.warning("could not leave the write probe's choice for the CLI: %s", exc)
 
     async def _probe(self, nbytes: int, *, direct: bool) -> tuple[int, float]:
         return await asyncio.to_thread(

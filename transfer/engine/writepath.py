@@ -8,8 +8,10 @@ once. The four ways (the ``write_path`` tunable):
   (a few rounds, the best of each: agent/node/prefetch.py ``measure_disk``),
   buffered where the page cache took the bytes at least as fast as the device (a slow
   disk, or cheap memory: ``TransferOptions.page_cache_first``), else warm. The one-shot
-  CLI does not probe (64 MiB written twice per command would cost more than it saves):
-  warm. Either way, plain direct for a restore too big for spare memory.
+  CLI does not probe (64 MiB written a few times each way per command would cost more
+  than it saves): it takes what an agent of its user on the node chose for that disk this
+  boot (agent/node/writechoice.py), else warm. Either way, plain direct for a restore too
+  big for spare memory.
 - ``"warm"``: O_DIRECT, and each chunk read back into the page cache by the kernel as soon
   as its write returns (warmcache.py), when the restore fits in what the node can spare;
   the load then reads memory, and no CPU copied the bytes into fresh pages. A restore too
