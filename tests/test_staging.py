@@ -249,3 +249,106 @@ def test_pulls_into_one_destination_started_together_move_the_bytes_once(tmp_pat
     assert sum(r.bytes_transferred for r in results) == fetched[0].bytes_transferred > 0
     assert tree_bytes(dest) == tree_bytes(k0)
     _only_the_destination_left(dest)
+
+
+def _step_files(url: str) -> list[Any]:
+    """The files of the store's step 1, as a pull lists them."""
+    from transfer.engine.pull import resolve_plan
+    from transfer.engine.pullplan import merged_files
+
+    return merged_files(run(resolve_plan(open_test_store(url), PullPlan("j", 1))))
+
+
+def _reads_counted(monkeypatch: pytest.MonkeyPatch, each: Any = None) -> list[str]:
+    """The chunks the already-there check reads back (the real reads, counted; ``each``
+    runs before every one)."""
+    from transfer.engine import localcheck
+
+    real, reads = localcheck.read_local_chunk, []
+
+    def counted(root: Path, path: str, *args: Any) -> Any:
+        reads.append(path)
+        if each is not None:
+            each()
+        return real(root, path, *args)
+
+    monkeypatch.setattr(localcheck, "read_local_chunk", counted)
+    return reads
+
+
+def test_a_directory_missing_a_file_of_the_step_is_refused_before_a_byte_is_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A directory holding most of the step (a copy someone stopped) was read, gigabytes of
+    it, before the pull refused it for the file it lacks: every file's presence and size is
+    looked at first, and nothing is read once one is missing."""
+    from transfer.errors import DestinationError
+
+    url, k0 = _store_with(tmp_path)
+    dest = tmp_path / "out"
+    shutil.copytree(k0, dest)
+    (dest / ".metadata").unlink()
+    reads = _reads_counted(monkeypatch)
+    with pytest.raises(
+        DestinationError, match=r"is not empty, and not j step 1 \(.metadata: missing"
+    ):
+        run(pull(open_test_store(url), dest, PullPlan("j", 1), options=OPTS))
+    assert reads == []
+    # the same directory whole: every chunk read back, nothing fetched
+    shutil.copy2(k0 / ".metadata", dest / ".metadata")
+    result = run(pull(open_test_store(url), dest, PullPlan("j", 1), options=OPTS))
+    assert result.already_there and len(reads) == result.chunks_total, (result, reads)
+
+
+def test_a_cancelled_already_there_check_stops_after_the_chunk_it_is_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ctrl-C during the check of a directory already holding the step (a thread reading
+    it back) went unheeded until the whole step was read. Cancelled, the check stops after
+    the chunk it is on."""
+    import asyncio
+
+    from transfer.engine.pull import _checked_there
+
+    url, k0 = _store_with(tmp_path)
+    dest = tmp_path / "out"
+    shutil.copytree(k0, dest)
+    files = _step_files(url)
+    assert sum(len(f.chunks) for f in files) >= 4  # (room to tell one read from all)
+    began = threading.Event()
+    reads = _reads_counted(monkeypatch, lambda: (began.set(), time.sleep(0.3)))
+
+    async def go() -> None:
+        task = asyncio.ensure_future(_checked_there(dest, files, "j step 1", False))
+        assert await asyncio.to_thread(began.wait, 30)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    run(go())  # (its end waits for the check's thread)
+    time.sleep(0.7)  # (a check that went on would have read two more chunks by now)
+    assert len(reads) == 1, reads
+
+
+def test_fsync_of_a_step_already_there_flushes_only_its_files(tmp_path: Path) -> None:
+    """``--fsync`` on a pull that finds the step already there flushed the user's whole
+    directory: a symlink loop beside the step failed it (ELOOP) and a FIFO hung it. Only
+    the step's files, and their directories, are flushed."""
+    url, k0 = _store_with(tmp_path)
+    dest = tmp_path / "out"
+    shutil.copytree(k0, dest)
+    os.mkfifo(dest / "a-fifo")  # (opened for reading, it blocks until a writer comes)
+    os.symlink("loop", dest / "loop")
+    out: dict[str, Any] = {}
+
+    def go() -> None:
+        plan = PullPlan("j", 1, fsync=True)
+        out["result"] = run(pull(open_test_store(url), dest, plan, options=OPTS))
+
+    thread = threading.Thread(target=go, daemon=True)
+    thread.start()
+    thread.join(30)
+    if thread.is_alive():  # (let it go: open the FIFO for writing once)
+        os.close(os.open(dest / "a-fifo", os.O_WRONLY | os.O_NONBLOCK))
+        pytest.fail("the pull hung on a FIFO beside the step")
+    assert out["result"].already_there, out
