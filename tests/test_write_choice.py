@@ -81,3 +81,15 @@ def test_a_record_of_another_boot_an_old_one_or_a_bad_file_is_no_record(
     path.unlink()
     os.mkdir(path)  # (not even a file)
     assert recorded_choice(tmp_path, state_dir=state) is None
+
+
+def test_agents_leaving_their_choice_at_once_leave_one_readable_record(tmp_path: Path) -> None:
+    """Agents of one user (or of one test process) may probe and write at once: each
+    writes a file of its own and renames it over the record."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    state = tmp_path / "state"
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda i: record_choice(tmp_path, i % 2 == 0, 1e9, 2e9, state), range(64)))
+    assert recorded_choice(tmp_path, state_dir=state) in (True, False)
+    assert [p.name for p in state.iterdir()] == [RECORD_NAME]  # (no file of a writer left)

@@ -16,8 +16,10 @@ and the device number (device numbers may be given out anew at boot)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -51,9 +53,16 @@ def record_choice(
         "at": time.time(),
     }
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{RECORD_NAME}.{os.getpid()}.tmp")  # (agents of one user)
-    tmp.write_text(json.dumps(kept, indent=1) + "\n")
-    os.replace(tmp, path)
+    # a file of its own, renamed over the record: agents of one user may write at once
+    fd, tmp = tempfile.mkstemp(prefix=f".{RECORD_NAME}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as out:
+            out.write(json.dumps(kept, indent=1) + "\n")
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def recorded_choice(directory: Path, state_dir: Path | None = None) -> bool | None:
