@@ -271,8 +271,11 @@ class Bench:
         self.cmd = Commands(self.link.endpoint)
         # s5cmd from the interpreter's environment, activated or not
         path = os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])
+        # the node's state dir, the agents' and the CLI's: the CLI takes agent C's write
+        # probe's choice from it (agent/node/writechoice.py), not the developer's own
         self.env = {**os.environ, **tool_env(self.link.endpoint, self.work / "rclone.conf"),
-                    "PYTHONPATH": str(REPO), "PATH": path}  # fmt: skip
+                    "PYTHONPATH": str(REPO), "PATH": path,
+                    "XDG_STATE_HOME": str(self.work / "state")}  # fmt: skip
         self.step = step_from_dirname(self.k1.name) or 0
         self.digest = tree_digest(self.k1)
         self.raw_bytes = sum(size for size, _ in self.digest.values())
@@ -293,7 +296,8 @@ class Bench:
             # the tier holds k and k+1 already: B's watcher would push its k again beside
             # the measured cases; nothing else of the agents' own runs beside them either
             env.update(FERRY_QUIET_SECONDS="3600", FERRY_RETENTION_INTERVAL_SECONDS="3600",
-                       FERRY_STANDBY_JOBS=standby, FERRY_STANDBY_MAX_RATE="0")  # fmt: skip
+                       FERRY_STANDBY_JOBS=standby, FERRY_STANDBY_MAX_RATE="0",
+                       XDG_STATE_HOME=self.env["XDG_STATE_HOME"])  # fmt: skip
             if self.args.write_path:
                 env["FERRY_TRANSFER_WRITE_PATH"] = self.args.write_path
             if name == "c":  # (the CLI's pulls through an agent: C's, between its cases)

@@ -5,6 +5,7 @@ to spare); the parser it builds must be the one the full parser has for that com
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import pytest
 
@@ -40,3 +41,28 @@ def test_every_command_is_in_one_group_and_no_command_names_every_one(
         ferry(["pul", "s", "d"])  # a typo is told its choices
     assert stopped.value.code == 2
     assert "invalid choice: 'pul' (choose from" in capsys.readouterr().err
+
+
+def test_a_command_run_builds_no_other_commands_parser(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from agent.cli import run
+
+    def built(sub: object) -> None:
+        raise AssertionError("another command's parser was built")
+
+    for names in _GROUPS:
+        if "ls" not in names:
+            monkeypatch.setitem(run._GROUPS, names, built)
+    assert ferry(["ls", str(tmp_path / "no-store")]) == 1  # (its own error: no store there)
+    assert "does not exist" in capsys.readouterr().err
+
+
+def test_the_top_levels_help_lists_every_command_even_before_one(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    for line in (["-h", "pull"], ["--help", "ls"]):
+        with pytest.raises(SystemExit):
+            ferry(line)
+        said = capsys.readouterr().out
+        assert all(name in said for names in _GROUPS for name in names), said

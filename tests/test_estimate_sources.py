@@ -12,6 +12,7 @@ import itertools
 import json
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -321,8 +322,11 @@ def test_a_probe_slowed_by_other_work_at_start_does_not_choose_the_write_path(
     assert rounds >= 2 and calls == [True, False] * rounds
     assert fields["rounds"] == rounds and fields["page_cache_first"] is True, fields
     assert abs(fields["rate_buffered"] - 3e9) <= 1 and abs(fields["rate_direct"] - 1e9) <= 1
-    # left for a one-shot `ferry pull` into that disk (test_write_choice.py)
-    assert recorded_choice(tmp_path / "a") is True
+    # left for a one-shot `ferry pull` into that disk (test_write_choice.py), by a thread
+    device, deadline = os.stat(tmp_path / "a").st_dev, time.monotonic() + 30
+    while recorded_choice(device) is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert recorded_choice(device) is True
     # once the rounds so far took the budget, no further round (a slow volume)
     monkeypatch.setattr(prefetch_module, "WRITE_PROBE_BUDGET_SECONDS", 0.0)
     calls.clear()

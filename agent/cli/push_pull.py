@@ -141,7 +141,8 @@ async def cmd_push(
     store: Store, args: argparse.Namespace, progress: Progress
 ) -> tuple[dict[str, Any], str]:
     """``progress``: what main shows while the push runs (run.py chooses it)."""
-    from agent.node.journal import cli_push_journal, default_state_dir
+    from agent.node.journal import cli_push_journal
+    from agent.node.statedir import default_state_dir
     from transfer.engine import PushPlan, push
     from transfer.engine.catalog import init_store
     from transfer.engine.dcp import metadata_trouble
@@ -249,13 +250,21 @@ _STEP_DIR = re.compile(r"(global_)?step[_-]?[0-9]+|checkpoint[_-][0-9]+")
 
 def _pull_options(args: argparse.Namespace) -> TransferOptions:
     """The flags' transfer options; under ``auto``, the way this node's agent chose for the
-    destination's disk when it probed it (agent/node/writechoice.py), else warm."""
+    disk the restore writes to (the destination's nearest existing parent: its staging
+    directory's) when it probed it (agent/node/writechoice.py), else warm."""
     import dataclasses
 
+    from agent.cli.viaagent import nearest_dir
     from agent.node.writechoice import recorded_choice
 
     options = transfer_options(args)
-    if options.write_path == "auto" and (first := recorded_choice(args.dest_dir)) is not None:
+    if options.write_path != "auto":
+        return options
+    try:
+        device = nearest_dir(str(args.dest_dir.absolute()))[1]
+    except OSError:  # (a link that leads nowhere: the pull says what is wrong)
+        return options
+    if (first := recorded_choice(device)) is not None:
         options = dataclasses.replace(options, page_cache_first=first)
     return options
 

@@ -61,12 +61,18 @@ _GROUPS: dict[tuple[str, ...], Callable[[Commands], None]] = {
 def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     """The parser of every command; given the command line, of only the command it names
     (every command's flags cost ~10 ms of each start, which `ferry pull` through the
-    agent exists to spare). A line naming none, or an unknown one, gets every command's,
-    so that `ferry --help` lists them and a typo is told its choices."""
+    agent exists to spare). A line naming none, or an unknown one, or asking the top
+    level's help (`ferry -h pull`), gets every command's, so that the help lists them and
+    a typo is told its choices. (The top level's options take no value: its first word
+    that is not an option is the command.)"""
     parser = _Parser(prog="ferry", description=__doc__.split("\n")[0])
     parser.add_argument("--version", action=_Version, help="print the version and exit")
     sub = cast("Commands", parser.add_subparsers(dest="command", required=True))
-    named = next((a for a in argv or () if not a.startswith("-")), None)
+    named = None
+    for arg in argv or ():
+        if arg in ("-h", "--help") or not arg.startswith("-"):
+            named = None if arg.startswith("-") else arg
+            break
     wanted = [add for names, add in _GROUPS.items() if named in names]
     for add in wanted or _GROUPS.values():
         add(sub)

@@ -37,7 +37,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 import sqlite3
 import time
 from collections.abc import Sequence
@@ -382,12 +381,6 @@ class PushResume:
 def _forget_resume(db: sqlite3.Connection, key: tuple[str, int, str, str]) -> None:
     for table in _RESUME_TABLES:
         db.execute(f"DELETE FROM {table} WHERE {_PUSH_KEY}", key)
-
-
-def default_state_dir() -> Path:
-    """``$XDG_STATE_HOME/ckpt-ferry`` (default ``~/.local/state/ckpt-ferry``)."""
-    base = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
-    return Path(base) / "ckpt-ferry"
 
 
 def cli_push_journal(

@@ -21,6 +21,7 @@ import os
 import secrets
 import shutil
 import stat
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -345,7 +346,6 @@ class Prefetcher:
                 buffered_rate = best[False][0] / best[False][1]
                 first = page_cache_first(nbytes / took, buffered_rate)
                 self.options = dataclasses.replace(self.options, page_cache_first=first)
-                await asyncio.to_thread(self._leave_choice, first, nbytes / took, buffered_rate)
             # the estimate's disk: the way restores that fit will write (the rest go direct);
             # its median round, not its best (the best decides the way, not what to expect)
             way = typical[False] if self.options.page_cache_first else typical[ways[0]]
@@ -358,14 +358,22 @@ class Prefetcher:
                   rounds=len(samples[ways[0]]),
                   each_mbps={("direct" if way else "buffered"): [round(_rate(x) / 1e6) for x in got]
                              for way, got in samples.items()})  # fmt: skip
+            if buffered_rate is not None:  # for a one-shot `ferry pull` into this disk
+                # (a thread of its own, not awaited: a hung home directory must not hold up
+                # the probe, nor the agent's stop)
+                threading.Thread(
+                    target=self._leave_choice, name="ferry-probe-record", daemon=True,
+                    args=(self.options.page_cache_first, nbytes / took, buffered_rate),
+                ).start()  # fmt: skip
 
     def _leave_choice(self, first: bool, direct_rate: float, buffered_rate: float) -> None:
         """What the probe chose, for a one-shot `ferry pull` into this disk (writechoice.py);
-        a state dir that cannot be written only costs the CLI its choice."""
+        a state dir that cannot be written (a read-only root in a container) only costs the
+        CLI its choice."""
         try:
             record_choice(self.hot_dir.root, first, direct_rate, buffered_rate)
-        except OSError as exc:
-            log.warning("could not leave the write probe's choice for the CLI: %s", exc)
+        except (OSError, ValueError, RuntimeError) as exc:
+            log.info("the write probe's choice is not left for the CLI: %s", exc)
 
     async def _probe(self, nbytes: int, *, direct: bool) -> tuple[int, float]:
         return await asyncio.to_thread(

@@ -6,31 +6,37 @@ cache took the bytes at least as fast as the device. A one-shot ``ferry pull`` c
 that probe (64 MiB written a few times each way, per command), so it went warm everywhere,
 and on a node where buffered is the faster way it paid for it (issue 32: a cold pull of a
 289 MB save 0.76 s warm, 0.61 s buffered). So the agent leaves what it chose, per device,
-in the user's state dir, and a CLI pull under ``auto`` into a directory on that device takes
-it; with no record (no agent here, another device, a record from before the last boot or
-older than ``MAX_AGE_SECONDS``) it goes warm, as before.
+in the state dir (statedir.py), and a CLI pull under ``auto`` into a directory on that
+device takes it; with no record (no agent here, another state dir or mount namespace,
+another device, a record older than ``MAX_AGE_SECONDS``) it goes warm, as before.
 
-The record is a choice between two correct ways to write, never a guarantee: a file that
-cannot be read, or holds anything unexpected, is no record. Keyed by the kernel's boot id
-and the device number (device numbers may be given out anew at boot)."""
+One file per boot, ``write-probe/<boot id>.json`` ({"<st_dev>": {...}}): device numbers are
+given out anew at boot, and nodes that share a home directory (NFS) each keep their own.
+The record chooses between two correct ways to write, never more: a state dir that cannot
+be read or written, or a file that holds anything unexpected, is no record, and costs the
+CLI only the choice. (A tmpfs or overlay device number may be reused within a boot by
+another file system: the choice may then be the other one's, at a cost in speed only.)"""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import os
-import tempfile
+import stat
 import time
 from pathlib import Path
 from typing import Any
 
-from agent.node.journal import default_state_dir
+from agent.node.statedir import default_state_dir
 
-#: the record's file, in ``default_state_dir()``: {"<boot id>:<st_dev>": {...}}
-RECORD_NAME = "write-probe.json"
-#: a choice older than this is not taken (the disk's neighbours, or its host, change)
+#: the records' directory, in the state dir
+RECORDS = "write-probe"
+#: a choice older than this is not taken (the disk's neighbours, or its host, change), and
+#: another boot's file older than this is removed
 MAX_AGE_SECONDS = 7 * 24 * 3600.0
 BOOT_ID = Path("/proc/sys/kernel/random/boot_id")
+#: what an unusable state dir or record raises: none of it fails a pull or a probe
+_UNUSABLE = (OSError, ValueError, RuntimeError)  # (RuntimeError: no home; RecursionError)
 
 
 def record_choice(
@@ -40,21 +46,29 @@ def record_choice(
     buffered_rate: float,
     state_dir: Path | None = None,
 ) -> None:
-    """Leave what the probe of ``directory``'s disk chose (records of an earlier boot are
-    dropped); raises OSError where the state dir cannot be written (the caller logs it)."""
-    path = (state_dir or default_state_dir()) / RECORD_NAME
+    """Leave what the probe of ``directory``'s disk chose; raises OSError, ValueError or
+    RuntimeError where it cannot (the caller logs it)."""
+    import tempfile  # (only an agent writes: not on the CLI's start)
+
     boot = _boot_id()
-    kept = {k: v for k, v in _read(path).items() if boot and k.startswith(f"{boot}:")}
-    kept[_key(boot, directory)] = {
+    if not boot:
+        return
+    records = (state_dir or default_state_dir()) / RECORDS
+    records.mkdir(mode=0o700, parents=True, exist_ok=True)
+    path = records / f"{boot}.json"
+    try:
+        kept = _read(path)
+    except _UNUSABLE:  # (not a record: replaced by one)
+        kept = {}
+    kept[str(os.stat(directory).st_dev)] = {
         "page_cache_first": page_cache_first,
         "direct_mbps": round(direct_rate / 1e6),
         "buffered_mbps": round(buffered_rate / 1e6),
         "directory": str(directory),
         "at": time.time(),
     }
-    path.parent.mkdir(parents=True, exist_ok=True)
     # a file of its own, renamed over the record: agents of one user may write at once
-    fd, tmp = tempfile.mkstemp(prefix=f".{RECORD_NAME}.", suffix=".tmp", dir=path.parent)
+    fd, tmp = tempfile.mkstemp(prefix=f".{boot}.", suffix=".tmp", dir=records)
     try:
         with os.fdopen(fd, "w") as out:
             out.write(json.dumps(kept, indent=1) + "\n")
@@ -63,46 +77,49 @@ def record_choice(
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+    _forget_old(records, keep=path)
 
 
-def recorded_choice(directory: Path, state_dir: Path | None = None) -> bool | None:
-    """``page_cache_first`` as an agent's probe of ``directory``'s disk chose it this boot,
-    at most MAX_AGE_SECONDS ago; None when there is no such record. ``directory`` need not
-    exist yet: its nearest existing parent's device is the one a restore writes to."""
-    boot = _boot_id()
-    if not boot:
-        return None
+def recorded_choice(device: int, state_dir: Path | None = None) -> bool | None:
+    """``page_cache_first`` as an agent's probe of a directory on ``device`` (st_dev)
+    chose it this boot, at most MAX_AGE_SECONDS ago; None when there is no such record."""
     try:
-        key = _key(boot, _existing(directory))
-    except OSError:
+        boot = _boot_id()
+        if not boot:
+            return None
+        found = _read((state_dir or default_state_dir()) / RECORDS / f"{boot}.json")
+    except _UNUSABLE:
         return None
-    found = _read((state_dir or default_state_dir()) / RECORD_NAME).get(key)
-    if not isinstance(found, dict):
+    entry = found.get(str(device))
+    if not isinstance(entry, dict):
         return None
-    first, at = found.get("page_cache_first"), found.get("at")
+    first, at = entry.get("page_cache_first"), entry.get("at")
     if not isinstance(first, bool) or not isinstance(at, int | float):
         return None
     return first if 0 <= time.time() - at <= MAX_AGE_SECONDS else None
 
 
 def _read(path: Path) -> dict[str, Any]:
+    """The record at ``path``, {} when there is none or it is not one. Opened without
+    blocking, and only a regular file read (a FIFO there must not hang a pull)."""
     try:
-        doc = json.loads(path.read_text())
-    except (OSError, ValueError):
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOFOLLOW)
+    except FileNotFoundError:
         return {}
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return {}
+        doc = json.loads(f.read(1 << 20))
     return doc if isinstance(doc, dict) else {}
 
 
-def _key(boot: str, directory: Path) -> str:
-    return f"{boot}:{os.stat(directory).st_dev}"
-
-
-def _existing(directory: Path) -> Path:
-    """``directory``, or its nearest existing parent."""
-    here = directory.absolute()
-    while not here.exists() and here.parent != here:
-        here = here.parent
-    return here
+def _forget_old(records: Path, keep: Path) -> None:
+    """Other boots' records (and writers' leftovers) not written for MAX_AGE_SECONDS."""
+    now = time.time()
+    for path in records.iterdir():
+        with contextlib.suppress(OSError):
+            if path != keep and now - path.lstat().st_mtime > MAX_AGE_SECONDS:
+                path.unlink()
 
 
 def _boot_id() -> str:
