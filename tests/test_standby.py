@@ -98,6 +98,41 @@ def test_a_standby_holds_each_new_step_before_the_scheduler_asks(
     asyncio.run(go())
 
 
+def test_a_replicas_estimate_does_not_count_the_store_its_prefetch_never_asks(
+    local_url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A whole step's replica, asked by number, is ready without a request to any tier, so
+    the estimate's own resolution of the step is no part of its prefetch: on the corpus
+    that resolution took 0.06 s and was the estimate, where the prefetch took 0.005 s,
+    below the range. Here the resolution is made slow (0.3 s, a far store) to tell."""
+    from agent.node import estimate_sources
+    from agent.node.estimate import PREFETCH_START_SECONDS
+
+    (k20,) = adamw_series(tmp_path / "src", 1, seed=23)
+    real = estimate_sources.resolve_checkpoint
+
+    async def far(*args: Any, **kwargs: Any) -> Any:
+        await asyncio.sleep(0.3)
+        return await real(*args, **kwargs)
+
+    async def go() -> tuple[dict[str, Any], dict[str, Any]]:
+        await push_series(local_url, [k20])
+        env = {**FAST, "FERRY_STANDBY_JOBS": "llm"}
+        async with (
+            agent(tmp_path / "b", [local_url], "b", extra_env=env) as url,
+            FerryClient(url, TOKEN) as b,
+        ):
+            await _replicated(b, "llm", 20)
+            monkeypatch.setattr(estimate_sources, "resolve_checkpoint", far)
+            estimate = await b.estimate("llm", 20)
+            return estimate, await prefetched(b, 20)
+
+    estimate, done = asyncio.run(go())
+    assert (estimate["source"], done["satisfied_by"]) == ("replica", "replica"), estimate
+    assert estimate["seconds"] == pytest.approx(PREFETCH_START_SECONDS), estimate
+    assert estimate["seconds_low"] == 0.0 and estimate["seconds_high"] < 0.3, estimate
+
+
 def test_a_replica_changed_since_is_checked_the_long_way(local_url: str, tmp_path: Path) -> None:
     """A standby never serves a torn step: one byte written into its replica after the
     replication, and the prefetch re-hashes it and refuses it."""
