@@ -377,6 +377,7 @@ def auto_probe_and_estimate(
     assert fields["write_path"] == "auto"
     rule = page_cache_first(fields["rate_direct"], fields["rate_buffered"])
     assert fields["page_cache_first"] is rule
+    assert fields["chose"] == ("buffered" if rule else "warm")  # (the way, named)
     best = fields["rate_buffered"] if rule else fields["rate_direct"]
     assert fields["rate_expected"] <= best + 1  # (the median round's: the best chose the way)
     assert estimate["disk_rate_basis"] == "probe"

@@ -141,3 +141,15 @@ def test_agents_leaving_their_choice_at_once_leave_one_readable_record(tmp_path:
         list(pool.map(lambda i: record_choice(tmp_path, i % 2 == 0, 1e9, 2e9, state), range(64)))
     assert recorded_choice(os.stat(tmp_path).st_dev, state_dir=state) in (True, False)
     assert len(list((state / RECORDS).iterdir())) == 1  # (no file of a writer left)
+
+
+def test_a_record_whose_probed_directory_is_gone_is_none(tmp_path: Path) -> None:
+    """The demo's agents (and a benchmark's) probe a hot dir they remove when they stop:
+    their record must not decide the user's next pulls for a week."""
+    hot, state = tmp_path / "demo-hot", tmp_path / "state"
+    hot.mkdir()
+    record_choice(hot, True, 1e9, 3e9, state_dir=state)
+    device = os.stat(tmp_path).st_dev
+    assert recorded_choice(device, state_dir=state) is True
+    hot.rmdir()
+    assert recorded_choice(device, state_dir=state) is None

@@ -354,6 +354,8 @@ class Prefetcher:
                   rate_buffered=buffered_rate and round(buffered_rate),
                   rate_expected=round(_rate(way)),
                   write_path=self.options.write_path,
+                  chose=("buffered" if self.options.page_cache_first else "warm")
+                  if chosen == "auto" else chosen,
                   page_cache_first=self.options.page_cache_first,
                   rounds=len(samples[ways[0]]),
                   each_mbps={("direct" if way else "buffered"): [round(_rate(x) / 1e6) for x in got]

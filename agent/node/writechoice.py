@@ -8,7 +8,8 @@ and on a node where buffered is the faster way it paid for it (issue 32: a cold 
 289 MB save 0.76 s warm, 0.61 s buffered). So the agent leaves what it chose, per device,
 in the state dir (statedir.py), and a CLI pull under ``auto`` into a directory on that
 device takes it; with no record (no agent here, another state dir or mount namespace,
-another device, a record older than ``MAX_AGE_SECONDS``) it goes warm, as before.
+another device, a record older than ``MAX_AGE_SECONDS``, or one whose probed directory is
+gone: a demo's agent) it goes warm, as before.
 
 One file per boot, ``write-probe/<boot id>.json`` ({"<st_dev>": {...}}): device numbers are
 given out anew at boot, and nodes that share a home directory (NFS) each keep their own.
@@ -93,10 +94,25 @@ def recorded_choice(device: int, state_dir: Path | None = None) -> bool | None:
     entry = found.get(str(device))
     if not isinstance(entry, dict):
         return None
-    first, at = entry.get("page_cache_first"), entry.get("at")
-    if not isinstance(first, bool) or not isinstance(at, int | float):
+    first, at, probed = entry.get("page_cache_first"), entry.get("at"), entry.get("directory")
+    if (
+        not isinstance(first, bool)
+        or not isinstance(at, int | float)
+        or not isinstance(probed, str)
+    ):
         return None
-    return first if 0 <= time.time() - at <= MAX_AGE_SECONDS else None
+    if not 0 <= time.time() - at <= MAX_AGE_SECONDS or not _still_there(probed, device):
+        return None
+    return first
+
+
+def _still_there(directory: str, device: int) -> bool:
+    """Whether the directory the agent probed is still there, on ``device``: a demo's or a
+    benchmark's agent, whose hot dir went with it, vouches for nothing after."""
+    try:
+        return os.stat(directory).st_dev == device
+    except OSError:
+        return False
 
 
 def _read(path: Path) -> dict[str, Any]:

@@ -9,7 +9,7 @@ once. The four ways (the ``write_path`` tunable):
   buffered where the page cache took the bytes at least as fast as the device (a slow
   disk, or cheap memory: ``TransferOptions.page_cache_first``), else warm. The one-shot
   CLI does not probe (64 MiB written a few times each way per command would cost more
-  than it saves): it takes what an agent sharing its state dir chose for that disk this
+  than it saves): it takes what an agent of its user and XDG_STATE_HOME chose for that disk this
   boot (agent/node/writechoice.py), else warm. Either way, plain direct for a restore too
   big for spare memory.
 - ``"warm"``: O_DIRECT, and each chunk read back into the page cache by the kernel as soon
