@@ -32,6 +32,12 @@ class UsageError(Exception):
     """A command line argparse cannot judge alone: main prints it as a usage error (exit 2)."""
 
 
+#: the help of every command's store URL (one wording: a newcomer reads it in each command)
+STORE_URL_HELP = "the store: a directory (or file://DIR) or s3://BUCKET/PREFIX"
+#: the help of a command's --job where it names the job (its steps are numbered within it)
+JOB_HELP = "the job: the name its steps are stored under"
+
+
 def add_store_args(p: argparse.ArgumentParser, *, writes: bool = True) -> None:
     p.add_argument("--endpoint-url", help="S3 endpoint (default: $AWS_ENDPOINT_URL)")
     _add_knobs(p, StoreSettings, writes)

@@ -12,6 +12,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from agent.cli.args import (
+    JOB_HELP,
+    STORE_URL_HELP,
     UsageError,
     add_store_args,
     add_transfer_args,
@@ -38,15 +40,15 @@ def add_init(sub: Commands) -> None:
         help="make a store: an empty (or missing) directory or prefix gets ferry-store.json; "
         "an existing store is left as it is",
     )
-    p.add_argument("store_url")
+    p.add_argument("store_url", help=STORE_URL_HELP)
     add_store_args(p)
 
 
 def add_push(sub: Commands) -> None:
     p = sub.add_parser("push", help="push a checkpoint directory to a store")
-    p.add_argument("ckpt_dir", type=Path)
-    p.add_argument("store_url")
-    p.add_argument("--job", required=True)
+    p.add_argument("ckpt_dir", type=Path, help="the checkpoint's directory (one step)")
+    p.add_argument("store_url", help=STORE_URL_HELP)
+    p.add_argument("--job", required=True, help=JOB_HELP)
     p.add_argument("--step", type=int, help="default: the number in the directory name")
     p.add_argument("--node", default=None, help="default: $FERRY_NODE or the host name")
     p.add_argument("--base-step", type=int, help="delta base (default: the previous step)")
@@ -85,9 +87,9 @@ def add_pull(sub: Commands) -> None:
         "warm); a transfer or store flag given, or anything the agent does not serve, pulls "
         "here, after a line saying why.",
     )
-    p.add_argument("store_url")
-    p.add_argument("dest_dir", type=Path)
-    p.add_argument("--job", required=True)
+    p.add_argument("store_url", help=STORE_URL_HELP)
+    p.add_argument("dest_dir", type=Path, help="a new or empty directory to restore into")
+    p.add_argument("--job", required=True, help=JOB_HELP)
     p.add_argument("--step", default="latest", help="a step number or 'latest' (default)")
     p.add_argument("--node", default=None, help="only this node's part (default: all parts)")
     p.add_argument(

@@ -8,6 +8,8 @@ import argparse
 from typing import TYPE_CHECKING, Any
 
 from agent.cli.args import (
+    JOB_HELP,
+    STORE_URL_HELP,
     _duration,
     _fraction,
     _grace,
@@ -40,7 +42,7 @@ def add_retention(sub: Commands) -> None:
     p = sub.add_parser(
         "retention", help="apply a retention policy to a store: expire, demote, collect garbage"
     )
-    p.add_argument("store_url")
+    p.add_argument("store_url", help=STORE_URL_HELP)
     p.add_argument("--keep-last", type=_positive_int, help="keep the newest N complete steps")
     p.add_argument("--keep-every", type=_positive_int, help="keep every step divisible by K")
     p.add_argument("--max-age", type=_duration, help="expire steps older than this (e.g. 30d)")
@@ -80,8 +82,8 @@ def add_pins(sub: Commands) -> None:
         ("unpin", "remove a pin set with `ferry pin` (or by an agent, with its --holder)"),
     ):
         p = sub.add_parser(name, help=text)
-        p.add_argument("store_url")
-        p.add_argument("--job", required=True)
+        p.add_argument("store_url", help=STORE_URL_HELP)
+        p.add_argument("--job", required=True, help=JOB_HELP)
         p.add_argument("--step", required=True, help="a step number, or 'latest'")
         p.add_argument(
             "--holder",

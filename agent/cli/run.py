@@ -65,7 +65,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     level's help (`ferry -h pull`), gets every command's, so that the help lists them and
     a typo is told its choices. (The top level's options take no value: its first word
     that is not an option is the command.)"""
-    parser = _Parser(prog="ferry", description=__doc__.split("\n")[0])
+    parser = _Parser(prog="ferry", description=__doc__.split("\n")[0].replace("``", ""))
     parser.add_argument("--version", action=_Version, help="print the version and exit")
     sub = cast("Commands", parser.add_subparsers(dest="command", required=True))
     named = None

@@ -6,7 +6,13 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING, Any
 
-from agent.cli.args import UsageError, add_store_args, add_transfer_args, transfer_options
+from agent.cli.args import (
+    STORE_URL_HELP,
+    UsageError,
+    add_store_args,
+    add_transfer_args,
+    transfer_options,
+)
 from agent.cli.shared import VerifyFailed, human, require_store, step_named
 from transfer.errors import FormatError
 from transfer.format.names import check_name
@@ -18,21 +24,21 @@ if TYPE_CHECKING:
 
 def add_listings(sub: Commands) -> None:
     p = sub.add_parser("ls", help="list committed checkpoints")
-    p.add_argument("store_url")
+    p.add_argument("store_url", help=STORE_URL_HELP)
     p.add_argument("--job")
     add_store_args(p, writes=False)
 
     p = sub.add_parser(
         "du", help="what a store's bytes are for: per step own/shared, dead, what expiring frees"
     )
-    p.add_argument("store_url")
+    p.add_argument("store_url", help=STORE_URL_HELP)
     p.add_argument("--job", help="only this job's steps (totals stay store-wide)")
     add_store_args(p, writes=False)
 
 
 def add_verify(sub: Commands) -> None:
     p = sub.add_parser("verify", help="re-hash every stored chunk; exit 1 naming bad ones")
-    p.add_argument("store_url")
+    p.add_argument("store_url", help=STORE_URL_HELP)
     p.add_argument("--job", help="only this job's steps (default: every job)")
     p.add_argument("--step", help="only this step of --job: a step number, or 'latest'")
     add_store_args(p, writes=False)
