@@ -68,11 +68,8 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     parser = _Parser(prog="ferry", description=__doc__.split("\n")[0].replace("``", ""))
     parser.add_argument("--version", action=_Version, help="print the version and exit")
     sub = cast("Commands", parser.add_subparsers(dest="command", required=True))
-    named = None
-    for arg in argv or ():
-        if arg in ("-h", "--help") or not arg.startswith("-"):
-            named = None if arg.startswith("-") else arg
-            break
+    # the command, or the top level's help (which names no group) if that comes first
+    named = next((a for a in argv or () if a in ("-h", "--help") or a[:1] != "-"), None)
     wanted = [add for names, add in _GROUPS.items() if named in names]
     for add in wanted or _GROUPS.values():
         add(sub)
