@@ -61,14 +61,24 @@ def test_the_estimate_names_the_peer_that_will_serve_and_probes_it_first(
             moved = sum(done["bytes_by_source"].values())
             assert done["bytes_by_source"]["peer"] > 0.9 * moved
             assert abs(est["bytes_missing"] - moved) <= 0.25 * moved, (est, moved)
-            again = await b.estimate("llm", 40)  # held now: nothing moves, a re-check
-            assert (again["source"], again["rate_basis"]) == ("local", "probe")
-            assert again["bytes_by_source"] == {"local": again["bytes_total"]}  # re-read
+            # restored here by that prefetch: its next prefetch checks it by stat, and so
+            # does the estimate (it predicted a re-hash: 1.3 s on the corpus for 0.01 s)
+            again = await b.estimate("llm", 40)
+            assert (again["source"], again["bytes_by_source"]) == ("restored", {"local": 0})
             assert again["bytes_missing"] == 0  # (was the step's size: nothing is missing)
-            # the probe's rate stands until a re-check measures one: step 20 was written
-            # here, not restored, so its prefetch re-hashes it
-            assert (await b.estimate("llm", 20))["rate_basis"] == "measured"
+            assert again["seconds"] < 0.2 and again["seconds_low"] == 0.0, again
+            # step 20 was written here by training, not restored: its prefetch re-hashes it,
+            # at a rate probed on this copy at first contact
+            held = await b.estimate("llm", 20)
+            assert (held["source"], held["rate_basis"]) == ("local", "probe"), held
+            assert held["bytes_by_source"] == {"local": held["bytes_total"]}  # re-read
             assert (await prefetched(b, 20))["satisfied_by"] == "held"
+            # a file of 40 touched since it was restored: no longer known intact, re-hashed
+            shard = Path(done["dest"]) / "__0_0.distcp"
+            await asyncio.to_thread(os.utime, shard, (1e9, 1e9))
+            changed = await b.estimate("llm", 40)
+            assert (changed["source"], changed["rate_basis"]) == ("local", "measured"), changed
+            assert (await prefetched(b, 40))["satisfied_by"] == "held"
 
     asyncio.run(go())
 

@@ -584,7 +584,7 @@ class Prefetcher:
             return False  # (a share: the pull plans what it needs of the step)
         here = self.hot_dir.step_path(record.job, record.step)
         try:
-            how = await self._intact_restore(record, here)
+            how = await self.intact_restore(record.job, record.step, here)
         except (FerryError, OSError):  # (evicted meanwhile: the long way restores it)
             return False
         if how is None:
@@ -756,7 +756,7 @@ class Prefetcher:
             # already here (written by training on this node, or an earlier prefetch):
             # ready only if it is an exact copy; it is never overwritten
             record.dest = str(here.path)
-            if (how := await self._intact_restore(record, here.path)) is not None:
+            if (how := await self.intact_restore(record.job, record.step, here.path)) is not None:
                 record.satisfied_by = how  # restored here, verified, untouched since
                 return
             began = time.monotonic()
@@ -916,14 +916,14 @@ class Prefetcher:
             await asyncio.to_thread(shutil.rmtree, scratch, True)
         record.satisfied_by = "filled_in"
 
-    async def _intact_restore(self, record: PrefetchJob, here: Path) -> str | None:
+    async def intact_restore(self, job: str, step: int, here: Path) -> str | None:
         """ "replica" or "held" when this agent restored ``here`` (verified) and no file of
         it changed since (size, mtime, inode); None: check it the long way. Only the look
         at the files runs on a thread: ``_restored`` is the loop's alone (prefetches of one
         step asked at once check it at once: two forgetting it from their threads raised
-        KeyError in the second, whose record stayed queued for good)."""
-        assert record.step is not None
-        key = (record.job, record.step)
+        KeyError in the second, whose record stayed queued for good). The estimate asks it
+        too: such a step is ready at the cost of a stat, not of a re-hash."""
+        key = (job, step)
         made = self._restored.get(key)
         if made is None:
             return None
