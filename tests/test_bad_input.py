@@ -432,6 +432,7 @@ def test_a_pull_run_again_into_its_own_restore_finds_it_whole(
     assert ferry(["pull", local_url, str(dest), "--job", "j", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["already_there"] is True and doc["bytes_transferred"] == 0
+    assert doc["write_path"] == "none", doc  # (was "": a newcomer read it as a missing field)
     assert ferry(["pull", local_url, str(dest), "--job", "j"]) == 0
     assert "already holds j step 7" in capsys.readouterr().out
     (dest / "notes.txt").unlink()

@@ -66,3 +66,25 @@ def test_the_top_levels_help_lists_every_command_even_before_one(
             ferry(line)
         said = capsys.readouterr().out
         assert all(name in said for names in _GROUPS for name in names), said
+
+
+@pytest.mark.parametrize(
+    ("line", "hint"),
+    [
+        (["pul", "s", "d"], "did you mean 'pull'?"),
+        (["verfy", "s"], "did you mean 'verify'?"),
+        (["ls", "s", "--jsno"], "did you mean '--json'?"),
+        (["pull", "s", "d", "--job", "j", "--bsae-dir=x"], "did you mean '--base-dir'?"),
+        (["pull", "s", "d", "--job", "j", "--qqqqqq"], None),  # nothing close: no guess
+    ],
+)
+def test_a_typo_is_told_the_nearest_command_or_option(
+    line: list[str], hint: str | None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A newcomer's `ferry pul` got every command and no pointer into them."""
+    with pytest.raises(SystemExit) as stopped:
+        ferry(line)
+    said = capsys.readouterr().err
+    assert stopped.value.code == 2 and len(said.splitlines()) == 1, said
+    assert said.endswith("--help)\n"), said
+    assert (hint in said) if hint else "did you mean" not in said, said

@@ -13,8 +13,10 @@ args.py (flags, value parsers, options) and shared.py.
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import os
+import re
 import sys
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import TYPE_CHECKING, Any, NoReturn, TypeVar, cast
@@ -39,7 +41,27 @@ class _Parser(argparse.ArgumentParser):
     a screenful of every option; subcommands' parsers are of this class too."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        hint = _did_you_mean(message, list(self._option_string_actions))
+        self.exit(2, f"{self.prog}: error: {message}{hint} (see {self.prog} --help)\n")
+
+
+#: argparse's words for a command it does not know and for options it does not (3.11-3.13)
+_BAD_CHOICE = re.compile(r"invalid choice: '([^']*)' \(choose from (.*)\)$")
+_BAD_OPTIONS = re.compile(r"unrecognized arguments: (.*)$")
+
+
+def _did_you_mean(message: str, options: list[str]) -> str:
+    """ ", did you mean 'pull'?" for a typo'd command or option close to a known one (a
+    newcomer's `ferry pul` got the list of every command and no pointer into it)."""
+    if found := _BAD_CHOICE.search(message):
+        word, known = found[1], re.findall(r"'([^']*)'", found[2])
+    elif found := _BAD_OPTIONS.search(message):
+        word = next((w for w in found[1].split() if w.startswith("--")), "")
+        word, known = word.split("=", 1)[0], [o for o in options if o.startswith("--")]
+    else:
+        return ""
+    close = difflib.get_close_matches(word, known, n=1, cutoff=0.6) if word else []
+    return f"; did you mean {close[0]!r}?" if close else ""
 
 
 #: each command group's parser, by the commands it adds (in `ferry --help`'s order)
@@ -74,6 +96,12 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     for add in wanted or _GROUPS.values():
         add(sub)
     return parser
+
+
+def _command_parser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    """The subparser of ``command`` (argparse keeps them in its subparsers action)."""
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return cast("argparse.ArgumentParser", sub.choices[command])
 
 
 class _Version(argparse.Action):
@@ -226,9 +254,7 @@ def _main(argv: list[str] | None) -> int:
     parser = build_parser(argv)
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # (said by the subcommand: argparse's own message names the top level)
-        print(f"ferry {args.command}: error: unrecognized arguments: {' '.join(unknown)} "
-              f"(see ferry {args.command} --help)", file=sys.stderr)  # fmt: skip
-        raise SystemExit(2)
+        _command_parser(parser, args.command).error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command == "pull":  # through this node's agent, when one serves the store
         defaults = parser.parse_args(["pull", "-", "-", "--job", "-"])
         return _answer(args, lambda: _through_agent(args, defaults) or _run_terminable(_run(args)))

@@ -90,7 +90,8 @@ class PullResult:
     #: a share's pull: its layout, its bytes, and chunk_bytes: the file bytes its chunks
     #: cover (the share plus the rest of each chunk it cuts through; before dedupe)
     share: dict[str, object] | None = None
-    #: "warm", "direct" or "buffered": how its chunks were written (engine/writepath.py)
+    #: "warm", "direct" or "buffered": how its chunks were written (engine/writepath.py);
+    #: "none" when nothing was (already_there)
     write_path: str = ""
     #: bytes written into the staging files, and the wall seconds some write was in
     #: progress: their ratio is the rate the disk took them at (writeprobe.write_rate)
@@ -263,7 +264,7 @@ def _already_there(
         chunks_total=chunks, chunks_deduped=chunks, chunks_local=0, chunks_resumed=0,
         base_dir=None, bases_local=0, bytes_from_source=0, chunks_delta=0, chunks_raw=0,
         encode_seconds=0.0, stage_seconds={}, seconds=seconds, dest=str(dest.absolute()),
-        already_there=True,
+        already_there=True, write_path="none",
     )  # fmt: skip
 
 
