@@ -149,6 +149,11 @@ async def run_demo(workdir: Path) -> bool:
                     f"{step:>6} {r['bytes_raw'] / 1e6:>8.1f} {r['bytes_transferred'] / 1e6:>11.1f} "
                     f"{r['chunks_deduped']:>4}/{r['chunks_total']:<3} {r['chunks_delta']:>6}"
                 )
+            # (a newcomer read step 140's "delta 0" as a fault)
+            print("  deduped: chunks unchanged since an earlier save, not written again;")
+            print("  delta: chunks stored as XOR deltas against the save before. A chunk")
+            print("  whose chain of deltas a fresh node would pay too much to rebuild is")
+            print("  stored whole instead (the keyframe policy: docs/FORMAT.md)")
             print("scheduler: scale down onto node-b (8 GPUs at $2.50/h); estimate, then prefetch:")
             for step in (140, 160):
                 if step == 160:
@@ -161,8 +166,11 @@ async def run_demo(workdir: Path) -> bool:
                 ok = ok and same
                 sources = done["bytes_by_source"].items()
                 moved = ", ".join(f"{k.split(':')[0]} {v / 1e6:.1f} MB" for k, v in sources if v)
+                # what moves is coded (deltas, zstd): it was read against "missing", raw bytes
+                to_move = sum(est["bytes_by_source"].values()) / 1e6
                 print(
                     f"  step {step}: {est['bytes_missing'] / 1e6:.1f} MB missing, predicted "
+                    f"{to_move:.1f} MB moved in "
                     f"{est['seconds']:.2f}s ({est['seconds_low']:.2f}-{est['seconds_high']:.2f}; "
                     f"cost ${est['cost']:.4f}, cooldown "
                     f"{est['cooldown_seconds']:.0f}s); measured {seconds:.2f}s; moved: {moved}; "
@@ -182,4 +190,5 @@ def main(workdir: Path | None, keep: bool) -> int:
     finally:
         if not keep and workdir is None:
             shutil.rmtree(scratch, ignore_errors=True)
+            print(f"removed {scratch} (ferry demo --workdir DIR keeps everything)")
     return 0 if ok else 1
