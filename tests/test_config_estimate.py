@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
+import os
 import re
 from collections.abc import Callable
 from dataclasses import fields
@@ -811,12 +812,23 @@ def test_the_write_probe_takes_a_small_part_of_the_free_space(
 def test_the_write_probe_writes_as_a_restore_and_leaves_nothing(tmp_path: Path) -> None:
     """The disk probe writes what it says, from several writers, in both write paths, and
     removes its scratch file; a restore's write stage gives the same kind of figure."""
+    from transfer.directio import open_direct
     from transfer.engine.writeprobe import PROBE_NAME, probe_write, write_rate
 
     for direct in (True, False):
-        nbytes, took = probe_write(tmp_path, direct=direct, workers=2, nbytes=9 << 20)
-        assert nbytes == 9 << 20 and took > 0
+        nbytes, took, read = probe_write(tmp_path, direct=direct, workers=2, nbytes=9 << 20)
+        assert nbytes == 9 << 20 and took > 0 and read is None
         assert list(tmp_path.iterdir()) == []  # no .ferry-write-probe left behind
+    # read back past the page cache (warm's read-back: writepath.page_cache_first), where
+    # the file system does direct I/O (not a tmpfs)
+    read = probe_write(tmp_path, direct=True, workers=2, nbytes=9 << 20, read_back=True)[2]
+    (tmp_path / "o_direct").write_bytes(b"")
+    fd = open_direct(tmp_path / "o_direct")
+    if fd is not None:
+        os.close(fd)
+        assert read is not None and read > 0
+    (tmp_path / "o_direct").unlink()
+    assert list(tmp_path.iterdir()) == []
     (tmp_path / PROBE_NAME).write_bytes(b"a killed probe's")  # replaced, then removed
     probe_write(tmp_path, direct=True, workers=1, nbytes=1 << 20)
     assert not (tmp_path / PROBE_NAME).exists()

@@ -28,6 +28,7 @@ from transfer.engine import PushPlan, push
 from transfer.engine.catalog import Catalog, resolve_manifests
 from transfer.engine.chunkindex import ChunkIndex
 from transfer.engine.parts import check_step_whole, completion_doc
+from transfer.engine.writeprobe import DiskProbe
 from transfer.format.chunkid import chunk_id
 from transfer.format.layout import completion_key
 from transfer.store import open_store
@@ -297,6 +298,11 @@ def test_auto_writes_buffered_only_where_the_page_cache_is_the_cheaper_way(
 
     assert page_cache_first(0.28e9, 0.45e9)  # a slow disk: the page cache is the way
     assert not page_cache_first(1.8e9, 0.3e9)  # one with costly fresh pages: warm
+    assert not page_cache_first(1.8e9, 0.3e9, 1.8e9)  # (warm, read back: 0.9 GB/s)
+    # a fast disk whose page cache is a little slower than its writes, but faster than
+    # writing and reading back (2026-12-07: buffered 0.72x direct's wait, warm 1.03x)
+    assert not page_cache_first(1.435e9, 1.282e9)
+    assert page_cache_first(1.435e9, 1.282e9, 1.75e9)
     auto_probe_and_estimate(local_url, tmp_path, caplog)
 
 
@@ -318,12 +324,15 @@ def test_a_probe_slowed_by_other_work_at_start_does_not_choose_the_write_path(
     slowed = iter([20.0])  # the first buffered probe: 20x its real time
     calls: list[bool] = []
 
-    def probe(directory: Path, *, direct: bool, workers: int, nbytes: int) -> tuple[int, float]:
+    def probe(
+        directory: Path, *, direct: bool, workers: int, nbytes: int, read_back: bool
+    ) -> DiskProbe:
         calls.append(direct)
-        written, _ = real_probe(directory, direct=direct, workers=workers, nbytes=nbytes)
-        if direct:
-            return written, written / 1e9  # a disk of 1 GB/s direct
-        return written, written / 3e9 * next(slowed, 1.0)  # the page cache: 3 GB/s
+        assert read_back is direct  # (auto: warm's read-back is disk work too)
+        written = real_probe(directory, direct=direct, workers=workers, nbytes=nbytes).written
+        if direct:  # a disk of 1 GB/s direct, reading at 2 GB/s
+            return DiskProbe(written, written / 1e9, written / 2e9)
+        return DiskProbe(written, written / 3e9 * next(slowed, 1.0))  # the page cache: 3 GB/s
 
     monkeypatch.setattr(prefetch_module, "probe_write", probe)
     monkeypatch.setattr(prefetch_module, "WRITE_PROBE_BUDGET_SECONDS", 600.0)  # (a slow disk)
@@ -332,6 +341,7 @@ def test_a_probe_slowed_by_other_work_at_start_does_not_choose_the_write_path(
     assert rounds >= 2 and calls == [True, False] * rounds
     assert fields["rounds"] == rounds and fields["page_cache_first"] is True, fields
     assert abs(fields["rate_buffered"] - 3e9) <= 1 and abs(fields["rate_direct"] - 1e9) <= 1
+    assert abs(fields["rate_read"] - 2e9) <= 1 and abs(fields["rate_warm"] - 2e9 / 3) <= 1
     # left for a one-shot `ferry pull` into that disk (test_write_choice.py), by a thread
     device, deadline = os.stat(tmp_path / "a").st_dev, time.monotonic() + 30
     while recorded_choice(device) is None and time.monotonic() < deadline:
@@ -385,7 +395,7 @@ def auto_probe_and_estimate(
     (probe,) = [r for r in caplog.records if r.getMessage() == "write_probe"]
     fields: dict[str, Any] = probe.__dict__["ferry_fields"]  # (agent/daemon/logs.py's event)
     assert fields["write_path"] == "auto"
-    rule = page_cache_first(fields["rate_direct"], fields["rate_buffered"])
+    rule = page_cache_first(fields["rate_direct"], fields["rate_buffered"], fields["rate_read"])
     assert fields["page_cache_first"] is rule
     assert fields["chose"] == ("buffered" if rule else "warm")  # (the way, named)
     best = fields["rate_buffered"] if rule else fields["rate_direct"]

@@ -61,8 +61,8 @@ from transfer.engine.share import (
 from transfer.engine.sources import ChunkSource
 from transfer.engine.staging import discard_leftovers, sweep_stale_staging
 from transfer.engine.stepparts import index_chunks
-from transfer.engine.writepath import fits_in_spare_memory, page_cache_first
-from transfer.engine.writeprobe import probe_size, probe_write, write_rate
+from transfer.engine.writepath import fits_in_spare_memory, page_cache_first, warm_rate
+from transfer.engine.writeprobe import DiskProbe, probe_size, probe_write, write_rate
 from transfer.errors import (
     CheckpointNotFoundError,
     DestinationError,
@@ -313,16 +313,16 @@ class Prefetcher:
         """The hot dir's write rate, as a restore here writes (writeprobe.py), into the
         meter as ``disk``: probed once, at the agent's start or at an estimate's first
         contact, whichever asks first; every restore then re-measures it (``_restore``).
-        ``auto`` probes both ways, up to WRITE_PROBE_ROUNDS times each, in turn, and
-        chooses by the best rate of each (other work only slows a probe); the estimate
-        takes the median round. A probe that fails is logged, and the default rate
-        stands."""
+        ``auto`` probes both ways, up to WRITE_PROBE_ROUNDS times each, in turn (each
+        direct round read back too: warm's read-back is disk work), and chooses by the
+        best rate of each (other work only slows a probe); the estimate takes the median
+        round. A probe that fails is logged, and the default rate stands."""
         async with self._disk_probe:
             if self.meter.measured("disk"):
                 return
             chosen = self.options.write_path
             ways = (True, False) if chosen == "auto" else (chosen != "buffered",)
-            samples: dict[bool, list[tuple[int, float]]] = {way: [] for way in ways}
+            samples: dict[bool, list[DiskProbe]] = {way: [] for way in ways}
             try:
                 size = await asyncio.to_thread(probe_size, self.hot_dir.root)
                 if not size:  # (a nearly full disk: training's saves need the room)
@@ -332,7 +332,8 @@ class Prefetcher:
                 began = time.monotonic()
                 for _ in range(WRITE_PROBE_ROUNDS):
                     for direct in ways:
-                        samples[direct].append(await self._probe(size, direct=direct))
+                        got = await self._probe(size, direct=direct, read_back=chosen == "auto")
+                        samples[direct].append(got)
                     if time.monotonic() - began >= WRITE_PROBE_BUDGET_SECONDS:
                         break
             except (OSError, FerryError) as exc:  # (a full disk: DestinationError)
@@ -340,18 +341,21 @@ class Prefetcher:
                 return
             best = {way: max(got, key=_rate) for way, got in samples.items()}
             typical = {way: sorted(got, key=_rate)[len(got) // 2] for way, got in samples.items()}
-            nbytes, took = best[ways[0]]
-            buffered_rate = None
+            direct_rate = _rate(best[ways[0]])
+            buffered_rate = read_rate = None
             if chosen == "auto":  # buffered only where the page cache is the cheaper way
-                buffered_rate = best[False][0] / best[False][1]
-                first = page_cache_first(nbytes / took, buffered_rate)
+                buffered_rate = _rate(best[False])
+                read_rate = _read_rate(samples[True])
+                first = page_cache_first(direct_rate, buffered_rate, read_rate)
                 self.options = dataclasses.replace(self.options, page_cache_first=first)
             # the estimate's disk: the way restores that fit will write (the rest go direct);
             # its median round, not its best (the best decides the way, not what to expect)
             way = typical[False] if self.options.page_cache_first else typical[ways[0]]
-            self.meter.record("disk", *way, provisional=True)
-            event(log, "write_probe", rate_direct=round(nbytes / took),
+            self.meter.record("disk", way.written, way.busy_seconds, provisional=True)
+            event(log, "write_probe", rate_direct=round(direct_rate),
                   rate_buffered=buffered_rate and round(buffered_rate),
+                  rate_read=read_rate and round(read_rate),
+                  rate_warm=read_rate and round(warm_rate(direct_rate, read_rate)),
                   rate_expected=round(_rate(way)),
                   write_path=self.options.write_path,
                   chose=("buffered" if self.options.page_cache_first else "warm")
@@ -365,22 +369,25 @@ class Prefetcher:
                 # the probe, nor the agent's stop)
                 threading.Thread(
                     target=self._leave_choice, name="ferry-probe-record", daemon=True,
-                    args=(self.options.page_cache_first, nbytes / took, buffered_rate),
+                    args=(self.options.page_cache_first, direct_rate, buffered_rate, read_rate),
                 ).start()  # fmt: skip
 
-    def _leave_choice(self, first: bool, direct_rate: float, buffered_rate: float) -> None:
+    def _leave_choice(
+        self, first: bool, direct_rate: float, buffered_rate: float, read_rate: float | None
+    ) -> None:
         """What the probe chose, for a one-shot `ferry pull` into this disk (writechoice.py);
         a state dir that cannot be written (a read-only root in a container) only costs the
         CLI its choice."""
         try:
-            record_choice(self.hot_dir.root, first, direct_rate, buffered_rate)
+            record_choice(self.hot_dir.root, first, direct_rate, buffered_rate, read_rate=read_rate)
         except (OSError, ValueError, RuntimeError) as exc:
             log.info("the write probe's choice is not left for the CLI: %s", exc)
 
-    async def _probe(self, nbytes: int, *, direct: bool) -> tuple[int, float]:
+    async def _probe(self, nbytes: int, *, direct: bool, read_back: bool) -> DiskProbe:
         return await asyncio.to_thread(
             probe_write,
             self.hot_dir.root, direct=direct, workers=self.options.workers, nbytes=nbytes,
+            read_back=read_back and direct,
         )  # fmt: skip
 
     def _sweep(self) -> list[Path]:
@@ -1055,9 +1062,15 @@ class Prefetcher:
         return fan, list(positions), plan
 
 
-def _rate(sample: tuple[int, float]) -> float:
-    """Bytes per second of a write probe's (bytes, busy seconds)."""
-    return sample[0] / max(sample[1], 1e-9)
+def _rate(sample: DiskProbe) -> float:
+    """Bytes per second of a write probe's round."""
+    return sample.written / max(sample.busy_seconds, 1e-9)
+
+
+def _read_rate(rounds: list[DiskProbe]) -> float | None:
+    """The best rate the probe's rounds read their bytes back at (None: none was)."""
+    rates = [r.written / max(r.read_seconds, 1e-9) for r in rounds if r.read_seconds is not None]
+    return max(rates, default=None)
 
 
 #: a restore whose writes were in progress this much of its time was held back by its disk

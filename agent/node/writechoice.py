@@ -46,6 +46,8 @@ def record_choice(
     direct_rate: float,
     buffered_rate: float,
     state_dir: Path | None = None,
+    *,
+    read_rate: float | None = None,
 ) -> None:
     """Leave what the probe of ``directory``'s disk chose; raises OSError, ValueError or
     RuntimeError where it cannot (the caller logs it)."""
@@ -65,6 +67,7 @@ def record_choice(
         "page_cache_first": page_cache_first,
         "direct_mbps": round(direct_rate / 1e6),
         "buffered_mbps": round(buffered_rate / 1e6),
+        "read_mbps": None if read_rate is None else round(read_rate / 1e6),
         "directory": str(directory),
         "at": time.time(),
     }

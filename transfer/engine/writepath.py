@@ -134,10 +134,24 @@ def fits_in_spare_memory(nbytes: int) -> bool:
     return spare is not None and nbytes <= spare
 
 
-def page_cache_first(direct_rate: float, buffered_rate: float) -> bool:
+def page_cache_first(
+    direct_rate: float, buffered_rate: float, read_rate: float | None = None
+) -> bool:
     """Whether ``auto`` buffers on a node whose probes (writeprobe.py) wrote at these
-    rates: where filling the page cache is at least as fast as writing to the device (a
-    slow disk beside memory: 0.67-0.74x direct's wait to loaded tensors at 280 MB/s, where
-    warm's read-back doubled the disk's work), not where the page cache is the slower way
-    (one VM: ~5 ms of system time per MiB buffered, into pages its host had taken back)."""
-    return buffered_rate >= direct_rate
+    rates: where filling the page cache is at least as fast as the way it would go
+    instead, warm, which writes each byte to the device and has the kernel read it back
+    (``read_rate``: the device's, past the page cache; None: not known, the write alone
+    counts). So: a slow disk beside memory (0.67-0.74x direct's wait to loaded tensors at
+    280 MB/s, where warm's read-back doubled the disk's work), and a fast one whose page
+    cache is faster still (2026-12-07, 1.4 GB/s direct, 1.3 GB/s buffered, 1.75 GB/s read:
+    from a pull's start to the load's end, buffered 0.72x direct, warm 1.03x); not where
+    the page cache is the slower way (one VM: ~5 ms of system time per MiB buffered, into
+    pages its host had taken back)."""
+    return buffered_rate >= warm_rate(direct_rate, read_rate)
+
+
+def warm_rate(direct_rate: float, read_rate: float | None) -> float:
+    """The rate a warm restore's disk takes bytes at: written, then read back."""
+    if not read_rate:
+        return direct_rate
+    return 1.0 / (1.0 / direct_rate + 1.0 / read_rate)

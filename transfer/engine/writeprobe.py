@@ -11,14 +11,21 @@ falls behind), chunk-sized blocks from several threads at once, into one scratch
 The figure is the same one every restore reports (``PullResult.bytes_written`` over
 ``write_busy_seconds``: the wall time some write was in progress), so the probe's first
 rate and each restore's re-measurement of it mean one thing.
+
+A direct probe can also read its file back past the page cache (``read_back``): a warm
+restore (engine/writepath.py) has the kernel read every chunk back after its O_DIRECT
+write, so its disk does the bytes' work twice, and whether the page cache is the cheaper
+way depends on that read too (writepath.page_cache_first).
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import NamedTuple
 
 from transfer.directio import aligned
 from transfer.engine.staging import StagingFiles
@@ -44,6 +51,16 @@ def probe_size(directory: Path, block: int = 4 << 20) -> int:
     return nbytes if nbytes >= PROBE_MIN_BYTES else 0
 
 
+class DiskProbe(NamedTuple):
+    """One probe round: bytes written, the wall seconds some write was in progress, and
+    the seconds reading them back past the page cache took (None: not read back, or the
+    file system does not do direct I/O)."""
+
+    written: int
+    busy_seconds: float
+    read_seconds: float | None = None
+
+
 def probe_write(
     directory: Path,
     *,
@@ -51,11 +68,13 @@ def probe_write(
     workers: int,
     block: int = 4 << 20,
     nbytes: int = PROBE_BYTES,
-) -> tuple[int, float]:
+    read_back: bool = False,
+) -> DiskProbe:
     """Write ``nbytes`` in ``block``-sized chunks from ``workers`` threads into a scratch
-    file in ``directory`` (removed after), as a restore writes: (bytes, busy seconds).
-    Nothing is flushed after, as a restore does not wait for its buffered bytes (they
-    are settled later); an O_DIRECT write is on the device when it returns."""
+    file in ``directory`` (removed after), as a restore writes. Nothing is flushed after,
+    as a restore does not wait for its buffered bytes (they are settled later); an
+    O_DIRECT write is on the device when it returns. ``read_back``: then read the file
+    back with O_DIRECT, as many blocks at once as there are writers."""
     path = directory / PROBE_NAME
     offsets = range(0, nbytes, block)
     chunks = tuple(
@@ -69,13 +88,46 @@ def probe_write(
         os.close(fd)
     data = aligned(block)  # page-aligned, as a restore's reader buffers are
     data[:] = os.urandom(block)
+    read_seconds = None
     try:
         out = StagingFiles(directory, [FileEntry(PROBE_NAME, nbytes, 0o600, chunks)], False, direct)
         with out, ThreadPoolExecutor(max(1, workers), thread_name_prefix="ferry-probe") as pool:
             list(pool.map(lambda at: out.pwrite(0, at, data[: min(block, nbytes - at)]), offsets))
+        if read_back:
+            read_seconds = _read_direct(path, block, nbytes, workers)
     finally:
         path.unlink(missing_ok=True)
-    return out.bytes_written, out.busy_seconds
+    return DiskProbe(out.bytes_written, out.busy_seconds, read_seconds)
+
+
+def _read_direct(path: Path, block: int, nbytes: int, workers: int) -> float | None:
+    """Seconds to read ``path``'s ``nbytes`` with O_DIRECT from ``workers`` threads, one
+    aligned buffer each; None where the file system refuses direct I/O."""
+    flag = getattr(os, "O_DIRECT", 0)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | flag) if flag else -1
+    except OSError:  # (EINVAL: a file system without direct I/O, tmpfs)
+        fd = -1
+    if fd < 0:
+        return None
+    count = max(1, workers)
+    buffers = [aligned(block) for _ in range(count)]
+    offsets = list(range(0, nbytes, block))
+    try:
+        began = time.monotonic()
+        with ThreadPoolExecutor(count, thread_name_prefix="ferry-probe") as pool:
+            for lane in [
+                pool.submit(_read_lane, fd, buffers[i], offsets[i::count]) for i in range(count)
+            ]:
+                lane.result()
+        return time.monotonic() - began
+    finally:
+        os.close(fd)
+
+
+def _read_lane(fd: int, buffer: memoryview, offsets: list[int]) -> None:
+    for at in offsets:
+        os.preadv(fd, [buffer], at)
 
 
 def write_rate(nbytes: int, busy_seconds: float) -> float | None:
