@@ -76,6 +76,8 @@ def test_the_top_levels_help_lists_every_command_even_before_one(
         (["ls", "s", "--jsno"], "did you mean '--json'?"),
         (["pull", "s", "d", "--job", "j", "--bsae-dir=x"], "did you mean '--base-dir'?"),
         (["pull", "s", "d", "--job", "j", "--qqqqqq"], None),  # nothing close: no guess
+        (["pull", "s", "d", "--jbo", "j"], "did you mean '--job'?"),  # a required one, typo'd
+        (["pull", "s", "d"], None),  # a required one, not given at all
     ],
 )
 def test_a_typo_is_told_the_nearest_command_or_option(

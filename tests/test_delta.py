@@ -191,7 +191,10 @@ def test_a_cold_pull_reads_neighbouring_deltas_bases_in_one_request(
 
 
 def test_pull_onto_a_node_holding_the_base_downloads_only_the_deltas(
-    store_url: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    store_url: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     k0, k1 = adamw_series(tmp_path / "hot", 2, frozen=0.5)
     push_json(capsys, "push", str(k0), store_url, "--job", "d", "--node", "n", *SMALL)
@@ -199,8 +202,10 @@ def test_pull_onto_a_node_holding_the_base_downloads_only_the_deltas(
     held = tmp_path / "node2" / "step_000020"
     shutil.copytree(k0, held)
     out = tmp_path / "node2" / "step_000040"
+    monkeypatch.chdir(tmp_path)  # the base named relative to here: reported absolute (a
+    # pull through an agent said its own relative hot dir, meaningless to the caller)
     pulled = push_json(
-        capsys, "pull", store_url, str(out), "--job", "d", "--base-dir", str(held), *SMALL
+        capsys, "pull", store_url, str(out), "--job", "d", "--base-dir", "node2/step_000020", *SMALL
     )
     assert tree_bytes(out) == tree_bytes(k1)
     assert pulled["chunks_local"] > 0

@@ -323,6 +323,8 @@ def test_ferry_ls_shows_how_each_step_is_coded(
     assert ferry(["ls", local_url]) == 0
     text = capsys.readouterr().out
     assert "keyframe" in text and "depth 2" in text
+    coded = f"{rows[2]['delta_chunks']}/{rows[2]['chunks']} delta, depth 2"  # (counted)
+    assert coded in text, text
     assert ferry(["retention", local_url, "--keep-last", "1", "--grace", "0"]) == 0
     capsys.readouterr()
     assert ferry(["ls", local_url, "--json"]) == 0

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from agent.cli.args import (
+    JOB_HELP,
     _non_negative_float,
     _non_negative_int,
     _positive_float,
@@ -38,15 +39,25 @@ def add_agent(sub: Commands) -> None:
 def add_estimate(sub: Commands) -> None:
     p = sub.add_parser("estimate", help="ask an agent what moving a checkpoint there costs")
     p.add_argument("agent_url", help="e.g. http://node-b:7070 (https:// for a TLS agent)")
-    p.add_argument("--token-file", type=Path, required=True)
-    add_tls_args(p)
-    p.add_argument("--job", required=True)
-    p.add_argument("--step", default="latest")
     p.add_argument(
-        "--gpus", type=_non_negative_int, default=1, help="GPUs idle while the job migrates"
+        "--token-file", type=Path, required=True, help="the agent's bearer token, in a file"
     )
-    p.add_argument("--gpu-hour-price", type=_non_negative_float, default=0.0)
-    p.add_argument("--json", action="store_true")
+    add_tls_args(p)
+    p.add_argument("--job", required=True, help=JOB_HELP)
+    p.add_argument("--step", default="latest", help="a step number, or 'latest' (default: latest)")
+    p.add_argument(
+        "--gpus",
+        type=_non_negative_int,
+        default=1,
+        help="GPUs idle while the job migrates (default: 1)",
+    )
+    p.add_argument(
+        "--gpu-hour-price",
+        type=_non_negative_float,
+        default=0.0,
+        help="what one GPU-hour costs, for the estimate's cost (default: 0)",
+    )
+    p.add_argument("--json", action="store_true", help="print the estimate as one JSON object")
 
 
 def add_plan(sub: Commands) -> None:

@@ -40,24 +40,38 @@ class _Parser(argparse.ArgumentParser):
     """argparse, with a usage error said in one line (and where the usage is), not after
     a screenful of every option; subcommands' parsers are of this class too."""
 
+    #: the command line being parsed (build_parser): a required option's error names it,
+    #: not the typo the user made of it
+    line: tuple[str, ...] = ()
+
     def error(self, message: str) -> NoReturn:
-        hint = _did_you_mean(message, list(self._option_string_actions))
+        hint = _did_you_mean(message, list(self._option_string_actions), _Parser.line)
         self.exit(2, f"{self.prog}: error: {message}{hint} (see {self.prog} --help)\n")
 
 
 #: argparse's words for a command it does not know and for options it does not (3.11-3.13)
 _BAD_CHOICE = re.compile(r"invalid choice: '([^']*)' \(choose from (.*)\)$")
 _BAD_OPTIONS = re.compile(r"unrecognized arguments: (.*)$")
+_MISSING = re.compile(r"the following arguments are required: (.*)$")
 
 
-def _did_you_mean(message: str, options: list[str]) -> str:
+def _did_you_mean(message: str, options: list[str], line: tuple[str, ...] = ()) -> str:
     """ ", did you mean 'pull'?" for a typo'd command or option close to a known one (a
-    newcomer's `ferry pul` got the list of every command and no pointer into it)."""
+    newcomer's `ferry pul` got the list of every command and no pointer into it); for a
+    required option missing, the option given in ``line`` that looks like a typo of it
+    (`--jbo x` was told only that --job is required)."""
     if found := _BAD_CHOICE.search(message):
         word, known = found[1], re.findall(r"'([^']*)'", found[2])
     elif found := _BAD_OPTIONS.search(message):
         word = next((w for w in found[1].split() if w.startswith("--")), "")
         word, known = word.split("=", 1)[0], [o for o in options if o.startswith("--")]
+    elif found := _MISSING.search(message):
+        missing = [m for m in found[1].split(", ") if m.startswith("--")]
+        given = (w.split("=", 1)[0] for w in line if w.startswith("--"))
+        for typo in (w for w in given if w not in options):
+            if close := difflib.get_close_matches(typo, missing, n=1, cutoff=0.6):
+                return f" ({typo!r} is not an option: did you mean {close[0]!r}?)"
+        return ""
     else:
         return ""
     close = difflib.get_close_matches(word, known, n=1, cutoff=0.6) if word else []
@@ -87,6 +101,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     level's help (`ferry -h pull`), gets every command's, so that the help lists them and
     a typo is told its choices. (The top level's options take no value: its first word
     that is not an option is the command.)"""
+    _Parser.line = tuple(argv or ())
     parser = _Parser(prog="ferry", description=__doc__.split("\n")[0].replace("``", ""))
     parser.add_argument("--version", action=_Version, help="print the version and exit")
     sub = cast("Commands", parser.add_subparsers(dest="command", required=True))

@@ -23,9 +23,16 @@ if TYPE_CHECKING:
 
 
 def add_listings(sub: Commands) -> None:
-    p = sub.add_parser("ls", help="list committed checkpoints")
+    p = sub.add_parser(
+        "ls",
+        help="list committed checkpoints",
+        description="List committed checkpoints. CODED says how a step is stored: "
+        "'keyframe' (every chunk on its own), or 'N/M delta, depth D': N of its M chunks "
+        "are XOR deltas against an earlier step, and a pull onto a node holding none of "
+        "them decodes a chain of up to D (it fetches the bases too).",
+    )
     p.add_argument("store_url", help=STORE_URL_HELP)
-    p.add_argument("--job")
+    p.add_argument("--job", help="only this job's steps (default: every job)")
     add_store_args(p, writes=False)
 
     p = sub.add_parser(
@@ -80,14 +87,14 @@ async def cmd_ls(store: Store, args: argparse.Namespace) -> tuple[dict[str, Any]
             }
         )
     table = [
-        f"{'JOB':<24} {'STEP':>10} {'NODE':<16} {'FILES':>6} {'SIZE':>12}  {'CODED':<18} CREATED"
+        f"{'JOB':<24} {'STEP':>10} {'NODE':<16} {'FILES':>6} {'SIZE':>12}  {'CODED':<24} CREATED"
     ]
     table += [
         f"{r['job']:<24} {r['step']:>10} {r['node']:<16} "
         + (
             f"UNREADABLE: {r['error']}"
             if "error" in r
-            else f"{r['files']:>6} {human(r['bytes_raw']):>12}  {_coded(r):<18} {r['created_at']}"
+            else f"{r['files']:>6} {human(r['bytes_raw']):>12}  {_coded(r):<24} {r['created_at']}"
         )
         for r in rows
     ]
@@ -97,8 +104,8 @@ async def cmd_ls(store: Store, args: argparse.Namespace) -> tuple[dict[str, Any]
 def _coded(row: dict[str, Any]) -> str:
     if not row["delta_chunks"]:
         return "keyframe"
-    share = 100 * row["delta_chunks"] // max(row["chunks"], 1)
-    return f"delta {share}%, depth {row['chain_depth']}"
+    # (counted, not a percentage: "delta 23%" read as a saving of bytes)
+    return f"{row['delta_chunks']}/{row['chunks']} delta, depth {row['chain_depth']}"
 
 
 async def cmd_du(store: Store, args: argparse.Namespace) -> tuple[dict[str, Any], str]:

@@ -508,7 +508,7 @@ class _Restore:
             chunks_deduped=chunks_total - len(got.fetched),
             chunks_local=len(got.local) - len(got.resumed),
             chunks_resumed=len(got.resumed),
-            base_dir=str(base_dir) if base_dir is not None else None,
+            base_dir=str(base_dir.absolute()) if base_dir is not None else None,
             bases_local=resolver.local_hits - len(got.local),  # (local counts the resumed too)
             bytes_from_source=sum(got.sourced.values()),
             chunks_delta=sum(1 for c in got.fetched if c.base),
