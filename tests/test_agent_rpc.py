@@ -454,7 +454,13 @@ def test_the_estimate_counts_the_bases_a_node_without_them_fetches(
             done = await c.wait_prefetch(await c.prefetch("llm", 40), within_s=60)
             moved = sum(done["bytes_by_source"].values())
             assert abs(est["bytes_missing"] - moved) <= 0.05 * moved, (est, moved)
+            # restored by that prefetch: checked by stat (estimate_sources._held_here)
             held = await c.estimate("llm", 40)
+            assert (held["source"], held["bytes_bases"]) == ("verified", 0)
+            # a copy this agent did not restore (training's own save): re-hashed
+            own = tmp_path / "c" / "llm" / k20.name
+            await asyncio.to_thread(shutil.copytree, k20, own)
+            held = await c.estimate("llm", 20)
             assert (held["source"], held["bytes_bases"]) == ("local", 0)
 
     asyncio.run(go())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
 import math
 import os
@@ -820,7 +821,7 @@ def test_the_write_probe_writes_as_a_restore_and_leaves_nothing(tmp_path: Path) 
         assert nbytes == 9 << 20 and took > 0 and read is None
         assert list(tmp_path.iterdir()) == []  # no .ferry-write-probe left behind
     # read back past the page cache (warm's read-back: writepath.page_cache_first), where
-    # the file system does direct I/O (not a tmpfs)
+    # the file system does direct I/O
     read = probe_write(tmp_path, direct=True, workers=2, nbytes=9 << 20, read_back=True)[2]
     (tmp_path / "o_direct").write_bytes(b"")
     fd = open_direct(tmp_path / "o_direct")
@@ -829,6 +830,20 @@ def test_the_write_probe_writes_as_a_restore_and_leaves_nothing(tmp_path: Path) 
         assert read is not None and read > 0
     (tmp_path / "o_direct").unlink()
     assert list(tmp_path.iterdir()) == []
+    # a read-back the device refuses costs only its figure, not the write probe's
+    from transfer.engine import writeprobe
+
+    def refused(fd: int, buffer: memoryview, offsets: list[int]) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    real, writeprobe._read_lane = writeprobe._read_lane, refused
+    fds = len(os.listdir("/proc/self/fd"))
+    try:
+        got = probe_write(tmp_path, direct=True, workers=2, nbytes=9 << 20, read_back=True)
+    finally:
+        writeprobe._read_lane = real
+    assert got.written == 9 << 20 and got.busy_seconds > 0 and got.read_seconds is None
+    assert len(os.listdir("/proc/self/fd")) == fds and list(tmp_path.iterdir()) == []
     (tmp_path / PROBE_NAME).write_bytes(b"a killed probe's")  # replaced, then removed
     probe_write(tmp_path, direct=True, workers=1, nbytes=1 << 20)
     assert not (tmp_path / PROBE_NAME).exists()

@@ -23,7 +23,9 @@ def test_the_demo_runs_the_whole_flow_and_says_what_it_removed(
     assert out.count("identical: yes") == 2 and "identical: NO" not in out, out
     assert "the keyframe policy" in out, out  # (step 140's "delta 0" is explained)
     # the estimate's bytes to move are the coded bytes that then move (both read as MB)
-    for predicted, moved in re.findall(r"predicted ([\d.]+) MB moved.*moved: peer ([\d.]+)", out):
+    pairs = re.findall(r"predicted ([\d.]+) MB to move.*moved: peer ([\d.]+) MB", out)
+    assert len(pairs) == 2, out
+    for predicted, moved in pairs:
         assert abs(float(predicted) - float(moved)) <= 0.25 * float(moved), out
     (removed,) = re.findall(r"^removed (\S+) ", out, re.M)
     assert not Path(removed).exists() and Path(removed).parent == tmp_path, out

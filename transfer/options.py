@@ -49,7 +49,8 @@ class TransferOptions:
     max_cold_cost: float = 2.0
     #: how a restore writes (engine/writepath.py): "auto" (the default), buffered when it
     #: fits in the memory the node can spare (the load after it then reads memory) where
-    #: an agent's start-up probes found the page cache at least as fast as the device
+    #: an agent's start-up probes found the page cache at least as fast as warm's write
+    #: and read-back
     #: (``page_cache_first``), else warm; "warm", O_DIRECT with each chunk read back into
     #: the page cache by the kernel as it lands, when it fits; "direct", O_DIRECT only
     #: (buffered in spells while the device falls behind: staging.py); "buffered", into
@@ -57,7 +58,8 @@ class TransferOptions:
     #: (docs/RELIABILITY.md, "How a restore writes")
     write_path: str = "auto"
     #: what ``auto`` found on this node: an agent's start-up probes wrote into the page
-    #: cache at least as fast as to its disk, so ``auto`` buffers a restore that fits
+    #: cache at least as fast as warm writes to its disk and reads back, so ``auto``
+    #: buffers a restore that fits
     #: (else, and in the one-shot CLI, which does not probe, ``auto`` goes warm)
     page_cache_first: bool = False
 

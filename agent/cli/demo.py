@@ -166,11 +166,9 @@ async def run_demo(workdir: Path) -> bool:
                 ok = ok and same
                 sources = done["bytes_by_source"].items()
                 moved = ", ".join(f"{k.split(':')[0]} {v / 1e6:.1f} MB" for k, v in sources if v)
-                # what moves is coded (deltas, zstd): it was read against "missing", raw bytes
-                to_move = sum(est["bytes_by_source"].values()) / 1e6
+                # (bytes_missing: the coded bytes to download, deltas and zstd, as "moved")
                 print(
-                    f"  step {step}: {est['bytes_missing'] / 1e6:.1f} MB missing, predicted "
-                    f"{to_move:.1f} MB moved in "
+                    f"  step {step}: predicted {est['bytes_missing'] / 1e6:.1f} MB to move in "
                     f"{est['seconds']:.2f}s ({est['seconds_low']:.2f}-{est['seconds_high']:.2f}; "
                     f"cost ${est['cost']:.4f}, cooldown "
                     f"{est['cooldown_seconds']:.0f}s); measured {seconds:.2f}s; moved: {moved}; "
@@ -190,5 +188,6 @@ def main(workdir: Path | None, keep: bool) -> int:
     finally:
         if not keep and workdir is None:
             shutil.rmtree(scratch, ignore_errors=True)
-            print(f"removed {scratch} (ferry demo --workdir DIR keeps everything)")
+            if not scratch.exists():
+                print(f"removed {scratch} (ferry demo --workdir DIR keeps everything)")
     return 0 if ok else 1

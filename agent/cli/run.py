@@ -45,23 +45,31 @@ class _Parser(argparse.ArgumentParser):
     line: tuple[str, ...] = ()
 
     def error(self, message: str) -> NoReturn:
-        hint = _did_you_mean(message, list(self._option_string_actions), _Parser.line)
+        commands = tuple(c for a in self._actions if isinstance(a, argparse._SubParsersAction)
+                         for c in a.choices)  # fmt: skip
+        options = list(self._option_string_actions)
+        hint = _did_you_mean(message, options, _Parser.line, commands)
         self.exit(2, f"{self.prog}: error: {message}{hint} (see {self.prog} --help)\n")
 
 
-#: argparse's words for a command it does not know and for options it does not (3.11-3.13)
-_BAD_CHOICE = re.compile(r"invalid choice: '([^']*)' \(choose from (.*)\)$")
+#: argparse's words for a value it does not know (its choices listed quoted or, since
+#: CPython gh-86357, not), for options it does not know, and for required ones not given
+_BAD_CHOICE = re.compile(r"invalid choice: '?([^' ]*)'? \(choose from (.*)\)$")
 _BAD_OPTIONS = re.compile(r"unrecognized arguments: (.*)$")
 _MISSING = re.compile(r"the following arguments are required: (.*)$")
 
 
-def _did_you_mean(message: str, options: list[str], line: tuple[str, ...] = ()) -> str:
+def _did_you_mean(
+    message: str, options: list[str], line: tuple[str, ...] = (), commands: tuple[str, ...] = ()
+) -> str:
     """ ", did you mean 'pull'?" for a typo'd command or option close to a known one (a
     newcomer's `ferry pul` got the list of every command and no pointer into it); for a
     required option missing, the option given in ``line`` that looks like a typo of it
-    (`--jbo x` was told only that --job is required)."""
+    (`--jbo x` was told only that --job is required). ``commands``: the parser's own
+    subcommands, where it has them (the message's list is read only for other choices)."""
     if found := _BAD_CHOICE.search(message):
-        word, known = found[1], re.findall(r"'([^']*)'", found[2])
+        listed = [w.strip(" '") for w in found[2].split(",")]
+        word, known = found[1], list(commands) or listed
     elif found := _BAD_OPTIONS.search(message):
         word = next((w for w in found[1].split() if w.startswith("--")), "")
         word, known = word.split("=", 1)[0], [o for o in options if o.startswith("--")]

@@ -37,10 +37,10 @@ from transfer.format.manifest import FileEntry, Manifest
 from transfer.store.base import Store
 
 #: what a Sourcing's source is when the step (or the share asked) is here already
-HELD = frozenset({"local", "replica", "restored"})
+HELD = frozenset({"local", "replica", "verified"})
 #: held steps a prefetch finds ready by a stat of their files, not a re-hash
 #: (prefetch.py intact_restore): a standby's replica, or a step this agent restored itself
-STAT_CHECKED = frozenset({"replica", "restored"})
+STAT_CHECKED = frozenset({"replica", "verified"})
 
 
 @dataclass(frozen=True)
@@ -259,9 +259,9 @@ class PrefetchEstimator:
 
     async def _held_here(self, job: str, step: int) -> str | None:
         """How this node holds the step, if it does: "replica" (a standby's replication) or
-        "restored" (a prefetch of this agent's) when its prefetch would find it unchanged
-        since it was verified, as the prefetch asks (a step restored in the foreground
-        was estimated as a re-hash, 1.3 s on the corpus, for a prefetch of 0.01 s); else
+        "verified" (restored by a prefetch of this agent's) when its prefetch would find it
+        unchanged since it was verified, as the prefetch asks (a step restored in the
+        foreground was estimated as a re-hash, 1.3 s on the corpus, for 0.01 s); else
         "local" (training's own save, or a copy changed since: re-hashed). None: not here."""
         held = next((c for c in self.config.hot.checkpoints(job) if c.step == step), None)
         if held is None:
@@ -270,7 +270,7 @@ class PrefetchEstimator:
             how = await self.prefetcher.intact_restore(job, step, held.path)
         except (FerryError, OSError):  # (evicted meanwhile: its prefetch looks the long way)
             how = None
-        return {"replica": "replica", "held": "restored"}.get(how or "", "local")
+        return {"replica": "replica", "held": "verified"}.get(how or "", "local")
 
     async def _held_manifests(
         self, store: Store, job: str, step: int, entries: list[FileEntry] | None

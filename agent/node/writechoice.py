@@ -2,14 +2,14 @@
 
 An agent probes its hot dir's disk at start both ways (agent/node/prefetch.py
 ``measure_disk``) and, under ``write_path = "auto"``, buffers its restores where the page
-cache took the bytes at least as fast as the device. A one-shot ``ferry pull`` cannot afford
-that probe (64 MiB written a few times each way, per command), so it went warm everywhere,
-and on a node where buffered is the faster way it paid for it (issue 32: a cold pull of a
-289 MB save 0.76 s warm, 0.61 s buffered). So the agent leaves what it chose, per device,
-in the state dir (statedir.py), and a CLI pull under ``auto`` into a directory on that
-device takes it; with no record (no agent here, another state dir or mount namespace,
-another device, a record older than ``MAX_AGE_SECONDS``, or one whose probed directory is
-gone: a demo's agent) it goes warm, as before.
+cache took the bytes at least as fast as warm's write and read-back. A one-shot ``ferry
+pull`` cannot afford that probe (64 MiB written a few times each way, per command), so it
+went warm everywhere, and on a node where buffered is the faster way it paid for it (issue
+32: a cold pull of a 289 MB save 0.76 s warm, 0.61 s buffered). So the agent leaves what it
+chose, per device, in the state dir (statedir.py), and a CLI pull under ``auto`` into a
+directory on that device takes it; with no record (no agent here, another state dir or
+mount namespace, another device, a record older than ``MAX_AGE_SECONDS``, or one whose
+probed directory is gone: a demo's agent) it goes warm, as before.
 
 One file per boot, ``write-probe/<boot id>.json`` ({"<st_dev>": {...}}): device numbers are
 given out anew at boot, and nodes that share a home directory (NFS) each keep their own.

@@ -6,8 +6,9 @@ once. The four ways (the ``write_path`` tunable):
 
 - ``"auto"`` (the default): on an agent, which probes both ways of writing at its start
   (a few rounds, the best of each: agent/node/prefetch.py ``measure_disk``),
-  buffered where the page cache took the bytes at least as fast as the device (a slow
-  disk, or cheap memory: ``TransferOptions.page_cache_first``), else warm. The one-shot
+  buffered where the page cache took the bytes at least as fast as warm's disk work, a
+  write and a read back (a slow disk, cheap memory, or a fast disk whose page cache is
+  faster still: ``page_cache_first``), else warm. The one-shot
   CLI does not probe (64 MiB written a few times each way per command would cost more
   than it saves): it takes what an agent of its user and XDG_STATE_HOME chose for that disk this
   boot (agent/node/writechoice.py), else warm. Either way, plain direct for a restore too

@@ -54,7 +54,7 @@ def probe_size(directory: Path, block: int = 4 << 20) -> int:
 class DiskProbe(NamedTuple):
     """One probe round: bytes written, the wall seconds some write was in progress, and
     the seconds reading them back past the page cache took (None: not read back, or the
-    file system does not do direct I/O)."""
+    file system or device refused to read them so)."""
 
     written: int
     busy_seconds: float
@@ -102,25 +102,32 @@ def probe_write(
 
 def _read_direct(path: Path, block: int, nbytes: int, workers: int) -> float | None:
     """Seconds to read ``path``'s ``nbytes`` with O_DIRECT from ``workers`` threads, one
-    aligned buffer each; None where the file system refuses direct I/O."""
+    aligned buffer each, touched before the clock starts (a fresh page's first fault is no
+    disk time); None where the file system or the device will not read it so: the rule
+    then weighs the write alone (writepath.page_cache_first)."""
     flag = getattr(os, "O_DIRECT", 0)
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | flag) if flag else -1
-    except OSError:  # (EINVAL: a file system without direct I/O, tmpfs)
-        fd = -1
-    if fd < 0:
+    if not flag:
         return None
-    count = max(1, workers)
-    buffers = [aligned(block) for _ in range(count)]
     offsets = list(range(0, nbytes, block))
+    count = max(1, min(workers, len(offsets)))
     try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | flag)
+    except OSError:  # (EINVAL: a file system without direct I/O)
+        return None
+    try:
+        buffers = [aligned(block) for _ in range(count)]
+        for buffer in buffers:
+            buffer[:] = bytes(block)
         began = time.monotonic()
         with ThreadPoolExecutor(count, thread_name_prefix="ferry-probe") as pool:
-            for lane in [
+            lanes = [
                 pool.submit(_read_lane, fd, buffers[i], offsets[i::count]) for i in range(count)
-            ]:
+            ]
+            for lane in lanes:
                 lane.result()
         return time.monotonic() - began
+    except OSError:  # (a read the device refuses, memory it cannot map: no figure)
+        return None
     finally:
         os.close(fd)
 
