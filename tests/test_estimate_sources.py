@@ -502,3 +502,33 @@ def test_the_first_estimate_waits_for_the_start_up_write_probe(
     disk_ended = max(ended)
     (tier_began,) = [t for what, t in events if what == "tier probe began"]
     assert tier_began > disk_ended, events
+
+
+def test_a_peers_delta_rate_is_not_taken_from_its_plain_transfers(
+    local_url: str, tmp_path: Path
+) -> None:
+    """A node holding an earlier step is served deltas its peer encodes per chunk, slower
+    than stored chunks: in ``ferry demo``'s second round the first round's plain rate
+    predicted 0.03-0.07 s for a prefetch of 0.12-0.23 s, above the range. The two are timed
+    apart (estimate.PEER_DELTAS): after a plain transfer from the peer, the first estimate
+    of a delta-served one probes; after a delta-served one, it is measured."""
+    hot_a = tmp_path / "node-a"
+    k20, k40, k60 = adamw_series(hot_a / "llm", 3, seed=26)
+
+    async def go() -> None:
+        await push_series(local_url, [k20, k40, k60])
+        async with (
+            peer_agent(hot_a, [local_url], [], "a") as url_a,
+            peer_agent(tmp_path / "b", [local_url], [url_a], "b") as url_b,
+            FerryClient(url_b, TOKEN) as b,
+        ):
+            plain = await prefetched(b, 20)  # onto an empty node: stored chunks, no deltas
+            assert plain["bytes_by_source"]["peer"] > 0, plain
+            est = await b.estimate("llm", 40)  # holding 20: the peer sends deltas
+            assert (est["source"], est["rate_basis"]) == (f"peer:{url_a}", "probe"), est
+            assert set(est["bytes_by_source"]) == {"peer"}, est  # (one name for the peers)
+            assert (await prefetched(b, 40))["bytes_by_source"]["peer"] > 0
+            est = await b.estimate("llm", 60)
+            assert (est["source"], est["rate_basis"]) == (f"peer:{url_a}", "measured"), est
+
+    asyncio.run(go())

@@ -19,6 +19,19 @@ MiB = 1 << 20
 #: re-measured by every restore: transfer/engine/writeprobe.py).
 DEFAULT_RATES: Mapping[str, float] = {"local": 1.0e9, "peer": 0.5e9, "tier": 0.2e9, "disk": 1.0e9}
 
+#: The meter's key for peers serving a node that holds an earlier step: each chunk is then
+#: sent as a delta the peer encodes against the node's bytes at its position, which costs
+#: the peer an encode per chunk that serving a stored chunk does not. Timed apart: in
+#: ``ferry demo``'s second round the rate of the first round's plain transfer predicted
+#: 0.03-0.07 s where the delta-served prefetch took 0.12-0.23 s, above the range.
+PEER_DELTAS = "peer:deltas"
+
+
+def peer_key(deltas: bool) -> str:
+    """The meter's key for the peers' rate: with deltas (the node holds a base) or not."""
+    return PEER_DELTAS if deltas else "peer"
+
+
 #: Weight of a new sample: it moves the average about a third of the way, so a changed
 #: link (congestion, another peer) shows within a few transfers while one outlier does not
 #: halve or double the estimate.

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from agent.daemon.config import AgentConfig
-from agent.node.estimate import BandwidthMeter, estimate_migration
+from agent.node.estimate import PEER_DELTAS, BandwidthMeter, estimate_migration, peer_key
 from agent.node.hotdir import LocalCheckpoint
 from agent.node.prefetch import Prefetcher
 from agent.peers import probe
@@ -119,6 +119,10 @@ class PrefetchEstimator:
                 bytes_written=written,
             )
             doc = est.to_dict()
+            # the peers by one name, as a prefetch counts them (its rate key says how they
+            # serve: estimate.PEER_DELTAS)
+            moves = est.bytes_by_source.items()
+            doc["bytes_by_source"] = {("peer" if s == PEER_DELTAS else s): n for s, n in moves}
             doc.update(job=job, step=manifests[0].step, node=self.config.node)
             doc.update(source=sourcing.source)
             doc.update(bytes_bases=sourcing.bases, rate_basis=sourcing.rate_basis)
@@ -216,12 +220,13 @@ class PrefetchEstimator:
             # (asked as its prefetch will ask: owners first)
             served = await probe.probe_peers(await peers.for_step(manifests), picked, bases)
             if served is not None:
-                peer_basis = "measured" if meter.measured("peer") else "probe"
+                key = peer_key(bool(bases))  # (deltas against what this node holds)
+                peer_basis = "measured" if meter.measured(key) else "probe"
                 timed = served.probe
                 if peer_basis == "probe":
-                    meter.record("peer", timed.moved, timed.seconds, provisional=True)
+                    meter.record(key, timed.moved, timed.seconds, provisional=True)
                 raw = sum(c.size for cid in needed if (c := index.get(cid)) is not None)
-                moving["peer"] = round(raw * served.served * timed.ratio)
+                moving[key] = round(raw * served.served * timed.ratio)
                 served_fraction, peer = served.served, served.peer
         # what no peer served comes from the tier, as in the prefetch (bases included)
         rest = round((content + bases_moved) * (1 - served_fraction))
@@ -238,7 +243,8 @@ class PrefetchEstimator:
                     source, got.moved, got.seconds, provisional=True
                 ):
                     basis = "probe"
-        if peer and moving["peer"] >= rest:  # (named by the source of most of the bytes)
+        served_by_peers = sum(n for s, n in moving.items() if s.startswith("peer"))
+        if peer and served_by_peers >= rest:  # (named by the source of most of the bytes)
             return Sourcing(f"peer:{peer}", moving, bases_rest, peer_basis)
         return Sourcing(source, moving, bases_rest, basis)
 

@@ -30,7 +30,7 @@ from typing import Any
 
 from agent.daemon.logs import event
 from agent.node.drain import drain_tasks
-from agent.node.estimate import BandwidthMeter
+from agent.node.estimate import BandwidthMeter, peer_key
 from agent.node.hotdir import HotDir, LocalCheckpoint, path_in_step_dir
 from agent.node.protected import StepHolds
 from agent.node.writechoice import record_choice
@@ -1009,8 +1009,9 @@ class Prefetcher:
         # tier's would make the tier look as slow as the few bytes it sent
         took = time.monotonic() - began
         record.moving_seconds += took
-        if result.bytes_from_source > result.bytes_transferred:
-            self.meter.record("peer", result.bytes_from_source, took)
+        if result.bytes_from_source > result.bytes_transferred:  # (with a base here the
+            # peers sent deltas against it: timed apart, estimate.PEER_DELTAS)
+            self.meter.record(peer_key(base is not None), result.bytes_from_source, took)
         else:
             self.meter.record(source, result.bytes_transferred, took)
         self._measured_disk(result.bytes_written, result.write_busy_seconds, took)
