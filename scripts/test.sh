@@ -5,7 +5,7 @@
 # FERRY_WITH_TORCH=1 also installs the CPU build of torch (2.13.0, from local disk on
 # these machines) so the real PyTorch DCP tests run instead of being skipped; CI sets it.
 # Extra args go to pytest. The tests run on FERRY_TEST_WORKERS processes (pytest-xdist; default
-# one per core, at most 4; each starts its own S3 server): 1,085 tests in ~6-14 min on 2 cores
+# one per core, at most 4; each starts its own S3 server): 1,086 tests in ~6-14 min on 2 cores
 # here. FERRY_TEST_WORKERS=1 runs them one at a time.
 source "$(dirname "$0")/env.sh" test
 if [ "${FERRY_WITH_TORCH:-}" = 1 ]; then
