@@ -77,14 +77,15 @@ class DeviceReads:
 device_reads = DeviceReads()
 
 
-def open_direct(path: Path) -> int | None:
-    """A second, O_DIRECT descriptor for writing ``path`` (which exists), or None where the
-    file system or platform does not do direct I/O."""
+def open_direct(path: Path, access: int = os.O_WRONLY) -> int | None:
+    """A second, O_DIRECT descriptor for writing ``path`` (which exists; ``access``
+    ``os.O_RDONLY``: for reading it), or None where the file system or platform does not
+    do direct I/O."""
     flag = getattr(os, "O_DIRECT", 0)
     if not flag:
         return None
     try:
-        return os.open(path, os.O_WRONLY | os.O_NOFOLLOW | flag)
+        return os.open(path, access | os.O_NOFOLLOW | flag)
     except OSError as exc:
         if exc.errno == errno.EINVAL:
             return None

@@ -45,8 +45,7 @@ class _Parser(argparse.ArgumentParser):
     line: tuple[str, ...] = ()
 
     def error(self, message: str) -> NoReturn:
-        commands = tuple(c for a in self._actions if isinstance(a, argparse._SubParsersAction)
-                         for c in a.choices)  # fmt: skip
+        commands = tuple(_subcommands(self))
         options = list(self._option_string_actions)
         hint = _did_you_mean(message, options, _Parser.line, commands)
         self.exit(2, f"{self.prog}: error: {message}{hint} (see {self.prog} --help)\n")
@@ -121,10 +120,11 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     return parser
 
 
-def _command_parser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
-    """The subparser of ``command`` (argparse keeps them in its subparsers action)."""
-    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    return cast("argparse.ArgumentParser", sub.choices[command])
+def _subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
+    """The parser's subcommands by name, none for a subcommand's own parser (argparse keeps
+    them in its subparsers action)."""
+    subs = (a.choices for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return cast("dict[str, argparse.ArgumentParser]", next(subs, {}))
 
 
 class _Version(argparse.Action):
@@ -277,7 +277,7 @@ def _main(argv: list[str] | None) -> int:
     parser = build_parser(argv)
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # (said by the subcommand: argparse's own message names the top level)
-        _command_parser(parser, args.command).error(f"unrecognized arguments: {' '.join(unknown)}")
+        _subcommands(parser)[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     if args.command == "pull":  # through this node's agent, when one serves the store
         defaults = parser.parse_args(["pull", "-", "-", "--job", "-"])
         return _answer(args, lambda: _through_agent(args, defaults) or _run_terminable(_run(args)))

@@ -215,12 +215,12 @@ class PrefetchEstimator:
         source = f"tier:{tier}"
         moving: dict[str, int] = {}
         served_fraction, peer, peer_basis = 0.0, "", "default"
+        key = peer_key(bool(bases))  # the peers' rate: with deltas against what is held here
         if self.config.peers and peers is not None and needed:
             picked = probe.sample(index, needed, bases, budget=budget)
             # (asked as its prefetch will ask: owners first)
             served = await probe.probe_peers(await peers.for_step(manifests), picked, bases)
             if served is not None:
-                key = peer_key(bool(bases))  # (deltas against what this node holds)
                 peer_basis = "measured" if meter.measured(key) else "probe"
                 timed = served.probe
                 if peer_basis == "probe":
@@ -243,8 +243,7 @@ class PrefetchEstimator:
                     source, got.moved, got.seconds, provisional=True
                 ):
                     basis = "probe"
-        served_by_peers = sum(n for s, n in moving.items() if s.startswith("peer"))
-        if peer and served_by_peers >= rest:  # (named by the source of most of the bytes)
+        if peer and moving[key] >= rest:  # (named by the source of most of the bytes)
             return Sourcing(f"peer:{peer}", moving, bases_rest, peer_basis)
         return Sourcing(source, moving, bases_rest, basis)
 

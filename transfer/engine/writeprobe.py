@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import NamedTuple
 
-from transfer.directio import aligned
+from transfer.directio import aligned, open_direct
 from transfer.engine.staging import StagingFiles
 from transfer.format.manifest import ChunkRef, FileEntry
 
@@ -105,14 +105,13 @@ def _read_direct(path: Path, block: int, nbytes: int, workers: int) -> float | N
     aligned buffer each, touched before the clock starts (a fresh page's first fault is no
     disk time); None where the file system or the device will not read it so: the rule
     then weighs the write alone (writepath.page_cache_first)."""
-    flag = getattr(os, "O_DIRECT", 0)
-    if not flag:
-        return None
     offsets = list(range(0, nbytes, block))
     count = max(1, min(workers, len(offsets)))
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | flag)
-    except OSError:  # (EINVAL: a file system without direct I/O)
+        fd = open_direct(path, os.O_RDONLY)
+    except OSError:
+        return None
+    if fd is None:  # (a file system without direct I/O)
         return None
     try:
         buffers = [aligned(block) for _ in range(count)]
